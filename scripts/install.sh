@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# One-command set-up for hvd_lowcomm (what `make install` runs). Idempotent.
+#
+#   1. Open MPI: use the one on PATH (an HPC site's module); if none and we are root on
+#      Debian/Ubuntu, install libopenmpi-dev + openmpi-bin; otherwise stop and say so.
+#   2. .venv with torch (kept if importable, else torch==2.13.0, the CPU wheel pip finds
+#      here), then the package itself with its [dev] extra.
+#   3. horovod 0.28.1 built from its PyPI sdist, patched to the C++ standard the installed
+#      torch needs, with PyTorch + MPI + Gloo (NCCL when CUDA torch and nvcc are present).
+#      The wheel is cached in ~/.cache/hvd_lowcomm so a second install takes seconds.
+#   4. `horovodrun --check-build` must list PyTorch and MPI, or the install fails.
+set -euo pipefail
+
+HOROVOD_VERSION=0.28.1
+TORCH_FALLBACK=2.13.0
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+CACHE=${HVD_LOWCOMM_CACHE:-$HOME/.cache/hvd_lowcomm}
+
+say() { printf '\033[1m[install]\033[0m %s\n' "$*"; }
+die() { printf '\033[1;31m[install] error:\033[0m %s\n' "$*" >&2; exit 1; }
+
+# --- 1. MPI -------------------------------------------------------------------------------
+if ! command -v mpicc >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        say "no mpicc on PATH: installing Open MPI from Debian packages"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get update -qq
+        apt-get install -y -qq libopenmpi-dev openmpi-bin shellcheck >/dev/null
+    else
+        die "no MPI compiler (mpicc) on PATH. On a cluster, load an MPI module first
+       (e.g. 'module load openmpi'), then run 'make install' again."
+    fi
+fi
+say "MPI: $(command -v mpicc) ($(mpirun --version 2>/dev/null | head -n1))"
+# shellcheck lints the rendered job scripts in the test suite; it is optional elsewhere.
+if ! command -v shellcheck >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get install -y -qq shellcheck >/dev/null 2>&1 || say "shellcheck not installed (optional)"
+fi
+
+# --- 2. virtual environment, torch, the package ---------------------------------------------
+[ -x "$VENV/bin/python" ] || { say "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
+PY="$VENV/bin/python"
+PIP=("$PY" -m pip install --disable-pip-version-check -q)
+if ! "$PY" -c 'import torch' 2>/dev/null; then
+    if "$PYTHON" -c 'import torch' 2>/dev/null; then
+        # Keep the system's torch (e.g. a site's CUDA build) rather than fetching another.
+        TORCH_SPEC="torch==$("$PYTHON" -c 'import torch; print(torch.__version__.split("+")[0])')"
+    else
+        TORCH_SPEC="torch==$TORCH_FALLBACK"
+    fi
+    say "installing $TORCH_SPEC"
+    "${PIP[@]}" "$TORCH_SPEC"
+fi
+# mpi4py is built from source so it links the same libmpi horovod is built against.
+"${PIP[@]}" --no-binary mpi4py mpi4py
+say "installing hvd_lowcomm[dev] (editable)"
+"${PIP[@]}" -e ".[dev]"
+
+# --- 3. horovod -------------------------------------------------------------------------------
+horovod_ok() {
+    "$VENV/bin/horovodrun" --check-build 2>/dev/null | grep -q '\[X\] PyTorch' &&
+        "$VENV/bin/horovodrun" --check-build 2>/dev/null | grep -q '\[X\] MPI'
+}
+if ! horovod_ok; then
+    read -r TORCH_VERSION TORCH_CUDA < <("$PY" -c 'import torch; print(torch.__version__.split("+")[0], torch.version.cuda or "none")')
+    # torch >= 2.1 headers need C++17 and torch >= 2.14 needs C++20; horovod hard-codes 14
+    # and CXXFLAGS cannot override CMAKE_CXX_STANDARD, so the sources are patched.
+    CXX_STD=$("$PY" - "$TORCH_VERSION" <<'PYEOF'
+import sys
+major, minor = (int(x) for x in sys.argv[1].split(".")[:2])
+print(20 if (major, minor) >= (2, 14) else 17 if (major, minor) >= (2, 1) else 14)
+PYEOF
+)
+    if [ "$TORCH_CUDA" != none ] && command -v nvcc >/dev/null 2>&1; then
+        GPU_OPS=NCCL
+    else
+        GPU_OPS=none
+    fi
+    KEY="horovod-$HOROVOD_VERSION-torch$TORCH_VERSION-cuda$TORCH_CUDA-cxx$CXX_STD-gpu$GPU_OPS-$("$PY" -c 'import sys; print("py%d%d" % sys.version_info[:2])')"
+    WHEEL_DIR="$CACHE/wheels/$KEY"
+    if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
+        say "building horovod $HOROVOD_VERSION (C++$CXX_STD, GPU ops: $GPU_OPS); takes ~8 min on 2 cores"
+        BUILD=$(mktemp -d)
+        trap 'rm -rf "$BUILD"' EXIT
+        "$PY" -m pip download --disable-pip-version-check -q --no-deps --no-binary :all: \
+            "horovod==$HOROVOD_VERSION" -d "$BUILD"
+        tar -xzf "$BUILD"/horovod-"$HOROVOD_VERSION".tar.gz -C "$BUILD"
+        SRC="$BUILD/horovod-$HOROVOD_VERSION"
+        sed -i "s/CMAKE_CXX_STANDARD 14/CMAKE_CXX_STANDARD $CXX_STD/" \
+            "$SRC/CMakeLists.txt" "$SRC/horovod/torch/CMakeLists.txt"
+        grep -q "CMAKE_CXX_STANDARD $CXX_STD" "$SRC/horovod/torch/CMakeLists.txt" ||
+            die "could not patch horovod's C++ standard (did the sdist layout change?)"
+        "${PIP[@]}" cmake packaging cloudpickle psutil pyyaml cffi wheel setuptools
+        env_gpu=()
+        if [ "$GPU_OPS" = NCCL ]; then env_gpu=(HOROVOD_GPU_OPERATIONS=NCCL); fi
+        mkdir -p "$WHEEL_DIR"
+        env HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
+            HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
+            HOROVOD_CPU_OPERATIONS=MPI MAKEFLAGS="-j$(nproc)" "${env_gpu[@]}" \
+            "$PY" -m pip wheel --disable-pip-version-check --no-build-isolation --no-deps \
+            -w "$WHEEL_DIR" "$SRC" > "$BUILD/build.log" 2>&1 ||
+            { tail -n 60 "$BUILD/build.log" >&2; rm -rf "$WHEEL_DIR"; die "horovod build failed (log above)"; }
+    else
+        say "using cached horovod wheel from $WHEEL_DIR"
+    fi
+    "${PIP[@]}" --force-reinstall --no-deps "$WHEEL_DIR"/horovod-*.whl
+    "${PIP[@]}" cloudpickle psutil pyyaml packaging cffi
+fi
+
+# --- 4. check ---------------------------------------------------------------------------------
+"$VENV/bin/horovodrun" --check-build
+horovod_ok || die "horovodrun --check-build does not list both PyTorch and MPI"
+say "done. Try: make demo   (or: make test)"
