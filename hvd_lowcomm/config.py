@@ -1,0 +1,314 @@
+"""Run configuration: plain dataclasses, loaded from YAML and `--section.key value` overrides.
+
+Precedence: defaults < YAML file (`--config run.yaml`) < command-line overrides. Everything is
+validated here, before MPI or Horovod start, so a bad config never costs an allocation.
+
+A method with its own options declares an `options` dataclass in its module (see
+`hvd_lowcomm.methods`); it appears here as a section named after the method (`--ab.groups 4`),
+so adding a method never means editing this file.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message says which and how to fix it."""
+
+
+def option(default: Any, help: str, choices: tuple | None = None) -> Any:
+    """A config field with its --help text (and allowed values, checked by `validate`)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, "choices": choices})
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class DataConfig:
+    """Where the samples come from and how many each rank takes per step."""
+
+    path: str = option("data/digits.h5", "HDF5 dataset written by `python -m data_prep`; a missing "
+                       "file named after a bundled dataset (digits.h5) is prepared on first use")
+    batch_size: int = option(32, "training samples per rank per step")
+    test_batch_size: int = option(512, "samples per rank per evaluation batch")
+
+    def validate(self) -> None:
+        _positive(self, "batch_size", "test_batch_size")
+        if not self.path:
+            raise ConfigError("data.path is empty: give the HDF5 file to train on (--data.path data/digits.h5)")
+
+
+@dataclass
+class ModelConfig:
+    """Which network to train."""
+
+    name: str = option("mlp", "model from hvd_lowcomm.models (mlp, cnn; tv:<name> with the [vision] extra)")
+    hidden: list[int] = option([128, 64], "hidden widths of the MLP, or channels of the CNN's conv blocks")
+    dropout: float = option(0.0, "dropout probability after each hidden layer")
+
+    def validate(self) -> None:
+        if not self.hidden or any(h <= 0 for h in self.hidden):
+            raise ConfigError(f"model.hidden must be positive widths, got {self.hidden} (e.g. --model.hidden 128,64)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation: epochs, optimiser, learning rate, seed."""
+
+    epochs: int = option(20, "passes over the training set")
+    optimizer: str = option("adam", "optimiser", choices=("sgd", "adam", "adamw"))
+    lr: float = option(0.002, "learning rate (not scaled by the number of ranks)")
+    momentum: float = option(0.9, "SGD momentum")
+    weight_decay: float = option(0.0, "weight decay")
+    seed: int = option(42, "seed for initialisation, shuffling and every random choice")
+
+    def validate(self) -> None:
+        _positive(self, "epochs")
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr must be positive, got {self.lr}")
+
+
+@dataclass
+class CommConfig:
+    """How gradients travel in data-parallel methods."""
+
+    compression: str = option("none", "gradient compression on the wire for ddp",
+                               choices=("none", "fp16"))
+
+
+@dataclass
+class RunConfig:
+    """Where results go and how much is shown while training."""
+
+    dir: str = option("runs", "parent directory of run directories")
+    name: str = option("", "run directory name (default: <method>-<timestamp>)")
+    log_every: int = option(10, "write a step record to metrics.jsonl every N steps")
+    progress: bool = option(True, "show a progress bar on rank 0")
+
+    def validate(self) -> None:
+        _positive(self, "log_every")
+
+
+BASE_SECTIONS: dict[str, type] = {
+    "data": DataConfig, "model": ModelConfig, "train": TrainConfig,
+    "comm": CommConfig, "run": RunConfig,
+}
+
+
+@dataclass
+class Config:
+    method: str = "ddp"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    # One options object per registered method that declares some, keyed by method name.
+    method_options: dict[str, Any] = field(default_factory=dict)
+
+    def sections(self) -> dict[str, Any]:
+        return {**{name: getattr(self, name) for name in BASE_SECTIONS}, **self.method_options}
+
+    @property
+    def options(self) -> Any:
+        """The options of the method this run uses (None if it has none)."""
+        return self.method_options.get(self.method)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.method,
+                **{name: dataclasses.asdict(sec) for name, sec in self.sections().items()}}
+
+    def validate(self) -> None:
+        from hvd_lowcomm.methods import available_methods
+
+        methods = available_methods()
+        if self.method not in methods:
+            raise ConfigError(f"unknown method {self.method!r}{_did_you_mean(self.method, methods)}; "
+                              f"available: {', '.join(sorted(methods))}")
+        for name, section in self.sections().items():
+            _check_choices(name, section)
+            if hasattr(section, "validate"):
+                section.validate()
+
+
+def default_config() -> Config:
+    from hvd_lowcomm.methods import method_option_types
+
+    return Config(method_options={name: cls() for name, cls in method_option_types().items()})
+
+
+# ---------------------------------------------------------------------------------------------
+# YAML + command line
+
+def load(argv: list[str] | None = None, prog: str = "python -m hvd_lowcomm.train") -> Config:
+    """Parse `argv` (YAML file and overrides) into a validated Config; exits with --help."""
+    cfg = default_config()
+    parser = build_parser(cfg, prog)
+    args = parser.parse_args(argv)
+    if args.config:
+        apply_mapping(cfg, read_yaml(args.config))
+    if args.method is not None:
+        cfg.method = args.method
+    for dest, value in vars(args).items():
+        if "." in dest and value is not None:
+            section, key = dest.split(".", 1)
+            setattr(cfg.sections()[section], key, value)
+    cfg.validate()
+    return cfg
+
+
+def read_yaml(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def apply_mapping(cfg: Config, data: dict[str, Any]) -> None:
+    """Overlay a nested mapping ({'train': {'epochs': 3}, 'method': 'ddp'}) onto `cfg`."""
+    sections = cfg.sections()
+    for name, values in data.items():
+        if name == "method":
+            cfg.method = str(values)
+            continue
+        if name not in sections:
+            raise ConfigError(f"unknown config section {name!r}{_did_you_mean(name, [*sections, 'method'])}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"config section {name!r} must be a mapping of keys to values")
+        section = sections[name]
+        fields = {f.name: f for f in dataclasses.fields(section)}
+        for key, value in values.items():
+            if key not in fields:
+                raise ConfigError(f"unknown option {name}.{key}{_did_you_mean(key, fields)}")
+            setattr(section, key, _convert(f"{name}.{key}", _field_type(section, key), value))
+
+
+def build_parser(cfg: Config, prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Train a PyTorch model across MPI ranks with hvd_lowcomm. Options come from "
+                    "their defaults, then --config FILE (YAML sections as below), then the command line.",
+        epilog="Example: mpirun -np 4 python -m hvd_lowcomm.train --config run.yaml --train.epochs 5",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    from hvd_lowcomm.methods import available_methods
+
+    parser.add_argument("--config", metavar="FILE", help="YAML file with sections data, model, train, ...")
+    parser.add_argument("--method", default=None, choices=sorted(available_methods()),
+                        help=f"training method (default: {cfg.method})")
+    for name, section in cfg.sections().items():
+        group = parser.add_argument_group(f"{name} options", _first_line(type(section).__doc__))
+        for f in dataclasses.fields(section):
+            ftype = _field_type(section, f.name)
+            meta = f.metadata
+            help_text = meta.get("help", "")
+            if meta.get("choices"):
+                help_text += f" {{{', '.join(meta['choices'])}}}"
+            group.add_argument(
+                f"--{name}.{f.name}", dest=f"{name}.{f.name}", default=None,
+                type=lambda text, _n=f"{name}.{f.name}", _t=ftype: _convert(_n, _t, text),
+                metavar=_metavar(ftype),
+                help=f"{help_text} (default: {_show(getattr(section, f.name))})",
+            )
+    return parser
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+def _positive(section: Any, *names: str) -> None:
+    prefix = _section_name(section)
+    for name in names:
+        value = getattr(section, name)
+        if not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"{prefix}.{name} must be a positive integer, got {value!r} "
+                              f"(e.g. --{prefix}.{name} {getattr(type(section)(), name)})")
+
+
+def _check_choices(name: str, section: Any) -> None:
+    for f in dataclasses.fields(section):
+        choices = f.metadata.get("choices")
+        value = getattr(section, f.name)
+        if choices and value not in choices:
+            raise ConfigError(f"{name}.{f.name} must be one of {', '.join(map(str, choices))}; got {value!r}")
+
+
+def _section_name(section: Any) -> str:
+    for name, cls in BASE_SECTIONS.items():
+        if isinstance(section, cls):
+            return name
+    from hvd_lowcomm.methods import method_option_types
+
+    for name, cls in method_option_types().items():
+        if isinstance(section, cls):
+            return name
+    return type(section).__name__
+
+
+def _field_type(section: Any, key: str) -> Any:
+    return typing.get_type_hints(type(section))[key]
+
+
+def _convert(name: str, ftype: Any, value: Any) -> Any:
+    """Convert a YAML value or command-line string to the field's declared type."""
+    try:
+        if typing.get_origin(ftype) is list:
+            (item_type,) = typing.get_args(ftype)
+            if isinstance(value, str):
+                value = [v for v in value.replace(" ", "").split(",") if v]
+            elif not isinstance(value, (list, tuple)):
+                value = [value]
+            return [item_type(v) for v in value]
+        if ftype is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if ftype is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError(value)
+        if ftype is int and isinstance(value, str):
+            return int(value, 0)
+        return ftype(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} expects {_metavar(ftype)}, got {value!r}") from None
+
+
+def _metavar(ftype: Any) -> str:
+    if typing.get_origin(ftype) is list:
+        return f"{typing.get_args(ftype)[0].__name__.upper()}[,...]"
+    return {bool: "BOOL", int: "INT", float: "FLOAT", str: "STR"}.get(ftype, "VALUE")
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return repr(value) if value == "" else str(value)
+
+
+def _first_line(doc: str | None) -> str | None:
+    return doc.strip().splitlines()[0] if doc else None
+
+
+def _did_you_mean(word: str, candidates: Any) -> str:
+    close = difflib.get_close_matches(word, list(candidates), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""

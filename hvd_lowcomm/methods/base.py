@@ -1,0 +1,93 @@
+"""What every training method provides, and the pieces most of them share."""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+
+from hvd_lowcomm import runtime
+from hvd_lowcomm.config import Config
+from hvd_lowcomm.traffic import meter
+
+
+class Method:
+    """Life cycle, driven by `hvd_lowcomm.train`:
+
+    1. `check_world(world_size)`  before anything else; raise ConfigError if the rank layout
+       does not fit (e.g. groups that do not divide the world);
+    2. `setup(model)`             take the freshly built model, make the optimiser, make every
+                                  rank start from the same state;
+    3. `train_step(x, y)`         one optimisation step on this rank's batch; returns the
+                                  local loss (a float);
+    4. `evaluate(batches)`        (correct, count, loss sum) over this rank's test shard;
+    5. `epoch_metrics()`          method-specific numbers for the epoch record (ranks, phase...);
+    6. `state_dict()` / `load_state_dict()` everything needed to resume.
+
+    Every byte a method sends must go through `hvd_lowcomm.traffic.meter`.
+    """
+
+    name = "?"
+    options: Any = None  # dataclass type of this method's options, if it has any
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    def check_world(self, world_size: int) -> None:
+        """Raise ConfigError when this method cannot run on `world_size` ranks."""
+
+    def setup(self, model: torch.nn.Module) -> None:
+        raise NotImplementedError
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        raise NotImplementedError
+
+    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int, float]:
+        assert self.model is not None
+        self.model.eval()
+        correct, count, loss_sum = 0, 0, 0.0
+        with torch.no_grad():
+            for x, y in batches:
+                logits = self.model(x)
+                loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
+                correct += (logits.argmax(dim=1) == y).sum().item()
+                count += len(y)
+        self.model.train()
+        return correct, count, loss_sum
+
+    def epoch_metrics(self) -> dict[str, Any]:
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        assert self.model is not None and self.optimizer is not None
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        assert self.model is not None and self.optimizer is not None
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+def make_optimizer(cfg: Config, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    t = cfg.train
+    if t.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+    if t.optimizer == "adam":
+        return torch.optim.Adam(params, lr=t.lr, weight_decay=t.weight_decay)
+    if t.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+    raise ValueError(f"unknown optimizer {t.optimizer!r}")
+
+
+def broadcast_model_and_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                                  root_rank: int = 0, group: runtime.Group | None = None) -> None:
+    """Make every rank of `group` start from `root_rank`'s parameters and optimiser state."""
+    with meter.in_phase("setup"):
+        runtime.broadcast_parameters(model.state_dict(), root_rank, group)
+        state = optimizer.state_dict()["state"]
+        runtime.broadcast_parameters(
+            [(f"optimizer.{index}.{key}", value) for index, entry in sorted(state.items())
+             for key, value in sorted(entry.items()) if torch.is_tensor(value)],
+            root_rank, group)

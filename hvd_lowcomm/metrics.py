@@ -1,0 +1,100 @@
+"""Run directory, metrics files, progress display and the final summary (rank 0 only).
+
+    runs/<name>/config.yaml     the full resolved configuration
+    runs/<name>/metrics.jsonl   one JSON object per line: {"type": "step"|"epoch"|"summary", ...}
+    runs/<name>/epochs.csv      one row per epoch (rewritten each epoch: columns may grow)
+    runs/<name>/summary.json    the final summary
+"""
+from __future__ import annotations
+
+import csv
+import json
+import time
+from pathlib import Path
+from typing import Any, Iterable, Iterator, TypeVar
+
+import yaml
+from tqdm import tqdm
+
+T = TypeVar("T")
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000.0
+    raise AssertionError("unreachable")
+
+
+def unique_run_dir(parent: str, name: str) -> Path:
+    """`parent/name`, with -2, -3, ... appended if it exists, so no run overwrites another."""
+    base = Path(parent) / name
+    candidate, n = base, 1
+    while candidate.exists():
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return candidate
+
+
+class RunLogger:
+    """Writes metrics and shows progress on rank 0; on other ranks every call does nothing."""
+
+    def __init__(self, run_dir: Path | None, progress: bool = True) -> None:
+        self.run_dir = run_dir
+        self.show_progress = progress and run_dir is not None
+        self.epoch_rows: list[dict[str, Any]] = []
+        self._jsonl = None
+        if run_dir is not None:
+            run_dir.mkdir(parents=True, exist_ok=False)
+            self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+
+    @property
+    def active(self) -> bool:
+        return self.run_dir is not None
+
+    def write_config(self, config: dict[str, Any]) -> None:
+        if self.run_dir is not None:
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+    def print(self, text: str) -> None:
+        if self.active:
+            tqdm.write(text)
+
+    def log(self, kind: str, record: dict[str, Any]) -> None:
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"type": kind, "time": round(time.time(), 3), **record}) + "\n")
+
+    def epoch(self, record: dict[str, Any]) -> None:
+        if not self.active:
+            return
+        self.log("epoch", record)
+        self.epoch_rows.append(record)
+        columns: list[str] = []
+        for row in self.epoch_rows:
+            columns += [k for k in row if k not in columns]
+        with open(self.run_dir / "epochs.csv", "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(self.epoch_rows)
+
+    def progress(self, items: Iterable[T], total: int, desc: str) -> Iterator[T] | tqdm:
+        if not self.show_progress:
+            return iter(items)
+        return tqdm(items, total=total, desc=desc, leave=False, dynamic_ncols=True, unit="step")
+
+    def summary(self, record: dict[str, Any], rows: list[tuple[str, str]]) -> None:
+        if not self.active:
+            return
+        self.log("summary", record)
+        (self.run_dir / "summary.json").write_text(json.dumps(record, indent=2) + "\n")
+        width = max(len(label) for label, _ in rows)
+        lines = ["", "=" * (width + 40), "summary", "-" * (width + 40)]
+        lines += [f"{label:<{width}}  {value}" for label, value in rows]
+        lines += ["=" * (width + 40), f"metrics: {self.run_dir}/metrics.jsonl, epochs.csv, summary.json"]
+        self.print("\n".join(lines))
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None

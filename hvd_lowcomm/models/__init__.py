@@ -1,0 +1,69 @@
+"""A small model zoo for CPU-size experiments, plus torchvision models with the [vision] extra.
+
+`build_model(cfg.model, input_shape, num_classes)`; every model is an `nn.Sequential` (so
+partitioning methods can cut it between layers) except torchvision ones.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch.nn as nn
+
+from hvd_lowcomm.config import ConfigError, ModelConfig
+
+
+def mlp(input_shape: Sequence[int], num_classes: int, hidden: Sequence[int], dropout: float = 0.0) -> nn.Sequential:
+    """Flatten, then Linear-ReLU(-Dropout) per hidden width, then a Linear classifier head."""
+    layers: list[nn.Module] = [nn.Flatten()]
+    width = math.prod(input_shape)
+    for h in hidden:
+        layers += [nn.Linear(width, h), nn.ReLU()]
+        if dropout:
+            layers.append(nn.Dropout(dropout))
+        width = h
+    layers.append(nn.Linear(width, num_classes))
+    return nn.Sequential(*layers)
+
+
+def cnn(input_shape: Sequence[int], num_classes: int, hidden: Sequence[int], dropout: float = 0.0) -> nn.Sequential:
+    """Conv3x3-BN-ReLU blocks (one per entry of `hidden`, channels), 2x2 max-pool after each
+    while the image is at least 4 pixels wide, global average pool, Linear head."""
+    if len(input_shape) != 3:
+        raise ConfigError(f"model cnn needs image input (C, H, W); this dataset's input shape is "
+                          f"{tuple(input_shape)}: use --model.name mlp")
+    channels, height, _ = input_shape
+    layers: list[nn.Module] = []
+    for h in hidden:
+        layers += [nn.Conv2d(channels, h, 3, padding=1, bias=False), nn.BatchNorm2d(h), nn.ReLU()]
+        if height >= 4:
+            layers.append(nn.MaxPool2d(2))
+            height //= 2
+        channels = h
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
+    if dropout:
+        layers.append(nn.Dropout(dropout))
+    layers.append(nn.Linear(channels, num_classes))
+    return nn.Sequential(*layers)
+
+
+ZOO = {"mlp": mlp, "cnn": cnn}
+
+
+def build_model(cfg: ModelConfig, input_shape: Sequence[int], num_classes: int) -> nn.Module:
+    if cfg.name.startswith("tv:"):
+        return _torchvision_model(cfg.name[3:], num_classes)
+    if cfg.name not in ZOO:
+        raise ConfigError(f"unknown model {cfg.name!r}; available: {', '.join(ZOO)}, tv:<torchvision name>")
+    return ZOO[cfg.name](input_shape, num_classes, cfg.hidden, cfg.dropout)
+
+
+def _torchvision_model(name: str, num_classes: int) -> nn.Module:
+    try:
+        import torchvision
+    except Exception as err:  # ImportError, or a torchvision built for another torch
+        raise ConfigError(f"model tv:{name} needs torchvision: pip install 'hvd_lowcomm[vision]' ({err})") from None
+    try:
+        return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    except ValueError as err:
+        raise ConfigError(f"torchvision has no model {name!r}: {err}") from None

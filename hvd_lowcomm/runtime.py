@@ -1,0 +1,222 @@
+"""Process start-up: MPI and Horovod, rank groups as process sets, device, seeds, abort-on-error.
+
+Horovod is initialised on MPI_COMM_WORLD (through mpi4py, so both libraries share one MPI)
+with *dynamic* process sets: a method can split the world into groups whenever its schedule
+needs them (`split_world`), and every group gets both an mpi4py sub-communicator (for
+point-to-point messages) and a Horovod process set (for collectives).
+
+A failure on any rank must end the whole job, never leave the others waiting in a collective:
+`abort_on_error` turns an uncaught exception into MPI_Abort, which makes mpirun/srun kill
+every rank and exit non-zero.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import sys
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from hvd_lowcomm.config import ConfigError
+
+
+class GroupLayoutError(ConfigError):
+    """The ranks cannot be split into the requested groups."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """A set of contiguous ranks that communicate among themselves.
+
+    `process_set` is what Horovod collectives take; `comm` is the matching mpi4py
+    sub-communicator on members and MPI.COMM_NULL on every other rank.
+    """
+
+    label: str
+    index: int
+    ranks: tuple[int, ...]
+    process_set: Any = field(compare=False, repr=False)
+    comm: Any = field(compare=False, repr=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def rank_of(self, global_rank: int) -> int:
+        """Position of a global rank inside this group."""
+        return self.ranks.index(global_rank)
+
+    def __contains__(self, global_rank: int) -> bool:
+        return global_rank in self.ranks
+
+
+_world: Group | None = None
+# Horovod refuses to register the same ranks twice, so process sets are shared by rank tuple.
+_process_sets: dict[tuple[int, ...], Any] = {}
+
+
+def init(seed: int | None = None) -> Group:
+    """Start MPI + Horovod (idempotent), bind the device, seed everything; return the world group."""
+    global _world
+    if _world is None:
+        from mpi4py import MPI
+        import horovod.torch as hvd
+
+        hvd.init(comm=MPI.COMM_WORLD, process_sets="dynamic")
+        world_ranks = tuple(range(hvd.size()))
+        _world = Group("world", 0, world_ranks, hvd.global_process_set, MPI.COMM_WORLD)
+        _process_sets[world_ranks] = hvd.global_process_set
+        if torch.cuda.is_available():
+            torch.cuda.set_device(hvd.local_rank())
+    if seed is not None:
+        seed_everything(seed)
+    return _world
+
+
+def world() -> Group:
+    if _world is None:
+        raise RuntimeError("hvd_lowcomm.runtime.init() has not been called")
+    return _world
+
+
+def rank() -> int:
+    return world().comm.Get_rank()
+
+
+def size() -> int:
+    return world().size
+
+
+def device() -> torch.device:
+    """The GPU bound to this rank's local rank when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def group_layout(world_size: int, num_groups: int | None = None,
+                 group_size: int | None = None) -> list[tuple[int, ...]]:
+    """Contiguous, equal groups of ranks: [(0, 1), (2, 3)] for 4 ranks in 2 groups.
+
+    Contiguous ranks share a node under the usual block placement (--map-by core/slot), so
+    traffic inside a group stays inside a node when groups are node-sized.
+    """
+    if (num_groups is None) == (group_size is None):
+        raise ValueError("give exactly one of num_groups or group_size")
+    if num_groups is not None:
+        if num_groups <= 0 or world_size % num_groups:
+            raise GroupLayoutError(
+                f"cannot split {world_size} ranks into {num_groups} equal groups: use a group "
+                f"count that divides {world_size} ({_divisors(world_size)}) or launch a multiple "
+                f"of {num_groups} ranks")
+        group_size = world_size // num_groups
+    assert group_size is not None
+    if group_size <= 0 or world_size % group_size:
+        raise GroupLayoutError(
+            f"cannot split {world_size} ranks into groups of {group_size}: use a group size that "
+            f"divides {world_size} ({_divisors(world_size)}) or launch a multiple of {group_size} ranks")
+    return [tuple(range(start, start + group_size)) for start in range(0, world_size, group_size)]
+
+
+def split_world(num_groups: int | None = None, group_size: int | None = None,
+                label: str = "group") -> tuple[Group, list[Group]]:
+    """Split the world into equal contiguous groups; collective, call on every rank.
+
+    Returns (this rank's group, all groups). Every rank registers every group's Horovod
+    process set (Horovod requires that), but only members may use a group's collectives.
+    """
+    from mpi4py import MPI
+    import horovod.torch as hvd
+
+    w = world()
+    layout = group_layout(w.size, num_groups, group_size)
+    my_index = next(i for i, ranks in enumerate(layout) if rank() in ranks)
+    sub_comm = w.comm.Split(color=my_index, key=rank())
+    groups = []
+    for index, ranks in enumerate(layout):
+        if ranks not in _process_sets:
+            _process_sets[ranks] = hvd.add_process_set(list(ranks))
+        comm = sub_comm if index == my_index else MPI.COMM_NULL
+        groups.append(Group(f"{label}{index}", index, ranks, _process_sets[ranks], comm))
+    return groups[my_index], groups
+
+
+def broadcast_parameters(tensors: dict[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
+                         root_rank: int, group: Group | None = None) -> None:
+    """In-place broadcast of named tensors from `root_rank` (a global rank) within `group`.
+
+    Horovod's own `broadcast_parameters` only works on the global process set. Goes through the
+    traffic meter like every other collective.
+    """
+    from hvd_lowcomm.traffic import meter
+
+    items = tensors.items() if isinstance(tensors, dict) else tensors
+    for name, tensor in items:
+        meter.broadcast_(tensor, root_rank, name=f"broadcast.{name}", group=group)
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# failure handling
+
+@contextlib.contextmanager
+def abort_on_error() -> Iterator[None]:
+    """Any exception inside ends the whole MPI job with a non-zero exit instead of a hang.
+
+    The failing rank prints its traceback (prefixed with its rank) and calls MPI_Abort, which
+    makes the launcher kill every other rank, wherever they are blocked.
+    """
+    try:
+        yield
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            _abort(int(exc.code) if isinstance(exc.code, int) else 1)
+        raise
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the other ranks
+        where = f"[rank {_safe_rank()}]"
+        if isinstance(exc, ConfigError):
+            print(f"{where} error: {exc}", file=sys.stderr, flush=True)
+        else:
+            text = "".join(traceback.format_exception(exc))
+            print("".join(f"{where} {line}\n" for line in text.rstrip().splitlines()),
+                  file=sys.stderr, end="", flush=True)
+        _abort(2 if isinstance(exc, ConfigError) else 1)
+
+
+def _abort(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if "mpi4py.MPI" in sys.modules and _mpi_size() > 1:
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(code)
+    os._exit(code)
+
+
+def _mpi_size() -> int:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_size() if MPI.Is_initialized() and not MPI.Is_finalized() else 1
+
+
+def _safe_rank() -> int:
+    try:
+        from mpi4py import MPI
+
+        return MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else 0
+    except Exception:  # noqa: BLE001 - best effort while already failing
+        return 0

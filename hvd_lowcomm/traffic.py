@@ -1,0 +1,202 @@
+"""The traffic meter: the one door every collective and message of the framework goes through.
+
+Each call is performed (Horovod collective or mpi4py point-to-point) and recorded with
+  step, tensor name, op, group (process set) label, payload bytes, wire bytes, phase,
+where *payload* is what this rank contributes (after compression) and *wire* is what this rank
+puts on the network by the standard ring algorithms for a group of p ranks:
+
+    allreduce   2 (p-1)/p * M        M = this rank's tensor bytes
+    allgather   (p-1)/p * T          T = bytes of the gathered result ((p-1) m for equal parts m)
+    broadcast   M                    (pipelined chain: each rank forwards the tensor once)
+    send        M,  recv 0           point-to-point
+    (p = 1: nothing crosses the network)
+
+The meter keeps the records of the current step (for per-step logs and tests) and running
+totals per (phase, op, group) and per tensor name, so its memory does not grow with the run.
+Phases separate what a method needs to train ("train") from evaluation, set-up and
+bookkeeping, so comparisons can quote training traffic alone.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+
+if TYPE_CHECKING:
+    from hvd_lowcomm.runtime import Group
+
+
+def wire_bytes(op: str, payload_bytes: float, group_size: int) -> float:
+    """Bytes one rank puts on the wire for `op` in a ring over `group_size` ranks."""
+    p = group_size
+    if p <= 1 or op == "recv":
+        return 0.0
+    if op == "allreduce":
+        return 2.0 * (p - 1) / p * payload_bytes
+    if op == "allgather":  # payload_bytes is the gathered total here
+        return (p - 1) / p * payload_bytes
+    if op in ("broadcast", "send"):
+        return float(payload_bytes)
+    raise ValueError(f"unknown op {op!r}")
+
+
+@dataclass(frozen=True)
+class Record:
+    step: int
+    name: str
+    op: str
+    group: str
+    group_size: int
+    payload_bytes: int
+    wire_bytes: float
+    phase: str
+
+
+@dataclass
+class Totals:
+    calls: int = 0
+    payload_bytes: int = 0
+    wire_bytes: float = 0.0
+
+    def add(self, record: Record) -> None:
+        self.calls += 1
+        self.payload_bytes += record.payload_bytes
+        self.wire_bytes += record.wire_bytes
+
+
+class TrafficMeter:
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.step = 0
+        self.phase = "train"
+        self.step_records: list[Record] = []
+        self.by_kind: dict[tuple[str, str, str], Totals] = defaultdict(Totals)  # (phase, op, group)
+        self.by_name: dict[str, Totals] = defaultdict(Totals)
+
+    # -- bookkeeping ----------------------------------------------------------------------
+    def record(self, op: str, name: str, payload_bytes: int, group: Group | None,
+               wire: float | None = None) -> Record:
+        label, size = (group.label, group.size) if group is not None else ("world", _world_size())
+        rec = Record(self.step, name, op, label, size, int(payload_bytes),
+                     wire_bytes(op, payload_bytes, size) if wire is None else float(wire), self.phase)
+        self.step_records.append(rec)
+        self.by_kind[(rec.phase, rec.op, rec.group)].add(rec)
+        self.by_name[rec.name].add(rec)
+        return rec
+
+    def next_step(self) -> None:
+        """Close the current training step (call after the optimiser step)."""
+        self.step += 1
+        self.step_records = []
+
+    @contextlib.contextmanager
+    def in_phase(self, phase: str) -> Iterator[None]:
+        previous, self.phase = self.phase, phase
+        try:
+            yield
+        finally:
+            self.phase = previous
+
+    def total(self, phase: str | None = "train", group: str | None = None, op: str | None = None,
+              field: str = "wire_bytes") -> float:
+        """Sum of `field` over records matching phase/group/op (None matches all)."""
+        return sum(getattr(t, field) for (ph, o, g), t in self.by_kind.items()
+                   if (phase is None or ph == phase) and (group is None or g == group)
+                   and (op is None or o == op))
+
+    def step_total(self, field: str = "wire_bytes") -> float:
+        return sum(getattr(r, field) for r in self.step_records)
+
+    def summary(self) -> dict[str, Any]:
+        """Flat totals for metrics files: bytes per phase, and per op/group for training."""
+        out: dict[str, Any] = {}
+        for phase in sorted({ph for ph, _, _ in self.by_kind}):
+            out[f"{phase}_payload_bytes"] = self.total(phase, field="payload_bytes")
+            out[f"{phase}_wire_bytes"] = self.total(phase)
+        for (phase, op, group), t in sorted(self.by_kind.items()):
+            if phase == "train":
+                out[f"train_{op}_{group}_wire_bytes"] = t.wire_bytes
+        return out
+
+    # -- metered collectives (Horovod) ---------------------------------------------------------
+    def allreduce(self, tensor: torch.Tensor, name: str, group: Group | None = None,
+                  average: bool = True, compression: Any = None) -> torch.Tensor:
+        """Allreduce (mean by default) within `group`; returns a new tensor."""
+        import horovod.torch as hvd
+
+        compression = compression or hvd.Compression.none
+        sent, ctx = compression.compress(tensor)
+        self.record("allreduce", name, _nbytes(sent), group)
+        op = hvd.Average if average and tensor.is_floating_point() else hvd.Sum
+        out = hvd.allreduce(sent, name=name, op=op, process_set=_process_set(group))
+        return compression.decompress(out, ctx)
+
+    def allreduce_(self, tensor: torch.Tensor, name: str, group: Group | None = None,
+                   average: bool = True) -> torch.Tensor:
+        """In-place allreduce (mean by default) within `group`."""
+        tensor.copy_(self.allreduce(tensor, name, group, average))
+        return tensor
+
+    def allgather(self, tensor: torch.Tensor, name: str, group: Group | None = None) -> torch.Tensor:
+        """Concatenate every member's tensor along dim 0 (first dims may differ)."""
+        import horovod.torch as hvd
+
+        out = hvd.allgather(tensor, name=name, process_set=_process_set(group))
+        self.record("allgather", name, _nbytes(out), group)
+        return out
+
+    def broadcast_(self, tensor: torch.Tensor, root_rank: int, name: str,
+                   group: Group | None = None) -> torch.Tensor:
+        """In-place broadcast from global rank `root_rank` to the members of `group`."""
+        import horovod.torch as hvd
+
+        self.record("broadcast", name, _nbytes(tensor), group)
+        return hvd.broadcast_(tensor, root_rank, name=name, process_set=_process_set(group))
+
+    def allreduce_object_sum(self, values: list[float], name: str, group: Group | None = None) -> list[float]:
+        """Sum a few scalars (counts, losses) over `group` in float64."""
+        summed = self.allreduce(torch.tensor(values, dtype=torch.float64), name, group, average=False)
+        return summed.tolist()
+
+    # -- metered point-to-point (mpi4py) -------------------------------------------------------
+    def send(self, tensor: torch.Tensor, dest: int, name: str, tag: int = 0) -> None:
+        """Blocking send of a CPU tensor to global rank `dest` over MPI_COMM_WORLD."""
+        from mpi4py import MPI
+
+        array = tensor.detach().contiguous().cpu().numpy()
+        self.record("send", name, array.nbytes, None, wire=array.nbytes)
+        MPI.COMM_WORLD.Send(array, dest=dest, tag=tag)
+
+    def recv(self, out: torch.Tensor, source: int, name: str, tag: int = 0) -> torch.Tensor:
+        """Blocking receive into the CPU tensor `out` from global rank `source`."""
+        from mpi4py import MPI
+
+        array = out.numpy()
+        MPI.COMM_WORLD.Recv(array, source=source, tag=tag)
+        self.record("recv", name, array.nbytes, None, wire=0)
+        return out
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _process_set(group: Group | None) -> Any:
+    import horovod.torch as hvd
+
+    return hvd.global_process_set if group is None else group.process_set
+
+
+def _world_size() -> int:
+    import horovod.torch as hvd
+
+    return hvd.size() if hvd.is_initialized() else 1
+
+
+# The process-wide meter: methods, the training loop and tests all read and write this one.
+meter = TrafficMeter()

@@ -1,0 +1,192 @@
+"""`python -m hvd_lowcomm.train`: parse the config, build everything, train, report.
+
+    mpirun -np 4 python -m hvd_lowcomm.train --config run.yaml --train.epochs 5
+
+With no arguments: an MLP trained data-parallel on scikit-learn's handwritten digits
+(prepared into data/digits.h5 on first use). `--help` lists every option.
+
+The loop knows no method by name: the method (hvd_lowcomm.methods) does one step on the
+local batch and sends whatever it sends through the traffic meter; the loop shards the data,
+evaluates, and writes metrics.
+"""
+from __future__ import annotations
+
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hvd_lowcomm import config as config_mod
+from hvd_lowcomm.config import Config, ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = config_mod.load(argv)
+    except ConfigError as err:
+        # MPI is not started yet: every rank sees the same error; let one of them say it.
+        if _launcher_rank() == 0:
+            print(f"error: {err}", file=sys.stderr)
+        return 2
+
+    from hvd_lowcomm import runtime
+
+    world = runtime.init(cfg.train.seed)
+    prepared = preflight(cfg, world)
+    if prepared is None:
+        return 2
+    with runtime.abort_on_error():
+        train(cfg, *prepared)
+    return 0
+
+
+def preflight(cfg: Config, world: Any) -> tuple[Any, ...] | None:
+    """Everything that can fail because of the user's input, checked on every rank before the
+    first training collective. All ranks agree on the outcome (one allgather), so a bad input
+    ends every rank with the same clear message instead of a hang."""
+    from hvd_lowcomm import data, models
+    from hvd_lowcomm.methods import get_method
+    from data_prep import BUNDLED, write_dataset
+
+    comm, rank = world.comm, world.comm.Get_rank()
+    error = None
+    method = info = model = None
+    try:
+        method = get_method(cfg.method)(cfg)
+        method.check_world(world.size)
+        path = Path(cfg.data.path)
+        if rank == 0 and not path.exists() and path.stem in BUNDLED:
+            print(f"preparing {path} from the bundled '{path.stem}' dataset (first use)", flush=True)
+            train_arrays, test_arrays, classes, source = BUNDLED[path.stem]()
+            write_dataset(path, train_arrays, test_arrays, classes, source)
+    except (ConfigError, OSError, ValueError) as err:
+        error = str(err)
+    comm.Barrier()  # the bundled dataset, if rank 0 made it, is now in place
+    if error is None:
+        try:
+            info = data.inspect(cfg.data.path)
+            if info.num_train < world.size:
+                raise data.DataError(f"{cfg.data.path} has {info.num_train} training samples, fewer than "
+                                     f"the {world.size} ranks")
+            model = models.build_model(cfg.model, info.input_shape, info.num_classes)
+        except ConfigError as err:
+            error = str(err)
+    errors = comm.allgather(error)
+    if any(errors):
+        if rank == 0:
+            for message in dict.fromkeys(e for e in errors if e):
+                failing = [r for r, e in enumerate(errors) if e == message]
+                where = "all ranks" if len(failing) == world.size else f"rank(s) {_ranges(failing)}"
+                print(f"error ({where}): {message}", file=sys.stderr, flush=True)
+        return None
+    return method, info, model
+
+
+def train(cfg: Config, method: Any, info: Any, model: Any) -> dict[str, Any]:
+    import torch
+
+    from hvd_lowcomm import data, runtime
+    from hvd_lowcomm.metrics import RunLogger, human_bytes, unique_run_dir
+    from hvd_lowcomm.traffic import meter
+
+    world = runtime.world()
+    rank, device = runtime.rank(), runtime.device()
+    run_dir = unique_run_dir(cfg.run.dir, cfg.run.name or f"{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}")
+    # Only rank 0 writes; it tells the others where (the name has a timestamp).
+    run_dir = Path(world.comm.bcast(str(run_dir) if rank == 0 else None, root=0))
+    log = RunLogger(run_dir if rank == 0 else None, cfg.run.progress)
+    log.write_config(cfg.to_dict())
+
+    train_batches = data.ShardedBatches(data.H5Split(info.path, "train"), cfg.data.batch_size,
+                                        rank, world.size, seed=cfg.train.seed, device=device)
+    test_batches = data.ShardedBatches(data.H5Split(info.path, "test"), cfg.data.test_batch_size,
+                                       rank, world.size, shuffle=False, device=device)
+    model = model.to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    meter.reset()
+    method.setup(model)
+    log.print(f"hvd_lowcomm: method {cfg.method} on {world.size} rank(s) ({device.type}); model "
+              f"{cfg.model.name} ({n_params:,} parameters); data {info.path} ({info.num_train} train / "
+              f"{info.num_test} test, {info.num_classes} classes); {len(train_batches)} steps/epoch; "
+              f"run dir {run_dir}")
+
+    start, step_seconds, best_acc = time.perf_counter(), 0.0, 0.0
+    record: dict[str, Any] = {}
+    for epoch in range(1, cfg.train.epochs + 1):
+        train_batches.set_epoch(epoch)
+        wire_at_start = meter.total("train")
+        loss_sum, steps = 0.0, 0
+        bar = log.progress(train_batches, len(train_batches), f"epoch {epoch}/{cfg.train.epochs}")
+        for x, y in bar:
+            t0 = time.perf_counter()
+            loss = method.train_step(x, y)
+            step_seconds += time.perf_counter() - t0
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss} at epoch {epoch}, step {meter.step}")
+            step_bytes = meter.step_total()
+            loss_sum, steps = loss_sum + loss, steps + 1
+            if meter.step % cfg.run.log_every == 0:
+                log.log("step", {"step": meter.step, "epoch": epoch, "loss": loss, "wire_bytes": step_bytes})
+            if hasattr(bar, "set_postfix"):
+                bar.set_postfix(loss=f"{loss:.4f}", sent=human_bytes(step_bytes))
+            meter.next_step()
+
+        with meter.in_phase("eval"):
+            correct, count, test_loss = method.evaluate(test_batches)
+            correct, count, test_loss, train_loss = meter.allreduce_object_sum(
+                [correct, count, test_loss, loss_sum / max(steps, 1)], "eval.totals")
+        acc = correct / count
+        best_acc = max(best_acc, acc)
+        epoch_wire = meter.total("train") - wire_at_start
+        record = {"epoch": epoch, "step": meter.step, "train_loss": train_loss / world.size,
+                  "test_loss": test_loss / count, "test_acc": acc,
+                  "train_wire_bytes": epoch_wire, "train_wire_bytes_total": meter.total("train"),
+                  "seconds": time.perf_counter() - start, **method.epoch_metrics()}
+        log.epoch(record)
+        log.print(f"epoch {epoch:>3}/{cfg.train.epochs} | loss {record['train_loss']:.4f} | "
+                  f"test acc {100 * acc:6.2f}% | sent {human_bytes(epoch_wire)} "
+                  f"({human_bytes(epoch_wire / max(steps, 1))}/step)")
+
+    elapsed = time.perf_counter() - start
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports kB
+    with meter.in_phase("control"):
+        peak_rss_max = max(meter.allgather(torch.tensor([peak_rss], dtype=torch.int64), "summary.rss").tolist())
+    summary = {
+        "method": cfg.method, "world_size": world.size, "epochs": cfg.train.epochs, "steps": meter.step,
+        "final_test_acc": record["test_acc"], "best_test_acc": best_acc, "seconds": elapsed,
+        "step_seconds_mean": step_seconds / max(meter.step, 1), "parameters": n_params,
+        "train_wire_bytes_per_step": meter.total("train") / max(meter.step, 1),
+        "peak_rss_bytes_max_rank": peak_rss_max, **meter.summary(),
+    }
+    rows = [("method", f"{cfg.method} on {world.size} rank(s)"),
+            ("test accuracy", f"{100 * summary['final_test_acc']:.2f}% (best {100 * best_acc:.2f}%)"),
+            ("steps", f"{meter.step} in {elapsed:.1f} s ({1000 * summary['step_seconds_mean']:.1f} ms/step)"),
+            ("sent for training (rank 0)", f"{human_bytes(meter.total('train'))} on the wire, "
+                                           f"{human_bytes(meter.total('train', field='payload_bytes'))} payload"),
+            ("sent per step", human_bytes(summary["train_wire_bytes_per_step"])),
+            ("sent for eval/setup", f"{human_bytes(meter.total('eval'))} / {human_bytes(meter.total('setup'))}"),
+            ("peak memory (max over ranks)", human_bytes(peak_rss_max))]
+    rows += [(f"  {op} in {group}", human_bytes(t.wire_bytes))
+             for (phase, op, group), t in sorted(meter.by_kind.items()) if phase == "train"]
+    log.summary(summary, rows)
+    log.close()
+    return summary
+
+
+def _launcher_rank() -> int:
+    """This process's rank as the launcher announces it, readable before MPI starts."""
+    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def _ranges(ranks: list[int]) -> str:
+    return ",".join(str(r) for r in ranks[:8]) + (",..." if len(ranks) > 8 else "")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

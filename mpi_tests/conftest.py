@@ -1,0 +1,88 @@
+"""pytest under mpirun: every rank runs the same tests in the same order.
+
+- Horovod/MPI start once per process (session fixture), before the first test.
+- A test that fails on any rank aborts the whole MPI job (MPI_Abort), so the other ranks never
+  wait forever in a collective the failing rank will not join, and mpirun exits non-zero.
+- Only rank 0 shows pytest's normal report; other ranks print their failures themselves.
+- Every rank gets its own pytest temporary directory; `shared_tmp` is one directory that all
+  ranks see (rank 0 makes it and broadcasts its path).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+
+def _launcher_rank_and_size() -> tuple[int, int]:
+    for rank_var, size_var in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE")):
+        if rank_var in os.environ:
+            return int(os.environ[rank_var]), int(os.environ[size_var])
+    return 0, 1
+
+
+RANK, SIZE = _launcher_rank_and_size()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.option.basetemp is None:
+        config.option.basetemp = os.path.join(tempfile.gettempdir(), f"hvd_lowcomm-pytest-{os.getppid()}-rank{RANK}")
+    if RANK != 0:
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            config.pluginmanager.unregister(reporter)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.failed and SIZE > 1:
+        print(f"\n[rank {RANK}] FAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n"
+              f"[rank {RANK}] aborting the MPI job so no rank hangs", file=sys.stderr, flush=True)
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def world():
+    from hvd_lowcomm import runtime
+
+    return runtime.init(seed=0)
+
+
+@pytest.fixture(autouse=True)
+def fresh_meter():
+    from hvd_lowcomm.traffic import meter
+
+    meter.reset()
+    yield meter
+
+
+@pytest.fixture
+def shared_tmp(world):
+    """A directory every rank sees, removed after the test (all ranks done with it)."""
+    path = tempfile.mkdtemp(prefix="hvd_lowcomm-shared-") if world.comm.Get_rank() == 0 else None
+    path = Path(world.comm.bcast(path, root=0))
+    yield path
+    world.comm.Barrier()
+    if world.comm.Get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def needs_ranks(minimum: int):
+    """Skip a test that needs at least `minimum` ranks (decided the same way on every rank)."""
+    return pytest.mark.skipif(SIZE < minimum, reason=f"needs mpirun -np >= {minimum}")
+
+
+def clean_env() -> dict[str, str]:
+    """Environment for a child process that must not think it is one of our MPI ranks."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("OMPI_", "PMIX_", "PMI_", "HOROVOD_", "OPAL_", "PRTE_"))}
+
+
+def mpirun(np_: int, *command: str) -> list[str]:
+    """An mpirun command line that works as root and with more ranks than cores."""
+    return ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np_), *command]

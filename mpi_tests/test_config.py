@@ -1,0 +1,77 @@
+"""Configuration: precedence, validation messages, --help."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import RANK, clean_env
+from hvd_lowcomm import config
+from hvd_lowcomm.config import ConfigError
+
+
+def test_defaults_are_valid_and_train_ddp_on_digits():
+    cfg = config.load([])
+    assert cfg.method == "ddp"
+    assert cfg.data.path == "data/digits.h5"
+    assert cfg.model.name == "mlp"
+
+
+def test_yaml_then_command_line_precedence(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  epochs: 3\n  lr: 0.01\nmodel:\n  hidden: [32, 16]\ncomm:\n  compression: fp16\n")
+    cfg = config.load(["--config", str(path), "--train.epochs", "5", "--model.hidden", "8,4"])
+    assert cfg.train.epochs == 5            # command line beats YAML
+    assert cfg.train.lr == 0.01             # YAML beats default
+    assert cfg.model.hidden == [8, 4]       # lists parse from "8,4"
+    assert cfg.comm.compression == "fp16"
+    assert cfg.data.batch_size == 32        # untouched default
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--train.epochs", "0"], "train.epochs must be a positive integer, got 0"),
+    (["--data.batch_size", "-4"], "data.batch_size must be a positive integer, got -4"),
+    (["--train.lr", "0"], "train.lr must be positive"),
+    (["--comm.compression", "fp8"], "comm.compression must be one of none, fp16; got 'fp8'"),
+    (["--train.optimizer", "lamb"], "train.optimizer must be one of sgd, adam, adamw"),
+    (["--model.hidden", "64,-1"], "model.hidden must be positive widths"),
+    (["--train.epochs", "two"], "train.epochs expects INT, got 'two'"),
+])
+def test_bad_values_are_rejected_with_the_option_named(argv, expected):
+    with pytest.raises(ConfigError) as err:
+        config.load(argv)
+    assert expected in str(err.value)
+
+
+def test_unknown_yaml_keys_and_methods_are_rejected_with_suggestions(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  epoch: 3\n")
+    with pytest.raises(ConfigError, match=r"unknown option train.epoch \(did you mean 'epochs'\?\)"):
+        config.load(["--config", str(path)])
+    path.write_text("trian:\n  epochs: 3\n")
+    with pytest.raises(ConfigError, match=r"unknown config section 'trian' \(did you mean 'train'\?\)"):
+        config.load(["--config", str(path)])
+    path.write_text("method: dpp\n")
+    with pytest.raises(ConfigError, match=r"unknown method 'dpp' \(did you mean 'ddp'\?\)"):
+        config.load(["--config", str(path)])
+    with pytest.raises(ConfigError, match="does not exist"):
+        config.load(["--config", str(tmp_path / "missing.yaml")])
+
+
+def test_help_lists_every_option_with_its_default():
+    cfg = config.default_config()
+    text = config.build_parser(cfg, "prog").format_help()
+    for name, section in cfg.sections().items():
+        for key, value in config.dataclasses.asdict(section).items():
+            assert f"--{name}.{key}" in text, f"--{name}.{key} missing from --help"
+    assert "(default: 20)" in text and "(default: data/digits.h5)" in text
+
+
+@pytest.mark.skipif(RANK != 0, reason="one subprocess is enough")
+def test_train_command_rejects_bad_config_before_starting():
+    proc = subprocess.run([sys.executable, "-m", "hvd_lowcomm.train", "--train.epochs", "0"],
+                          capture_output=True, text=True, env=clean_env(), timeout=120)
+    assert proc.returncode == 2
+    assert "error: train.epochs must be a positive integer, got 0" in proc.stderr
+    assert "epoch " not in proc.stdout  # nothing trained

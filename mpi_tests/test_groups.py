@@ -1,0 +1,51 @@
+"""Rank groups: layout rules, and collectives that stay inside their group."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import needs_ranks
+from hvd_lowcomm import runtime
+from hvd_lowcomm.runtime import GroupLayoutError, group_layout
+
+
+def test_layout_is_contiguous_equal_groups():
+    assert group_layout(4, num_groups=2) == [(0, 1), (2, 3)]
+    assert group_layout(6, group_size=3) == [(0, 1, 2), (3, 4, 5)]
+    assert group_layout(3, num_groups=3) == [(0,), (1,), (2,)]
+
+
+def test_a_group_count_that_does_not_divide_the_world_is_a_clear_error():
+    with pytest.raises(GroupLayoutError, match=r"cannot split 6 ranks into 4 equal groups: use a group count "
+                                               r"that divides 6 \(1, 2, 3, 6\) or launch a multiple of 4 ranks"):
+        group_layout(6, num_groups=4)
+    with pytest.raises(GroupLayoutError, match="cannot split 4 ranks into groups of 3"):
+        group_layout(4, group_size=3)
+
+
+@needs_ranks(2)
+def test_groups_communicate_only_inside_themselves(world, fresh_meter):
+    rank = world.comm.Get_rank()
+    mine, groups = runtime.split_world(num_groups=2)
+    assert [g.ranks for g in groups] == group_layout(world.size, num_groups=2)
+    assert rank in mine and mine.comm.Get_size() == mine.size
+
+    total = fresh_meter.allreduce(torch.tensor([float(rank)]), "probe.sum", group=mine, average=False)
+    assert total.item() == sum(mine.ranks)
+    gathered = fresh_meter.allgather(torch.tensor([rank]), "probe.gather", group=mine)
+    assert gathered.tolist() == list(mine.ranks)
+    assert mine.comm.allreduce(rank) == sum(mine.ranks)  # the mpi4py side agrees
+
+    value = torch.tensor([float(rank)])
+    runtime.broadcast_parameters({"value": value}, root_rank=mine.ranks[-1], group=mine)
+    assert value.item() == mine.ranks[-1]  # each group got its own root's value, not rank 0's
+
+    assert {(r.group, r.group_size) for r in fresh_meter.step_records} == {(mine.label, mine.size)}
+
+
+@needs_ranks(2)
+def test_splitting_twice_reuses_the_process_sets(world):
+    first, _ = runtime.split_world(num_groups=2)
+    second, _ = runtime.split_world(num_groups=2, label="again")
+    assert first.process_set is second.process_set
+    assert second.label.startswith("again")

@@ -1,0 +1,60 @@
+"""The traffic meter records what each collective carries, by the ring formulas."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import needs_ranks
+from hvd_lowcomm.traffic import wire_bytes
+
+
+def test_ring_formulas():
+    assert wire_bytes("allreduce", 1000, 4) == pytest.approx(1500.0)     # 2 (p-1)/p M
+    assert wire_bytes("allgather", 4000, 4) == pytest.approx(3000.0)     # (p-1)/p T
+    assert wire_bytes("broadcast", 1000, 8) == 1000.0
+    assert wire_bytes("send", 123, 2) == 123.0 and wire_bytes("recv", 123, 2) == 0.0
+    assert all(wire_bytes(op, 1000, 1) == 0.0 for op in ("allreduce", "allgather", "broadcast"))
+
+
+def test_collectives_are_recorded_with_payload_and_wire_bytes(world, fresh_meter):
+    p, rank = world.size, world.comm.Get_rank()
+    out = fresh_meter.allreduce(torch.full((10, 10), float(rank)), "grad.w")
+    assert torch.allclose(out, torch.full((10, 10), (p - 1) / 2))  # mean of 0..p-1
+    # Unequal first dims: rank r contributes r+1 rows of 3 float32.
+    gathered = fresh_meter.allgather(torch.ones(rank + 1, 3), "acts")
+    assert gathered.shape == (p * (p + 1) // 2, 3)
+    fresh_meter.broadcast_(torch.zeros(7, dtype=torch.float64), 0, "b")
+    reduce, gather, bcast = fresh_meter.step_records
+    assert (reduce.op, reduce.name, reduce.payload_bytes) == ("allreduce", "grad.w", 400)
+    assert reduce.wire_bytes == pytest.approx(2 * (p - 1) / p * 400)
+    assert (gather.payload_bytes, gather.wire_bytes) == (12 * p * (p + 1) // 2,
+                                                         pytest.approx((p - 1) / p * 12 * p * (p + 1) // 2))
+    assert (bcast.payload_bytes, bcast.wire_bytes) == (56, 56.0 if p > 1 else 0.0)
+    assert fresh_meter.total(op="allreduce") == pytest.approx(reduce.wire_bytes)
+    fresh_meter.next_step()
+    assert fresh_meter.step == 1 and fresh_meter.step_records == []
+    assert fresh_meter.by_name["grad.w"].calls == 1  # totals survive the step
+
+
+def test_phases_are_counted_apart(world, fresh_meter):
+    fresh_meter.allreduce(torch.ones(4), "t")
+    with fresh_meter.in_phase("eval"):
+        fresh_meter.allreduce(torch.ones(8), "e")
+    assert fresh_meter.total("train", field="payload_bytes") == 16
+    assert fresh_meter.total("eval", field="payload_bytes") == 32
+    assert fresh_meter.phase == "train"
+
+
+@needs_ranks(2)
+def test_point_to_point_messages_are_recorded_on_both_sides(world, fresh_meter):
+    rank = world.comm.Get_rank()
+    if rank == 0:
+        fresh_meter.send(torch.arange(6, dtype=torch.float32), dest=1, name="acts.fwd")
+        (rec,) = fresh_meter.step_records
+        assert (rec.op, rec.payload_bytes, rec.wire_bytes) == ("send", 24, 24.0)
+    elif rank == 1:
+        out = fresh_meter.recv(torch.empty(6), source=0, name="acts.fwd")
+        assert out.tolist() == [0, 1, 2, 3, 4, 5]
+        (rec,) = fresh_meter.step_records
+        assert (rec.op, rec.payload_bytes, rec.wire_bytes) == ("recv", 24, 0.0)
+    world.comm.Barrier()
