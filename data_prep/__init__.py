@@ -5,5 +5,7 @@
     python -m data_prep npz arrays.npz --out data/mine.h5
     python -m data_prep verify data/digits.h5
 """
-from data_prep.writer import write_dataset  # noqa: F401
-from data_prep.sources import BUNDLED, digits, npz, synthetic  # noqa: F401
+from data_prep.sources import BUNDLED, digits, npz, synthetic
+from data_prep.writer import write_dataset
+
+__all__ = ["BUNDLED", "digits", "npz", "synthetic", "write_dataset"]

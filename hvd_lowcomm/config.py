@@ -51,7 +51,7 @@ class ModelConfig:
     """Which network to train."""
 
     name: str = option("mlp", "model from hvd_lowcomm.models (mlp, cnn; tv:<name> with the [vision] extra)")
-    hidden: list[int] = option([128, 64], "hidden widths of the MLP, or channels of the CNN's conv blocks")
+    hidden: list[int] = option([256, 128], "hidden widths of the MLP, or channels of the CNN's conv blocks")
     dropout: float = option(0.0, "dropout probability after each hidden layer")
 
     def validate(self) -> None:
@@ -67,13 +67,17 @@ class TrainConfig:
 
     epochs: int = option(20, "passes over the training set")
     optimizer: str = option("adam", "optimiser", choices=("sgd", "adam", "adamw"))
-    lr: float = option(0.002, "learning rate (not scaled by the number of ranks)")
+    lr: float = option(0.01, "peak learning rate (not scaled by the number of ranks)")
+    lr_schedule: str = option("cosine", "learning-rate schedule over the whole run", choices=("cosine", "constant"))
+    warmup_steps: int = option(0, "linear learning-rate warm-up from 0 over this many steps")
     momentum: float = option(0.9, "SGD momentum")
     weight_decay: float = option(0.0, "weight decay")
     seed: int = option(42, "seed for initialisation, shuffling and every random choice")
 
     def validate(self) -> None:
         _positive(self, "epochs")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.lr <= 0:
             raise ConfigError(f"train.lr must be positive, got {self.lr}")
 
@@ -222,7 +226,7 @@ def build_parser(cfg: Config, prog: str) -> argparse.ArgumentParser:
                 help_text += f" {{{', '.join(meta['choices'])}}}"
             group.add_argument(
                 f"--{name}.{f.name}", dest=f"{name}.{f.name}", default=None,
-                type=lambda text, _n=f"{name}.{f.name}", _t=ftype: _convert(_n, _t, text),
+                type=lambda text, _n=f"{name}.{f.name}", _t=ftype: _convert_argument(_n, _t, text),
                 metavar=_metavar(ftype),
                 help=f"{help_text} (default: {_show(getattr(section, f.name))})",
             )
@@ -291,6 +295,14 @@ def _convert(name: str, ftype: Any, value: Any) -> Any:
         return ftype(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{name} expects {_metavar(ftype)}, got {value!r}") from None
+
+
+def _convert_argument(name: str, ftype: Any, text: str) -> Any:
+    """_convert for argparse, which reports ArgumentTypeError messages verbatim."""
+    try:
+        return _convert(name, ftype, text)
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _metavar(ftype: Any) -> str:

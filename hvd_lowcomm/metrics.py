@@ -81,7 +81,10 @@ class RunLogger:
     def progress(self, items: Iterable[T], total: int, desc: str) -> Iterator[T] | tqdm:
         if not self.show_progress:
             return iter(items)
-        return tqdm(items, total=total, desc=desc, leave=False, dynamic_ncols=True, unit="step")
+        # mpirun pipes output, so a bar redrawn every step would flood logs: redraw at most
+        # twice a second.
+        return tqdm(items, total=total, desc=desc, leave=False, dynamic_ncols=True, unit="step",
+                    mininterval=0.5)
 
     def summary(self, record: dict[str, Any], rows: list[tuple[str, str]]) -> None:
         if not self.active:

@@ -29,6 +29,11 @@ if TYPE_CHECKING:
     from hvd_lowcomm.runtime import Group
 
 
+# train: what the method needs to learn; eval: test-set evaluation; setup: initial broadcasts;
+# control: bookkeeping (summaries). Comparisons between methods quote "train".
+PHASES = ("train", "eval", "setup", "control")
+
+
 def wire_bytes(op: str, payload_bytes: float, group_size: int) -> float:
     """Bytes one rank puts on the wire for `op` in a ring over `group_size` ranks."""
     p = group_size
@@ -115,7 +120,7 @@ class TrafficMeter:
     def summary(self) -> dict[str, Any]:
         """Flat totals for metrics files: bytes per phase, and per op/group for training."""
         out: dict[str, Any] = {}
-        for phase in sorted({ph for ph, _, _ in self.by_kind}):
+        for phase in sorted(set(PHASES) | {ph for ph, _, _ in self.by_kind}):
             out[f"{phase}_payload_bytes"] = self.total(phase, field="payload_bytes")
             out[f"{phase}_wire_bytes"] = self.total(phase)
         for (phase, op, group), t in sorted(self.by_kind.items()):

@@ -89,6 +89,7 @@ def train(cfg: Config, method: Any, info: Any, model: Any) -> dict[str, Any]:
     import torch
 
     from hvd_lowcomm import data, runtime
+    from hvd_lowcomm.methods.base import scheduled_lr
     from hvd_lowcomm.metrics import RunLogger, human_bytes, unique_run_dir
     from hvd_lowcomm.traffic import meter
 
@@ -113,6 +114,7 @@ def train(cfg: Config, method: Any, info: Any, model: Any) -> dict[str, Any]:
               f"{info.num_test} test, {info.num_classes} classes); {len(train_batches)} steps/epoch; "
               f"run dir {run_dir}")
 
+    total_steps = cfg.train.epochs * len(train_batches)
     start, step_seconds, best_acc = time.perf_counter(), 0.0, 0.0
     record: dict[str, Any] = {}
     for epoch in range(1, cfg.train.epochs + 1):
@@ -121,6 +123,7 @@ def train(cfg: Config, method: Any, info: Any, model: Any) -> dict[str, Any]:
         loss_sum, steps = 0.0, 0
         bar = log.progress(train_batches, len(train_batches), f"epoch {epoch}/{cfg.train.epochs}")
         for x, y in bar:
+            method.set_lr(scheduled_lr(cfg, meter.step, total_steps))
             t0 = time.perf_counter()
             loss = method.train_step(x, y)
             step_seconds += time.perf_counter() - t0
@@ -131,7 +134,7 @@ def train(cfg: Config, method: Any, info: Any, model: Any) -> dict[str, Any]:
             if meter.step % cfg.run.log_every == 0:
                 log.log("step", {"step": meter.step, "epoch": epoch, "loss": loss, "wire_bytes": step_bytes})
             if hasattr(bar, "set_postfix"):
-                bar.set_postfix(loss=f"{loss:.4f}", sent=human_bytes(step_bytes))
+                bar.set_postfix(loss=f"{loss:.4f}", sent=human_bytes(step_bytes), refresh=False)
             meter.next_step()
 
         with meter.in_phase("eval"):
@@ -167,6 +170,7 @@ def train(cfg: Config, method: Any, info: Any, model: Any) -> dict[str, Any]:
             ("sent for training (rank 0)", f"{human_bytes(meter.total('train'))} on the wire, "
                                            f"{human_bytes(meter.total('train', field='payload_bytes'))} payload"),
             ("sent per step", human_bytes(summary["train_wire_bytes_per_step"])),
+            ("lr schedule", f"{cfg.train.lr_schedule}, peak {cfg.train.lr:g}"),
             ("sent for eval/setup", f"{human_bytes(meter.total('eval'))} / {human_bytes(meter.total('setup'))}"),
             ("peak memory (max over ranks)", human_bytes(peak_rss_max))]
     rows += [(f"  {op} in {group}", human_bytes(t.wire_bytes))

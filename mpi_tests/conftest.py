@@ -28,6 +28,7 @@ def _launcher_rank_and_size() -> tuple[int, int]:
 RANK, SIZE = _launcher_rank_and_size()
 
 
+@pytest.hookimpl(trylast=True)  # after the terminal reporter has registered itself
 def pytest_configure(config: pytest.Config) -> None:
     if config.option.basetemp is None:
         config.option.basetemp = os.path.join(tempfile.gettempdir(), f"hvd_lowcomm-pytest-{os.getppid()}-rank{RANK}")

@@ -36,12 +36,25 @@ def test_yaml_then_command_line_precedence(tmp_path):
     (["--comm.compression", "fp8"], "comm.compression must be one of none, fp16; got 'fp8'"),
     (["--train.optimizer", "lamb"], "train.optimizer must be one of sgd, adam, adamw"),
     (["--model.hidden", "64,-1"], "model.hidden must be positive widths"),
-    (["--train.epochs", "two"], "train.epochs expects INT, got 'two'"),
 ])
 def test_bad_values_are_rejected_with_the_option_named(argv, expected):
     with pytest.raises(ConfigError) as err:
         config.load(argv)
     assert expected in str(err.value)
+
+
+def test_badly_typed_command_line_values_name_the_option(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        config.load(["--train.epochs", "two"])
+    assert exit_info.value.code == 2
+    assert "argument --train.epochs: train.epochs expects INT, got 'two'" in capsys.readouterr().err
+
+
+def test_badly_typed_yaml_values_name_the_option(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  batch_size: 2.5\n")
+    with pytest.raises(ConfigError, match=r"data.batch_size expects INT, got 2.5"):
+        config.load(["--config", str(path)])
 
 
 def test_unknown_yaml_keys_and_methods_are_rejected_with_suggestions(tmp_path):

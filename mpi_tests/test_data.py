@@ -22,7 +22,7 @@ def _write_numbered(path, n_train=103, n_test=17):
 def test_digits_are_written_in_the_documented_layout(tmp_path):
     assert data_prep_main(["digits", "--out", str(tmp_path / "d.h5")]) == 0
     info = data.inspect(tmp_path / "d.h5")
-    assert (info.num_train, info.num_test, info.num_classes, info.input_shape) == (1437, 360, 10, (1, 8, 8))
+    assert (info.num_train, info.num_test, info.num_classes, info.input_shape) == (1438, 359, 10, (1, 8, 8))  # stratified 80/20 of 1,797
     with h5py.File(tmp_path / "d.h5") as f:
         assert f.attrs["format"] == data.FORMAT
         assert f["train/x"].chunks is not None and f["train/x"].dtype == np.float32

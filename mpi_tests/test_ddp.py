@@ -43,7 +43,7 @@ def test_gradient_equals_single_process_autograd_on_the_pooled_batch(world, fres
 
 @pytest.mark.parametrize("compression, itemsize", [("none", 4), ("fp16", 2)])
 def test_meter_counts_the_analytic_payload_of_every_gradient(world, fresh_meter, compression, itemsize):
-    p, rank = world.size, world.comm.Get_rank()
+    p = world.size
     model, x, y = _pooled_problem(p)
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
                                compression=compression)
@@ -53,6 +53,7 @@ def test_meter_counts_the_analytic_payload_of_every_gradient(world, fresh_meter,
     expected = {name: prm.numel() * itemsize for name, prm in model.named_parameters()}
     assert sum(expected.values()) == 74 * itemsize
     recorded = {r.name: r.payload_bytes for r in fresh_meter.step_records}
-    assert recorded == expected
+    # Horovod skips the allreduce altogether on a single rank: nothing is sent, nothing recorded.
+    assert recorded == (expected if p > 1 else {})
     assert all(r.op == "allreduce" and r.group == "world" for r in fresh_meter.step_records)
     assert fresh_meter.step_total() == pytest.approx(2 * (p - 1) / p * 74 * itemsize)

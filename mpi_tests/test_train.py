@@ -4,11 +4,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
-from conftest import RANK, SIZE, clean_env, mpirun
+from conftest import RANK, SIZE, clean_env
 from hvd_lowcomm.train import main
 
 
@@ -45,10 +44,13 @@ def test_fp16_compression_halves_the_gradient_bytes(shared_tmp):
     fp32 = _run(shared_tmp, "--train.epochs", "1", "--run.name", "fp32")
     fp16 = _run(shared_tmp, "--train.epochs", "1", "--run.name", "fp16", "--comm.compression", "fp16")
     if RANK == 0:
-        assert fp16["train_payload_bytes"] * 2 == fp32["train_payload_bytes"]
-        # 23 steps x (64*128 + 128 + 128*64 + 64 + 64*10 + 10) parameters x 4 bytes
-        steps = fp32["steps"]
-        assert fp32["train_payload_bytes"] == steps * 17226 * 4
+        assert fp32["parameters"] == 50826  # 64*256 + 256 + 256*128 + 128 + 128*10 + 10
+        if SIZE == 1:  # Horovod sends nothing on one rank
+            assert fp32["train_payload_bytes"] == fp16["train_payload_bytes"] == 0
+        else:  # every step allreduces every gradient, as float32 or as float16
+            assert fp32["train_payload_bytes"] == fp32["steps"] * 50826 * 4
+            assert fp16["train_payload_bytes"] == fp16["steps"] * 50826 * 2
+            assert fp32["train_wire_bytes"] == pytest.approx(2 * (SIZE - 1) / SIZE * fp32["train_payload_bytes"])
 
 
 def test_missing_data_fails_on_every_rank_before_training(shared_tmp, capsys):
@@ -57,26 +59,6 @@ def test_missing_data_fails_on_every_rank_before_training(shared_tmp, capsys):
     if RANK == 0:
         assert "error (all ranks): dataset" in err and "nope.h5 does not exist; create it with `python -m data_prep" in err
     assert not (shared_tmp / "runs").exists()
-
-
-@pytest.mark.skipif(SIZE != 1 or RANK != 0, reason="launches its own mpirun; run from the 1-rank suite")
-def test_an_exception_on_one_rank_ends_the_whole_job_nonzero(tmp_path):
-    script = tmp_path / "boom.py"
-    script.write_text(
-        "import torch\n"
-        "from hvd_lowcomm import runtime\n"
-        "from hvd_lowcomm.traffic import meter\n"
-        "runtime.init(0)\n"
-        "with runtime.abort_on_error():\n"
-        "    if runtime.rank() == 1:\n"
-        "        raise RuntimeError('boom on rank 1')\n"
-        "    meter.allreduce(torch.ones(1), 'waits-for-rank-1')  # would hang without the abort\n")
-    start = time.monotonic()
-    proc = subprocess.run(mpirun(2, sys.executable, str(script)), capture_output=True, text=True,
-                          env=clean_env(), timeout=120)
-    assert proc.returncode != 0
-    assert "[rank 1] RuntimeError: boom on rank 1" in proc.stderr
-    assert time.monotonic() - start < 60
 
 
 @pytest.mark.skipif(RANK != 0, reason="one subprocess is enough")

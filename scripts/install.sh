@@ -53,14 +53,15 @@ if ! "$PY" -c 'import torch' 2>/dev/null; then
     "${PIP[@]}" "$TORCH_SPEC"
 fi
 # mpi4py is built from source so it links the same libmpi horovod is built against.
-"${PIP[@]}" --no-binary mpi4py mpi4py
+"$PY" -c 'import mpi4py' 2>/dev/null || "${PIP[@]}" --no-binary mpi4py mpi4py
 say "installing hvd_lowcomm[dev] (editable)"
 "${PIP[@]}" -e ".[dev]"
 
 # --- 3. horovod -------------------------------------------------------------------------------
 horovod_ok() {
-    "$VENV/bin/horovodrun" --check-build 2>/dev/null | grep -q '\[X\] PyTorch' &&
-        "$VENV/bin/horovodrun" --check-build 2>/dev/null | grep -q '\[X\] MPI'
+    local report
+    report=$("$VENV/bin/horovodrun" --check-build 2>/dev/null) || return 1
+    grep -q '\[X\] PyTorch' <<<"$report" && grep -q '\[X\] MPI' <<<"$report"
 }
 if ! horovod_ok; then
     read -r TORCH_VERSION TORCH_CUDA < <("$PY" -c 'import torch; print(torch.__version__.split("+")[0], torch.version.cuda or "none")')

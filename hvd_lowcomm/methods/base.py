@@ -1,6 +1,7 @@
 """What every training method provides, and the pieces most of them share."""
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable
 
 import torch
@@ -57,6 +58,13 @@ class Method:
         self.model.train()
         return correct, count, loss_sum
 
+    def set_lr(self, lr: float) -> None:
+        """Apply the schedule's learning rate for the coming step (methods with several
+        optimisers or their own LR rules override this)."""
+        assert self.optimizer is not None
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
     def epoch_metrics(self) -> dict[str, Any]:
         return {}
 
@@ -79,6 +87,18 @@ def make_optimizer(cfg: Config, params: Iterable[torch.nn.Parameter]) -> torch.o
     if t.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
     raise ValueError(f"unknown optimizer {t.optimizer!r}")
+
+
+def scheduled_lr(cfg: Config, step: int, total_steps: int) -> float:
+    """Learning rate for `step` (0-based) of `total_steps`: linear warm-up, then constant or
+    cosine decay to zero at the end of the run."""
+    t = cfg.train
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    if t.lr_schedule == "constant":
+        return t.lr
+    progress = (step - t.warmup_steps) / max(1, total_steps - t.warmup_steps)
+    return t.lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
 def broadcast_model_and_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -1,10 +1,14 @@
-"""Rank groups: layout rules, and collectives that stay inside their group."""
+"""Runtime: rank groups and their collectives, and ending the job when a rank fails."""
 from __future__ import annotations
+
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
-from conftest import needs_ranks
+from conftest import RANK, SIZE, clean_env, mpirun, needs_ranks
 from hvd_lowcomm import runtime
 from hvd_lowcomm.runtime import GroupLayoutError, group_layout
 
@@ -49,3 +53,23 @@ def test_splitting_twice_reuses_the_process_sets(world):
     second, _ = runtime.split_world(num_groups=2, label="again")
     assert first.process_set is second.process_set
     assert second.label.startswith("again")
+
+
+@pytest.mark.skipif(SIZE != 1 or RANK != 0, reason="launches its own mpirun; run from the 1-rank suite")
+def test_an_exception_on_one_rank_ends_the_whole_job_nonzero(tmp_path):
+    script = tmp_path / "boom.py"
+    script.write_text(
+        "import torch\n"
+        "from hvd_lowcomm import runtime\n"
+        "from hvd_lowcomm.traffic import meter\n"
+        "runtime.init(0)\n"
+        "with runtime.abort_on_error():\n"
+        "    if runtime.rank() == 1:\n"
+        "        raise RuntimeError('boom on rank 1')\n"
+        "    meter.allreduce(torch.ones(1), 'waits-for-rank-1')  # would hang without the abort\n")
+    start = time.monotonic()
+    proc = subprocess.run(mpirun(2, sys.executable, str(script)), capture_output=True, text=True,
+                          env=clean_env(), timeout=120)
+    assert proc.returncode != 0
+    assert "[rank 1] RuntimeError: boom on rank 1" in proc.stderr
+    assert time.monotonic() - start < 60
