@@ -79,17 +79,14 @@ def preflight(cfg: Config, world: Any) -> tuple[Any, ...] | None:
         if rank == 0:
             for message in dict.fromkeys(e for e in errors if e):
                 failing = [r for r, e in enumerate(errors) if e == message]
-                where = "all ranks" if len(failing) == world.size else f"rank(s) {_ranges(failing)}"
+                where = "all ranks" if len(failing) == world.size else f"rank(s) {_rank_list(failing)}"
                 print(f"error ({where}): {message}", file=sys.stderr, flush=True)
         return None
     return method, info, model
 
 
 def train(cfg: Config, method: Any, info: Any, model: Any) -> dict[str, Any]:
-    import torch
-
     from hvd_lowcomm import data, runtime
-    from hvd_lowcomm.methods.base import scheduled_lr
     from hvd_lowcomm.metrics import RunLogger, human_bytes, unique_run_dir
     from hvd_lowcomm.traffic import meter
 
@@ -106,78 +103,110 @@ def train(cfg: Config, method: Any, info: Any, model: Any) -> dict[str, Any]:
     test_batches = data.ShardedBatches(data.H5Split(info.path, "test"), cfg.data.test_batch_size,
                                        rank, world.size, shuffle=False, device=device)
     model = model.to(device)
-    n_params = sum(p.numel() for p in model.parameters())
     meter.reset()
     method.setup(model)
     log.print(f"hvd_lowcomm: method {cfg.method} on {world.size} rank(s) ({device.type}); model "
-              f"{cfg.model.name} ({n_params:,} parameters); data {info.path} ({info.num_train} train / "
-              f"{info.num_test} test, {info.num_classes} classes); {len(train_batches)} steps/epoch; "
-              f"run dir {run_dir}")
+              f"{cfg.model.name} ({_count_parameters(model):,} parameters); data {info.path} "
+              f"({info.num_train} train / {info.num_test} test, {info.num_classes} classes); "
+              f"{len(train_batches)} steps/epoch; run dir {run_dir}")
 
-    total_steps = cfg.train.epochs * len(train_batches)
     start, step_seconds, best_acc = time.perf_counter(), 0.0, 0.0
-    record: dict[str, Any] = {}
     for epoch in range(1, cfg.train.epochs + 1):
-        train_batches.set_epoch(epoch)
         wire_at_start = meter.total("train")
-        loss_sum, steps = 0.0, 0
-        bar = log.progress(train_batches, len(train_batches), f"epoch {epoch}/{cfg.train.epochs}")
-        for x, y in bar:
-            method.set_lr(scheduled_lr(cfg, meter.step, total_steps))
-            t0 = time.perf_counter()
-            loss = method.train_step(x, y)
-            step_seconds += time.perf_counter() - t0
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at epoch {epoch}, step {meter.step}")
-            step_bytes = meter.step_total()
-            loss_sum, steps = loss_sum + loss, steps + 1
-            if meter.step % cfg.run.log_every == 0:
-                log.log("step", {"step": meter.step, "epoch": epoch, "loss": loss, "wire_bytes": step_bytes})
-            if hasattr(bar, "set_postfix"):
-                bar.set_postfix(loss=f"{loss:.4f}", sent=human_bytes(step_bytes), refresh=False)
-            meter.next_step()
-
-        with meter.in_phase("eval"):
-            correct, count, test_loss = method.evaluate(test_batches)
-            correct, count, test_loss, train_loss = meter.allreduce_object_sum(
-                [correct, count, test_loss, loss_sum / max(steps, 1)], "eval.totals")
-        acc = correct / count
-        best_acc = max(best_acc, acc)
-        epoch_wire = meter.total("train") - wire_at_start
-        record = {"epoch": epoch, "step": meter.step, "train_loss": train_loss / world.size,
-                  "test_loss": test_loss / count, "test_acc": acc,
-                  "train_wire_bytes": epoch_wire, "train_wire_bytes_total": meter.total("train"),
+        train_loss, seconds = train_epoch(cfg, method, train_batches, epoch, log)
+        step_seconds += seconds
+        record = {"epoch": epoch, "step": meter.step, **evaluate(method, test_batches, train_loss),
+                  "train_wire_bytes": meter.total("train") - wire_at_start,
+                  "train_wire_bytes_total": meter.total("train"),
                   "seconds": time.perf_counter() - start, **method.epoch_metrics()}
+        best_acc = max(best_acc, record["test_acc"])
         log.epoch(record)
         log.print(f"epoch {epoch:>3}/{cfg.train.epochs} | loss {record['train_loss']:.4f} | "
-                  f"test acc {100 * acc:6.2f}% | sent {human_bytes(epoch_wire)} "
-                  f"({human_bytes(epoch_wire / max(steps, 1))}/step)")
+                  f"test acc {100 * record['test_acc']:6.2f}% | sent {human_bytes(record['train_wire_bytes'])} "
+                  f"({human_bytes(record['train_wire_bytes'] / len(train_batches))}/step)")
 
-    elapsed = time.perf_counter() - start
+    summary, rows = summarize(cfg, method, record, best_acc, time.perf_counter() - start, step_seconds)
+    log.summary(summary, rows)
+    log.close()
+    return summary
+
+
+def train_epoch(cfg: Config, method: Any, batches: Any, epoch: int, log: Any) -> tuple[float, float]:
+    """One pass over this rank's shard; returns (mean local loss, seconds spent in steps)."""
+    from hvd_lowcomm.methods.base import scheduled_lr
+    from hvd_lowcomm.metrics import human_bytes
+    from hvd_lowcomm.traffic import meter
+
+    batches.set_epoch(epoch)
+    total_steps = cfg.train.epochs * len(batches)
+    loss_sum, seconds = 0.0, 0.0
+    bar = log.progress(batches, len(batches), f"epoch {epoch}/{cfg.train.epochs}")
+    for x, y in bar:
+        method.set_lr(scheduled_lr(cfg, meter.step, total_steps))
+        t0 = time.perf_counter()
+        loss = method.train_step(x, y)
+        seconds += time.perf_counter() - t0
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at epoch {epoch}, step {meter.step}")
+        loss_sum += loss
+        step_bytes = meter.step_total()
+        if meter.step % cfg.run.log_every == 0:
+            log.log("step", {"step": meter.step, "epoch": epoch, "loss": loss, "wire_bytes": step_bytes})
+        if hasattr(bar, "set_postfix"):
+            bar.set_postfix(loss=f"{loss:.4f}", sent=human_bytes(step_bytes), refresh=False)
+        meter.next_step()
+    return loss_sum / len(batches), seconds
+
+
+def evaluate(method: Any, test_batches: Any, local_train_loss: float) -> dict[str, float]:
+    """Test accuracy and loss over the whole test set, and the mean training loss over ranks."""
+    from hvd_lowcomm import runtime
+    from hvd_lowcomm.traffic import meter
+
+    with meter.in_phase("eval"):
+        correct, count, test_loss = method.evaluate(test_batches)
+        correct, count, test_loss, train_loss = meter.allreduce_object_sum(
+            [correct, count, test_loss, local_train_loss], "eval.totals")
+    return {"train_loss": train_loss / runtime.size(), "test_loss": test_loss / count,
+            "test_acc": correct / count}
+
+
+def summarize(cfg: Config, method: Any, last: dict[str, Any], best_acc: float, elapsed: float,
+              step_seconds: float) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """The run's summary record, and its rows for the table printed at the end."""
+    import torch
+
+    from hvd_lowcomm import runtime
+    from hvd_lowcomm.metrics import human_bytes
+    from hvd_lowcomm.traffic import meter
+
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports kB
     with meter.in_phase("control"):
         peak_rss_max = max(meter.allgather(torch.tensor([peak_rss], dtype=torch.int64), "summary.rss").tolist())
+    steps = max(meter.step, 1)
     summary = {
-        "method": cfg.method, "world_size": world.size, "epochs": cfg.train.epochs, "steps": meter.step,
-        "final_test_acc": record["test_acc"], "best_test_acc": best_acc, "seconds": elapsed,
-        "step_seconds_mean": step_seconds / max(meter.step, 1), "parameters": n_params,
-        "train_wire_bytes_per_step": meter.total("train") / max(meter.step, 1),
+        "method": cfg.method, "world_size": runtime.size(), "epochs": cfg.train.epochs, "steps": meter.step,
+        "final_test_acc": last["test_acc"], "best_test_acc": best_acc, "seconds": elapsed,
+        "step_seconds_mean": step_seconds / steps, "parameters": _count_parameters(method.model),
+        "train_wire_bytes_per_step": meter.total("train") / steps,
         "peak_rss_bytes_max_rank": peak_rss_max, **meter.summary(),
     }
-    rows = [("method", f"{cfg.method} on {world.size} rank(s)"),
-            ("test accuracy", f"{100 * summary['final_test_acc']:.2f}% (best {100 * best_acc:.2f}%)"),
-            ("steps", f"{meter.step} in {elapsed:.1f} s ({1000 * summary['step_seconds_mean']:.1f} ms/step)"),
+    rows = [("method", f"{cfg.method} on {runtime.size()} rank(s)"),
+            ("test accuracy", f"{100 * last['test_acc']:.2f}% (best {100 * best_acc:.2f}%)"),
+            ("steps", f"{meter.step} in {elapsed:.1f} s ({1000 * step_seconds / steps:.1f} ms/step)"),
+            ("lr schedule", f"{cfg.train.lr_schedule}, peak {cfg.train.lr:g}"),
             ("sent for training (rank 0)", f"{human_bytes(meter.total('train'))} on the wire, "
                                            f"{human_bytes(meter.total('train', field='payload_bytes'))} payload"),
             ("sent per step", human_bytes(summary["train_wire_bytes_per_step"])),
-            ("lr schedule", f"{cfg.train.lr_schedule}, peak {cfg.train.lr:g}"),
             ("sent for eval/setup", f"{human_bytes(meter.total('eval'))} / {human_bytes(meter.total('setup'))}"),
             ("peak memory (max over ranks)", human_bytes(peak_rss_max))]
     rows += [(f"  {op} in {group}", human_bytes(t.wire_bytes))
              for (phase, op, group), t in sorted(meter.by_kind.items()) if phase == "train"]
-    log.summary(summary, rows)
-    log.close()
-    return summary
+    return summary, rows
+
+
+def _count_parameters(model: Any) -> int:
+    return sum(p.numel() for p in model.parameters())
 
 
 def _launcher_rank() -> int:
@@ -188,7 +217,7 @@ def _launcher_rank() -> int:
     return 0
 
 
-def _ranges(ranks: list[int]) -> str:
+def _rank_list(ranks: list[int]) -> str:
     return ",".join(str(r) for r in ranks[:8]) + (",..." if len(ranks) > 8 else "")
 
 

@@ -26,7 +26,7 @@ if ! command -v mpicc >/dev/null 2>&1; then
         say "no mpicc on PATH: installing Open MPI from Debian packages"
         export DEBIAN_FRONTEND=noninteractive
         apt-get update -qq
-        apt-get install -y -qq libopenmpi-dev openmpi-bin shellcheck >/dev/null
+        apt-get install -y -qq libopenmpi-dev openmpi-bin >/dev/null
     else
         die "no MPI compiler (mpicc) on PATH. On a cluster, load an MPI module first
        (e.g. 'module load openmpi'), then run 'make install' again."
