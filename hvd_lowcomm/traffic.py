@@ -6,7 +6,7 @@ where *payload* is what this rank contributes (after compression) and *wire* is 
 puts on the network by the standard ring algorithms for a group of p ranks:
 
     allreduce   2 (p-1)/p * M        M = this rank's tensor bytes
-    allgather   (p-1)/p * T          T = bytes of the gathered result ((p-1) m for equal parts m)
+    allgather   (p-1)/p * T          T = bytes of the gathered result ((p-1) M for equal parts)
     broadcast   M                    (pipelined chain: each rank forwards the tensor once)
     send        M,  recv 0           point-to-point
     (p = 1: nothing crosses the network)
@@ -149,11 +149,31 @@ class TrafficMeter:
 
     def allgather(self, tensor: torch.Tensor, name: str, group: Group | None = None) -> torch.Tensor:
         """Concatenate every member's tensor along dim 0 (first dims may differ)."""
+        return self.allgather_many([(name, tensor)], group)[0]
+
+    def allgather_many(self, named: list[tuple[str, torch.Tensor]], group: Group | None = None) -> list[torch.Tensor]:
+        """Several allgathers submitted together, so Horovod can fuse them into one cycle."""
         import horovod.torch as hvd
 
-        out = hvd.allgather(tensor, name=name, process_set=_process_set(group))
-        self.record("allgather", name, _nbytes(out), group)
-        return out
+        ps = _process_set(group)
+        handles = [hvd.allgather_async(tensor, name=name, process_set=ps) for name, tensor in named]
+        outs = [hvd.synchronize(handle) for handle in handles]
+        size = group.size if group is not None else _world_size()
+        for (name, tensor), out in zip(named, outs):
+            self.record("allgather", name, _nbytes(tensor), group, wire=wire_bytes("allgather", _nbytes(out), size))
+        return outs
+
+    def allreduce_many(self, named: list[tuple[str, torch.Tensor]], group: Group | None = None,
+                       op: str = "sum") -> list[torch.Tensor]:
+        """Several allreduces (op: sum, average or max) submitted together for fusion."""
+        import horovod.torch as hvd
+
+        hvd_op = {"sum": hvd.Sum, "average": hvd.Average, "max": hvd.Max}[op]
+        ps = _process_set(group)
+        handles = [hvd.allreduce_async(tensor, name=name, op=hvd_op, process_set=ps) for name, tensor in named]
+        for name, tensor in named:
+            self.record("allreduce", name, _nbytes(tensor), group)
+        return [hvd.synchronize(handle) for handle in handles]
 
     def broadcast_(self, tensor: torch.Tensor, root_rank: int, name: str,
                    group: Group | None = None) -> torch.Tensor:

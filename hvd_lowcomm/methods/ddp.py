@@ -54,8 +54,11 @@ class DataParallel(Method):
         self.model = model
         optimizer = make_optimizer(self.cfg, model.parameters())
         broadcast_model_and_optimizer(model, optimizer)
-        self.optimizer = DistributedOptimizer(optimizer, model.named_parameters(),
-                                              compression=self.cfg.comm.compression)
+        self.optimizer = self.distribute(optimizer, model)
+
+    def distribute(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> torch.optim.Optimizer:
+        """Wrap the local optimiser so that step() uses the gradient of the pooled batch."""
+        return DistributedOptimizer(optimizer, model.named_parameters(), compression=self.cfg.comm.compression)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         assert self.model is not None and self.optimizer is not None

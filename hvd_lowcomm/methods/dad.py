@@ -1,0 +1,429 @@
+"""`dad`, `rank-dad`, `edad`: ranks share layer activations and deltas instead of gradients.
+
+Baker, Calhoun, Pearlmutter, Plis, "Efficient Distributed Auto-Differentiation" (arXiv 2102.09631).
+For a layer y = x Wᵀ + b the local gradient is Δᵀ A (A: input rows, Δ: output deltas). Instead
+of allreducing d_out·d_in numbers, every rank allgathers its rows [A | Δ], rows·(d_in + d_out)
+numbers, and every rank forms the pooled gradient [Δ_1; ...; Δ_p]ᵀ [A_1; ...; A_p] itself.
+
+- Linear layers use their input rows directly (leading dimensions become rows); Conv2d layers
+  (groups = 1, zero padding) use im2col: rows are (sample, output position) pairs, activations
+  the unfolded input patches. Both are exact.
+- A per-layer plan, fixed at the first step from shapes, rows and world size, shares
+  activations only where that puts fewer bytes on the wire than allreducing the gradient
+  (plan "auto"), or for every supported layer (plan "all"). Everything else is allreduced.
+- Scaling: with the loss a mean over each rank's batch of N_s samples, rank s multiplies its
+  deltas (and its allreduced gradients) by N_s / N, N = sum of N_s, so the result is exactly
+  the gradient of the mean loss over the pooled batch, also for unequal batch sizes.
+- rank-dAD replaces each rank's rows by k <= r factor rows from structured power iteration
+  (hvd_lowcomm.lowrank); ranks agree on k (MAX) and zero-pad. Bias gradients, which factors do
+  not carry, are allreduced. The k each layer keeps is its "effective rank".
+- edAD shares every layer's activations but only the output layer's deltas; each rank
+  recomputes the hidden deltas from the known weights and activation derivatives. It is exact,
+  and therefore allowed, only for nn.Sequential MLPs of Linear layers and element-wise
+  activations whose derivative is a function of their output (ReLU, LeakyReLU, Tanh, Sigmoid).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hvd_lowcomm import runtime
+from hvd_lowcomm.config import ConfigError, option
+from hvd_lowcomm.lowrank import structured_power_iteration
+from hvd_lowcomm.methods import register
+from hvd_lowcomm.methods.ddp import DataParallel
+from hvd_lowcomm.runtime import Group
+from hvd_lowcomm.traffic import meter, wire_bytes
+
+FLOAT_BYTES = 4
+
+
+# ---------------------------------------------------------------------------------------------
+# layers as rows
+
+def supports(module: nn.Module) -> bool:
+    if isinstance(module, nn.Linear):
+        return True
+    return isinstance(module, nn.Conv2d) and module.groups == 1 and module.padding_mode == "zeros"
+
+
+def activation_rows(module: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    """The layer's input as rows × fan_in (im2col patches for Conv2d)."""
+    if isinstance(module, nn.Conv2d):
+        patches = F.unfold(inputs, module.kernel_size, dilation=module.dilation,
+                           padding=module.padding, stride=module.stride)  # N × C_in·kh·kw × L
+        return patches.transpose(1, 2).reshape(-1, patches.shape[1])
+    return inputs.reshape(-1, inputs.shape[-1])
+
+
+def delta_rows(module: nn.Module, grad_output: torch.Tensor) -> torch.Tensor:
+    """∂L/∂(layer output) as rows × fan_out, rows ordered as in activation_rows."""
+    if isinstance(module, nn.Conv2d):  # N × C_out × H × W  ->  (N·H·W) × C_out
+        return grad_output.flatten(2).transpose(1, 2).reshape(-1, grad_output.shape[1])
+    return grad_output.reshape(-1, grad_output.shape[-1])
+
+
+def fan_in_out(module: nn.Module) -> tuple[int, int]:
+    weight = module.weight
+    return weight[0].numel(), weight.shape[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan
+
+@dataclass
+class LayerPlan:
+    name: str
+    weight_shape: tuple[int, ...]
+    rows: int                 # rows shared per step by all ranks together
+    shared_wire_bytes: float  # what sharing activations + deltas (or factors) costs one rank
+    allreduce_wire_bytes: float
+    choice: str               # "dad" or "allreduce"
+
+
+def plan_layer(name: str, module: nn.Module, rows: int, world_size: int, extra_allreduce: int = 0,
+               force: bool = False) -> LayerPlan:
+    """Share rows for this layer when that sends fewer bytes than allreducing its gradient.
+
+    rows·(d_in + d_out) numbers are allgathered ((p-1)/p of them cross the wire per rank)
+    against weight + bias numbers allreduced (2 (p-1)/p). The comparison drops the common
+    (p-1)/p factor, so it is the same on one rank. `extra_allreduce` counts numbers the
+    sharing variant still allreduces (rank-dAD's bias).
+    """
+    d_in, d_out = fan_in_out(module)
+    params = sum(p.numel() for p in module.parameters(recurse=False))
+    shared = rows * (d_in + d_out) * FLOAT_BYTES
+    allreduced = params * FLOAT_BYTES
+    p = world_size
+    shared_wire = wire_bytes("allgather", shared, p) + wire_bytes("allreduce", extra_allreduce * FLOAT_BYTES, p)
+    allreduce_wire = wire_bytes("allreduce", allreduced, p)
+    share = force or shared + 2 * extra_allreduce * FLOAT_BYTES < 2 * allreduced
+    return LayerPlan(name, tuple(module.weight.shape), rows, shared_wire, allreduce_wire,
+                     "dad" if share else "allreduce")
+
+
+def format_plan(plans: list[LayerPlan]) -> str:
+    from hvd_lowcomm.metrics import human_bytes
+
+    lines = [f"{'layer':<16} {'weight':<18} {'rows/step':>9} {'share':>11} {'allreduce':>11}  choice"]
+    for lp in plans:
+        lines.append(f"{lp.name:<16} {'x'.join(map(str, lp.weight_shape)):<18} {lp.rows:>9} "
+                     f"{human_bytes(lp.shared_wire_bytes):>11} {human_bytes(lp.allreduce_wire_bytes):>11}  {lp.choice}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# the optimiser wrapper
+
+@dataclass
+class _Capture:
+    acts: list[torch.Tensor] = field(default_factory=list)
+    deltas: list[torch.Tensor] = field(default_factory=list)
+
+
+class _DadOptimizer(torch.optim.Optimizer):
+    """Mixed into the user's optimiser class (as Horovod's DistributedOptimizer is)."""
+
+    def __init__(self, params: Any, model: nn.Module, rank: int | None, iterations: int, tol: float,
+                 plan: str, edad: bool, group: Group | None, seed: int) -> None:
+        super(self.__class__, self).__init__(params)
+        self._model, self._group = model, group
+        self._rank, self._iterations, self._tol = rank, iterations, tol
+        self._force_all, self._edad = plan == "all" or edad, edad
+        self._layers = {name: m for name, m in model.named_modules() if supports(m)}
+        if not self._layers:
+            raise ConfigError("dAD needs at least one Linear or Conv2d (groups=1) layer; this model has none: "
+                              "use --method ddp")
+        if edad:
+            self._edad_chain = edad_chain(model)
+        self._captured = {name: _Capture() for name in self._layers}
+        for name, module in self._layers.items():
+            module.register_forward_hook(self._capture_hook(name))
+        self._names = {p: n for n, p in model.named_parameters()}
+        self.plan: dict[str, LayerPlan] = {}
+        self.effective_ranks: dict[str, list[int]] = {name: [] for name in self._layers}
+        self._generator = torch.Generator().manual_seed(seed)
+        self._should_synchronize = True
+
+    def _capture_hook(self, name: str):
+        capture = self._captured[name]
+
+        def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+            if torch.is_grad_enabled() and output.requires_grad:
+                capture.acts.append(inputs[0].detach())
+                output.register_hook(lambda grad: capture.deltas.append(grad.detach()))
+        return hook
+
+    # -- Horovod-style control -----------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for capture in self._captured.values():
+            capture.acts.clear()
+            capture.deltas.clear()
+        super(self.__class__, self).zero_grad(set_to_none)
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Any = None) -> Any:
+        if self._should_synchronize:
+            self.synchronize()
+        return super(self.__class__, self).step(closure)
+
+    # -- the exchange --------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Replace every local gradient by the pooled batch's, sharing rows where planned."""
+        used = [n for n, c in self._captured.items() if c.acts]
+        if not used:
+            raise RuntimeError("dAD optimizer: no forward pass with gradients was seen before step()")
+        local_batch = self._captured[used[0]].acts[0].shape[0]
+        p = self._group.size if self._group is not None else runtime.size()
+        with meter.in_phase("train"):
+            sizes = meter.allreduce_many([("dad.batch_size", torch.tensor([local_batch], dtype=torch.int64))],
+                                         self._group, op="sum")[0]
+        scale = local_batch / int(sizes.item())
+        rows = {n: self._local_rows(n, scale) for n in used}
+        if not self.plan:
+            self._make_plan(rows, local_batch, int(sizes.item()), p)
+
+        shared: list[tuple[str, torch.Tensor]] = []
+        reduced: list[tuple[str, torch.Tensor]] = []
+        dad_layers = [n for n in used if self.plan[n].choice == "dad"]
+        if self._edad:
+            shared = self._edad_payload(rows)
+        elif self._rank is None:
+            shared = [(f"dad.{n}", torch.cat(rows[n], dim=1)) for n in dad_layers]
+        else:
+            shared = self._rank_dad_payload(rows, dad_layers)
+        covered = {id(p) for n in dad_layers for p in self._layers[n].parameters(recurse=False)}
+        if self._rank is not None:  # factors carry no bias: allreduce autograd's (= scaled delta sums)
+            covered -= {id(self._layers[n].bias) for n in dad_layers if self._layers[n].bias is not None}
+        others = [p for group in self.param_groups for p in group["params"]
+                  if id(p) not in covered and p.requires_grad]
+        reduced += [(f"allreduce.{self._names.get(p, id(p))}",
+                     (p.grad if p.grad is not None else torch.zeros_like(p)) * scale) for p in others]
+
+        gathered = meter.allgather_many(shared, self._group)
+        summed = meter.allreduce_many(reduced, self._group, op="sum")
+        results = dict(zip([n for n, _ in shared], gathered))
+        if self._edad:
+            self._apply_edad(results)
+        else:
+            for n in dad_layers:
+                key = f"dad.{n}" if self._rank is None else f"rank-dad.{n}"
+                self._apply_rows(n, results[key], with_bias=self._rank is None)
+        by_name = dict(zip([n for n, _ in reduced], summed))
+        for param in others:
+            param.grad = by_name[f"allreduce.{self._names.get(param, id(param))}"]
+        for capture in self._captured.values():
+            capture.acts.clear()
+            capture.deltas.clear()
+
+    def _local_rows(self, name: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        module, capture = self._layers[name], self._captured[name]
+        if len(capture.deltas) != len(capture.acts):
+            raise RuntimeError(f"dAD: layer {name} ran forward {len(capture.acts)} times but got "
+                               f"{len(capture.deltas)} deltas; call backward() before step()")
+        acts = torch.cat([activation_rows(module, a) for a in capture.acts])
+        # Hooks fire in backward order; reversing restores forward order for repeated uses.
+        deltas = torch.cat([delta_rows(module, d) for d in reversed(capture.deltas)]) * scale
+        return acts, deltas
+
+    def _make_plan(self, rows: dict[str, tuple[torch.Tensor, torch.Tensor]], local_batch: int,
+                   total_batch: int, p: int) -> None:
+        for name, (acts, _) in rows.items():
+            module = self._layers[name]
+            positions = acts.shape[0] // local_batch
+            if self._rank is None:
+                shared_rows, extra = positions * total_batch, 0
+            else:
+                shared_rows = p * self._rank
+                extra = module.bias.numel() if module.bias is not None else 0
+            self.plan[name] = plan_layer(name, module, shared_rows, p, extra, force=self._force_all)
+        if runtime.rank() == 0:
+            from tqdm import tqdm
+
+            kind = "edAD" if self._edad else "dAD" if self._rank is None else f"rank-dAD (r={self._rank})"
+            tqdm.write(f"{kind} plan (wire bytes per rank per step):\n{format_plan(list(self.plan.values()))}")
+
+    def _apply_rows(self, name: str, pooled: torch.Tensor, with_bias: bool) -> None:
+        """∇W = Δᵀ A over the pooled rows [A | Δ]; ∇b = column sums of Δ."""
+        module = self._layers[name]
+        d_in, _ = fan_in_out(module)
+        acts, deltas = pooled[:, :d_in], pooled[:, d_in:]
+        module.weight.grad = (deltas.T @ acts).reshape(module.weight.shape)
+        if with_bias and module.bias is not None:
+            module.bias.grad = deltas.sum(dim=0)
+
+    def _rank_dad_payload(self, rows: dict[str, tuple[torch.Tensor, torch.Tensor]], layers: list[str]
+                          ) -> list[tuple[str, torch.Tensor]]:
+        factors = {n: structured_power_iteration(*rows[n], self._rank, self._iterations, self._tol,
+                                                 self._generator) for n in layers}
+        local_k = torch.tensor([factors[n][0].shape[0] for n in layers], dtype=torch.int64)
+        common_k = meter.allreduce_many([("rank-dad.k", local_k)], self._group, op="max")[0].tolist()
+        shared = []
+        for n, k in zip(layers, common_k):
+            b_rows, c_rows = factors[n]
+            self.effective_ranks[n].append(factors[n][0].shape[0])
+            padded = torch.cat([b_rows, c_rows], dim=1)
+            padded = F.pad(padded, (0, 0, 0, int(k) - padded.shape[0]))  # zero rows up to the common k
+            shared.append((f"rank-dad.{n}", padded))
+        return shared
+
+    # -- edAD ----------------------------------------------------------------------------------
+    def _edad_payload(self, rows: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        names = [n for n, _ in self._edad_chain]
+        shared = [(f"edad.acts.{n}", rows[n][0]) for n in names]
+        shared.append((f"edad.delta.{names[-1]}", rows[names[-1]][1]))
+        return shared
+
+    def _apply_edad(self, results: dict[str, torch.Tensor]) -> None:
+        names = [n for n, _ in self._edad_chain]
+        delta = results[f"edad.delta.{names[-1]}"]
+        for index in range(len(names) - 1, -1, -1):
+            name, module = names[index], self._layers[names[index]]
+            acts = results[f"edad.acts.{name}"]
+            module.weight.grad = delta.T @ acts
+            if module.bias is not None:
+                module.bias.grad = delta.sum(dim=0)
+            if index:
+                derivative = self._edad_chain[index - 1][1]
+                delta = (delta @ module.weight.detach()) * derivative(acts)
+
+
+def edad_chain(model: nn.Module) -> list[tuple[str, Any]]:
+    """[(linear name, derivative of the activation that follows it as a function of its output)],
+    or ConfigError when recomputing hidden deltas would not be exact for this model."""
+    derivatives = {
+        nn.ReLU: lambda m: lambda out: (out > 0).to(out.dtype),
+        nn.LeakyReLU: lambda m: lambda out: torch.where(out > 0, 1.0, m.negative_slope).to(out.dtype),
+        nn.Tanh: lambda m: lambda out: 1 - out * out,
+        nn.Sigmoid: lambda m: lambda out: out * (1 - out),
+    }
+    if not isinstance(model, nn.Sequential):
+        raise ConfigError("edAD is exact only for nn.Sequential MLPs; use --method dad")
+    chain: list[list[Any]] = []
+    for name, module in model.named_children():
+        if isinstance(module, nn.Flatten) and not chain:
+            continue
+        if isinstance(module, nn.Linear):
+            if chain and chain[-1][1] is None:
+                chain[-1][1] = lambda out: torch.ones_like(out)  # Linear followed directly by Linear
+            chain.append([name, None])
+        elif type(module) in derivatives and chain and chain[-1][1] is None:
+            chain[-1][1] = derivatives[type(module)](module)
+        elif isinstance(module, nn.Dropout) and module.p == 0:
+            continue
+        else:
+            raise ConfigError(f"edAD is exact only for Linear layers and element-wise ReLU/LeakyReLU/Tanh/"
+                              f"Sigmoid activations; layer {name} ({type(module).__name__}) breaks that: use --method dad")
+    if not chain or chain[-1][1] is not None:
+        raise ConfigError("edAD needs a model that ends with a Linear layer; use --method dad")
+    return [(name, derivative) for name, derivative in chain]
+
+
+def DadOptimizer(optimizer: torch.optim.Optimizer, model: nn.Module, rank: int | None = None,
+                 iterations: int = 10, tol: float = 1e-3, plan: str = "auto", edad: bool = False,
+                 group: Group | None = None, seed: int = 0) -> torch.optim.Optimizer:
+    """Wrap `optimizer` so step() uses the pooled batch's gradient, built by (rank-/e)dAD.
+
+    rank=None: exact dAD; rank=r: rank-dAD with at most r components per layer, `iterations`
+    power iterations and tolerance `tol`; edad=True: edAD. plan "auto" shares rows only
+    where that is cheaper than allreduce, "all" wherever supported. Use it like Horovod's
+    DistributedOptimizer: `loss.backward(); opt.step()` (or `opt.synchronize()` then
+    `with opt.skip_synchronize(): opt.step()`). The loss must be a mean over the local batch
+    (dim 0 of each layer's input).
+    """
+    if rank is not None and rank < 1:
+        raise ConfigError(f"rank-dAD rank must be >= 1, got {rank}")
+    if tol <= 0:
+        raise ConfigError(f"rank-dAD tolerance must be > 0, got {tol}")
+    if iterations < 1:
+        raise ConfigError(f"rank-dAD iterations must be >= 1, got {iterations}")
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DadOptimizer.__dict__))
+    return cls(optimizer.param_groups, model, rank, iterations, tol, plan, edad, group, seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# the methods
+
+@dataclass
+class DadOptions:
+    """Exact dAD: share activations and deltas instead of gradients."""
+
+    plan: str = option("auto", "share rows where cheaper than allreduce (auto) or for every supported layer (all)",
+                       choices=("auto", "all"))
+
+
+@dataclass
+class RankDadOptions:
+    """rank-dAD: share low-rank factors of activations and deltas (structured power iteration)."""
+
+    rank: int = option(8, "most components per layer")
+    iterations: int = option(10, "power iterations per component")
+    tol: float = option(1e-3, "stop iterating when a component moves less than this; drop components "
+                              "with sigma <= tol * sigma_1")
+    plan: str = option("auto", "share factors where cheaper than allreduce (auto) or for every supported layer (all)",
+                       choices=("auto", "all"))
+
+    def validate(self) -> None:
+        if self.rank < 1:
+            raise ConfigError(f"rank-dad.rank must be >= 1, got {self.rank}")
+        if self.iterations < 1:
+            raise ConfigError(f"rank-dad.iterations must be >= 1, got {self.iterations}")
+        if self.tol <= 0:
+            raise ConfigError(f"rank-dad.tol must be > 0, got {self.tol}")
+
+
+@register("dad")
+class DistributedAutoDiff(DataParallel):
+    """Exact dAD: allgather [activations | deltas] per planned layer, allreduce the rest."""
+
+    options = DadOptions
+
+    def distribute(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
+        return DadOptimizer(optimizer, model, plan=self.cfg.options.plan, seed=self.cfg.train.seed)
+
+    def epoch_metrics(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, lp in self.optimizer.plan.items():
+            out[f"plan/{name}"] = lp.choice
+        for name, totals in meter.by_name.items():
+            if name.split(".", 1)[0] in ("dad", "rank-dad", "edad", "allreduce"):
+                out[f"layer_payload_bytes/{name}"] = totals.payload_bytes
+        for name, ks in self.optimizer.effective_ranks.items():
+            if ks:
+                out[f"effective_rank/{name}"] = sum(ks) / len(ks)
+                ks.clear()
+        return out
+
+
+@register("rank-dad")
+class RankDistributedAutoDiff(DistributedAutoDiff):
+    """rank-dAD: each rank shares k <= r power-iteration factors per planned layer."""
+
+    options = RankDadOptions
+
+    def distribute(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
+        o = self.cfg.options
+        return DadOptimizer(optimizer, model, rank=o.rank, iterations=o.iterations, tol=o.tol, plan=o.plan,
+                            seed=self.cfg.train.seed)
+
+
+@register("edad")
+class EfficientDistributedAutoDiff(DistributedAutoDiff):
+    """edAD: share all activations and only the output delta; recompute hidden deltas (exact MLPs)."""
+
+    options = None
+
+    def distribute(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
+        return DadOptimizer(optimizer, model, edad=True, seed=self.cfg.train.seed)

@@ -1,0 +1,157 @@
+"""dAD, rank-dAD, edAD: pooled-batch gradients from shared activations and deltas."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from conftest import RANK, SIZE
+from hvd_lowcomm.config import ConfigError
+from hvd_lowcomm.lowrank import structured_power_iteration
+from hvd_lowcomm.methods.dad import DadOptimizer
+from hvd_lowcomm.train import main
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def unequal_batches(p: int, rank: int, input_shape, classes: int, seed: int = 5, base: int = 3):
+    """Pooled batch with base + r samples on rank r (identical on every rank), and this rank's slice."""
+    sizes = [base + r for r in range(p)]
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(sizes), *input_shape, generator=generator)
+    y = torch.randint(0, classes, (sum(sizes),), generator=generator)
+    start = sum(sizes[:rank])
+    return x, y, slice(start, start + sizes[rank]), sizes[rank]
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(11)
+    return nn.Sequential(nn.Flatten(), nn.Linear(6, 7), nn.ReLU(), nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+def cnn() -> nn.Sequential:
+    torch.manual_seed(12)
+    return nn.Sequential(nn.Conv2d(2, 4, 3, stride=2, padding=1), nn.ReLU(),
+                         nn.Conv2d(4, 5, 3, padding=2, dilation=2), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(5 * 5 * 5, 3))
+
+
+def pooled_and_distributed_grads(world, model, x, y, local, **dad_options):
+    reference = copy.deepcopy(model)
+    F.cross_entropy(reference(x), y).backward()
+    opt = DadOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, **dad_options)
+    F.cross_entropy(model(x[local]), y[local]).backward()
+    opt.synchronize()
+    return opt, [(n, p.grad, r.grad) for (n, p), r in zip(model.named_parameters(), reference.parameters())]
+
+
+@pytest.mark.parametrize("build, input_shape", [(mlp, (6,)), (cnn, (2, 9, 9))], ids=["mlp", "cnn"])
+def test_dad_gradient_equals_autograd_on_the_pooled_batch_with_unequal_batches(world, build, input_shape):
+    x, y, local, _ = unequal_batches(world.size, world.comm.Get_rank(), input_shape, 3)
+    _, grads = pooled_and_distributed_grads(world, build(), x, y, local, plan="all")
+    for name, got, want in grads:
+        assert relative_error(got, want) <= 1e-5, name
+
+
+def test_bytes_per_layer_are_rows_times_fan_in_plus_fan_out(world, fresh_meter):
+    rank = world.comm.Get_rank()
+    x, y, local, n = unequal_batches(world.size, rank, (2, 9, 9), 3)
+    pooled_and_distributed_grads(world, cnn(), x, y, local, plan="all")
+    payload = {r.name: r.payload_bytes for r in fresh_meter.step_records if r.op == "allgather"}
+    # conv 0: 5x5 output positions, 2*3*3 inputs, 4 outputs; conv 2: 5x5 positions, 4*3*3 in, 5 out
+    assert payload["dad.0"] == n * 25 * (2 * 9 + 4) * 4
+    assert payload["dad.2"] == n * 25 * (4 * 9 + 5) * 4
+    assert payload["dad.5"] == n * (125 + 3) * 4  # Linear: N (d_in + d_out) float32
+
+
+def test_the_plan_falls_back_to_allreduce_where_sharing_costs_more(world, fresh_meter):
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
+    x, y, local, _ = unequal_batches(world.size, world.comm.Get_rank(), (64,), 2, base=8)
+    opt, grads = pooled_and_distributed_grads(world, model, x, y, local, plan="auto")
+    rows = sum(8 + r for r in range(world.size))  # 8..38 for 1..4 ranks
+    # layer 0: rows*(64+64) shared < 2*(64*64+64) allreduced; layer 2: rows*(64+2) > 2*(64*2+2)
+    assert rows * 128 < 2 * 4160 and rows * 66 > 2 * 130
+    assert (opt.plan["0"].choice, opt.plan["2"].choice) == ("dad", "allreduce")
+    names = {(r.op, r.name) for r in fresh_meter.step_records}
+    assert ("allreduce", "allreduce.2.weight") in names and ("allreduce", "allreduce.2.bias") in names
+    assert ("allgather", "dad.0") in names
+    for name, got, want in grads:
+        assert relative_error(got, want) <= 1e-5, name
+
+
+def test_rank_dad_at_or_above_the_true_rank_reproduces_the_exact_gradient(world):
+    x, y, local, n = unequal_batches(world.size, world.comm.Get_rank(), (6,), 3)
+    # n <= 3 + (p-1) rows per rank: each local gradient has rank <= n < 8
+    opt, grads = pooled_and_distributed_grads(world, mlp(), x, y, local, rank=8, iterations=300, tol=1e-9, plan="all")
+    for name, got, want in grads:
+        assert relative_error(got, want) <= 1e-4, name
+    assert all(max(ks) <= n for ks in opt.effective_ranks.values())
+
+
+def test_rank_dad_error_is_within_5_percent_of_the_truncated_svd():
+    generator = torch.Generator().manual_seed(RANK)
+    acts = torch.randn(128, 40, generator=generator)
+    low_rank = torch.randn(40, 4, generator=generator) @ torch.randn(4, 30, generator=generator)
+    deltas = acts @ low_rank + 0.3 * torch.randn(128, 30, generator=generator)
+    gradient = acts.T @ deltas
+    u, s, vh = torch.linalg.svd(gradient)
+    for r in (2, 4):
+        b_rows, c_rows = structured_power_iteration(acts, deltas, r, iterations=10, tol=1e-3, generator=generator)
+        svd_error = relative_error(u[:, :r] @ torch.diag(s[:r]) @ vh[:r], gradient)
+        assert b_rows.shape == (r, 40) and c_rows.shape == (r, 30)
+        assert relative_error(b_rows.T @ c_rows, gradient) <= 1.05 * svd_error, r
+
+
+def test_edad_equals_dad(world):
+    x, y, local, _ = unequal_batches(world.size, world.comm.Get_rank(), (6,), 3)
+    _, dad = pooled_and_distributed_grads(world, mlp(), x, y, local, plan="all")
+    _, edad = pooled_and_distributed_grads(world, mlp(), x, y, local, edad=True)
+    for (name, got, _), (_, want, _) in zip(edad, dad):
+        assert relative_error(got, want) <= 1e-5, name
+
+
+def test_edad_refuses_models_where_it_would_not_be_exact():
+    with pytest.raises(ConfigError, match=r"layer 0 \(Conv2d\) breaks that"):
+        DadOptimizer(torch.optim.SGD(cnn().parameters(), lr=0.1), cnn(), edad=True)
+    dropout = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Dropout(0.5), nn.Linear(4, 2))
+    with pytest.raises(ConfigError, match=r"layer 2 \(Dropout\) breaks that"):
+        DadOptimizer(torch.optim.SGD(dropout.parameters(), lr=0.1), dropout, edad=True)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"rank": 0}, "rank must be >= 1, got 0"),
+    ({"rank": 4, "tol": 0.0}, "tolerance must be > 0, got 0.0"),
+])
+def test_bad_rank_dad_options_are_rejected(options, message):
+    model = mlp()
+    with pytest.raises(ConfigError, match=message):
+        DadOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, **options)
+
+
+def test_a_model_without_supported_layers_is_rejected():
+    model = nn.Sequential(nn.BatchNorm1d(4))
+    with pytest.raises(ConfigError, match="needs at least one Linear or Conv2d"):
+        DadOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+
+
+@pytest.mark.parametrize("method", ["dad", "rank-dad", "edad"])
+def test_training_with_dad_methods_reports_plan_and_layer_bytes(shared_tmp, method):
+    argv = ["--method", method, "--train.epochs", "2", "--data.path", str(shared_tmp / "digits.h5"),
+            "--run.dir", str(shared_tmp / "runs"), "--run.name", method, "--run.progress", "false"]
+    assert main(argv) == 0
+    if RANK == 0:
+        epochs = [json.loads(line) for line in (shared_tmp / "runs" / method / "metrics.jsonl").read_text().splitlines()
+                  if '"epoch"' in line and '"type": "epoch"' in line]
+        assert len(epochs) == 2 and epochs[-1]["test_acc"] > 0.8
+        assert {k for k in epochs[-1] if k.startswith("plan/")} == {"plan/1", "plan/3", "plan/5"}
+        if SIZE > 1:
+            assert any(k.startswith("layer_payload_bytes/") for k in epochs[-1])
+        if method == "rank-dad":
+            assert 1 <= epochs[-1]["effective_rank/1"] <= 8
