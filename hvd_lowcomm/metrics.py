@@ -4,6 +4,8 @@
     runs/<name>/metrics.jsonl   one JSON object per line: {"type": "step"|"epoch"|"summary", ...}
     runs/<name>/epochs.csv      one row per epoch (rewritten each epoch: columns may grow)
     runs/<name>/summary.json    the final summary
+    runs/<name>/<group>.png     epoch columns named "<group>/<series>" plotted together
+                                (e.g. effective_rank/<layer>, one line per layer)
 """
 from __future__ import annotations
 
@@ -91,13 +93,46 @@ class RunLogger:
             return
         self.log("summary", record)
         (self.run_dir / "summary.json").write_text(json.dumps(record, indent=2) + "\n")
+        plotted = plot_series_groups(self.epoch_rows, self.run_dir)
         width = max(len(label) for label, _ in rows)
         lines = ["", "=" * (width + 40), "summary", "-" * (width + 40)]
         lines += [f"{label:<{width}}  {value}" for label, value in rows]
-        lines += ["=" * (width + 40), f"metrics: {self.run_dir}/metrics.jsonl, epochs.csv, summary.json"]
+        lines += ["=" * (width + 40), f"metrics: {self.run_dir}/metrics.jsonl, epochs.csv, summary.json"
+                  + "".join(f", {p.name}" for p in plotted)]
         self.print("\n".join(lines))
 
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
+
+
+def plot_series_groups(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """One PNG per group of numeric columns named "<group>/<series>", against the epoch."""
+    groups: dict[str, list[str]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if "/" in key and isinstance(value, (int, float)) and key not in groups.get(key.split("/")[0], []):
+                groups.setdefault(key.split("/", 1)[0], []).append(key)
+    if not groups:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for group, keys in groups.items():
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for key in keys:
+            points = [(row["epoch"], row[key]) for row in rows if key in row]
+            ax.plot(*zip(*points), marker="o", label=key.split("/", 1)[1])
+        ax.set(xlabel="epoch", ylabel=group.replace("_", " "), title=group.replace("_", " "))
+        ax.legend(fontsize="small")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out_dir / f"{group}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths

@@ -32,6 +32,14 @@ def test_digits_are_written_in_the_documented_layout(tmp_path):
     assert data_prep_main(["verify", str(tmp_path / "d.h5")]) == 0
 
 
+def test_mnist5k_holds_real_mnist_images(tmp_path):
+    assert data_prep_main(["mnist5k", "--out", str(tmp_path / "m.h5")]) == 0
+    info = data.inspect(tmp_path / "m.h5")
+    assert (info.num_train + info.num_test, info.input_shape, info.num_classes) == (5000, (1, 28, 28), 10)
+    with h5py.File(tmp_path / "m.h5") as f:
+        assert np.bincount(f["test/y"][:]).tolist() == [100] * 10  # stratified: 500 per class, 20 % held out
+
+
 def test_npz_import_and_synthetic(tmp_path):
     rng = np.random.default_rng(0)
     np.savez(tmp_path / "a.npz", x=rng.normal(size=(50, 6)), y=rng.integers(0, 3, 50))

@@ -1,8 +1,9 @@
 """What every training method provides, and the pieces most of them share."""
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -111,3 +112,38 @@ def broadcast_model_and_optimizer(model: torch.nn.Module, optimizer: torch.optim
             [(f"optimizer.{index}.{key}", value) for index, entry in sorted(state.items())
              for key, value in sorted(entry.items()) if torch.is_tensor(value)],
             root_rank, group)
+
+
+class GradientExchange(torch.optim.Optimizer):
+    """Base of optimiser wrappers in the style of Horovod's DistributedOptimizer.
+
+    `step()` first calls `synchronize()`, which replaces every local gradient by the pooled
+    one (however the subclass exchanges it), then the wrapped optimiser's own step. A loop that
+    needs the pooled gradients before stepping (clipping, inspection) calls `synchronize()`
+    itself and steps inside `with opt.skip_synchronize():`.
+    """
+
+    _should_synchronize = True
+
+    def synchronize(self) -> None:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Any = None) -> Any:
+        if self._should_synchronize:
+            self.synchronize()
+        return super().step(closure)
+
+
+def wrap_optimizer(optimizer: torch.optim.Optimizer, exchange: type, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
+    """An instance of `optimizer`'s own class with `exchange` (a GradientExchange subclass)
+    mixed in, over the same parameter groups: isinstance checks and LR schedulers keep working."""
+    cls = type(optimizer.__class__.__name__, (exchange, optimizer.__class__), {})
+    return cls(optimizer.param_groups, *args, **kwargs)

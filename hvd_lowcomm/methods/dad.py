@@ -24,9 +24,8 @@ numbers, and every rank forms the pooled gradient [Δ_1; ...; Δ_p]ᵀ [A_1; ...
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -36,6 +35,7 @@ from hvd_lowcomm import runtime
 from hvd_lowcomm.config import ConfigError, option
 from hvd_lowcomm.lowrank import structured_power_iteration
 from hvd_lowcomm.methods import register
+from hvd_lowcomm.methods.base import GradientExchange, wrap_optimizer
 from hvd_lowcomm.methods.ddp import DataParallel
 from hvd_lowcomm.runtime import Group
 from hvd_lowcomm.traffic import meter, wire_bytes
@@ -126,12 +126,12 @@ class _Capture:
     deltas: list[torch.Tensor] = field(default_factory=list)
 
 
-class _DadOptimizer(torch.optim.Optimizer):
-    """Mixed into the user's optimiser class (as Horovod's DistributedOptimizer is)."""
+class _DadExchange(GradientExchange):
+    """Mixed into the user's optimiser class by DadOptimizer."""
 
     def __init__(self, params: Any, model: nn.Module, rank: int | None, iterations: int, tol: float,
                  plan: str, edad: bool, group: Group | None, seed: int) -> None:
-        super(self.__class__, self).__init__(params)
+        super().__init__(params)
         self._model, self._group = model, group
         self._rank, self._iterations, self._tol = rank, iterations, tol
         self._force_all, self._edad = plan == "all" or edad, edad
@@ -148,7 +148,6 @@ class _DadOptimizer(torch.optim.Optimizer):
         self.plan: dict[str, LayerPlan] = {}
         self.effective_ranks: dict[str, list[int]] = {name: [] for name in self._layers}
         self._generator = torch.Generator().manual_seed(seed)
-        self._should_synchronize = True
 
     def _capture_hook(self, name: str):
         capture = self._captured[name]
@@ -159,25 +158,11 @@ class _DadOptimizer(torch.optim.Optimizer):
                 output.register_hook(lambda grad: capture.deltas.append(grad.detach()))
         return hook
 
-    # -- Horovod-style control -----------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
         for capture in self._captured.values():
             capture.acts.clear()
             capture.deltas.clear()
-        super(self.__class__, self).zero_grad(set_to_none)
-
-    @contextlib.contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
-        self._should_synchronize = False
-        try:
-            yield
-        finally:
-            self._should_synchronize = True
-
-    def step(self, closure: Any = None) -> Any:
-        if self._should_synchronize:
-            self.synchronize()
-        return super(self.__class__, self).step(closure)
+        super().zero_grad(set_to_none)
 
     # -- the exchange --------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -349,8 +334,7 @@ def DadOptimizer(optimizer: torch.optim.Optimizer, model: nn.Module, rank: int |
         raise ConfigError(f"rank-dAD tolerance must be > 0, got {tol}")
     if iterations < 1:
         raise ConfigError(f"rank-dAD iterations must be >= 1, got {iterations}")
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DadOptimizer.__dict__))
-    return cls(optimizer.param_groups, model, rank, iterations, tol, plan, edad, group, seed)
+    return wrap_optimizer(optimizer, _DadExchange, model, rank, iterations, tol, plan, edad, group, seed)
 
 
 # ---------------------------------------------------------------------------------------------

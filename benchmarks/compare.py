@@ -1,0 +1,211 @@
+"""Side-by-side comparison of training methods: same data, model, seed and epochs.
+
+    python -m benchmarks.compare --methods ddp,ddp-fp16,dad,rank-dad:rank=4 --np 2,4 \\
+        --data data/mnist5k.h5 --hidden 1024,1024 --epochs 5 --out benchmarks/results/dad
+
+Each method runs as its own `mpirun -np N python -m hvd_lowcomm.train` job. A method entry
+is a registered method name, optionally with options, `name:key=value,key=value` (keys
+without a dot belong to the method's own section: `rank-dad:rank=4` is
+`--rank-dad.rank 4`; `ddp:comm.compression=fp16` sets another section), or an alias
+(`ddp-fp16`). Anything after `--` is passed to every run.
+
+Writes to --out: results.csv and results.md (accuracy, bytes per step from the traffic meter,
+step time, peak memory, ratios to ddp fp32 at the same rank count), accuracy_vs_epoch.png,
+accuracy_vs_bytes.png, step_time.png, and effective_rank.png when a method logs one; the
+runs themselves under runs/. Ratios, not absolute seconds, are what compare across machines.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from hvd_lowcomm.metrics import human_bytes
+
+ALIASES = {"ddp-fp16": "ddp:comm.compression=fp16"}
+MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str          # as given on the command line
+    method: str
+    overrides: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> "Variant":
+        spec = ALIASES.get(text, text)
+        method, _, options = spec.partition(":")
+        overrides: list[str] = []
+        for item in filter(None, options.split(",")):
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise SystemExit(f"compare: method option {item!r} in {text!r} needs key=value")
+            overrides += [f"--{key if '.' in key else f'{method}.{key}'}", value]
+        return cls(text, method, tuple(overrides))
+
+
+def run_one(variant: Variant, np_: int, args: argparse.Namespace, runs_dir: Path, extra: list[str]) -> dict[str, Any]:
+    name = f"np{np_}-{variant.label.replace(':', '-').replace(',', '-').replace('=', '')}"
+    command = [*MPIRUN, "-np", str(np_), sys.executable, "-m", "hvd_lowcomm.train",
+               "--method", variant.method, *variant.overrides,
+               "--data.path", args.data, "--model.name", args.model, "--model.hidden", args.hidden,
+               "--train.epochs", str(args.epochs), "--data.batch_size", str(args.batch_size),
+               "--train.seed", str(args.seed), "--run.dir", str(runs_dir), "--run.name", name,
+               "--run.progress", "false", *extra]
+    started = time.monotonic()
+    proc = subprocess.run(command, capture_output=True, text=True)
+    (runs_dir / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+        raise SystemExit(f"compare: {variant.label} on {np_} ranks failed (exit {proc.returncode}):\n{tail}\n"
+                         f"full log: {runs_dir / f'{name}.log'}")
+    summary = json.loads((runs_dir / name / "summary.json").read_text())
+    with open(runs_dir / name / "epochs.csv") as fh:
+        epochs = list(csv.DictReader(fh))
+    return {"variant": variant.label, "np": np_, "summary": summary, "epochs": epochs,
+            "wall_seconds": time.monotonic() - started}
+
+
+def tabulate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for r in results:
+        s = r["summary"]
+        base = next((b["summary"] for b in results if b["np"] == r["np"] and b["variant"] == "ddp"), None)
+        row = {"np": r["np"], "method": r["variant"], "final_test_acc": s["final_test_acc"],
+               "best_test_acc": s["best_test_acc"], "bytes_per_step": s["train_wire_bytes_per_step"],
+               "step_ms": 1000 * s["step_seconds_mean"], "peak_rss_mb": s["peak_rss_bytes_max_rank"] / 1e6}
+        if base is not None:
+            row["bytes_ratio_to_ddp"] = s["train_wire_bytes_per_step"] / base["train_wire_bytes_per_step"] \
+                if base["train_wire_bytes_per_step"] else float("nan")
+            row["step_time_ratio_to_ddp"] = s["step_seconds_mean"] / base["step_seconds_mean"]
+            row["acc_diff_to_ddp_points"] = 100 * (s["final_test_acc"] - base["final_test_acc"])
+        rows.append(row)
+    return rows
+
+
+def write_tables(rows: list[dict[str, Any]], out: Path, title: str) -> str:
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    with open(out / "results.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    header = ["np", "method", "test acc", "Δ acc vs ddp", "bytes/step", "× ddp bytes", "step ms", "× ddp time",
+              "peak RSS"]
+    lines = [f"# {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        lines.append("| " + " | ".join([
+            str(row["np"]), row["method"], f"{100 * row['final_test_acc']:.2f} %",
+            f"{row.get('acc_diff_to_ddp_points', float('nan')):+.2f}", human_bytes(row["bytes_per_step"]),
+            f"{row.get('bytes_ratio_to_ddp', float('nan')):.4f}", f"{row['step_ms']:.1f}",
+            f"{row.get('step_time_ratio_to_ddp', float('nan')):.2f}", f"{row['peak_rss_mb']:.0f} MB"]) + " |")
+    text = "\n".join(lines) + "\n"
+    (out / "results.md").write_text(text)
+    return text
+
+
+def plot(results: list[dict[str, Any]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def series(r: dict[str, Any], key: str) -> list[float]:
+        return [float(e[key]) for e in r["epochs"]]
+
+    label = lambda r: f"{r['variant']} (np {r['np']})"  # noqa: E731
+    for name, xkey, xlabel in (("accuracy_vs_epoch", "epoch", "epoch"),
+                               ("accuracy_vs_bytes", "train_wire_bytes_total", "cumulative bytes sent per rank")):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for r in results:
+            ax.plot(series(r, xkey), [100 * a for a in series(r, "test_acc")], marker="o", label=label(r))
+        ax.set(xlabel=xlabel, ylabel="test accuracy (%)", xscale="log" if "bytes" in name else "linear")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png", dpi=100)
+        plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.barh([label(r) for r in results], [1000 * r["summary"]["step_seconds_mean"] for r in results])
+    ax.set(xlabel="mean step time (ms)")
+    fig.tight_layout()
+    fig.savefig(out / "step_time.png", dpi=100)
+    plt.close(fig)
+
+    ranked = [(r, k) for r in results for k in r["epochs"][0] if k.startswith("effective_rank/")]
+    if ranked:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for r, key in ranked:
+            ax.plot(series(r, "epoch"), series(r, key), marker="o", label=f"{label(r)} layer {key.split('/', 1)[1]}")
+        ax.set(xlabel="epoch", ylabel="effective rank (components kept, mean over steps)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="x-small")
+        fig.tight_layout()
+        fig.savefig(out / "effective_rank.png", dpi=100)
+        plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.compare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", default="ddp,ddp-fp16", help="comma-separated method entries (default: %(default)s)")
+    parser.add_argument("--np", default="2", help="comma-separated rank counts (default: %(default)s)")
+    parser.add_argument("--data", default="data/mnist5k.h5", help="HDF5 dataset (default: %(default)s)")
+    parser.add_argument("--model", default="mlp", help="model name (default: %(default)s)")
+    parser.add_argument("--hidden", default="1024,1024", help="hidden widths (default: %(default)s)")
+    parser.add_argument("--epochs", type=int, default=5, help="epochs per run (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=32, help="samples per rank per step (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=42, help="seed shared by every run (default: %(default)s)")
+    parser.add_argument("--out", default="benchmarks/results/compare", help="output directory (default: %(default)s)")
+    parser.add_argument("--title", default=None, help="heading of results.md")
+    args = parser.parse_args(argv)
+
+    # Entries split on commas, but "rank-dad:rank=4,iterations=5" keeps its options together.
+    entries: list[str] = []
+    for piece in args.methods.split(","):
+        if entries and "=" in piece and ":" not in piece:
+            entries[-1] += "," + piece
+        else:
+            entries.append(piece)
+    variants = [Variant.parse(e) for e in entries]
+    counts = [int(n) for n in args.np.split(",")]
+    out = Path(args.out)
+    runs_dir = out / "runs"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    if not Path(args.data).exists() and Path(args.data).stem not in ("digits", "mnist5k"):
+        raise SystemExit(f"compare: {args.data} does not exist; make it with python -m data_prep")
+
+    results = []
+    jobs = [(v, n) for n in counts for v in variants]
+    with tqdm(jobs, desc="runs", unit="run", file=sys.stdout) as bar:
+        for variant, np_ in bar:
+            bar.set_postfix_str(f"{variant.label} on {np_} ranks")
+            result = run_one(variant, np_, args, runs_dir, extra)
+            results.append(result)
+            s = result["summary"]
+            bar.write(f"{variant.label:>24} np {np_}: acc {100 * s['final_test_acc']:.2f} %, "
+                      f"{human_bytes(s['train_wire_bytes_per_step'])}/step, {1000 * s['step_seconds_mean']:.1f} ms/step")
+    rows = tabulate(results)
+    title = args.title or (f"{', '.join(v.label for v in variants)}: {args.model} {args.hidden} on {args.data}, "
+                           f"{args.epochs} epochs, batch {args.batch_size}/rank, seed {args.seed}")
+    print("\n" + write_tables(rows, out, title))
+    plot(results, out)
+    print(f"tables and plots in {out}/ (results.md, results.csv, *.png); runs in {runs_dir}/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

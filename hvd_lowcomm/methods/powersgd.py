@@ -1,0 +1,200 @@
+"""`powersgd`: low-rank gradient compression (Vogels, Karimireddy, Jaggi, NeurIPS 2019) with the
+semantics of PyTorch's DDP communication hook (torch/distributed/algorithms/ddp_comm_hooks/
+powerSGD_hook.py), as a Horovod-style optimizer wrapper.
+
+Each step, once `start_iter` steps of plain allreduce are done:
+1. Split the gradients: a tensor viewed as an n × m matrix (n = its first dimension) with
+   r' = min(n, m, rank) is compressed if (n + m)·r'·min_compression_rate < n·m; the rest
+   (biases, small layers) is allreduced (averaged) as is.
+2. Error feedback: M <- M + e, what compression dropped on this rank at earlier steps.
+3. Q: the previous step's Q (warm start), else a random matrix drawn from the same seed on
+   every rank; orthogonalise.
+4. P = M Q; allreduce P (sum); orthogonalise P.
+5. Q = Mᵀ P; allreduce Q (sum); divide by the number of ranks.
+6. M̂ = P Qᵀ, the same rank-r' approximation of the mean gradient on every rank; e <- M - M̂.
+
+Difference from the hook, without effect on the update: error feedback is kept for compressed
+matrices only. The hook also stores (local - mean) for uncompressed tensors, which averages to
+zero over ranks and so never changes the allreduced result.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+from hvd_lowcomm import runtime
+from hvd_lowcomm.config import ConfigError, option
+from hvd_lowcomm.methods import register
+from hvd_lowcomm.methods.base import GradientExchange, wrap_optimizer
+from hvd_lowcomm.methods.ddp import DataParallel
+from hvd_lowcomm.runtime import Group
+from hvd_lowcomm.traffic import meter
+
+
+class PowerSGDState:
+    """Everything PowerSGD carries from step to step (checkpoint it with `state_dict`).
+
+    rank                  r, the most columns of P and Q per matrix (PyTorch: 1; 1-4 typical)
+    start_iter            steps of plain allreduce before compression starts (PyTorch: 1000;
+                          its docs suggest ~10 % of training)
+    min_compression_rate  compress a matrix only if it shrinks at least this much (PyTorch: 2)
+    error_feedback        add back what compression dropped at earlier steps (PyTorch: on)
+    warm_start            start each step's Q from the previous one (PyTorch: on)
+    seed                  seeds the random Q, identically on every rank
+    """
+
+    def __init__(self, rank: int = 1, start_iter: int = 10, min_compression_rate: float = 2.0,
+                 error_feedback: bool = True, warm_start: bool = True, seed: int = 0) -> None:
+        if rank < 1:
+            raise ConfigError(f"powersgd.rank must be >= 1, got {rank}")
+        if start_iter < 0:
+            raise ConfigError(f"powersgd.start_iter must be >= 0, got {start_iter}")
+        self.rank, self.start_iter = rank, start_iter
+        self.min_compression_rate = min_compression_rate
+        self.error_feedback, self.warm_start, self.seed = error_feedback, warm_start, seed
+        self.iter = 0
+        self.errors: dict[str, torch.Tensor] = {}
+        self.qs: dict[str, torch.Tensor] = {}
+        self.numel_before = 0   # gradient numbers per compressed step, before / after compression
+        self.numel_after = 0
+
+    def should_compress(self, n: int, m: int) -> tuple[bool, int]:
+        rank = min(n, m, self.rank)
+        return (n + m) * rank * self.min_compression_rate < n * m, rank
+
+    def compression_rate(self) -> float:
+        return self.numel_before / self.numel_after if self.numel_after else 1.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"iter": self.iter, "errors": dict(self.errors), "qs": dict(self.qs)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.iter, self.errors, self.qs = state["iter"], dict(state["errors"]), dict(state["qs"])
+
+
+def orthogonalise(matrix: torch.Tensor) -> torch.Tensor:
+    """Orthonormal columns spanning `matrix`'s columns (QR; also safe when they are dependent)."""
+    return torch.linalg.qr(matrix, mode="reduced").Q
+
+
+class _PowerSGDExchange(GradientExchange):
+    """Mixed into the user's optimiser class by PowerSGDOptimizer."""
+
+    def __init__(self, params: Any, named_parameters: list[tuple[str, torch.nn.Parameter]],
+                 state: PowerSGDState, group: Group | None) -> None:
+        super().__init__(params)
+        self.powersgd = state
+        self._named = named_parameters
+        self._group = group
+
+    def synchronize(self) -> None:
+        state = self.powersgd
+        grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in self._named}
+        if state.iter < state.start_iter:
+            self._assign(grads, self._average([(f"allreduce.{n}", g) for n, g in grads.items()]))
+            state.iter += 1
+            return
+
+        matrices, plain, ranks = {}, {}, {}
+        for name, grad in grads.items():
+            n = grad.shape[0] if grad.dim() else 1
+            compress, rank = state.should_compress(n, grad.numel() // n)
+            state.numel_before += grad.numel()
+            if compress:
+                matrices[name], ranks[name] = grad.reshape(n, -1), rank
+                state.numel_after += (n + grad.numel() // n) * rank
+            else:
+                plain[name] = grad
+                state.numel_after += grad.numel()
+        if state.error_feedback:
+            for name, m in matrices.items():
+                matrices[name] = m + state.errors.get(name, torch.zeros_like(m))
+
+        qs = {name: self._start_q(name, m.shape[1], ranks[name], m) for name, m in matrices.items()}
+        averaged = self._average([(f"allreduce.{n}", g) for n, g in plain.items()])
+        ps = meter.allreduce_many([(f"powersgd.P.{n}", m @ qs[n]) for n, m in matrices.items()], self._group, op="sum")
+        ps = {n: orthogonalise(p) for n, p in zip(matrices, ps)}
+        size = self._group.size if self._group is not None else runtime.size()
+        summed_qs = meter.allreduce_many([(f"powersgd.Q.{n}", m.T @ ps[n]) for n, m in matrices.items()],
+                                         self._group, op="sum")
+        approximations = {}
+        for (name, m), q in zip(matrices.items(), summed_qs):
+            q = q / size
+            approximations[name] = ps[name] @ q.T
+            if state.error_feedback:
+                state.errors[name] = m - approximations[name]
+            if state.warm_start:
+                state.qs[name] = q
+        self._assign(grads, {**averaged, **approximations})
+        state.iter += 1
+
+    def _start_q(self, name: str, m: int, rank: int, like: torch.Tensor) -> torch.Tensor:
+        state = self.powersgd
+        if state.warm_start and name in state.qs and state.qs[name].shape == (m, rank):
+            return orthogonalise(state.qs[name])
+        generator = torch.Generator().manual_seed(state.seed * 1_000_003 + state.iter)
+        return orthogonalise(torch.randn(m, rank, generator=generator, dtype=like.dtype).to(like.device))
+
+    def _average(self, named: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        results = meter.allreduce_many(named, self._group, op="average")
+        return {name.split(".", 1)[1]: value for (name, _), value in zip(named, results)}
+
+    def _assign(self, grads: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
+        for name, param in self._named:
+            param.grad = new[name].reshape(grads[name].shape)
+
+
+def PowerSGDOptimizer(optimizer: torch.optim.Optimizer,
+                      named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
+                      state: PowerSGDState | None = None, group: Group | None = None) -> torch.optim.Optimizer:
+    """Wrap `optimizer` so step() applies the PowerSGD-compressed mean gradient over `group`.
+
+    Use it like Horovod's DistributedOptimizer; `opt.powersgd` is the PowerSGDState (error
+    buffers, Q matrices, step count) to checkpoint.
+    """
+    named = [(n, p) for n, p in named_parameters if p.requires_grad]
+    return wrap_optimizer(optimizer, _PowerSGDExchange, named, state or PowerSGDState(), group)
+
+
+@dataclass
+class PowerSGDOptions:
+    """PowerSGD (Vogels et al. 2019): rank-r P Qᵀ approximations of gradients, error feedback."""
+
+    rank: int = option(2, "columns of P and Q per compressed matrix")
+    start_iter: int = option(10, "steps of plain allreduce before compression starts")
+    min_compression_rate: float = option(2.0, "compress a matrix only if (n+m)*rank*rate < n*m")
+    error_feedback: bool = option(True, "add back what compression dropped at earlier steps")
+    warm_start: bool = option(True, "reuse the previous step's Q")
+
+    def validate(self) -> None:
+        if self.rank < 1:
+            raise ConfigError(f"powersgd.rank must be >= 1, got {self.rank}")
+        if self.start_iter < 0:
+            raise ConfigError(f"powersgd.start_iter must be >= 0, got {self.start_iter}")
+        if self.min_compression_rate <= 0:
+            raise ConfigError(f"powersgd.min_compression_rate must be > 0, got {self.min_compression_rate}")
+
+
+@register("powersgd")
+class PowerSGD(DataParallel):
+    """Gradients compressed to rank-r factors before they are averaged (PowerSGD)."""
+
+    options = PowerSGDOptions
+
+    def distribute(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> torch.optim.Optimizer:
+        o = self.cfg.options
+        state = PowerSGDState(o.rank, o.start_iter, o.min_compression_rate, o.error_feedback, o.warm_start,
+                              seed=self.cfg.train.seed)
+        return PowerSGDOptimizer(optimizer, model.named_parameters(), state)
+
+    def epoch_metrics(self) -> dict[str, Any]:
+        return {"powersgd_compression_rate": self.optimizer.powersgd.compression_rate()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "powersgd": self.optimizer.powersgd.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.optimizer.powersgd.load_state_dict(state["powersgd"])
