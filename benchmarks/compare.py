@@ -9,6 +9,9 @@ without a dot belong to the method's own section: `rank-dad:rank=4` is
 `--rank-dad.rank 4`; `ddp:comm.compression=fp16` sets another section), or an alias
 (`ddp-fp16`). Anything after `--` is passed to every run.
 
+With --link RATE each run happens in a private network namespace with a rate-limited loopback
+(see benchmarks/netns.py); the bytes that really crossed it are printed beside the meter's.
+
 Writes to --out: results.csv and results.md (accuracy, bytes per step from the traffic meter,
 step time, peak memory, ratios to ddp fp32 at the same rank count), accuracy_vs_epoch.png,
 accuracy_vs_bytes.png, step_time.png, and effective_rank.png when a method logs one; the
@@ -19,7 +22,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import subprocess
 import sys
 import time
@@ -29,10 +31,13 @@ from typing import Any
 
 from tqdm import tqdm
 
+from benchmarks.netns import MPI_OVER_LOOPBACK, LinkUnavailable, ShapedLink, check_available, rate_bits
+from data_prep import BUNDLED
 from hvd_lowcomm.metrics import human_bytes
 
 ALIASES = {"ddp-fp16": "ddp:comm.compression=fp16"}
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
+AGREEMENT = 0.10  # measured and metered training bytes should agree within this fraction
 
 
 @dataclass(frozen=True)
@@ -56,24 +61,40 @@ class Variant:
 
 def run_one(variant: Variant, np_: int, args: argparse.Namespace, runs_dir: Path, extra: list[str]) -> dict[str, Any]:
     name = f"np{np_}-{variant.label.replace(':', '-').replace(',', '-').replace('=', '')}"
-    command = [*MPIRUN, "-np", str(np_), sys.executable, "-m", "hvd_lowcomm.train",
-               "--method", variant.method, *variant.overrides,
-               "--data.path", args.data, "--model.name", args.model, "--model.hidden", args.hidden,
-               "--train.epochs", str(args.epochs), "--data.batch_size", str(args.batch_size),
-               "--train.seed", str(args.seed), "--run.dir", str(runs_dir), "--run.name", name,
-               "--run.progress", "false", *extra]
+    train_args = ["--method", variant.method, *variant.overrides,
+                  "--data.path", args.data, "--model.name", args.model, "--model.hidden", args.hidden,
+                  "--train.epochs", str(args.epochs), "--data.batch_size", str(args.batch_size),
+                  "--train.seed", str(args.seed), "--run.dir", str(runs_dir), "--run.progress", "false", *extra]
     started = time.monotonic()
-    proc = subprocess.run(command, capture_output=True, text=True)
-    (runs_dir / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        raise SystemExit(f"compare: {variant.label} on {np_} ranks failed (exit {proc.returncode}):\n{tail}\n"
-                         f"full log: {runs_dir / f'{name}.log'}")
+    if args.link is None:
+        launch(np_, [*train_args, "--run.name", name], runs_dir / f"{name}.log")
+        measured = None
+    else:
+        # A zero-step run in the same kind of namespace measures start-up traffic (launcher,
+        # Horovod init, parameter broadcast, one evaluation), which is subtracted.
+        with ShapedLink(args.link) as link:
+            launch(np_, [*train_args, "--run.name", f"{name}-startup", "--train.max_steps", "0"],
+                   runs_dir / f"{name}-startup.log", link)
+            startup = link.bytes()
+        with ShapedLink(args.link) as link:
+            launch(np_, [*train_args, "--run.name", name], runs_dir / f"{name}.log", link)
+            measured = {"link": args.link, "link_bits_per_s": link.rate_bits, "measured_train_bytes": link.bytes() - startup,
+                        "startup_bytes": startup}
     summary = json.loads((runs_dir / name / "summary.json").read_text())
     with open(runs_dir / name / "epochs.csv") as fh:
         epochs = list(csv.DictReader(fh))
-    return {"variant": variant.label, "np": np_, "summary": summary, "epochs": epochs,
+    return {"variant": variant.label, "np": np_, "summary": summary, "epochs": epochs, "measured": measured,
             "wall_seconds": time.monotonic() - started}
+
+
+def launch(np_: int, train_args: list[str], log: Path, link: ShapedLink | None = None) -> None:
+    command = [*MPIRUN, *(MPI_OVER_LOOPBACK if link else []), "-np", str(np_),
+               sys.executable, "-m", "hvd_lowcomm.train", *train_args]
+    proc = subprocess.run([*(link.prefix if link else []), *command], capture_output=True, text=True)
+    log.write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+        raise SystemExit(f"compare: run failed (exit {proc.returncode}): {' '.join(command)}\n{tail}\nfull log: {log}")
 
 
 def tabulate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -84,6 +105,15 @@ def tabulate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row = {"np": r["np"], "method": r["variant"], "final_test_acc": s["final_test_acc"],
                "best_test_acc": s["best_test_acc"], "bytes_per_step": s["train_wire_bytes_per_step"],
                "step_ms": 1000 * s["step_seconds_mean"], "peak_rss_mb": s["peak_rss_bytes_max_rank"] / 1e6}
+        if r["measured"] is not None:
+            m = r["measured"]
+            metered = s["train_wire_bytes_all_ranks"]
+            train_seconds = s["step_seconds_mean"] * s["steps"]
+            row.update({"link": m["link"], "measured_bytes_per_step": m["measured_train_bytes"] / max(s["steps"], 1),
+                        "metered_bytes_per_step_all_ranks": metered / max(s["steps"], 1),
+                        "measured_vs_meter": m["measured_train_bytes"] / metered - 1 if metered else float("nan"),
+                        "link_utilisation": m["measured_train_bytes"] * 8 / (train_seconds * m["link_bits_per_s"])})
+            row["agreement"] = "ok" if abs(row["measured_vs_meter"]) <= AGREEMENT else "DISAGREE"
         if base is not None:
             row["bytes_ratio_to_ddp"] = s["train_wire_bytes_per_step"] / base["train_wire_bytes_per_step"] \
                 if base["train_wire_bytes_per_step"] else float("nan")
@@ -108,6 +138,17 @@ def write_tables(rows: list[dict[str, Any]], out: Path, title: str) -> str:
             f"{row.get('acc_diff_to_ddp_points', float('nan')):+.2f}", human_bytes(row["bytes_per_step"]),
             f"{row.get('bytes_ratio_to_ddp', float('nan')):.4f}", f"{row['step_ms']:.1f}",
             f"{row.get('step_time_ratio_to_ddp', float('nan')):.2f}", f"{row['peak_rss_mb']:.0f} MB"]) + " |")
+    measured = [row for row in rows if "link" in row]
+    if measured:
+        lines += ["", f"Traffic on the emulated {measured[0]['link']} link, all ranks together, per training step: "
+                      "measured = the namespace's loopback counters (start-up traffic of a zero-step run "
+                      f"subtracted); metered = hvd_lowcomm's meter; agreement within {AGREEMENT:.0%} is ok.", "",
+                  "| np | method | measured/step | metered/step | measured vs meter | link utilisation | agreement |",
+                  "|---|---|---|---|---|---|---|"]
+        for row in measured:
+            lines.append(f"| {row['np']} | {row['method']} | {human_bytes(row['measured_bytes_per_step'])} | "
+                         f"{human_bytes(row['metered_bytes_per_step_all_ranks'])} | {row['measured_vs_meter']:+.1%} | "
+                         f"{row['link_utilisation']:.1%} | {row['agreement']} |")
     text = "\n".join(lines) + "\n"
     (out / "results.md").write_text(text)
     return text
@@ -171,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=42, help="seed shared by every run (default: %(default)s)")
     parser.add_argument("--out", default="benchmarks/results/compare", help="output directory (default: %(default)s)")
     parser.add_argument("--title", default=None, help="heading of results.md")
+    parser.add_argument("--link", default=None, metavar="RATE",
+                        help="run each method in a private network namespace whose loopback is limited to "
+                             "RATE (tc units: 1gbit, 100mbit), with Open MPI over TCP on it, and measure the bytes "
+                             "that cross it (needs root)")
     args = parser.parse_args(argv)
 
     # Entries split on commas, but "rank-dad:rank=4,iterations=5" keeps its options together.
@@ -185,8 +230,15 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     runs_dir = out / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
-    if not Path(args.data).exists() and Path(args.data).stem not in ("digits", "mnist5k"):
+    if not Path(args.data).exists() and Path(args.data).stem not in BUNDLED:
         raise SystemExit(f"compare: {args.data} does not exist; make it with python -m data_prep")
+    if args.link is not None:
+        try:
+            check_available()
+            rate_bits(args.link)
+        except (LinkUnavailable, ValueError) as err:
+            print(f"compare: {err}; running without an emulated link", file=sys.stderr)
+            args.link = None
 
     results = []
     jobs = [(v, n) for n in counts for v in variants]

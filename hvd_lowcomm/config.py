@@ -73,9 +73,13 @@ class TrainConfig:
     momentum: float = option(0.9, "SGD momentum")
     weight_decay: float = option(0.0, "weight decay")
     seed: int = option(42, "seed for initialisation, shuffling and every random choice")
+    max_steps: int = option(-1, "stop after this many training steps (-1: no limit; 0: start up, "
+                                "evaluate once and stop, which measures start-up traffic)")
 
     def validate(self) -> None:
         _positive(self, "epochs")
+        if self.max_steps < -1:
+            raise ConfigError(f"train.max_steps must be -1 (no limit) or >= 0, got {self.max_steps}")
         if self.warmup_steps < 0:
             raise ConfigError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.lr <= 0:

@@ -110,10 +110,13 @@ def train(cfg: Config, method: Any, info: Any, model: Any) -> dict[str, Any]:
               f"({info.num_train} train / {info.num_test} test, {info.num_classes} classes); "
               f"{len(train_batches)} steps/epoch; run dir {run_dir}")
 
+    total_steps = cfg.train.epochs * len(train_batches)
+    if cfg.train.max_steps >= 0:
+        total_steps = min(total_steps, cfg.train.max_steps)
     start, step_seconds, best_acc = time.perf_counter(), 0.0, 0.0
     for epoch in range(1, cfg.train.epochs + 1):
         wire_at_start = meter.total("train")
-        train_loss, seconds = train_epoch(cfg, method, train_batches, epoch, log)
+        train_loss, seconds, steps = train_epoch(cfg, method, train_batches, epoch, total_steps, log)
         step_seconds += seconds
         record = {"epoch": epoch, "step": meter.step, **evaluate(method, test_batches, train_loss),
                   "train_wire_bytes": meter.total("train") - wire_at_start,
@@ -123,7 +126,9 @@ def train(cfg: Config, method: Any, info: Any, model: Any) -> dict[str, Any]:
         log.epoch(record)
         log.print(f"epoch {epoch:>3}/{cfg.train.epochs} | loss {record['train_loss']:.4f} | "
                   f"test acc {100 * record['test_acc']:6.2f}% | sent {human_bytes(record['train_wire_bytes'])} "
-                  f"({human_bytes(record['train_wire_bytes'] / len(train_batches))}/step)")
+                  f"({human_bytes(record['train_wire_bytes'] / max(steps, 1))}/step)")
+        if meter.step >= total_steps:
+            break
 
     summary, rows = summarize(cfg, method, record, best_acc, time.perf_counter() - start, step_seconds)
     log.summary(summary, rows)
@@ -131,31 +136,34 @@ def train(cfg: Config, method: Any, info: Any, model: Any) -> dict[str, Any]:
     return summary
 
 
-def train_epoch(cfg: Config, method: Any, batches: Any, epoch: int, log: Any) -> tuple[float, float]:
-    """One pass over this rank's shard; returns (mean local loss, seconds spent in steps)."""
+def train_epoch(cfg: Config, method: Any, batches: Any, epoch: int, total_steps: int,
+                log: Any) -> tuple[float, float, int]:
+    """One pass over this rank's shard, ending early at `total_steps` steps of the run;
+    returns (mean local loss, seconds spent in steps, steps taken)."""
     from hvd_lowcomm.methods.base import scheduled_lr
     from hvd_lowcomm.metrics import human_bytes
     from hvd_lowcomm.traffic import meter
 
     batches.set_epoch(epoch)
-    total_steps = cfg.train.epochs * len(batches)
-    loss_sum, seconds = 0.0, 0.0
+    loss_sum, seconds, steps = 0.0, 0.0, 0
     bar = log.progress(batches, len(batches), f"epoch {epoch}/{cfg.train.epochs}")
     for x, y in bar:
+        if meter.step >= total_steps:
+            break
         method.set_lr(scheduled_lr(cfg, meter.step, total_steps))
         t0 = time.perf_counter()
         loss = method.train_step(x, y)
         seconds += time.perf_counter() - t0
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at epoch {epoch}, step {meter.step}")
-        loss_sum += loss
+        loss_sum, steps = loss_sum + loss, steps + 1
         step_bytes = meter.step_total()
         if meter.step % cfg.run.log_every == 0:
             log.log("step", {"step": meter.step, "epoch": epoch, "loss": loss, "wire_bytes": step_bytes})
         if hasattr(bar, "set_postfix"):
             bar.set_postfix(loss=f"{loss:.4f}", sent=human_bytes(step_bytes), refresh=False)
         meter.next_step()
-    return loss_sum / len(batches), seconds
+    return loss_sum / max(steps, 1), seconds, steps
 
 
 def evaluate(method: Any, test_batches: Any, local_train_loss: float) -> dict[str, float]:
@@ -182,13 +190,16 @@ def summarize(cfg: Config, method: Any, last: dict[str, Any], best_acc: float, e
 
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports kB
     with meter.in_phase("control"):
-        peak_rss_max = max(meter.allgather(torch.tensor([peak_rss], dtype=torch.int64), "summary.rss").tolist())
+        per_rank = meter.allgather(torch.tensor([[peak_rss, meter.total("train")]], dtype=torch.float64),
+                                   "summary.per_rank")
+    peak_rss_max = int(per_rank[:, 0].max().item())
     steps = max(meter.step, 1)
     summary = {
         "method": cfg.method, "world_size": runtime.size(), "epochs": cfg.train.epochs, "steps": meter.step,
         "final_test_acc": last["test_acc"], "best_test_acc": best_acc, "seconds": elapsed,
         "step_seconds_mean": step_seconds / steps, "parameters": _count_parameters(method.model),
         "train_wire_bytes_per_step": meter.total("train") / steps,
+        "train_wire_bytes_all_ranks": per_rank[:, 1].sum().item(),
         "peak_rss_bytes_max_rank": peak_rss_max, **meter.summary(),
     }
     rows = [("method", f"{cfg.method} on {runtime.size()} rank(s)"),

@@ -33,9 +33,12 @@ if ! command -v mpicc >/dev/null 2>&1; then
     fi
 fi
 say "MPI: $(command -v mpicc) ($(mpirun --version 2>/dev/null | head -n1))"
-# shellcheck lints the rendered job scripts in the test suite; it is optional elsewhere.
-if ! command -v shellcheck >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    apt-get install -y -qq shellcheck >/dev/null 2>&1 || say "shellcheck not installed (optional)"
+# shellcheck lints rendered job scripts and iproute2 (ip, tc) emulates slow links in the tests;
+# both are optional elsewhere.
+if { ! command -v shellcheck || ! command -v tc; } >/dev/null 2>&1 && [ "$(id -u)" = 0 ] &&
+    command -v apt-get >/dev/null 2>&1; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq shellcheck iproute2; } >/dev/null 2>&1 ||
+        say "shellcheck/iproute2 not installed (optional)"
 fi
 
 # --- 2. virtual environment, torch, the package ---------------------------------------------

@@ -1,0 +1,64 @@
+"""benchmarks.compare: side-by-side tables, and an emulated link whose bytes are measured outside."""
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import RANK, SIZE, clean_env
+
+REPO = Path(__file__).resolve().parent.parent
+only_from_the_1_rank_suite = pytest.mark.skipif(SIZE != 1 or RANK != 0, reason="launches its own mpiruns")
+needs_netns = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None, reason="needs root and iproute2")
+
+
+def compare(out: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "benchmarks.compare", "--np", "2", "--data", str(out / "digits.h5"),
+                           "--hidden", "64", "--epochs", "1", "--out", str(out), *args],
+                          capture_output=True, text=True, cwd=REPO, env=clean_env(), timeout=600)
+
+
+def namespaces() -> set[str]:
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in listing.splitlines() if line.startswith("hvdlc-")}
+
+
+@only_from_the_1_rank_suite
+def test_compare_writes_tables_plots_and_ratios_to_ddp(tmp_path):
+    proc = compare(tmp_path, "--methods", "ddp,ddp-fp16,rank-dad:rank=2,iterations=3", "--", "--train.max_steps", "6")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {row["method"]: row for row in csv.DictReader(open(tmp_path / "results.csv"))}
+    assert set(rows) == {"ddp", "ddp-fp16", "rank-dad:rank=2,iterations=3"}
+    assert float(rows["ddp"]["bytes_ratio_to_ddp"]) == 1.0
+    assert float(rows["ddp-fp16"]["bytes_ratio_to_ddp"]) == pytest.approx(0.5)
+    assert float(rows["rank-dad:rank=2,iterations=3"]["bytes_ratio_to_ddp"]) < 0.5
+    for name in ("results.md", "accuracy_vs_epoch.png", "accuracy_vs_bytes.png", "step_time.png", "effective_rank.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+
+
+@only_from_the_1_rank_suite
+@needs_netns
+def test_link_bytes_measured_outside_agree_with_the_meter_and_namespaces_are_removed(tmp_path):
+    before = namespaces()
+    proc = compare(tmp_path, "--methods", "ddp,dad", "--link", "1gbit", "--", "--train.max_steps", "10")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = list(csv.DictReader(open(tmp_path / "results.csv")))
+    for row in rows:
+        assert abs(float(row["measured_vs_meter"])) <= 0.10, row
+        assert row["agreement"] == "ok" and 0 < float(row["link_utilisation"]) <= 1.0
+    assert "measured vs meter" in (tmp_path / "results.md").read_text()
+    assert namespaces() == before
+
+
+@only_from_the_1_rank_suite
+@needs_netns
+def test_a_failing_run_still_removes_its_namespace(tmp_path):
+    before = namespaces()
+    proc = compare(tmp_path, "--methods", "ddp", "--link", "1gbit", "--", "--model.name", "cnn", "--model.hidden", "0")
+    assert proc.returncode != 0 and "run failed" in proc.stderr
+    assert namespaces() == before
