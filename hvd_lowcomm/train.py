@@ -72,6 +72,7 @@ def preflight(cfg: Config, world: Any) -> tuple[Any, ...] | None:
                 raise data.DataError(f"{cfg.data.path} has {info.num_train} training samples, fewer than "
                                      f"the {world.size} ranks")
             model = models.build_model(cfg.model, info.input_shape, info.num_classes)
+            method.check_model(model)
         except ConfigError as err:
             error = str(err)
     errors = comm.allgather(error)

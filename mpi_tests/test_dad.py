@@ -155,3 +155,12 @@ def test_training_with_dad_methods_reports_plan_and_layer_bytes(shared_tmp, meth
             assert any(k.startswith("layer_payload_bytes/") for k in epochs[-1])
         if method == "rank-dad":
             assert 1 <= epochs[-1]["effective_rank/1"] <= 8
+
+
+def test_edad_on_a_cnn_is_rejected_before_training(shared_tmp, capsys):
+    argv = ["--method", "edad", "--model.name", "cnn", "--model.hidden", "4", "--data.path", str(shared_tmp / "digits.h5"),
+            "--run.dir", str(shared_tmp / "runs")]
+    assert main(argv) == 2
+    if RANK == 0:
+        assert "error (all ranks): edAD is exact only for Linear layers" in capsys.readouterr().err
+    assert not (shared_tmp / "runs").exists()

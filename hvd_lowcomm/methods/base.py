@@ -16,8 +16,8 @@ from hvd_lowcomm.traffic import meter
 class Method:
     """Life cycle, driven by `hvd_lowcomm.train`:
 
-    1. `check_world(world_size)`  before anything else; raise ConfigError if the rank layout
-       does not fit (e.g. groups that do not divide the world);
+    1. `check_world(world_size)`, `check_model(model)`  before training, on every rank; raise
+       ConfigError if the rank layout or the model does not fit the method;
     2. `setup(model)`             take the freshly built model, make the optimiser, make every
                                   rank start from the same state;
     3. `train_step(x, y)`         one optimisation step on this rank's batch; returns the
@@ -39,6 +39,9 @@ class Method:
 
     def check_world(self, world_size: int) -> None:
         """Raise ConfigError when this method cannot run on `world_size` ranks."""
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        """Raise ConfigError when this method cannot train `model`."""
 
     def setup(self, model: torch.nn.Module) -> None:
         raise NotImplementedError

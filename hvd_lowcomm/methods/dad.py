@@ -135,10 +135,8 @@ class _DadExchange(GradientExchange):
         self._model, self._group = model, group
         self._rank, self._iterations, self._tol = rank, iterations, tol
         self._force_all, self._edad = plan == "all" or edad, edad
+        check_dad_model(model, edad)
         self._layers = {name: m for name, m in model.named_modules() if supports(m)}
-        if not self._layers:
-            raise ConfigError("dAD needs at least one Linear or Conv2d (groups=1) layer; this model has none: "
-                              "use --method ddp")
         if edad:
             self._edad_chain = edad_chain(model)
         self._captured = {name: _Capture() for name in self._layers}
@@ -285,6 +283,14 @@ class _DadExchange(GradientExchange):
                 delta = (delta @ module.weight.detach()) * derivative(acts)
 
 
+def check_dad_model(model: nn.Module, edad: bool) -> None:
+    if not any(supports(m) for m in model.modules()):
+        raise ConfigError("dAD needs at least one Linear or Conv2d (groups=1) layer; this model has none: "
+                          "use --method ddp")
+    if edad:
+        edad_chain(model)
+
+
 def edad_chain(model: nn.Module) -> list[tuple[str, Any]]:
     """[(linear name, derivative of the activation that follows it as a function of its output)],
     or ConfigError when recomputing hidden deltas would not be exact for this model."""
@@ -373,6 +379,10 @@ class DistributedAutoDiff(DataParallel):
     """Exact dAD: allgather [activations | deltas] per planned layer, allreduce the rest."""
 
     options = DadOptions
+    edad = False
+
+    def check_model(self, model: nn.Module) -> None:
+        check_dad_model(model, self.edad)
 
     def distribute(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
         return DadOptimizer(optimizer, model, plan=self.cfg.options.plan, seed=self.cfg.train.seed)
@@ -408,6 +418,7 @@ class EfficientDistributedAutoDiff(DistributedAutoDiff):
     """edAD: share all activations and only the output delta; recompute hidden deltas (exact MLPs)."""
 
     options = None
+    edad = True
 
     def distribute(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
         return DadOptimizer(optimizer, model, edad=True, seed=self.cfg.train.seed)
