@@ -104,7 +104,12 @@ def tabulate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         base = next((b["summary"] for b in results if b["np"] == r["np"] and b["variant"] == "ddp"), None)
         row = {"np": r["np"], "method": r["variant"], "final_test_acc": s["final_test_acc"],
                "best_test_acc": s["best_test_acc"], "bytes_per_step": s["train_wire_bytes_per_step"],
-               "step_ms": 1000 * s["step_seconds_mean"], "peak_rss_mb": s["peak_rss_bytes_max_rank"] / 1e6}
+               "step_ms": 1000 * s["step_seconds_mean"], "peak_rss_mb": s["peak_rss_bytes_max_rank"] / 1e6,
+               # Traffic on the world process set: with groups of one node, what crosses the network.
+               "world_bytes_per_step": world_bytes(s) / max(s["steps"], 1),
+               "train_bytes_total": s["train_wire_bytes"], "world_bytes_total": world_bytes(s)}
+        if "compression_ratio" in r["epochs"][-1]:
+            row["compression_ratio"] = float(r["epochs"][-1]["compression_ratio"])
         if r["measured"] is not None:
             m = r["measured"]
             metered = s["train_wire_bytes_all_ranks"]
@@ -119,8 +124,13 @@ def tabulate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 if base["train_wire_bytes_per_step"] else float("nan")
             row["step_time_ratio_to_ddp"] = s["step_seconds_mean"] / base["step_seconds_mean"]
             row["acc_diff_to_ddp_points"] = 100 * (s["final_test_acc"] - base["final_test_acc"])
+            row["world_bytes_ratio_to_ddp"] = world_bytes(s) / world_bytes(base) if world_bytes(base) else float("nan")
         rows.append(row)
     return rows
+
+
+def world_bytes(summary: dict[str, Any]) -> float:
+    return sum(v for k, v in summary.items() if k.startswith("train_") and k.endswith("_world_wire_bytes"))
 
 
 def write_tables(rows: list[dict[str, Any]], out: Path, title: str) -> str:
@@ -138,6 +148,15 @@ def write_tables(rows: list[dict[str, Any]], out: Path, title: str) -> str:
             f"{row.get('acc_diff_to_ddp_points', float('nan')):+.2f}", human_bytes(row["bytes_per_step"]),
             f"{row.get('bytes_ratio_to_ddp', float('nan')):.4f}", f"{row['step_ms']:.1f}",
             f"{row.get('step_time_ratio_to_ddp', float('nan')):.2f}", f"{row['peak_rss_mb']:.0f} MB"]) + " |")
+    grouped = [row for row in rows if row["world_bytes_total"] < row["train_bytes_total"]]
+    if grouped:
+        lines += ["", "Methods that train in groups: traffic on the world process set (inter-group, the network "
+                      "traffic when a group is a node) against all training traffic, per rank over the run.", "",
+                  "| np | method | all traffic | inter-group | inter-group × ddp | compression |", "|---|---|---|---|---|---|"]
+        for row in grouped:
+            lines.append(f"| {row['np']} | {row['method']} | {human_bytes(row['train_bytes_total'])} | "
+                         f"{human_bytes(row['world_bytes_total'])} | {row.get('world_bytes_ratio_to_ddp', float('nan')):.4f} | "
+                         f"{row.get('compression_ratio', float('nan')):.2f}x |")
     measured = [row for row in rows if "link" in row]
     if measured:
         lines += ["", f"Traffic on the emulated {measured[0]['link']} link, all ranks together, per training step: "

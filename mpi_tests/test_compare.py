@@ -17,9 +17,9 @@ only_from_the_1_rank_suite = pytest.mark.skipif(SIZE != 1 or RANK != 0, reason="
 needs_netns = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None, reason="needs root and iproute2")
 
 
-def compare(out: Path, *args: str) -> subprocess.CompletedProcess:
+def compare(out: Path, *args: str, hidden: str = "64") -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "benchmarks.compare", "--np", "2", "--data", str(out / "digits.h5"),
-                           "--hidden", "64", "--epochs", "1", "--out", str(out), *args],
+                           "--hidden", hidden, "--epochs", "1", "--out", str(out), *args],
                           capture_output=True, text=True, cwd=REPO, env=clean_env(), timeout=600)
 
 
@@ -45,7 +45,9 @@ def test_compare_writes_tables_plots_and_ratios_to_ddp(tmp_path):
 @needs_netns
 def test_link_bytes_measured_outside_agree_with_the_meter_and_namespaces_are_removed(tmp_path):
     before = namespaces()
-    proc = compare(tmp_path, "--methods", "ddp,dad", "--link", "1gbit", "--", "--train.max_steps", "10")
+    # Enough training traffic (1.2 MB per rank per step) that start-up noise (tens of kB) is small.
+    proc = compare(tmp_path, "--methods", "ddp,dad", "--link", "1gbit", "--", "--train.max_steps", "20",
+                   hidden="512,512")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = list(csv.DictReader(open(tmp_path / "results.csv")))
     for row in rows:
