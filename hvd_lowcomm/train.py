@@ -99,23 +99,23 @@ def train(cfg: Config, method: Any, info: Any, model: Any) -> dict[str, Any]:
     log = RunLogger(run_dir if rank == 0 else None, cfg.run.progress)
     log.write_config(cfg.to_dict())
 
-    train_batches = data.ShardedBatches(data.H5Split(info.path, "train"), cfg.data.batch_size,
-                                        rank, world.size, seed=cfg.train.seed, device=device)
-    test_batches = data.ShardedBatches(data.H5Split(info.path, "test"), cfg.data.test_batch_size,
-                                       rank, world.size, shuffle=False, device=device)
     model = model.to(device)
     meter.reset()
     method.setup(model)
+    train_batches = method.batches(data.H5Split(info.path, "train"), cfg.data.batch_size, True, device)
+    test_batches = method.batches(data.H5Split(info.path, "test"), cfg.data.test_batch_size, False, device)
+    epochs = method.epochs()
     log.print(f"hvd_lowcomm: method {cfg.method} on {world.size} rank(s) ({device.type}); model "
               f"{cfg.model.name} ({_count_parameters(model):,} parameters); data {info.path} "
               f"({info.num_train} train / {info.num_test} test, {info.num_classes} classes); "
               f"{len(train_batches)} steps/epoch; run dir {run_dir}")
 
-    total_steps = cfg.train.epochs * len(train_batches)
+    total_steps = epochs * len(train_batches)
     if cfg.train.max_steps >= 0:
         total_steps = min(total_steps, cfg.train.max_steps)
     start, step_seconds, best_acc = time.perf_counter(), 0.0, 0.0
-    for epoch in range(1, cfg.train.epochs + 1):
+    for epoch in range(1, epochs + 1):
+        method.start_epoch(epoch)
         wire_at_start = meter.total("train")
         train_loss, seconds, steps = train_epoch(cfg, method, train_batches, epoch, total_steps, log)
         step_seconds += seconds
@@ -125,7 +125,7 @@ def train(cfg: Config, method: Any, info: Any, model: Any) -> dict[str, Any]:
                   "seconds": time.perf_counter() - start, **method.epoch_metrics()}
         best_acc = max(best_acc, record["test_acc"])
         log.epoch(record)
-        log.print(f"epoch {epoch:>3}/{cfg.train.epochs} | loss {record['train_loss']:.4f} | "
+        log.print(f"epoch {epoch:>3}/{epochs} | loss {record['train_loss']:.4f} | "
                   f"test acc {100 * record['test_acc']:6.2f}% | sent {human_bytes(record['train_wire_bytes'])} "
                   f"({human_bytes(record['train_wire_bytes'] / max(steps, 1))}/step)")
         if meter.step >= total_steps:
@@ -147,7 +147,7 @@ def train_epoch(cfg: Config, method: Any, batches: Any, epoch: int, total_steps:
 
     batches.set_epoch(epoch)
     loss_sum, seconds, steps = 0.0, 0.0, 0
-    bar = log.progress(batches, len(batches), f"epoch {epoch}/{cfg.train.epochs}")
+    bar = log.progress(batches, len(batches), f"epoch {epoch}")
     for x, y in bar:
         if meter.step >= total_steps:
             break
@@ -196,7 +196,7 @@ def summarize(cfg: Config, method: Any, last: dict[str, Any], best_acc: float, e
     peak_rss_max = int(per_rank[:, 0].max().item())
     steps = max(meter.step, 1)
     summary = {
-        "method": cfg.method, "world_size": runtime.size(), "epochs": cfg.train.epochs, "steps": meter.step,
+        "method": cfg.method, "world_size": runtime.size(), "epochs": method.epochs(), "steps": meter.step,
         "final_test_acc": last["test_acc"], "best_test_acc": best_acc, "seconds": elapsed,
         "step_seconds_mean": step_seconds / steps, "parameters": _count_parameters(method.model),
         "train_wire_bytes_per_step": meter.total("train") / steps,

@@ -21,7 +21,10 @@ class Method:
     2. `setup(model)`             take the freshly built model, make the optimiser, make every
                                   rank start from the same state;
     3. `train_step(x, y)`         one optimisation step on this rank's batch; returns the
-                                  local loss (a float);
+                                  local loss (a float); `start_epoch(epoch)` comes before
+                                  each epoch, `epochs()` says how many there are and
+                                  `batches(...)` how a split is sharded (default: over all
+                                  ranks, data.batch_size each);
     4. `evaluate(batches)`        (correct, count, loss sum) over this rank's test shard;
     5. `epoch_metrics()`          method-specific numbers for the epoch record (ranks, phase...);
     6. `state_dict()` / `load_state_dict()` everything needed to resume.
@@ -45,6 +48,19 @@ class Method:
 
     def setup(self, model: torch.nn.Module) -> None:
         raise NotImplementedError
+
+    def epochs(self) -> int:
+        return self.cfg.train.epochs
+
+    def batches(self, split: Any, batch_size: int, shuffle: bool, device: torch.device) -> Any:
+        """This rank's batches of `split` (an hvd_lowcomm.data.H5Split)."""
+        from hvd_lowcomm.data import ShardedBatches
+
+        return ShardedBatches(split, batch_size, runtime.rank(), runtime.size(), seed=self.cfg.train.seed,
+                              shuffle=shuffle, device=device)
+
+    def start_epoch(self, epoch: int) -> None:
+        """Called before each epoch's first step (1-based)."""
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         raise NotImplementedError
