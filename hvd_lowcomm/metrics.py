@@ -4,6 +4,7 @@
     runs/<name>/metrics.jsonl   one JSON object per line: {"type": "step"|"epoch"|"summary", ...}
     runs/<name>/epochs.csv      one row per epoch (rewritten each epoch: columns may grow)
     runs/<name>/summary.json    the final summary
+    runs/<name>/model.pt        the trained model, one ordinary state dict (torch.load)
     runs/<name>/<group>.png     epoch columns named "<group>/<series>" plotted together
                                 (e.g. effective_rank/<layer>, one line per layer)
 """

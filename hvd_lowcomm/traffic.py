@@ -188,6 +188,17 @@ class TrafficMeter:
         summed = self.allreduce(torch.tensor(values, dtype=torch.float64), name, group, average=False)
         return summed.tolist()
 
+    def gather_object(self, obj: Any, name: str, root: int = 0) -> list[Any] | None:
+        """Gather a picklable object from every rank to `root` (None elsewhere); each rank's
+        pickled size is recorded as sent to the root."""
+        import pickle
+
+        from mpi4py import MPI
+
+        size = len(pickle.dumps(obj)) if MPI.COMM_WORLD.Get_rank() != root else 0
+        self.record("send", name, size, None, wire=size)
+        return MPI.COMM_WORLD.gather(obj, root=root)
+
     # -- metered point-to-point (mpi4py) -------------------------------------------------------
     def send(self, tensor: torch.Tensor, dest: int, name: str, tag: int = 0) -> None:
         """Blocking send of a CPU tensor to global rank `dest` over MPI_COMM_WORLD."""

@@ -72,6 +72,7 @@ def preflight(cfg: Config, world: Any) -> tuple[Any, ...] | None:
                 raise data.DataError(f"{cfg.data.path} has {info.num_train} training samples, fewer than "
                                      f"the {world.size} ranks")
             model = models.build_model(cfg.model, info.input_shape, info.num_classes)
+            method.data = info
             method.check_model(model)
         except ConfigError as err:
             error = str(err)
@@ -87,6 +88,8 @@ def preflight(cfg: Config, world: Any) -> tuple[Any, ...] | None:
 
 
 def train(cfg: Config, method: Any, info: Any, model: Any) -> dict[str, Any]:
+    import torch
+
     from hvd_lowcomm import data, runtime
     from hvd_lowcomm.metrics import RunLogger, human_bytes, unique_run_dir
     from hvd_lowcomm.traffic import meter
@@ -132,6 +135,9 @@ def train(cfg: Config, method: Any, info: Any, model: Any) -> dict[str, Any]:
             break
 
     summary, rows = summarize(cfg, method, record, best_acc, time.perf_counter() - start, step_seconds)
+    final = method.final_state_dict()
+    if final is not None:
+        torch.save(final, run_dir / "model.pt")
     log.summary(summary, rows)
     log.close()
     return summary

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import RANK, SIZE, clean_env
 from hvd_lowcomm.train import main
@@ -34,6 +35,7 @@ def test_default_run_reaches_95_percent_on_digits_and_writes_metrics(shared_tmp)
         assert lines[-1]["type"] == "summary"
         assert len((run / "epochs.csv").read_text().splitlines()) == 21  # header + 20 epochs
         assert "method: ddp" in (run / "config.yaml").read_text()
+        assert set(torch.load(run / "model.pt")) == {"1.weight", "1.bias", "3.weight", "3.bias", "5.weight", "5.bias"}
         if SIZE > 1:
             assert summary["train_wire_bytes"] > 0
         else:

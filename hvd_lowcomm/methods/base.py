@@ -37,6 +37,7 @@ class Method:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+        self.data: Any = None  # the dataset's hvd_lowcomm.data.DatasetInfo, set before check_model/setup
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
 
@@ -87,6 +88,12 @@ class Method:
 
     def epoch_metrics(self) -> dict[str, Any]:
         return {}
+
+    def final_state_dict(self) -> dict[str, Any] | None:
+        """The trained model as one ordinary state dict, on global rank 0 (None elsewhere);
+        collective, called on every rank at the end of training."""
+        assert self.model is not None
+        return self.model.state_dict() if runtime.rank() == 0 else None
 
     def state_dict(self) -> dict[str, Any]:
         assert self.model is not None and self.optimizer is not None

@@ -1,0 +1,76 @@
+"""`mp`: conventional model parallelism, the baseline for SIL.
+
+The sequential model is cut into partitions held by groups of ranks (hvd_lowcomm.partition);
+every step sends each batch's activations forward to the next group and their gradients back,
+and each group averages its partition's gradients among its own ranks (data parallel within a
+partition when groups have several ranks).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from hvd_lowcomm.methods import register
+from hvd_lowcomm.methods.base import Method, broadcast_model_and_optimizer, make_optimizer
+from hvd_lowcomm.partition import (Layout, PartitionOptions, describe, joined_state_dict, pipeline_evaluate,
+                                   pipeline_train_step)
+
+
+class Partitioned(Method):
+    """What mp and sil share: the layout, partition-local optimiser, joined evaluation."""
+
+    def check_world(self, world_size: int) -> None:
+        from hvd_lowcomm.runtime import group_layout
+
+        group_layout(world_size, num_groups=self.cfg.options.partitions)
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        from hvd_lowcomm.partition import cut_points
+
+        cut_points(model, self.cfg.options.partitions, self.cfg.options.cuts)
+
+    def setup(self, model: torch.nn.Module) -> None:
+        from hvd_lowcomm import runtime
+
+        self.layout = Layout(model, self.cfg.options, self.data.input_shape)
+        self.model = self.layout.module
+        self.optimizer = make_optimizer(self.cfg, self.model.parameters())
+        # Replicas of a partition start equal (the whole model was built from one seed already).
+        broadcast_model_and_optimizer(self.model, self.optimizer, root_rank=self.layout.group.ranks[0],
+                                      group=self.layout.group)
+        if runtime.rank() == 0:
+            from tqdm import tqdm
+
+            tqdm.write(f"{self.name}: {describe(self.layout)}")
+
+    def batches(self, split: Any, batch_size: int, shuffle: bool, device: torch.device) -> Any:
+        return self.layout.batches(split, batch_size, shuffle, self.cfg.train.seed, device)
+
+    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int, float]:
+        return pipeline_evaluate(self.layout, batches)
+
+    def epoch_metrics(self) -> dict[str, Any]:
+        from hvd_lowcomm.traffic import meter
+
+        between = sum(t.payload_bytes for (phase, op, _), t in meter.by_kind.items() if phase == "train" and op == "send")
+        within = sum(t.wire_bytes for (phase, op, group), t in meter.by_kind.items()
+                     if phase == "train" and group.startswith("partition"))
+        own = sum(p.numel() for p in self.model.parameters())
+        return {"partition": self.layout.index, "between_partitions_bytes": between, "within_partition_wire_bytes": within,
+                "parameter_bytes": 4 * own, "parameter_fraction": own / self.layout.whole_model_parameters}
+
+    def joined_state_dict(self) -> dict[str, torch.Tensor] | None:
+        return joined_state_dict(self.layout)
+
+    final_state_dict = joined_state_dict
+
+
+@register("mp")
+class ModelParallel(Partitioned):
+    """Model parallelism: activations forward and gradients back between partition groups every step."""
+
+    options = PartitionOptions
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        return pipeline_train_step(self.layout, self.optimizer, x, y)

@@ -1,0 +1,190 @@
+"""`sil`: partitioned training with synthetic intermediate labels (Karadağ & Topaloğlu, arXiv 2403.11204).
+
+The sequential model is cut into K partitions held by K groups of ranks (hvd_lowcomm.partition).
+For every cut a fixed code per class is drawn, S ∈ R^{classes × cut width}, S ~ κ·U(0, 1) (or
+κ·N(0, 1)), from one seed that rank 0 draws and broadcasts once; every rank regenerates the
+same codes. Then each partition trains on its own, data parallel inside its group:
+
+    first partition     x        -> S_1[y]      (MSE)
+    middle partition k  input_k  -> S_{k+1}[y]  (MSE)
+    last partition      input    -> y           (cross-entropy)
+
+where a later partition's input is, in `parallel` mode, the code of the cut before it (plus
+Gaussian noise of std `noise`): all partitions train at the same time and exchange nothing; in
+`sequential` mode, the real outputs of the previous partition, frozen after its epochs and
+sent once for the whole training set (counted by the meter), so partition k trains after
+partition k-1. Optional recovery epochs then train the joined network end to end, as model
+parallelism does (activations forward, gradients back). Inference always uses the joined
+network: ŷ = argmax f_K(...f_1(x)), codes play no part.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from hvd_lowcomm import runtime
+from hvd_lowcomm.config import ConfigError, option
+from hvd_lowcomm.methods import register
+from hvd_lowcomm.methods.mp import Partitioned
+from hvd_lowcomm.partition import FORWARD, PartitionOptions, pipeline_train_step
+from hvd_lowcomm.traffic import meter
+
+
+@dataclass
+class SILOptions(PartitionOptions):
+    """SIL: partitions trained on their own toward synthetic intermediate labels."""
+
+    mode: str = option("parallel", "parallel: later partitions learn from codes, nothing exchanged; sequential: "
+                                   "from the frozen previous partition's outputs, sent once",
+                       choices=("parallel", "sequential"))
+    kappa: float = option(5.0, "scale of the class codes (kappa * U(0,1) or kappa * N(0,1))")
+    code_distribution: str = option("uniform", "distribution of the codes", choices=("uniform", "normal"))
+    noise: float = option(0.0, "std of Gaussian noise on the codes a partition learns from (parallel mode)")
+    lr: list[float] = option([], "learning rate per partition (empty: train.lr for all)")
+    batch_size: list[int] = option([], "batch size per partition (empty: data.batch_size for all)")
+    epochs: list[int] = option([], "epochs per partition (empty: train.epochs for each)")
+    recovery_epochs: int = option(0, "end-to-end epochs of the joined network at the end (sends activations)")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.kappa <= 0:
+            raise ConfigError(f"sil.kappa must be > 0, got {self.kappa}")
+        if self.noise < 0 or self.recovery_epochs < 0:
+            raise ConfigError("sil.noise and sil.recovery_epochs must be >= 0")
+        for name in ("lr", "batch_size", "epochs"):
+            values = getattr(self, name)
+            if values and (len(values) != self.partitions or min(values) <= 0):
+                raise ConfigError(f"sil.{name} needs one positive value per partition ({self.partitions}), got {values}")
+
+
+def class_codes(seed: int, cut: int, classes: int, shape: tuple[int, ...], kappa: float, distribution: str) -> torch.Tensor:
+    """The fixed code of every class at cut `cut`: classes × shape, the same on every rank."""
+    generator = torch.Generator().manual_seed(seed * 1_000 + cut)
+    draw = torch.rand if distribution == "uniform" else torch.randn
+    return kappa * draw(classes, *shape, generator=generator)
+
+
+@register("sil")
+class SyntheticIntermediateLabels(Partitioned):
+    """SIL: each partition learns on its own toward random class codes at the cuts."""
+
+    options = SILOptions
+
+    def setup(self, model: torch.nn.Module) -> None:
+        super().setup(model)
+        o, k = self.cfg.options, self.layout.index
+        self.partition_epochs = o.epochs or [self.cfg.train.epochs] * o.partitions
+        starts = [1] * o.partitions if o.mode == "parallel" else \
+            [1 + sum(self.partition_epochs[:j]) for j in range(o.partitions)]
+        self.window = (starts[k], starts[k] + self.partition_epochs[k] - 1)
+        self.starts = starts
+        self.training_epochs = max(s + e - 1 for s, e in zip(starts, self.partition_epochs))
+        seed = torch.tensor([np.random.default_rng(self.cfg.train.seed).integers(2**31 - 1)], dtype=torch.int64)
+        with meter.in_phase("setup"):
+            meter.broadcast_(seed, 0, "sil.code_seed")  # drawn once on rank 0, regenerated everywhere
+        self.code_seed = int(seed.item())
+        classes = self.data.num_classes
+        self.codes = {cut: class_codes(self.code_seed, cut, classes, self.layout.shapes[cut], o.kappa,
+                                       o.code_distribution) for cut in range(1, o.partitions)}
+        self.lr_scale = (o.lr[k] / self.cfg.train.lr) if o.lr else 1.0
+        self.phase = "idle"
+        self.stored_inputs: torch.Tensor | None = None
+        self.train_split: Any = None
+        self.generator = torch.Generator().manual_seed(self.code_seed + runtime.rank())
+
+    def epochs(self) -> int:
+        return self.training_epochs + self.cfg.options.recovery_epochs
+
+    def batches(self, split: Any, batch_size: int, shuffle: bool, device: torch.device) -> Any:
+        if not shuffle:  # the test split: the joined network, batch by batch
+            return super().batches(split, batch_size, shuffle, device)
+        self.train_split = split
+        sizes = self.cfg.options.batch_size
+        return _SILBatches(self, super().batches(split, sizes[self.layout.index] if sizes else batch_size, True, device))
+
+    def start_epoch(self, epoch: int) -> None:
+        if epoch > self.training_epochs:
+            self.phase = "recovery"
+        elif self.window[0] <= epoch <= self.window[1]:
+            self.phase = "train"
+        else:
+            self.phase = "idle"
+        if self.cfg.options.mode == "sequential":
+            for cut in range(1, self.layout.count):
+                if epoch == self.starts[cut]:
+                    self._hand_over(cut)
+
+    def set_lr(self, lr: float) -> None:
+        super().set_lr(lr * self.lr_scale)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        if self.phase == "recovery":
+            return pipeline_train_step(self.layout, self.optimizer, x, y)
+        k = self.layout.index
+        inputs = x
+        if k > 0 and self.cfg.options.mode == "parallel":
+            inputs = self.codes[k][y]
+            if self.cfg.options.noise:
+                inputs = inputs + self.cfg.options.noise * torch.randn(inputs.shape, generator=self.generator)
+        self.optimizer.zero_grad()
+        out = self.model(inputs)
+        loss = F.cross_entropy(out, y) if self.layout.last else F.mse_loss(out, self.codes[k + 1][y])
+        loss.backward()
+        self.layout.average_gradients()
+        self.optimizer.step()
+        return loss.item()
+
+    def _hand_over(self, cut: int) -> None:
+        """Sequential mode: partition cut-1 (frozen now) sends its outputs for the whole training
+        set, once; partition `cut` stores them as its inputs. Rank i of each group handles the
+        samples i, i+g, i+2g, ... and the receiving group shares its pieces (allgather)."""
+        layout, n = self.layout, len(self.train_split)
+        position, g = layout.group.rank_of(runtime.rank()), layout.group.size
+        mine = np.arange(n)[position::g]
+        if layout.index == cut - 1:
+            with torch.no_grad():
+                inputs = self.train_split.read(mine)[0] if cut == 1 else self.stored_inputs[mine]
+                outputs = torch.cat([self.model(chunk) for chunk in inputs.split(1024)])
+            meter.send(outputs, layout.next, "sil.sequential_transfer", FORWARD)
+        elif layout.index == cut:
+            received = layout.receive(layout.previous, len(mine), layout.shapes[cut], FORWARD, "sil.sequential_transfer")
+            pieces = meter.allgather(received, "sil.sequential_share", layout.group)
+            table = torch.empty(n, *layout.shapes[cut])
+            offset = 0
+            for p in range(g):
+                rows = np.arange(n)[p::g]
+                table[rows] = pieces[offset:offset + len(rows)]
+                offset += len(rows)
+            self.stored_inputs = table
+
+    def epoch_metrics(self) -> dict[str, Any]:
+        return {**super().epoch_metrics(), "sil_phase": self.phase}
+
+
+class _SILBatches:
+    """This rank's training batches under SIL: none while its partition is idle; in sequential
+    mode a later partition's inputs come from the table its predecessor sent."""
+
+    def __init__(self, method: SyntheticIntermediateLabels, inner: Any) -> None:
+        self.method, self.inner = method, inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.inner.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        method = self.method
+        if method.phase == "idle":
+            return
+        if method.phase == "train" and method.stored_inputs is not None:
+            for indices in self.inner.batch_indices():
+                _, y = self.inner.split.read(indices)
+                yield method.stored_inputs[indices].to(self.inner.device), y.to(self.inner.device)
+            return
+        yield from self.inner

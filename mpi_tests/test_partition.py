@@ -1,0 +1,163 @@
+"""SIL and model parallelism: partitions, codes, cross-group evaluation and gradients, traffic."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from conftest import RANK, SIZE, needs_ranks
+from hvd_lowcomm import config
+from hvd_lowcomm.config import ConfigError
+from hvd_lowcomm.data import DatasetInfo
+from hvd_lowcomm.methods.mp import ModelParallel
+from hvd_lowcomm.methods.sil import SyntheticIntermediateLabels, class_codes
+from hvd_lowcomm.models import mlp
+from hvd_lowcomm.partition import cut_points, pipeline_evaluate, pipeline_train_step
+from hvd_lowcomm.train import main
+
+INFO = DatasetInfo("mem", 3, (6,), 64, 16, "test")
+
+
+def six_layer_mlp() -> nn.Sequential:
+    torch.manual_seed(21)
+    return mlp((6,), 3, [12, 10, 8, 8, 6])
+
+
+def test_partitions_cover_every_layer_exactly_once():
+    model = six_layer_mlp()
+    for k in (2, 3, 6):
+        bounds = cut_points(model, k, [])
+        pieces = [list(model)[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        assert [id(m) for piece in pieces for m in piece] == [id(m) for m in model]
+        assert all(any(p.numel() for m in piece for p in m.parameters()) for piece in pieces)
+
+
+@pytest.mark.parametrize("k, cuts, message", [
+    (7, [], "7 partitions but the model has only 6 layers with parameters"),
+    (2, [0], r"cuts \[0\] must be 1 increasing module indices"),
+    (3, [5, 3], r"cuts \[5, 3\] must be 2 increasing"),
+])
+def test_bad_partitionings_are_rejected(k, cuts, message):
+    with pytest.raises(ConfigError, match=message):
+        cut_points(six_layer_mlp(), k, cuts)
+
+
+def test_a_non_sequential_model_is_rejected():
+    class Branchy(nn.Module):
+        def forward(self, x):
+            return x
+    with pytest.raises(ConfigError, match="needs an nn.Sequential model"):
+        cut_points(Branchy(), 2, [])
+
+
+def test_bad_sil_options_are_rejected():
+    with pytest.raises(ConfigError, match="sil.kappa must be > 0, got 0.0"):
+        config.load(["--method", "sil", "--sil.kappa", "0"])
+    with pytest.raises(ConfigError, match=r"sil.epochs needs one positive value per partition \(2\)"):
+        config.load(["--method", "sil", "--sil.epochs", "3"])
+
+
+def test_partition_count_that_does_not_divide_the_world_is_rejected():
+    method = ModelParallel(config.load(["--method", "mp", "--mp.partitions", str(SIZE + 1)]))
+    with pytest.raises(ConfigError, match=f"cannot split {SIZE} ranks into {SIZE + 1} equal groups"):
+        method.check_world(SIZE)
+
+
+def make(method_cls, name: str, *argv: str):
+    method = method_cls(config.load(["--method", name, "--train.lr", "0.01", *argv]))
+    method.data = INFO
+    model = six_layer_mlp()
+    method.check_world(SIZE)
+    method.setup(copy.deepcopy(model))
+    return method, model
+
+
+def pooled_batch(seed: int = 4, n: int = 10):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=generator), torch.randint(0, 3, (n,), generator=generator)
+
+
+@needs_ranks(2)
+def test_codes_are_identical_on_all_ranks(world):
+    method, _ = make(SyntheticIntermediateLabels, "sil")
+    codes = method.codes[1]
+    assert codes.shape == (3, *method.layout.shapes[1]) and 0 <= codes.min() and codes.max() <= 5.0
+    gathered = world.comm.allgather(codes.numpy())
+    assert all((c == gathered[0]).all() for c in gathered)
+    assert torch.equal(class_codes(method.code_seed, 1, 3, method.layout.shapes[1], 5.0, "uniform"), codes)
+
+
+@needs_ranks(2)
+def test_cross_group_evaluation_equals_the_single_process_output(world):
+    method, model = make(ModelParallel, "mp")
+    x, y = pooled_batch()
+    correct, count, loss_sum = pipeline_evaluate(method.layout, [(x, y)])
+    if method.layout.last:
+        with torch.no_grad():
+            logits = model(x)
+        assert count == 10 and correct == (logits.argmax(1) == y).sum().item()
+        assert loss_sum == pytest.approx(F.cross_entropy(logits, y, reduction="sum").item(), rel=1e-6, abs=1e-6)
+    else:
+        assert (correct, count, loss_sum) == (0, 0, 0.0)
+
+
+@needs_ranks(2)
+def test_mp_gradients_equal_single_process_autograd(world, fresh_meter):
+    method, model = make(ModelParallel, "mp", "--train.optimizer", "sgd", "--train.momentum", "0")
+    # Each position in a group has its own batch; a group's ranks average their gradients.
+    position, g = method.layout.group.rank_of(world.comm.Get_rank()), method.layout.group.size
+    batches = [pooled_batch(seed=10 + p) for p in range(g)]
+    reference = copy.deepcopy(model)
+    sum(F.cross_entropy(reference(x), y) for x, y in batches).div(g).backward()
+    for group in method.optimizer.param_groups:  # lr 0: only the gradients matter here
+        group["lr"] = 0.0
+    pipeline_train_step(method.layout, method.optimizer, *batches[position])
+    start = method.layout.boundaries[method.layout.index]
+    for name, param in method.model.named_parameters():
+        index, attr = name.split(".", 1)
+        expected = reference[int(index) + start].get_parameter(attr).grad
+        torch.testing.assert_close(param.grad, expected, rtol=1e-5, atol=1e-6)
+    sends = [r for r in fresh_meter.step_records if r.op == "send"]
+    assert sends and all(r.name in ("mp.activations", "mp.gradients") for r in sends)
+
+
+@needs_ranks(2)
+@pytest.mark.parametrize("mode, epochs", [("parallel", 2), ("sequential", 5)])
+def test_sil_training_traffic_between_partitions(shared_tmp, mode, epochs):
+    argv = ["--method", "sil", "--sil.mode", mode, "--train.epochs", str(epochs), "--model.hidden", "32,16",
+            "--data.path", str(shared_tmp / "digits.h5"), "--run.dir", str(shared_tmp / "runs"), "--run.name", mode,
+            "--run.progress", "false"]
+    assert main(argv) == 0
+    if RANK == 0:  # rank 0 holds the first partition
+        rows = [json.loads(line) for line in (shared_tmp / "runs" / mode / "metrics.jsonl").read_text().splitlines()]
+        epochs = [r for r in rows if r["type"] == "epoch"]
+        summary = rows[-1]
+        if mode == "parallel":
+            assert len(epochs) == 2 and all(e["between_partitions_bytes"] == 0 for e in epochs)
+            assert summary.get("train_send_world_wire_bytes", 0) == 0
+        else:  # the one transfer: outputs of the first partition for its share of the training set
+            assert len(epochs) == 10  # 5 epochs per partition, one after the other
+            rows_sent = len(range(0, 1438, SIZE // 2))
+            assert epochs[-1]["between_partitions_bytes"] == rows_sent * 32 * 4
+            assert epochs[-1]["test_acc"] > 0.5  # the joined network really learned
+        assert epochs[-1]["parameter_fraction"] < 1.0
+        joined = torch.load(shared_tmp / "runs" / mode / "model.pt")
+        mlp((1, 8, 8), 10, [32, 16]).load_state_dict(joined)  # the whole model, as one state dict
+
+
+@needs_ranks(2)
+def test_joined_state_dict_is_an_ordinary_state_dict_of_the_whole_model(world):
+    method, model = make(ModelParallel, "mp")
+    joined = method.joined_state_dict()
+    if world.comm.Get_rank() == 0:
+        assert set(joined) == set(model.state_dict())
+        fresh = six_layer_mlp()
+        fresh.load_state_dict(joined)
+        for (name, a), b in zip(fresh.state_dict().items(), model.state_dict().values()):
+            assert torch.equal(a, b), name
+    else:
+        assert joined is None
