@@ -317,7 +317,7 @@ def _metavar(ftype: Any) -> str:
 
 def _show(value: Any) -> str:
     if isinstance(value, list):
-        return ",".join(map(str, value))
+        return ",".join(map(str, value)) or "empty"
     return repr(value) if value == "" else str(value)
 
 
