@@ -14,8 +14,9 @@ With --link RATE each run happens in a private network namespace with a rate-lim
 
 Writes to --out: results.csv and results.md (accuracy, bytes per step from the traffic meter,
 step time, peak memory, ratios to ddp fp32 at the same rank count), accuracy_vs_epoch.png,
-accuracy_vs_bytes.png, step_time.png, and effective_rank.png when a method logs one; the
-runs themselves under runs/. Ratios, not absolute seconds, are what compare across machines.
+accuracy_vs_bytes.png, step_time.png, effective_rank.png when a method logs one and
+accuracy_vs_inter_group_bytes.png when a method trains in groups; the runs themselves under
+runs/ (--reuse remakes tables and plots from them). Ratios, not absolute seconds, are what compare across machines.
 """
 from __future__ import annotations
 
@@ -66,7 +67,9 @@ def run_one(variant: Variant, np_: int, args: argparse.Namespace, runs_dir: Path
                   "--train.epochs", str(args.epochs), "--data.batch_size", str(args.batch_size),
                   "--train.seed", str(args.seed), "--run.dir", str(runs_dir), "--run.progress", "false", *extra]
     started = time.monotonic()
-    if args.link is None:
+    if args.reuse and (runs_dir / name / "summary.json").exists():
+        measured = None  # a finished run: only its tables and plots are made again
+    elif args.link is None:
         launch(np_, [*train_args, "--run.name", name], runs_dir / f"{name}.log")
         measured = None
     else:
@@ -202,6 +205,20 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
     fig.savefig(out / "step_time.png", dpi=100)
     plt.close(fig)
 
+    if any("inter_group_wire_bytes" in r["epochs"][0] for r in results):
+        # Group methods: only inter-group traffic crosses nodes; for the others all of it does.
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for r in results:
+            key = "inter_group_wire_bytes" if "inter_group_wire_bytes" in r["epochs"][0] else "train_wire_bytes_total"
+            ax.plot(series(r, key), [100 * a for a in series(r, "test_acc")], marker="o", label=label(r))
+        ax.set(xlabel="cumulative inter-group bytes per rank (all bytes for methods without groups)",
+               ylabel="test accuracy (%)", xscale="log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        fig.savefig(out / "accuracy_vs_inter_group_bytes.png", dpi=100)
+        plt.close(fig)
+
     ranked = [(r, k) for r in results for k in r["epochs"][0] if k.startswith("effective_rank/")]
     if ranked:
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -231,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=42, help="seed shared by every run (default: %(default)s)")
     parser.add_argument("--out", default="benchmarks/results/compare", help="output directory (default: %(default)s)")
     parser.add_argument("--title", default=None, help="heading of results.md")
+    parser.add_argument("--reuse", action="store_true",
+                        help="reuse finished runs found under --out/runs (remake tables and plots only)")
     parser.add_argument("--link", default=None, metavar="RATE",
                         help="run each method in a private network namespace whose loopback is limited to "
                              "RATE (tc units: 1gbit, 100mbit), with Open MPI over TCP on it, and measure the bytes "

@@ -188,16 +188,30 @@ class TrafficMeter:
         summed = self.allreduce(torch.tensor(values, dtype=torch.float64), name, group, average=False)
         return summed.tolist()
 
+    # -- small picklable objects (control messages: errors, paths, state dicts) -----------------
     def gather_object(self, obj: Any, name: str, root: int = 0) -> list[Any] | None:
-        """Gather a picklable object from every rank to `root` (None elsewhere); each rank's
-        pickled size is recorded as sent to the root."""
-        import pickle
-
+        """Gather a picklable object from every rank to `root` (None elsewhere); each non-root
+        rank's pickled size is recorded as sent."""
         from mpi4py import MPI
 
-        size = len(pickle.dumps(obj)) if MPI.COMM_WORLD.Get_rank() != root else 0
+        size = _pickled_size(obj) if MPI.COMM_WORLD.Get_rank() != root else 0
         self.record("send", name, size, None, wire=size)
         return MPI.COMM_WORLD.gather(obj, root=root)
+
+    def allgather_object(self, obj: Any, name: str) -> list[Any]:
+        from mpi4py import MPI
+
+        out = MPI.COMM_WORLD.allgather(obj)
+        self.record("allgather", name, _pickled_size(obj), None,
+                    wire=wire_bytes("allgather", sum(map(_pickled_size, out)), len(out)))
+        return out
+
+    def broadcast_object(self, obj: Any, name: str, root: int = 0) -> Any:
+        from mpi4py import MPI
+
+        out = MPI.COMM_WORLD.bcast(obj, root=root)
+        self.record("broadcast", name, _pickled_size(out), None)
+        return out
 
     # -- metered point-to-point (mpi4py) -------------------------------------------------------
     def send(self, tensor: torch.Tensor, dest: int, name: str, tag: int = 0) -> None:
@@ -216,6 +230,12 @@ class TrafficMeter:
         MPI.COMM_WORLD.Recv(array, source=source, tag=tag)
         self.record("recv", name, array.nbytes, None, wire=0)
         return out
+
+
+def _pickled_size(obj: Any) -> int:
+    import pickle
+
+    return len(pickle.dumps(obj))
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -33,8 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from hvd_lowcomm import runtime
+    from hvd_lowcomm.traffic import meter
 
     world = runtime.init(cfg.train.seed)
+    meter.reset()  # one run's traffic, from start-up checks to the summary
     prepared = preflight(cfg, world)
     if prepared is None:
         return 2
@@ -49,6 +51,7 @@ def preflight(cfg: Config, world: Any) -> tuple[Any, ...] | None:
     ends every rank with the same clear message instead of a hang."""
     from hvd_lowcomm import data, models
     from hvd_lowcomm.methods import get_method
+    from hvd_lowcomm.traffic import meter
     from data_prep import BUNDLED, write_dataset
 
     comm, rank = world.comm, world.comm.Get_rank()
@@ -76,7 +79,8 @@ def preflight(cfg: Config, world: Any) -> tuple[Any, ...] | None:
             method.check_model(model)
         except ConfigError as err:
             error = str(err)
-    errors = comm.allgather(error)
+    with meter.in_phase("control"):
+        errors = meter.allgather_object(error, "preflight.errors")
     if any(errors):
         if rank == 0:
             for message in dict.fromkeys(e for e in errors if e):
@@ -98,12 +102,12 @@ def train(cfg: Config, method: Any, info: Any, model: Any) -> dict[str, Any]:
     rank, device = runtime.rank(), runtime.device()
     run_dir = unique_run_dir(cfg.run.dir, cfg.run.name or f"{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}")
     # Only rank 0 writes; it tells the others where (the name has a timestamp).
-    run_dir = Path(world.comm.bcast(str(run_dir) if rank == 0 else None, root=0))
+    with meter.in_phase("control"):
+        run_dir = Path(meter.broadcast_object(str(run_dir) if rank == 0 else None, "run.dir"))
     log = RunLogger(run_dir if rank == 0 else None, cfg.run.progress)
     log.write_config(cfg.to_dict())
 
     model = model.to(device)
-    meter.reset()
     method.setup(model)
     train_batches = method.batches(data.H5Split(info.path, "train"), cfg.data.batch_size, True, device)
     test_batches = method.batches(data.H5Split(info.path, "test"), cfg.data.test_batch_size, False, device)
