@@ -111,8 +111,10 @@ def tabulate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                # Traffic on the world process set: with groups of one node, what crosses the network.
                "world_bytes_per_step": world_bytes(s) / max(s["steps"], 1),
                "train_bytes_total": s["train_wire_bytes"], "world_bytes_total": world_bytes(s)}
-        if "compression_ratio" in r["epochs"][-1]:
-            row["compression_ratio"] = float(r["epochs"][-1]["compression_ratio"])
+        last_epoch = r["epochs"][-1]
+        for key in ("compression_ratio", "parameter_fraction", "parameter_bytes", "between_partitions_bytes"):
+            if last_epoch.get(key) not in (None, ""):
+                row[key] = float(last_epoch[key])
         if r["measured"] is not None:
             m = r["measured"]
             metered = s["train_wire_bytes_all_ranks"]
@@ -160,6 +162,14 @@ def write_tables(rows: list[dict[str, Any]], out: Path, title: str) -> str:
             lines.append(f"| {row['np']} | {row['method']} | {human_bytes(row['train_bytes_total'])} | "
                          f"{human_bytes(row['world_bytes_total'])} | {row.get('world_bytes_ratio_to_ddp', float('nan')):.4f} | "
                          f"{row.get('compression_ratio', float('nan')):.2f}x |")
+    partitioned = [row for row in rows if "parameter_fraction" in row]
+    if partitioned:
+        lines += ["", "Partitioned methods (figures of rank 0, which holds the first partition): bytes sent "
+                      "between partition groups over the whole run, and parameters held against the whole model.", "",
+                  "| np | method | between partitions | parameter bytes | share of the model |", "|---|---|---|---|---|"]
+        for row in partitioned:
+            lines.append(f"| {row['np']} | {row['method']} | {human_bytes(row['between_partitions_bytes'])} | "
+                         f"{human_bytes(row['parameter_bytes'])} | {row['parameter_fraction']:.1%} |")
     measured = [row for row in rows if "link" in row]
     if measured:
         lines += ["", f"Traffic on the emulated {measured[0]['link']} link, all ranks together, per training step: "
