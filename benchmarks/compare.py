@@ -67,8 +67,10 @@ def run_one(variant: Variant, np_: int, args: argparse.Namespace, runs_dir: Path
                   "--train.epochs", str(args.epochs), "--data.batch_size", str(args.batch_size),
                   "--train.seed", str(args.seed), "--run.dir", str(runs_dir), "--run.progress", "false", *extra]
     started = time.monotonic()
+    measured_file = runs_dir / f"{name}.link.json"
     if args.reuse and (runs_dir / name / "summary.json").exists():
-        measured = None  # a finished run: only its tables and plots are made again
+        # A finished run: only its tables and plots are made again.
+        measured = json.loads(measured_file.read_text()) if measured_file.exists() else None
     elif args.link is None:
         launch(np_, [*train_args, "--run.name", name], runs_dir / f"{name}.log")
         measured = None
@@ -83,6 +85,7 @@ def run_one(variant: Variant, np_: int, args: argparse.Namespace, runs_dir: Path
             launch(np_, [*train_args, "--run.name", name], runs_dir / f"{name}.log", link)
             measured = {"link": args.link, "link_bits_per_s": link.rate_bits, "measured_train_bytes": link.bytes() - startup,
                         "startup_bytes": startup}
+        measured_file.write_text(json.dumps(measured))
     summary = json.loads((runs_dir / name / "summary.json").read_text())
     with open(runs_dir / name / "epochs.csv") as fh:
         epochs = list(csv.DictReader(fh))
@@ -154,36 +157,49 @@ def write_tables(rows: list[dict[str, Any]], out: Path, title: str) -> str:
             f"{row.get('bytes_ratio_to_ddp', float('nan')):.4f}", f"{row['step_ms']:.1f}",
             f"{row.get('step_time_ratio_to_ddp', float('nan')):.2f}", f"{row['peak_rss_mb']:.0f} MB"]) + " |")
     grouped = [row for row in rows if row["world_bytes_total"] < row["train_bytes_total"]]
-    if grouped:
-        lines += ["", "Methods that train in groups: traffic on the world process set (inter-group, the network "
-                      "traffic when a group is a node) against all training traffic, per rank over the run.", "",
-                  "| np | method | all traffic | inter-group | inter-group × ddp | compression |", "|---|---|---|---|---|---|"]
-        for row in grouped:
-            lines.append(f"| {row['np']} | {row['method']} | {human_bytes(row['train_bytes_total'])} | "
-                         f"{human_bytes(row['world_bytes_total'])} | {row.get('world_bytes_ratio_to_ddp', float('nan')):.4f} | "
-                         f"{row.get('compression_ratio', float('nan')):.2f}x |")
-    partitioned = [row for row in rows if "parameter_fraction" in row]
-    if partitioned:
-        lines += ["", "Partitioned methods (figures of rank 0, which holds the first partition): bytes sent "
-                      "between partition groups over the whole run, and parameters held against the whole model.", "",
-                  "| np | method | between partitions | parameter bytes | share of the model |", "|---|---|---|---|---|"]
-        for row in partitioned:
-            lines.append(f"| {row['np']} | {row['method']} | {human_bytes(row['between_partitions_bytes'])} | "
-                         f"{human_bytes(row['parameter_bytes'])} | {row['parameter_fraction']:.1%} |")
+    lines += _table(
+        "Methods that train in groups: traffic on the world process set (inter-group, the network traffic when a "
+        "group is a node) against all training traffic, per rank over the run.",
+        ["np", "method", "all traffic", "inter-group", "inter-group × ddp", "compression"],
+        [[row["np"], row["method"], human_bytes(row["train_bytes_total"]), human_bytes(row["world_bytes_total"]),
+          f"{row.get('world_bytes_ratio_to_ddp', float('nan')):.4f}", f"{row.get('compression_ratio', float('nan')):.2f}x"]
+         for row in grouped])
+    lines += _table(
+        "Partitioned methods (figures of rank 0, which holds the first partition): bytes sent between partition "
+        "groups over the whole run, and parameters held against the whole model.",
+        ["np", "method", "between partitions", "parameter bytes", "share of the model"],
+        [[row["np"], row["method"], human_bytes(row["between_partitions_bytes"]), human_bytes(row["parameter_bytes"]),
+          f"{row['parameter_fraction']:.1%}"] for row in rows if "parameter_fraction" in row])
     measured = [row for row in rows if "link" in row]
-    if measured:
-        lines += ["", f"Traffic on the emulated {measured[0]['link']} link, all ranks together, per training step: "
-                      "measured = the namespace's loopback counters (start-up traffic of a zero-step run "
-                      f"subtracted); metered = hvd_lowcomm's meter; agreement within {AGREEMENT:.0%} is ok.", "",
-                  "| np | method | measured/step | metered/step | measured vs meter | link utilisation | agreement |",
-                  "|---|---|---|---|---|---|---|"]
-        for row in measured:
-            lines.append(f"| {row['np']} | {row['method']} | {human_bytes(row['measured_bytes_per_step'])} | "
-                         f"{human_bytes(row['metered_bytes_per_step_all_ranks'])} | {row['measured_vs_meter']:+.1%} | "
-                         f"{row['link_utilisation']:.1%} | {row['agreement']} |")
+    lines += _table(
+        f"Traffic on the emulated {measured[0]['link'] if measured else ''} link, all ranks together, per training "
+        "step: measured = the namespace's loopback counters (start-up traffic of a zero-step run subtracted); "
+        f"metered = hvd_lowcomm's meter; agreement within {AGREEMENT:.0%} is ok.",
+        ["np", "method", "measured/step", "metered/step", "measured vs meter", "link utilisation", "agreement"],
+        [[row["np"], row["method"], human_bytes(row["measured_bytes_per_step"]),
+          human_bytes(row["metered_bytes_per_step_all_ranks"]), f"{row['measured_vs_meter']:+.1%}",
+          f"{row['link_utilisation']:.1%}", row["agreement"]] for row in measured])
     text = "\n".join(lines) + "\n"
     (out / "results.md").write_text(text)
     return text
+
+
+def _table(caption: str, header: list[str], rows: list[list[Any]]) -> list[str]:
+    """A captioned markdown table, or nothing when there are no rows."""
+    if not rows:
+        return []
+    return ["", caption, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(map(str, row)) + " |" for row in rows)]
+
+
+def _finish(fig: Any, ax: Any, path: Path, legend: str = "small") -> None:
+    import matplotlib.pyplot as plt
+
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=legend)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def plot(results: list[dict[str, Any]], out: Path) -> None:
@@ -202,11 +218,7 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
         for r in results:
             ax.plot(series(r, xkey), [100 * a for a in series(r, "test_acc")], marker="o", label=label(r))
         ax.set(xlabel=xlabel, ylabel="test accuracy (%)", xscale="log" if "bytes" in name else "linear")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
-        fig.tight_layout()
-        fig.savefig(out / f"{name}.png", dpi=100)
-        plt.close(fig)
+        _finish(fig, ax, out / f"{name}.png")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.barh([label(r) for r in results], [1000 * r["summary"]["step_seconds_mean"] for r in results])
@@ -223,11 +235,7 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
             ax.plot(series(r, key), [100 * a for a in series(r, "test_acc")], marker="o", label=label(r))
         ax.set(xlabel="cumulative inter-group bytes per rank (all bytes for methods without groups)",
                ylabel="test accuracy (%)", xscale="log")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
-        fig.tight_layout()
-        fig.savefig(out / "accuracy_vs_inter_group_bytes.png", dpi=100)
-        plt.close(fig)
+        _finish(fig, ax, out / "accuracy_vs_inter_group_bytes.png")
 
     ranked = [(r, k) for r in results for k in r["epochs"][0] if k.startswith("effective_rank/")]
     if ranked:
@@ -235,11 +243,7 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
         for r, key in ranked:
             ax.plot(series(r, "epoch"), series(r, key), marker="o", label=f"{label(r)} layer {key.split('/', 1)[1]}")
         ax.set(xlabel="epoch", ylabel="effective rank (components kept, mean over steps)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize="x-small")
-        fig.tight_layout()
-        fig.savefig(out / "effective_rank.png", dpi=100)
-        plt.close(fig)
+        _finish(fig, ax, out / "effective_rank.png", legend="x-small")
 
 
 def main(argv: list[str] | None = None) -> int:

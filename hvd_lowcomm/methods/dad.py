@@ -355,15 +355,13 @@ class DadOptions:
 
 
 @dataclass
-class RankDadOptions:
+class RankDadOptions(DadOptions):
     """rank-dAD: share low-rank factors of activations and deltas (structured power iteration)."""
 
     rank: int = option(8, "most components per layer")
     iterations: int = option(10, "power iterations per component")
     tol: float = option(1e-3, "stop iterating when a component moves less than this; drop components "
                               "with sigma <= tol * sigma_1")
-    plan: str = option("auto", "share factors where cheaper than allreduce (auto) or for every supported layer (all)",
-                       choices=("auto", "all"))
 
     def validate(self) -> None:
         if self.rank < 1:
