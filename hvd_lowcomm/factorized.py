@@ -44,10 +44,15 @@ class FactorizedLayer(nn.Module):
         """Inverse of tall_matrix: back to the layer's own weight shape."""
         return (tall.T if self.transposed else tall).reshape(self.layer.weight.shape)
 
-    def factorize(self, tau: float, truncate: bool, rank: int | None = None) -> int:
-        """Split the dense weight into A, B by SVD. Returns the rank kept: `rank` if given (all
-        ranks agreeing on one), else every σ_i > τ σ_1 when truncating, else all of them."""
-        u, s, vh = torch.linalg.svd(self.tall_matrix(), full_matrices=False)
+    def svd(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return torch.linalg.svd(self.tall_matrix(), full_matrices=False)
+
+    def factorize(self, tau: float, truncate: bool, rank: int | None = None,
+                  svd: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> int:
+        """Split the dense weight into A, B by SVD (`svd`: one already computed). Returns the
+        rank kept: `rank` if given (all ranks agreeing on one), else every σ_i > τ σ_1 when
+        truncating, else all of them."""
+        u, s, vh = svd if svd is not None else self.svd()
         r = rank if rank is not None else (rank_for(s, tau) if truncate else len(s))
         r = max(1, min(r, len(s)))
         root = s[:r].sqrt()

@@ -93,9 +93,14 @@ class Layout:
         self.group, self.groups = runtime.split_world(num_groups=options.partitions, label="partition")
         self.index = self.group.index
         start, end = self.boundaries[self.index], self.boundaries[self.index + 1]
-        # Keep only this partition; the other modules are released on this rank.
-        self.module = nn.Sequential(*list(model)[start:end])
         self.whole_model_parameters = sum(p.numel() for p in model.parameters())
+        self.module = nn.Sequential(*list(model)[start:end])
+        # Other partitions' tensors are released on this rank (the caller may still hold the
+        # whole model object): each rank keeps only its own partition in memory.
+        for index, other in enumerate(model):
+            if not start <= index < end:
+                for tensor in [*other.parameters(), *other.buffers()]:
+                    tensor.data = tensor.data.new_empty(0)
         self.previous = runtime.rank() - self.group.size if self.index > 0 else None
         self.next = runtime.rank() + self.group.size if self.index < self.count - 1 else None
 

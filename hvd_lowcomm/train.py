@@ -108,12 +108,13 @@ def train(cfg: Config, method: Any, info: Any, model: Any) -> dict[str, Any]:
     log.write_config(cfg.to_dict())
 
     model = model.to(device)
+    parameters = _count_parameters(model)  # the whole model; partitioned methods keep a part per rank
     method.setup(model)
     train_batches = method.batches(data.H5Split(info.path, "train"), cfg.data.batch_size, True, device)
     test_batches = method.batches(data.H5Split(info.path, "test"), cfg.data.test_batch_size, False, device)
     epochs = method.epochs()
     log.print(f"hvd_lowcomm: method {cfg.method} on {world.size} rank(s) ({device.type}); model "
-              f"{cfg.model.name} ({_count_parameters(model):,} parameters); data {info.path} "
+              f"{cfg.model.name} ({parameters:,} parameters); data {info.path} "
               f"({info.num_train} train / {info.num_test} test, {info.num_classes} classes); "
               f"{len(train_batches)} steps/epoch; run dir {run_dir}")
 
@@ -138,7 +139,7 @@ def train(cfg: Config, method: Any, info: Any, model: Any) -> dict[str, Any]:
         if meter.step >= total_steps:
             break
 
-    summary, rows = summarize(cfg, method, record, best_acc, time.perf_counter() - start, step_seconds)
+    summary, rows = summarize(cfg, method, record, best_acc, time.perf_counter() - start, step_seconds, parameters)
     final = method.final_state_dict()
     if final is not None:
         torch.save(final, run_dir / "model.pt")
@@ -191,7 +192,7 @@ def evaluate(method: Any, test_batches: Any, local_train_loss: float) -> dict[st
 
 
 def summarize(cfg: Config, method: Any, last: dict[str, Any], best_acc: float, elapsed: float,
-              step_seconds: float) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+              step_seconds: float, parameters: int) -> tuple[dict[str, Any], list[tuple[str, str]]]:
     """The run's summary record, and its rows for the table printed at the end."""
     import torch
 
@@ -208,7 +209,7 @@ def summarize(cfg: Config, method: Any, last: dict[str, Any], best_acc: float, e
     summary = {
         "method": cfg.method, "world_size": runtime.size(), "epochs": method.epochs(), "steps": meter.step,
         "final_test_acc": last["test_acc"], "best_test_acc": best_acc, "seconds": elapsed,
-        "step_seconds_mean": step_seconds / steps, "parameters": _count_parameters(method.model),
+        "step_seconds_mean": step_seconds / steps, "parameters": parameters,
         "train_wire_bytes_per_step": meter.total("train") / steps,
         "train_wire_bytes_all_ranks": per_rank[:, 1].sum().item(),
         "peak_rss_bytes_max_rank": peak_rss_max, **meter.summary(),

@@ -202,12 +202,12 @@ class ABTraining(Method):
     # -- factorise, sync -------------------------------------------------------------------------
     def _factorize(self, truncate: bool) -> None:
         tau = self.cfg.options.tau
-        local = [rank_for(torch.linalg.svdvals(layer.tall_matrix()), tau) if truncate else min(layer.tall_shape)
-                 for layer in self.layers.values()]
+        svds = [layer.svd() for layer in self.layers.values()]
+        local = [rank_for(s, tau) if truncate else len(s) for _, s, _ in svds]
         agreed = meter.allreduce_many([("ab.ranks", torch.tensor(local, dtype=torch.int64))], None, op="max")[0]
-        for layer, rank in zip(self.layers.values(), agreed.tolist()):
+        for layer, rank, svd in zip(self.layers.values(), agreed.tolist(), svds):
             old = {"A": layer.A.shape, "B": layer.B.shape}
-            layer.factorize(tau, truncate, rank=int(rank))
+            layer.factorize(tau, truncate, rank=int(rank), svd=svd)
             self._fit_optimizer_state(layer, old)
 
     def _fit_optimizer_state(self, layer: FactorizedLayer, old: dict[str, torch.Size]) -> None:
