@@ -73,3 +73,21 @@ def test_an_exception_on_one_rank_ends_the_whole_job_nonzero(tmp_path):
     assert proc.returncode != 0
     assert "[rank 1] RuntimeError: boom on rank 1" in proc.stderr
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.skipif(SIZE != 1 or RANK != 0, reason="launches its own mpirun; run from the 1-rank suite")
+def test_a_killed_rank_ends_the_whole_job_nonzero(tmp_path):
+    script = tmp_path / "killed.py"
+    script.write_text(
+        "import os, signal, torch\n"
+        "from hvd_lowcomm import runtime\n"
+        "from hvd_lowcomm.traffic import meter\n"
+        "runtime.init(0)\n"
+        "if runtime.rank() == 1:\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)  # no exception, no cleanup: the process just vanishes\n"
+        "meter.allreduce(torch.ones(1), 'waits-for-rank-1')\n")
+    start = time.monotonic()
+    proc = subprocess.run(mpirun(2, sys.executable, str(script)), capture_output=True, text=True,
+                          env=clean_env(), timeout=120)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 60
