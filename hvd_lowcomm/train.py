@@ -214,6 +214,8 @@ def summarize(cfg: Config, method: Any, last: dict[str, Any], best_acc: float, e
         "train_wire_bytes_all_ranks": per_rank[:, 1].sum().item(),
         "peak_rss_bytes_max_rank": peak_rss_max, **meter.summary(),
     }
+    extra = method.summary_metrics()
+    summary.update(extra)
     rows = [("method", f"{cfg.method} on {runtime.size()} rank(s)"),
             ("test accuracy", f"{100 * last['test_acc']:.2f}% (best {100 * best_acc:.2f}%)"),
             ("steps", f"{meter.step} in {elapsed:.1f} s ({1000 * step_seconds / steps:.1f} ms/step)"),
@@ -225,7 +227,18 @@ def summarize(cfg: Config, method: Any, last: dict[str, Any], best_acc: float, e
             ("peak memory (max over ranks)", human_bytes(peak_rss_max))]
     rows += [(f"  {op} in {group}", human_bytes(t.wire_bytes))
              for (phase, op, group), t in sorted(meter.by_kind.items()) if phase == "train"]
+    rows += [(f"{cfg.method}: {key} (rank 0)", _show_value(key, value)) for key, value in extra.items()]
     return summary, rows
+
+
+def _show_value(key: str, value: Any) -> str:
+    from hvd_lowcomm.metrics import human_bytes
+
+    if isinstance(value, float) and "bytes" in key:
+        return human_bytes(value)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
 
 
 def _count_parameters(model: Any) -> int:

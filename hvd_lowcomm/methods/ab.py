@@ -290,6 +290,8 @@ class ABTraining(Method):
                 "intra_group_wire_bytes": intra, "inter_group_wire_bytes": meter.total("train", group="world"),
                 **{f"rank/{name}": layer.rank for name, layer in self.layers.items()}}
 
+    summary_metrics = epoch_metrics
+
     def _ranks_text(self) -> str:
         return ", ".join(f"{name}:{layer.rank}" for name, layer in self.layers.items())
 

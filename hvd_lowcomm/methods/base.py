@@ -79,6 +79,10 @@ class Method:
         self.model.train()
         return correct, count, loss_sum
 
+    def summary_metrics(self) -> dict[str, Any]:
+        """Method-specific figures for the final summary (summary.json and the printed table)."""
+        return {}
+
     def set_lr(self, lr: float) -> None:
         """Apply the schedule's learning rate for the coming step (methods with several
         optimisers or their own LR rules override this)."""

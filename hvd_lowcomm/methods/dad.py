@@ -385,6 +385,9 @@ class DistributedAutoDiff(DataParallel):
     def distribute(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
         return DadOptimizer(optimizer, model, plan=self.cfg.options.plan, seed=self.cfg.train.seed)
 
+    def summary_metrics(self) -> dict[str, Any]:
+        return {f"plan/{name}": lp.choice for name, lp in self.optimizer.plan.items()}
+
     def epoch_metrics(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for name, lp in self.optimizer.plan.items():

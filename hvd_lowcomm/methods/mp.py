@@ -60,6 +60,9 @@ class Partitioned(Method):
         return {"partition": self.layout.index, "between_partitions_bytes": between, "within_partition_wire_bytes": within,
                 "parameter_bytes": 4 * own, "parameter_fraction": own / self.layout.whole_model_parameters}
 
+    def summary_metrics(self) -> dict[str, Any]:
+        return self.epoch_metrics()
+
     def joined_state_dict(self) -> dict[str, torch.Tensor] | None:
         return joined_state_dict(self.layout)
 

@@ -192,6 +192,8 @@ class PowerSGD(DataParallel):
     def epoch_metrics(self) -> dict[str, Any]:
         return {"powersgd_compression_rate": self.optimizer.powersgd.compression_rate()}
 
+    summary_metrics = epoch_metrics
+
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "powersgd": self.optimizer.powersgd.state_dict()}
 
