@@ -116,11 +116,6 @@ class H5Split:
         y = group["y"][sorted_idx][restore]
         return torch.from_numpy(np.asarray(x, dtype=np.float32)), torch.from_numpy(np.asarray(y, dtype=np.int64))
 
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
 
 class ShardedBatches:
     """This rank's batches of one split for a given epoch (see the module docstring)."""

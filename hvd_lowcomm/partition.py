@@ -90,7 +90,7 @@ class Layout:
         self.boundaries = cut_points(model, options.partitions, options.cuts)
         self.shapes = activation_shapes(model, self.boundaries, input_shape)
         self.count = options.partitions
-        self.group, self.groups = runtime.split_world(num_groups=options.partitions, label="partition")
+        self.group, _ = runtime.split_world(num_groups=options.partitions, label="partition")
         self.index = self.group.index
         start, end = self.boundaries[self.index], self.boundaries[self.index + 1]
         self.whole_model_parameters = sum(p.numel() for p in model.parameters())

@@ -141,12 +141,6 @@ class TrafficMeter:
         out = hvd.allreduce(sent, name=name, op=op, process_set=_process_set(group))
         return compression.decompress(out, ctx)
 
-    def allreduce_(self, tensor: torch.Tensor, name: str, group: Group | None = None,
-                   average: bool = True) -> torch.Tensor:
-        """In-place allreduce (mean by default) within `group`."""
-        tensor.copy_(self.allreduce(tensor, name, group, average))
-        return tensor
-
     def allgather(self, tensor: torch.Tensor, name: str, group: Group | None = None) -> torch.Tensor:
         """Concatenate every member's tensor along dim 0 (first dims may differ)."""
         return self.allgather_many([(name, tensor)], group)[0]

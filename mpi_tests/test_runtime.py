@@ -55,39 +55,40 @@ def test_splitting_twice_reuses_the_process_sets(world):
     assert second.label.startswith("again")
 
 
-@pytest.mark.skipif(SIZE != 1 or RANK != 0, reason="launches its own mpirun; run from the 1-rank suite")
-def test_an_exception_on_one_rank_ends_the_whole_job_nonzero(tmp_path):
-    script = tmp_path / "boom.py"
-    script.write_text(
-        "import torch\n"
-        "from hvd_lowcomm import runtime\n"
-        "from hvd_lowcomm.traffic import meter\n"
-        "runtime.init(0)\n"
-        "with runtime.abort_on_error():\n"
-        "    if runtime.rank() == 1:\n"
-        "        raise RuntimeError('boom on rank 1')\n"
-        "    meter.allreduce(torch.ones(1), 'waits-for-rank-1')  # would hang without the abort\n")
-    start = time.monotonic()
-    proc = subprocess.run(mpirun(2, sys.executable, str(script)), capture_output=True, text=True,
-                          env=clean_env(), timeout=120)
-    assert proc.returncode != 0
-    assert "[rank 1] RuntimeError: boom on rank 1" in proc.stderr
-    assert time.monotonic() - start < 60
-
-
-@pytest.mark.skipif(SIZE != 1 or RANK != 0, reason="launches its own mpirun; run from the 1-rank suite")
-def test_a_killed_rank_ends_the_whole_job_nonzero(tmp_path):
-    script = tmp_path / "killed.py"
+def run_on_two_ranks(tmp_path, failure: str) -> tuple[subprocess.CompletedProcess, float]:
+    """Run a 2-rank job where rank 1 executes `failure` while rank 0 waits in an allreduce that
+    rank 1 never joins; return the finished process and how long it took."""
+    script = tmp_path / "job.py"
     script.write_text(
         "import os, signal, torch\n"
         "from hvd_lowcomm import runtime\n"
         "from hvd_lowcomm.traffic import meter\n"
         "runtime.init(0)\n"
-        "if runtime.rank() == 1:\n"
-        "    os.kill(os.getpid(), signal.SIGKILL)  # no exception, no cleanup: the process just vanishes\n"
-        "meter.allreduce(torch.ones(1), 'waits-for-rank-1')\n")
+        "with runtime.abort_on_error():\n"
+        "    if runtime.rank() == 1:\n"
+        f"        {failure}\n"
+        "    meter.allreduce(torch.ones(1), 'waits-for-rank-1')  # would hang without the abort\n")
     start = time.monotonic()
     proc = subprocess.run(mpirun(2, sys.executable, str(script)), capture_output=True, text=True,
                           env=clean_env(), timeout=120)
+    return proc, time.monotonic() - start
+
+
+only_from_the_1_rank_suite = pytest.mark.skipif(SIZE != 1 or RANK != 0,
+                                                reason="launches its own mpirun; run from the 1-rank suite")
+
+
+@only_from_the_1_rank_suite
+def test_an_exception_on_one_rank_ends_the_whole_job_nonzero(tmp_path):
+    proc, seconds = run_on_two_ranks(tmp_path, "raise RuntimeError('boom on rank 1')")
     assert proc.returncode != 0
-    assert time.monotonic() - start < 60
+    assert "[rank 1] RuntimeError: boom on rank 1" in proc.stderr
+    assert seconds < 60
+
+
+@only_from_the_1_rank_suite
+def test_a_killed_rank_ends_the_whole_job_nonzero(tmp_path):
+    # No exception, no cleanup: the process just vanishes.
+    proc, seconds = run_on_two_ranks(tmp_path, "os.kill(os.getpid(), signal.SIGKILL)")
+    assert proc.returncode != 0
+    assert seconds < 60
