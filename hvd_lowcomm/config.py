@@ -35,15 +35,28 @@ def option(default: Any, help: str, choices: tuple | None = None) -> Any:
 class DataConfig:
     """Where the samples come from and how many each rank takes per step."""
 
-    path: str = option("data/digits.h5", "HDF5 dataset written by `python -m data_prep`; a missing "
-                       "file named after a bundled dataset (digits.h5) is prepared on first use")
+    path: str = option("data/digits.h5", "HDF5 dataset file or shard directory written by `python -m "
+                       "data_prep`; a missing file named after a bundled dataset (digits.h5, mnist5k.h5) "
+                       "is prepared on first use")
     batch_size: int = option(32, "training samples per rank per step")
     test_batch_size: int = option(512, "samples per rank per evaluation batch")
+    normalize: bool = option(True, "standardise uint8 images with the stored per-channel mean/std")
+    verify: bool = option(True, "recompute every file's checksum before training (the ranks share the work); "
+                                "turn off for huge datasets already checked with `python -m data_prep verify`")
+    driver: str = option("default", "HDF5 driver for reads: default (independent POSIX reads per rank) or "
+                                    "mpio (MPI-IO; needs h5py built with MPI)", choices=("default", "mpio"))
 
     def validate(self) -> None:
         _positive(self, "batch_size", "test_batch_size")
         if not self.path:
             raise ConfigError("data.path is empty: give the HDF5 file to train on (--data.path data/digits.h5)")
+        if self.driver == "mpio":
+            import h5py
+
+            if not h5py.get_config().mpi:
+                raise ConfigError("data.driver mpio needs h5py built with MPI support, which this h5py is not "
+                                  "(reinstall it with CC=mpicc HDF5_MPI=ON pip install --no-binary h5py h5py "
+                                  "against a parallel HDF5), or use --data.driver default")
 
 
 @dataclass

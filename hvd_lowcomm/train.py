@@ -74,6 +74,8 @@ def preflight(cfg: Config, world: Any) -> tuple[Any, ...] | None:
             if info.num_train < world.size:
                 raise data.DataError(f"{cfg.data.path} has {info.num_train} training samples, fewer than "
                                      f"the {world.size} ranks")
+            if cfg.data.verify:  # each file checked once, by one rank
+                data.verify(info.files[rank::world.size])
             model = models.build_model(cfg.model, info.input_shape, info.num_classes)
             method.data = info
             method.check_model(model)
@@ -110,27 +112,35 @@ def train(cfg: Config, method: Any, info: Any, model: Any) -> dict[str, Any]:
     model = model.to(device)
     parameters = _count_parameters(model)  # the whole model; partitioned methods keep a part per rank
     method.setup(model)
-    train_batches = method.batches(data.H5Split(info.path, "train"), cfg.data.batch_size, True, device)
-    test_batches = method.batches(data.H5Split(info.path, "test"), cfg.data.test_batch_size, False, device)
+    splits = {split: data.H5Split(info, split, cfg.data.normalize, cfg.data.driver) for split in data.SPLITS}
+    train_batches = method.batches(splits["train"], cfg.data.batch_size, True, device)
+    test_batches = method.batches(splits["test"], cfg.data.test_batch_size, False, device)
     epochs = method.epochs()
+    shards = f", {len(info.files)} shard files" if len(info.files) > 1 else ""
     log.print(f"hvd_lowcomm: method {cfg.method} on {world.size} rank(s) ({device.type}); model "
               f"{cfg.model.name} ({parameters:,} parameters); data {info.path} "
-              f"({info.num_train} train / {info.num_test} test, {info.num_classes} classes); "
+              f"({info.num_train} train / {info.num_test} test, {info.num_classes} classes{shards}); "
               f"{len(train_batches)} steps/epoch; run dir {run_dir}")
+    unused = getattr(train_batches, "unused_fraction", lambda: 0.0)()
+    if unused > 0.05:
+        log.print(f"warning: {len(info.files)} shard files split unevenly over {world.size} ranks, so "
+                  f"{100 * unused:.0f}% of the training samples are skipped each epoch (a different "
+                  f"random part every epoch); write a shard count that is a multiple or divisor of the rank count")
 
     total_steps = epochs * len(train_batches)
     if cfg.train.max_steps >= 0:
         total_steps = min(total_steps, cfg.train.max_steps)
-    start, step_seconds, best_acc = time.perf_counter(), 0.0, 0.0
+    start, step_seconds, wait_seconds, best_acc = time.perf_counter(), 0.0, 0.0, 0.0
     for epoch in range(1, epochs + 1):
         method.start_epoch(epoch)
         wire_at_start = meter.total("train")
-        train_loss, seconds, steps = train_epoch(cfg, method, train_batches, epoch, total_steps, log)
-        step_seconds += seconds
+        train_loss, seconds, waited, steps = train_epoch(cfg, method, train_batches, epoch, total_steps, log)
+        step_seconds, wait_seconds = step_seconds + seconds, wait_seconds + waited
         record = {"epoch": epoch, "step": meter.step, **evaluate(method, test_batches, train_loss),
                   "train_wire_bytes": meter.total("train") - wire_at_start,
                   "train_wire_bytes_total": meter.total("train"),
-                  "seconds": time.perf_counter() - start, **method.epoch_metrics()}
+                  "seconds": time.perf_counter() - start, "data_wait_seconds": waited,
+                  **method.epoch_metrics()}
         best_acc = max(best_acc, record["test_acc"])
         log.epoch(record)
         log.print(f"epoch {epoch:>3}/{epochs} | loss {record['train_loss']:.4f} | "
@@ -139,7 +149,8 @@ def train(cfg: Config, method: Any, info: Any, model: Any) -> dict[str, Any]:
         if meter.step >= total_steps:
             break
 
-    summary, rows = summarize(cfg, method, record, best_acc, time.perf_counter() - start, step_seconds, parameters)
+    summary, rows = summarize(cfg, method, record, best_acc, time.perf_counter() - start, step_seconds,
+                              wait_seconds, parameters)
     final = method.final_state_dict()
     if final is not None:
         torch.save(final, run_dir / "model.pt")
@@ -149,17 +160,19 @@ def train(cfg: Config, method: Any, info: Any, model: Any) -> dict[str, Any]:
 
 
 def train_epoch(cfg: Config, method: Any, batches: Any, epoch: int, total_steps: int,
-                log: Any) -> tuple[float, float, int]:
+                log: Any) -> tuple[float, float, float, int]:
     """One pass over this rank's shard, ending early at `total_steps` steps of the run;
-    returns (mean local loss, seconds spent in steps, steps taken)."""
+    returns (mean local loss, seconds spent in steps, seconds waiting for batches, steps)."""
     from hvd_lowcomm.methods.base import scheduled_lr
     from hvd_lowcomm.metrics import human_bytes
     from hvd_lowcomm.traffic import meter
 
     batches.set_epoch(epoch)
-    loss_sum, seconds, steps = 0.0, 0.0, 0
+    loss_sum, seconds, waited, steps = 0.0, 0.0, 0.0, 0
     bar = log.progress(batches, len(batches), f"epoch {epoch}")
+    ready = time.perf_counter()
     for x, y in bar:
+        waited += time.perf_counter() - ready  # reading and decoding this batch
         if meter.step >= total_steps:
             break
         method.set_lr(scheduled_lr(cfg, meter.step, total_steps))
@@ -175,7 +188,8 @@ def train_epoch(cfg: Config, method: Any, batches: Any, epoch: int, total_steps:
         if hasattr(bar, "set_postfix"):
             bar.set_postfix(loss=f"{loss:.4f}", sent=human_bytes(step_bytes), refresh=False)
         meter.next_step()
-    return loss_sum / max(steps, 1), seconds, steps
+        ready = time.perf_counter()
+    return loss_sum / max(steps, 1), seconds, waited, steps
 
 
 def evaluate(method: Any, test_batches: Any, local_train_loss: float) -> dict[str, float]:
@@ -192,7 +206,7 @@ def evaluate(method: Any, test_batches: Any, local_train_loss: float) -> dict[st
 
 
 def summarize(cfg: Config, method: Any, last: dict[str, Any], best_acc: float, elapsed: float,
-              step_seconds: float, parameters: int) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+              step_seconds: float, wait_seconds: float, parameters: int) -> tuple[dict[str, Any], list[tuple[str, str]]]:
     """The run's summary record, and its rows for the table printed at the end."""
     import torch
 
@@ -210,6 +224,7 @@ def summarize(cfg: Config, method: Any, last: dict[str, Any], best_acc: float, e
         "method": cfg.method, "world_size": runtime.size(), "epochs": method.epochs(), "steps": meter.step,
         "final_test_acc": last["test_acc"], "best_test_acc": best_acc, "seconds": elapsed,
         "step_seconds_mean": step_seconds / steps, "parameters": parameters,
+        "data_wait_fraction": wait_seconds / max(wait_seconds + step_seconds, 1e-12),
         "train_wire_bytes_per_step": meter.total("train") / steps,
         "train_wire_bytes_all_ranks": per_rank[:, 1].sum().item(),
         "peak_rss_bytes_max_rank": peak_rss_max, **meter.summary(),
@@ -220,6 +235,7 @@ def summarize(cfg: Config, method: Any, last: dict[str, Any], best_acc: float, e
             ("test accuracy", f"{100 * last['test_acc']:.2f}% (best {100 * best_acc:.2f}%)"),
             ("steps", f"{meter.step} in {elapsed:.1f} s ({1000 * step_seconds / steps:.1f} ms/step)"),
             ("lr schedule", f"{cfg.train.lr_schedule}, peak {cfg.train.lr:g}"),
+            ("waiting for data (rank 0)", f"{100 * summary['data_wait_fraction']:.1f}% of step time"),
             ("sent for training (rank 0)", f"{human_bytes(meter.total('train'))} on the wire, "
                                            f"{human_bytes(meter.total('train', field='payload_bytes'))} payload"),
             ("sent per step", human_bytes(summary["train_wire_bytes_per_step"])),

@@ -12,11 +12,15 @@ from hvd_lowcomm import data
 from hvd_lowcomm.data import DataError
 
 
-def _write_numbered(path, n_train=103, n_test=17):
+def _numbered(n_train=103, n_test=17):
     """x[i] = i in every feature, so any row read back tells which sample it is."""
     x = np.repeat(np.arange(n_train, dtype=np.float32)[:, None], 3, axis=1)
     xt = np.repeat(np.arange(n_test, dtype=np.float32)[:, None], 3, axis=1)
-    return write_dataset(path, (x, np.arange(n_train) % 4), (xt, np.arange(n_test) % 4), 4, "test")
+    return (x, np.arange(n_train) % 4), (xt, np.arange(n_test) % 4)
+
+
+def _write_numbered(path, n_train=103, n_test=17):
+    return write_dataset(path, *_numbered(n_train, n_test), 4, "test")[0]
 
 
 def test_digits_are_written_in_the_documented_layout(tmp_path):
@@ -25,10 +29,17 @@ def test_digits_are_written_in_the_documented_layout(tmp_path):
     assert (info.num_train, info.num_test, info.num_classes, info.input_shape) == (1438, 359, 10, (1, 8, 8))  # stratified 80/20 of 1,797
     with h5py.File(tmp_path / "d.h5") as f:
         assert f.attrs["format"] == data.FORMAT
-        assert f["train/x"].chunks is not None and f["train/x"].dtype == np.float32
+        assert f["train/x"].chunks is not None and f["train/x"].dtype == np.uint8
         assert f["train/y"].dtype == np.int64
-        assert 0.0 <= f["train/x"][:].min() and f["train/x"][:].max() <= 1.0
+        x = f["train/x"][:]
+        assert x.max() == 255 and len(np.unique(x)) == 17  # the 17 grey levels 0..16, scaled
         assert f.attrs["checksum"] == data.checksum(f)
+        # Normalisation statistics are those of the training split, per channel, in [0, 1] units.
+        np.testing.assert_allclose(f.attrs["mean"], [x.mean() / 255], rtol=1e-5)
+        np.testing.assert_allclose(f.attrs["std"], [(x / 255).std()], rtol=1e-4)
+    split = data.H5Split(tmp_path / "d.h5", "train")
+    loaded, _ = split.read(np.arange(len(split)))
+    assert abs(loaded.mean().item()) < 1e-4 and loaded.std().item() == pytest.approx(1.0, abs=1e-3)
     assert data_prep_main(["verify", str(tmp_path / "d.h5")]) == 0
 
 
@@ -47,7 +58,7 @@ def test_npz_import_and_synthetic(tmp_path):
     info = data.inspect(tmp_path / "a.h5")
     assert info.num_train + info.num_test == 50 and info.num_classes == 3
     assert data_prep_main(["synthetic", "--out", str(tmp_path / "s.h5"), "--samples", "200",
-                           "--features", "5", "--classes", "4"]) == 0
+                           "--shape", "5", "--classes", "4"]) == 0
     assert data.inspect(tmp_path / "s.h5").input_shape == (5,)
     np.savez(tmp_path / "bad.npz", inputs=np.zeros(3))
     assert data_prep_main(["npz", str(tmp_path / "bad.npz"), "--out", str(tmp_path / "b.h5")]) == 1
@@ -62,7 +73,8 @@ def test_missing_file_names_the_path_and_the_command_that_makes_it(tmp_path):
 def test_file_without_expected_datasets_is_rejected(tmp_path):
     with h5py.File(tmp_path / "odd.h5", "w") as f:
         f["train/x"] = np.zeros((4, 2), dtype=np.float32)
-    with pytest.raises(DataError, match=r"not an hvd_lowcomm dataset: missing /train/y, /test/x, /test/y, attribute num_classes"):
+    with pytest.raises(DataError, match=r"not a complete hvd_lowcomm dataset: missing /train/y, /test/x, /test/y, "
+                                        r"attribute format, attribute num_classes, attribute checksum"):
         data.inspect(tmp_path / "odd.h5")
 
 
@@ -74,11 +86,58 @@ def test_truncated_file_is_reported_as_corrupt(tmp_path):
         data.inspect(path)
 
 
-def test_checksum_detects_changed_data(tmp_path):
+def test_checksum_detects_changed_data(tmp_path, capsys):
     path = _write_numbered(tmp_path / "n.h5")
+    assert data_prep_main(["verify", str(path)]) == 0
     with h5py.File(path, "r+") as f:
         f["train/x"][5] = -1.0
     assert data_prep_main(["verify", str(path)]) == 1
+    assert "n.h5: checksum mismatch" in capsys.readouterr().err
+    with pytest.raises(DataError, match=r"n\.h5: checksum mismatch .* recreate it with `python -m data_prep"):
+        data.verify([str(path)])
+
+
+def test_wrong_checksum_attribute_or_old_format_is_refused(tmp_path):
+    path = _write_numbered(tmp_path / "n.h5")
+    with h5py.File(path, "r+") as f:
+        f.attrs["checksum"] = "not-a-digest"
+    with pytest.raises(DataError, match="checksum attribute 'not-a-digest' is not a sha256 digest"):
+        data.inspect(path)
+    with h5py.File(path, "r+") as f:
+        f.attrs["format"] = "hvd_lowcomm-h5/1"
+    with pytest.raises(DataError, match=r"has format 'hvd_lowcomm-h5/1', this version reads 'hvd_lowcomm-h5/2'"):
+        data.inspect(path)
+
+
+class _FailingRows:
+    """Array-like x whose second block of rows cannot be produced: a crash mid-write."""
+
+    def __init__(self, n):
+        self.shape, self.dtype = (n, 3), np.dtype(np.float32)
+
+    def __len__(self):
+        return self.shape[0]
+
+    def __getitem__(self, rows):
+        if rows[0] > 0:
+            raise OSError("disk went away")
+        return np.zeros((len(rows), 3), np.float32)
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_interrupted_write_leaves_the_previous_file_and_no_partial_one(tmp_path, monkeypatch, shards):
+    from data_prep import writer
+
+    out = tmp_path / "n.h5"
+    _write_numbered(out) if shards == 1 else write_dataset(out, *_numbered(), 4, "test", shards=3)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    monkeypatch.setattr(writer, "BLOCK_BYTES", 1)  # one chunk of rows per block
+    monkeypatch.setattr(writer, "CHUNK_BYTES", 12 * 4)  # four rows per chunk
+    with pytest.raises(OSError, match="disk went away"):
+        write_dataset(out, (_FailingRows(40), np.zeros(40)), (np.zeros((5, 3), np.float32), np.zeros(5)), 4,
+                      "x", shards=shards)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # no temporary left, old data intact
+    assert data.inspect(out).num_train == 103
 
 
 def test_reads_return_the_requested_rows_in_the_requested_order(tmp_path):
@@ -111,6 +170,47 @@ def test_shards_cover_every_sample_exactly_once_and_steps_agree(world, shared_tm
     # The same permutation on every rank: shards of epoch 1 interleave into one permutation.
     full = data.ShardedBatches(split, 8, 0, 1, seed=7).shard_indices(1)
     assert np.array_equal(data.ShardedBatches(split, 8, rank, p, seed=7).shard_indices(1), full[rank::p])
+
+
+@pytest.mark.parametrize("shards", [2, 3, 4, 5, 8, 12])
+def test_shard_files_cover_every_sample_once_and_each_rank_opens_only_its_own(world, shared_tmp, shards):
+    comm, rank, p = world.comm, world.comm.Get_rank(), world.size
+    if rank == 0:
+        files = write_dataset(shared_tmp / "sharded", *_numbered(), 4, "test", shards=shards)
+        assert len(files) == shards
+        assert data_prep_main(["verify", str(shared_tmp / "sharded")]) == 0
+    comm.Barrier()
+    info = data.inspect(shared_tmp / "sharded")
+    assert (info.num_train, info.num_test, len(info.files)) == (103, 17, shards)
+    assert max(info.train_sizes) - min(info.train_sizes) <= 1  # balanced shards
+    # The shard files hold every sample exactly once.
+    with_files = [h5py.File(f)["train/x"][:, 0].astype(int).tolist() for f in info.files]
+    assert sorted(v for part in with_files for v in part) == list(range(103))
+    for split_name, n in (("train", 103), ("test", 17)):
+        if n < p:
+            continue
+        split = data.H5Split(info, split_name)
+        train = split_name == "train"
+        batches = data.ShardedBatches(split, 4, rank, p, seed=3, shuffle=train)
+        batches.set_epoch(2)
+        seen = [int(v) for x, _ in batches for v in x[:, 0].tolist()]
+        assert len(set(comm.allgather(len(batches)))) == 1
+        everything = sorted(s for part in comm.allgather(seen) for s in part)
+        assert len(everything) == len(set(everything))  # no sample twice in an epoch
+        if not train or shards % p == 0 or p % shards == 0:
+            assert everything == list(range(n)), (split_name, shards)  # evaluation sees everything
+        if train and shards >= p:  # a rank reads only its own shards
+            mine = sorted(split._files)
+            assert mine == data.assign_shards(split.sizes, p)[rank]
+            assert sorted(s for part in comm.allgather(mine) for s in part) == list(range(shards))
+    comm.Barrier()
+
+
+def test_missing_shard_is_refused_with_the_fix(tmp_path):
+    write_dataset(tmp_path / "s", *_numbered(), 4, "test", shards=3)
+    (tmp_path / "s" / "shard-00001-of-00003.h5").unlink()
+    with pytest.raises(DataError, match=r"shard set incomplete or mixed \(missing shard-00001-of-00003\.h5"):
+        data.inspect(tmp_path / "s")
 
 
 def test_too_few_samples_for_the_ranks_is_an_error(tmp_path):

@@ -19,7 +19,7 @@ from hvd_lowcomm.models import mlp
 from hvd_lowcomm.partition import cut_points, pipeline_evaluate, pipeline_train_step
 from hvd_lowcomm.train import main
 
-INFO = DatasetInfo("mem", 3, (6,), 64, 16, "test")
+INFO = DatasetInfo("mem", ("mem",), 3, (6,), (64,), (16,), "test", "float32", None, None)
 
 
 def six_layer_mlp() -> nn.Sequential:
