@@ -18,7 +18,10 @@ from tqdm import tqdm
 
 from hvd_lowcomm.data import FORMAT, SHARD_NAME, SPLITS, checksum
 
-CHUNK_BYTES = 1 << 20  # ~1 MiB chunks: a batch read touches a few chunks, not the whole file
+# Uncompressed arrays are stored contiguously: the loader memory-maps them, so random batches
+# read at page-cache speed and sequential reads are plain file reads. Compression needs chunks;
+# small ones (~64 KiB) keep a random row from costing the decompression of much else.
+CHUNK_BYTES = 64 << 10
 BLOCK_BYTES = 64 << 20  # rows converted and written at a time
 
 
@@ -69,10 +72,11 @@ def _write_split(group: h5py.Group, x: Any, y: np.ndarray, rows: np.ndarray, com
     sample_shape = tuple(x.shape[1:])
     row_bytes = np.dtype(dtype).itemsize * max(1, math.prod(sample_shape))
     chunk_rows = max(1, min(len(rows), CHUNK_BYTES // row_bytes))
-    opts = {"chunks": (chunk_rows, *sample_shape), "compression": compression} if len(rows) else {}
+    compressed = compression is not None and len(rows) > 0
+    opts = {"chunks": (chunk_rows, *sample_shape), "compression": compression} if compressed else {}
     xs = group.create_dataset("x", shape=(len(rows), *sample_shape), dtype=dtype, **opts)
     group.create_dataset("y", data=y[rows], **({"chunks": (max(1, min(len(rows), CHUNK_BYTES // 8)),),
-                                                  "compression": compression} if len(rows) else {}))
+                                                  "compression": compression} if compressed else {}))
     block = max(chunk_rows, (BLOCK_BYTES // row_bytes) // chunk_rows * chunk_rows)
     for start in range(0, len(rows), block):
         values = np.asarray(x[rows[start:start + block]])

@@ -29,7 +29,7 @@ def test_digits_are_written_in_the_documented_layout(tmp_path):
     assert (info.num_train, info.num_test, info.num_classes, info.input_shape) == (1438, 359, 10, (1, 8, 8))  # stratified 80/20 of 1,797
     with h5py.File(tmp_path / "d.h5") as f:
         assert f.attrs["format"] == data.FORMAT
-        assert f["train/x"].chunks is not None and f["train/x"].dtype == np.uint8
+        assert f["train/x"].chunks is None and f["train/x"].dtype == np.uint8  # contiguous: memory-mapped
         assert f["train/y"].dtype == np.int64
         x = f["train/x"][:]
         assert x.max() == 255 and len(np.unique(x)) == 17  # the 17 grey levels 0..16, scaled
@@ -140,13 +140,21 @@ def test_interrupted_write_leaves_the_previous_file_and_no_partial_one(tmp_path,
     assert data.inspect(out).num_train == 103
 
 
-def test_reads_return_the_requested_rows_in_the_requested_order(tmp_path):
-    split = data.H5Split(_write_numbered(tmp_path / "n.h5"), "train")
-    idx = np.array([40, 3, 99, 7])
-    x, y = split.read(idx)
-    assert x[:, 0].tolist() == [40.0, 3.0, 99.0, 7.0]
-    assert y.tolist() == (idx % 4).tolist()
-    assert x.dtype == torch.float32 and y.dtype == torch.int64
+@pytest.mark.parametrize("compression", [None, "gzip"])
+def test_reads_return_the_requested_rows_in_the_requested_order(tmp_path, monkeypatch, compression):
+    from hvd_lowcomm import data as data_mod
+
+    path = write_dataset(tmp_path / "n.h5", *_numbered(), 4, "test", compression=compression)[0]
+    split = data.H5Split(path, "train")
+    for slab_bytes in (1 << 20, 0):  # near rows in one read / one read per row (chunked files)
+        monkeypatch.setattr(data_mod, "SLAB_BYTES", slab_bytes)
+        idx = np.array([40, 3, 99, 7])
+        x, y = split.read(idx)
+        assert x[:, 0].tolist() == [40.0, 3.0, 99.0, 7.0]
+        assert y.tolist() == (idx % 4).tolist()
+        assert x.dtype == torch.float32 and y.dtype == torch.int64
+    x_store = split._open(0)[0]
+    assert isinstance(x_store, np.memmap) == (compression is None)
 
 
 def test_shards_cover_every_sample_exactly_once_and_steps_agree(world, shared_tmp):
