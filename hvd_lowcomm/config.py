@@ -88,6 +88,8 @@ class TrainConfig:
     seed: int = option(42, "seed for initialisation, shuffling and every random choice")
     max_steps: int = option(-1, "stop after this many training steps (-1: no limit; 0: start up, "
                                 "evaluate once and stop, which measures start-up traffic)")
+    skip_nonfinite: bool = option(False, "skip (undo) a step whose loss or parameters become NaN/inf and go "
+                                         "on, counting it in the metrics; otherwise such a step stops the run")
 
     def validate(self) -> None:
         _positive(self, "epochs")
@@ -115,9 +117,17 @@ class RunConfig:
     name: str = option("", "run directory name (default: <method>-<timestamp>)")
     log_every: int = option(10, "write a step record to metrics.jsonl every N steps")
     progress: bool = option(True, "show a progress bar on rank 0")
+    checkpoint_every: int = option(500, "write a checkpoint every N steps (0: only at the end and on "
+                                        "preemption)")
+    keep_checkpoints: int = option(3, "keep the newest K checkpoints")
+    resume: str = option("", "continue a run: 'auto' (the run run.dir/run.name from its newest usable "
+                             "checkpoint, or from scratch if it has none), or a run / checkpoint directory; "
+                             "also --resume")
 
     def validate(self) -> None:
-        _positive(self, "log_every")
+        _positive(self, "log_every", "keep_checkpoints")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"run.checkpoint_every must be >= 0, got {self.checkpoint_every}")
 
 
 BASE_SECTIONS: dict[str, type] = {
@@ -220,6 +230,10 @@ def apply_mapping(cfg: Config, data: dict[str, Any]) -> None:
             setattr(section, key, _convert(f"{name}.{key}", _field_type(section, key), value))
 
 
+# Options used often enough on the command line (and in job scripts) to have a short flag.
+SHORT_FLAGS = {"run.resume": ("--resume",)}
+
+
 def build_parser(cfg: Config, prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -241,8 +255,9 @@ def build_parser(cfg: Config, prog: str) -> argparse.ArgumentParser:
             help_text = meta.get("help", "")
             if meta.get("choices"):
                 help_text += f" {{{', '.join(meta['choices'])}}}"
+            aliases = SHORT_FLAGS.get(f"{name}.{f.name}", ())
             group.add_argument(
-                f"--{name}.{f.name}", dest=f"{name}.{f.name}", default=None,
+                f"--{name}.{f.name}", *aliases, dest=f"{name}.{f.name}", default=None,
                 type=lambda text, _n=f"{name}.{f.name}", _t=ftype: _convert_argument(_n, _t, text),
                 metavar=_metavar(ftype),
                 help=f"{help_text} (default: {_show(getattr(section, f.name))})",

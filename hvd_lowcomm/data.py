@@ -310,7 +310,7 @@ class ShardedBatches:
         self.rank, self.world_size = rank, world_size
         self.seed, self.shuffle = seed, shuffle
         self.device = device or torch.device("cpu")
-        self.epoch = 0
+        self.epoch, self.start = 0, 0
         self.assignment = assign_shards(split.sizes, world_size)
         self.rank_sizes = [len(self._pool(r, 0, permute=False)) for r in range(world_size)]
         if min(self.rank_sizes) == 0:
@@ -332,8 +332,9 @@ class ShardedBatches:
             rows = rows[np.random.default_rng([self.seed, epoch, 1 << 20, rank]).permutation(len(rows))]
         return rows
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Iterate epoch `epoch` from its batch `start` on (a resumed run skips those done)."""
+        self.epoch, self.start = epoch, start
 
     def __len__(self) -> int:
         return math.ceil(min(self.rank_sizes) / self.batch_size)
@@ -355,6 +356,6 @@ class ShardedBatches:
         return np.array_split(self.shard_indices(epoch), len(self))
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for indices in self.batch_indices():
+        for indices in self.batch_indices()[self.start:]:
             x, y = self.split.read(indices)
             yield x.to(self.device), y.to(self.device)

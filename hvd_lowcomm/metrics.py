@@ -43,14 +43,28 @@ def unique_run_dir(parent: str, name: str) -> Path:
 class RunLogger:
     """Writes metrics and shows progress on rank 0; on other ranks every call does nothing."""
 
-    def __init__(self, run_dir: Path | None, progress: bool = True) -> None:
+    def __init__(self, run_dir: Path | None, progress: bool = True, continuing: bool = False) -> None:
         self.run_dir = run_dir
         self.show_progress = progress and run_dir is not None
         self.epoch_rows: list[dict[str, Any]] = []
         self._jsonl = None
         if run_dir is not None:
-            run_dir.mkdir(parents=True, exist_ok=False)
+            run_dir.mkdir(parents=True, exist_ok=continuing)
             self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+
+    def continue_from(self, step: int) -> None:
+        """A resumed run: keep the epoch records written up to `step` (for epochs.csv and the
+        plots) and mark the resume point in metrics.jsonl."""
+        if self.run_dir is None:
+            return
+        for line in (self.run_dir / "metrics.jsonl").read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line cut off by the interruption
+                continue
+            if record.get("type") == "epoch" and record["step"] <= step:
+                self.epoch_rows.append({k: v for k, v in record.items() if k not in ("type", "time")})
+        self.log("resume", {"step": step})
 
     @property
     def active(self) -> bool:

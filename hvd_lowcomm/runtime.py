@@ -188,7 +188,7 @@ def abort_on_error() -> Iterator[None]:
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the other ranks
         where = f"[rank {_safe_rank()}]"
-        if isinstance(exc, ConfigError):
+        if isinstance(exc, (ConfigError, FloatingPointError)):  # the message says it all
             print(f"{where} error: {exc}", file=sys.stderr, flush=True)
         else:
             text = "".join(traceback.format_exception(exc))

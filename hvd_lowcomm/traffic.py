@@ -19,10 +19,12 @@ bookkeeping, so comparisons can quote training traffic alone.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -98,6 +100,16 @@ class TrafficMeter:
         """Close the current training step (call after the optimiser step)."""
         self.step += 1
         self.step_records = []
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step count and totals, for checkpoints (the current step's records are not kept)."""
+        return {"step": self.step, "by_kind": {k: dataclasses.asdict(t) for k, t in self.by_kind.items()},
+                "by_name": {k: dataclasses.asdict(t) for k, t in self.by_name.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.step_records = state["step"], []
+        self.by_kind = defaultdict(Totals, {k: Totals(**t) for k, t in state["by_kind"].items()})
+        self.by_name = defaultdict(Totals, {k: Totals(**t) for k, t in state["by_name"].items()})
 
     @contextlib.contextmanager
     def in_phase(self, phase: str) -> Iterator[None]:
@@ -199,6 +211,17 @@ class TrafficMeter:
         self.record("allgather", name, _pickled_size(obj), None,
                     wire=wire_bytes("allgather", sum(map(_pickled_size, out)), len(out)))
         return out
+
+    def any_flags(self, flags: list[bool], name: str) -> list[bool]:
+        """For each flag, whether it is set on any rank (one small MPI allreduce, no Horovod
+        cycle: cheap enough to run every step)."""
+        from mpi4py import MPI
+
+        local = np.array([int(f) for f in flags], dtype=np.int32)
+        out = np.empty_like(local)
+        MPI.COMM_WORLD.Allreduce(local, out, op=MPI.MAX)
+        self.record("allreduce", name, local.nbytes, None)
+        return [bool(v) for v in out]
 
     def broadcast_object(self, obj: Any, name: str, root: int = 0) -> Any:
         from mpi4py import MPI

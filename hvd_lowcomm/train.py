@@ -35,13 +35,19 @@ def main(argv: list[str] | None = None) -> int:
     from hvd_lowcomm import runtime
     from hvd_lowcomm.traffic import meter
 
+    from hvd_lowcomm.checkpoint import PreemptionSignal
+
     world = runtime.init(cfg.train.seed)
     meter.reset()  # one run's traffic, from start-up checks to the summary
-    prepared = preflight(cfg, world)
-    if prepared is None:
-        return 2
-    with runtime.abort_on_error():
-        train(cfg, *prepared)
+    preemption = PreemptionSignal()  # from here on SIGTERM/SIGUSR1 mean "checkpoint and stop"
+    try:
+        prepared = preflight(cfg, world)
+        if prepared is None:
+            return 2
+        with runtime.abort_on_error():
+            train(cfg, *prepared, preemption=preemption)
+    finally:
+        preemption.restore()
     return 0
 
 
@@ -49,14 +55,14 @@ def preflight(cfg: Config, world: Any) -> tuple[Any, ...] | None:
     """Everything that can fail because of the user's input, checked on every rank before the
     first training collective. All ranks agree on the outcome (one allgather), so a bad input
     ends every rank with the same clear message instead of a hang."""
-    from hvd_lowcomm import data, models
+    from hvd_lowcomm import checkpoint, data, models
     from hvd_lowcomm.methods import get_method
     from hvd_lowcomm.traffic import meter
     from data_prep import BUNDLED, write_dataset
 
     comm, rank = world.comm, world.comm.Get_rank()
     error = None
-    method = info = model = None
+    method = info = model = resume = None
     try:
         method = get_method(cfg.method)(cfg)
         method.check_world(world.size)
@@ -65,6 +71,8 @@ def preflight(cfg: Config, world: Any) -> tuple[Any, ...] | None:
             print(f"preparing {path} from the bundled '{path.stem}' dataset (first use)", flush=True)
             train_arrays, test_arrays, classes, source = BUNDLED[path.stem]()
             write_dataset(path, train_arrays, test_arrays, classes, source)
+        if rank == 0:
+            resume = tuple(str(p) if p else None for p in checkpoint.resolve(cfg, world.size))
     except (ConfigError, OSError, ValueError) as err:
         error = str(err)
     comm.Barrier()  # the bundled dataset, if rank 0 made it, is now in place
@@ -90,23 +98,31 @@ def preflight(cfg: Config, world: Any) -> tuple[Any, ...] | None:
                 where = "all ranks" if len(failing) == world.size else f"rank(s) {_rank_list(failing)}"
                 print(f"error ({where}): {message}", file=sys.stderr, flush=True)
         return None
-    return method, info, model
+    with meter.in_phase("control"):
+        run_dir, found = meter.broadcast_object(resume, "preflight.resume")
+    return method, info, model, Path(run_dir) if run_dir else None, Path(found) if found else None
 
 
-def train(cfg: Config, method: Any, info: Any, model: Any) -> dict[str, Any]:
+def train(cfg: Config, method: Any, info: Any, model: Any, resume_dir: Path | None = None,
+          resume_from: Path | None = None, preemption: Any = None) -> dict[str, Any] | None:
+    """Train (from `resume_from` when given) and write the run's files; returns rank 0's
+    summary, or None when a preemption signal stopped the run after a checkpoint."""
     import torch
 
-    from hvd_lowcomm import data, runtime
+    from hvd_lowcomm import checkpoint, data, runtime
     from hvd_lowcomm.metrics import RunLogger, human_bytes, unique_run_dir
     from hvd_lowcomm.traffic import meter
 
     world = runtime.world()
     rank, device = runtime.rank(), runtime.device()
-    run_dir = unique_run_dir(cfg.run.dir, cfg.run.name or f"{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}")
-    # Only rank 0 writes; it tells the others where (the name has a timestamp).
-    with meter.in_phase("control"):
-        run_dir = Path(meter.broadcast_object(str(run_dir) if rank == 0 else None, "run.dir"))
-    log = RunLogger(run_dir if rank == 0 else None, cfg.run.progress)
+    if resume_dir is None:
+        run_dir = unique_run_dir(cfg.run.dir, cfg.run.name or f"{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}")
+        # Only rank 0 writes; it tells the others where (the name has a timestamp).
+        with meter.in_phase("control"):
+            run_dir = Path(meter.broadcast_object(str(run_dir) if rank == 0 else None, "run.dir"))
+    else:
+        run_dir = resume_dir
+    log = RunLogger(run_dir if rank == 0 else None, cfg.run.progress, continuing=resume_dir is not None)
     log.write_config(cfg.to_dict())
 
     model = model.to(device)
@@ -127,30 +143,58 @@ def train(cfg: Config, method: Any, info: Any, model: Any) -> dict[str, Any]:
                   f"{100 * unused:.0f}% of the training samples are skipped each epoch (a different "
                   f"random part every epoch); write a shard count that is a multiple or divisor of the rank count")
 
+    keeper = Checkpointer(cfg, method, run_dir, preemption)
+    position = {"epoch": 1, "batch": 0, "step": 0}
+    if resume_from is not None:
+        own = checkpoint.load(resume_from, method)
+        position, keeper.best_acc, keeper.skipped = own["position"], own["extra"]["best_acc"], own["extra"]["skipped"]
+        log.continue_from(position["step"])
+        log.print(f"resumed from {resume_from} at step {position['step']} (epoch {position['epoch']}, "
+                  f"batch {position['batch']})")
+    if rank == 0:
+        (run_dir / "PREEMPTED").unlink(missing_ok=True)
+
     total_steps = epochs * len(train_batches)
     if cfg.train.max_steps >= 0:
         total_steps = min(total_steps, cfg.train.max_steps)
-    start, step_seconds, wait_seconds, best_acc = time.perf_counter(), 0.0, 0.0, 0.0
-    for epoch in range(1, epochs + 1):
-        method.start_epoch(epoch)
+    start, step_seconds, wait_seconds = time.perf_counter(), 0.0, 0.0
+    record: dict[str, Any] = {"test_acc": 0.0}
+    for epoch in range(position["epoch"], epochs + 1):
+        first_batch = position["batch"] if epoch == position["epoch"] else 0
+        if first_batch == 0:  # a resumed epoch's start-of-epoch state is in the checkpoint
+            method.start_epoch(epoch)
         wire_at_start = meter.total("train")
-        train_loss, seconds, waited, steps = train_epoch(cfg, method, train_batches, epoch, total_steps, log)
+        train_loss, seconds, waited, steps, next_batch = train_epoch(cfg, method, train_batches, epoch, first_batch,
+                                                                     total_steps, log, keeper)
         step_seconds, wait_seconds = step_seconds + seconds, wait_seconds + waited
+        if keeper.stopping:
+            keeper.stop(epoch, next_batch, log)
+            return None
         record = {"epoch": epoch, "step": meter.step, **evaluate(method, test_batches, train_loss),
                   "train_wire_bytes": meter.total("train") - wire_at_start,
                   "train_wire_bytes_total": meter.total("train"),
                   "seconds": time.perf_counter() - start, "data_wait_seconds": waited,
-                  **method.epoch_metrics()}
-        best_acc = max(best_acc, record["test_acc"])
+                  "skipped_steps": keeper.skipped, **method.epoch_metrics()}
+        keeper.best_acc = max(keeper.best_acc, record["test_acc"])
         log.epoch(record)
         log.print(f"epoch {epoch:>3}/{epochs} | loss {record['train_loss']:.4f} | "
                   f"test acc {100 * record['test_acc']:6.2f}% | sent {human_bytes(record['train_wire_bytes'])} "
                   f"({human_bytes(record['train_wire_bytes'] / max(steps, 1))}/step)")
+        done = next_batch >= len(train_batches)
+        if not method.lockstep:  # the epoch's end is where all ranks meet
+            keeper.at_epoch_end(epoch + 1 if done else epoch, 0 if done else next_batch, log)
+            if keeper.stopping:
+                return None
         if meter.step >= total_steps:
+            position = {"epoch": epoch + 1 if done else epoch, "batch": 0 if done else next_batch}
             break
+        position = {"epoch": epoch + 1, "batch": 0}
+    if "epoch" not in record:  # resumed a run that had nothing left to do: report where it stands
+        record = evaluate(method, test_batches, 0.0)
+    keeper.save(position["epoch"], position["batch"])
 
-    summary, rows = summarize(cfg, method, record, best_acc, time.perf_counter() - start, step_seconds,
-                              wait_seconds, parameters)
+    summary, rows = summarize(cfg, method, record, keeper.best_acc, time.perf_counter() - start, step_seconds,
+                              wait_seconds, parameters, keeper.skipped)
     final = method.final_state_dict()
     if final is not None:
         torch.save(final, run_dir / "model.pt")
@@ -159,37 +203,123 @@ def train(cfg: Config, method: Any, info: Any, model: Any) -> dict[str, Any]:
     return summary
 
 
-def train_epoch(cfg: Config, method: Any, batches: Any, epoch: int, total_steps: int,
-                log: Any) -> tuple[float, float, float, int]:
-    """One pass over this rank's shard, ending early at `total_steps` steps of the run;
-    returns (mean local loss, seconds spent in steps, seconds waiting for batches, steps)."""
+class Checkpointer:
+    """Periodic checkpoints, the last one, and the stop on a preemption signal."""
+
+    def __init__(self, cfg: Config, method: Any, run_dir: Path, preemption: Any) -> None:
+        self.cfg, self.method, self.run_dir, self.preemption = cfg, method, run_dir, preemption
+        self.best_acc, self.skipped, self.stopping = 0.0, 0, False
+
+    def save(self, epoch: int, batch: int) -> Path:
+        from hvd_lowcomm import checkpoint
+        from hvd_lowcomm.traffic import meter
+
+        position = {"epoch": epoch, "batch": batch, "step": meter.step}
+        extra = {"best_acc": self.best_acc, "skipped": self.skipped, "config": self.cfg.to_dict()}
+        return checkpoint.save(self.run_dir, self.method, position, extra, self.cfg.run.keep_checkpoints)
+
+    def signalled(self) -> bool:
+        return self.preemption is not None and self.preemption.received is not None
+
+    def after_step(self, epoch: int, next_batch: int, locally_bad: bool) -> bool:
+        """Every step of a lockstep method: agree on preemption and non-finite values over all
+        ranks, and save every run.checkpoint_every steps; returns whether the step went bad."""
+        from hvd_lowcomm.traffic import meter
+
+        if not self.method.lockstep:
+            return locally_bad
+        with meter.in_phase("control"):
+            self.stopping, bad = meter.any_flags([self.signalled(), locally_bad], "step.flags")
+        every = self.cfg.run.checkpoint_every
+        if not self.stopping and not bad and every and meter.step % every == 0:
+            self.save(epoch, next_batch)
+        return bad
+
+    def at_epoch_end(self, epoch: int, batch: int, log: Any) -> None:
+        """Methods whose ranks step independently checkpoint and answer signals here."""
+        from hvd_lowcomm.traffic import meter
+
+        with meter.in_phase("control"):
+            (self.stopping,) = meter.any_flags([self.signalled()], "epoch.flags")
+        if self.stopping:
+            self.stop(epoch, batch, log)
+        elif self.cfg.run.checkpoint_every:
+            self.save(epoch, batch)
+
+    def stop(self, epoch: int, batch: int, log: Any) -> None:
+        import signal as signal_mod
+
+        from hvd_lowcomm import runtime
+
+        path = self.save(epoch, batch)
+        if runtime.rank() == 0:
+            (self.run_dir / "PREEMPTED").write_text(f"{path}\n")
+        name = signal_mod.Signals(self.preemption.received).name if self.signalled() else "a signal on another rank"
+        log.print(f"stopped by {name}: checkpoint {path} written; continue with --resume auto "
+                  f"(--run.name {self.run_dir.name}) or --resume {self.run_dir}")
+        log.close()
+
+
+def train_epoch(cfg: Config, method: Any, batches: Any, epoch: int, first_batch: int, total_steps: int,
+                log: Any, keeper: Checkpointer) -> tuple[float, float, float, int, int]:
+    """One pass over this rank's shard from batch `first_batch`, ending early at `total_steps`
+    steps of the run or on a preemption signal; returns (mean local loss, seconds spent in
+    steps, seconds waiting for batches, steps, index of the next batch to run)."""
+    import copy
+
     from hvd_lowcomm.methods.base import scheduled_lr
     from hvd_lowcomm.metrics import human_bytes
     from hvd_lowcomm.traffic import meter
 
-    batches.set_epoch(epoch)
-    loss_sum, seconds, waited, steps = 0.0, 0.0, 0.0, 0
-    bar = log.progress(batches, len(batches), f"epoch {epoch}")
+    batches.set_epoch(epoch, first_batch)
+    loss_sum, seconds, waited, steps, batch = 0.0, 0.0, 0.0, 0, first_batch
+    bar = log.progress(batches, len(batches) - first_batch, f"epoch {epoch}")
     ready = time.perf_counter()
     for x, y in bar:
         waited += time.perf_counter() - ready  # reading and decoding this batch
         if meter.step >= total_steps:
             break
         method.set_lr(scheduled_lr(cfg, meter.step, total_steps))
+        before = copy.deepcopy(method.state_dict()) if cfg.train.skip_nonfinite else None
         t0 = time.perf_counter()
         loss = method.train_step(x, y)
         seconds += time.perf_counter() - t0
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at epoch {epoch}, step {meter.step}")
-        loss_sum, steps = loss_sum + loss, steps + 1
+        where = nonfinite(loss, method.model)
+        batch += 1
+        if keeper.after_step(epoch, batch, where is not None):
+            if before is None:
+                raise FloatingPointError(f"non-finite training at step {meter.step} (epoch {epoch}): "
+                                         f"{where or 'on another rank'}; lower train.lr, check the data, or "
+                                         f"set --train.skip_nonfinite true to skip such steps")
+            method.load_state_dict(before)  # undo the step on every rank
+            keeper.skipped += 1
+            log.log("skipped_step", {"step": meter.step, "epoch": epoch, "reason": where or "another rank"})
+            loss = 0.0
+        else:
+            loss_sum, steps = loss_sum + loss, steps + 1
         step_bytes = meter.step_total()
         if meter.step % cfg.run.log_every == 0:
             log.log("step", {"step": meter.step, "epoch": epoch, "loss": loss, "wire_bytes": step_bytes})
         if hasattr(bar, "set_postfix"):
             bar.set_postfix(loss=f"{loss:.4f}", sent=human_bytes(step_bytes), refresh=False)
         meter.next_step()
+        if keeper.stopping:
+            break
         ready = time.perf_counter()
-    return loss_sum / max(steps, 1), seconds, waited, steps
+    return loss_sum / max(steps, 1), seconds, waited, steps, batch
+
+
+def nonfinite(loss: float, model: Any) -> str | None:
+    """What went non-finite in the step just taken (loss, or the first layer whose gradient
+    or value is NaN/inf), or None."""
+    import torch
+
+    for name, p in model.named_parameters():
+        if p.grad is not None and not torch.isfinite(p.grad).all():
+            return f"loss {loss}, gradient of layer {name!r} is not finite"
+        if not torch.isfinite(p).all():
+            return f"loss {loss}, parameters of layer {name!r} are not finite"
+    return None if math.isfinite(loss) else f"loss is {loss}"
 
 
 def evaluate(method: Any, test_batches: Any, local_train_loss: float) -> dict[str, float]:
@@ -206,7 +336,7 @@ def evaluate(method: Any, test_batches: Any, local_train_loss: float) -> dict[st
 
 
 def summarize(cfg: Config, method: Any, last: dict[str, Any], best_acc: float, elapsed: float,
-              step_seconds: float, wait_seconds: float, parameters: int) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+              step_seconds: float, wait_seconds: float, parameters: int, skipped: int) -> tuple[dict[str, Any], list[tuple[str, str]]]:
     """The run's summary record, and its rows for the table printed at the end."""
     import torch
 
@@ -225,6 +355,7 @@ def summarize(cfg: Config, method: Any, last: dict[str, Any], best_acc: float, e
         "final_test_acc": last["test_acc"], "best_test_acc": best_acc, "seconds": elapsed,
         "step_seconds_mean": step_seconds / steps, "parameters": parameters,
         "data_wait_fraction": wait_seconds / max(wait_seconds + step_seconds, 1e-12),
+        "skipped_nonfinite_steps": skipped,
         "train_wire_bytes_per_step": meter.total("train") / steps,
         "train_wire_bytes_all_ranks": per_rank[:, 1].sum().item(),
         "peak_rss_bytes_max_rank": peak_rss_max, **meter.summary(),

@@ -305,6 +305,9 @@ class ABTraining(Method):
         return {**super().state_dict(), "ab": {"step": self.step, "phase": self.phase, "last_switch": self.last_switch,
                                                "factorized": {n: l.factorized for n, l in self.layers.items()}}}
 
+    def state_owner(self) -> int:
+        return self.group.ranks[0]  # groups train different factors; ranks of a group agree
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         model_state = state["model"]
         for name, layer in self.layers.items():  # factors must have the saved shapes first

@@ -27,13 +27,18 @@ class Method:
                                   ranks, data.batch_size each);
     4. `evaluate(batches)`        (correct, count, loss sum) over this rank's test shard;
     5. `epoch_metrics()`          method-specific numbers for the epoch record (ranks, phase...);
-    6. `state_dict()` / `load_state_dict()` everything needed to resume.
+    6. `state_dict()` / `load_state_dict()`  everything needed to resume, held by the rank
+       `state_owner()` names (hvd_lowcomm.checkpoint); `local_state_dict()` what each rank
+       holds for itself beyond the global RNGs.
 
     Every byte a method sends must go through `hvd_lowcomm.traffic.meter`.
     """
 
     name = "?"
     options: Any = None  # dataclass type of this method's options, if it has any
+    # Whether every rank takes every step (so the loop may run a collective each step for
+    # preemption and non-finite checks); False where some ranks idle while others train.
+    lockstep = True
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -107,6 +112,18 @@ class Method:
         assert self.model is not None and self.optimizer is not None
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+
+    def state_owner(self) -> int:
+        """The global rank whose `state_dict()` this rank restores from (and writes, when it is
+        this rank). Default 0: after every step all ranks hold the same state."""
+        return 0
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """State that differs per rank and is not in `state_dict()` (e.g. a per-rank generator)."""
+        return {}
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        pass
 
 
 def make_optimizer(cfg: Config, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:

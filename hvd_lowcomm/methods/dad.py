@@ -388,6 +388,12 @@ class DistributedAutoDiff(DataParallel):
     def summary_metrics(self) -> dict[str, Any]:
         return {f"plan/{name}": lp.choice for name, lp in self.optimizer.plan.items()}
 
+    def local_state_dict(self) -> dict[str, Any]:
+        return {"power_iteration_generator": self.optimizer._generator.get_state()}  # rank-dAD's random starts
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer._generator.set_state(state["power_iteration_generator"])
+
     def epoch_metrics(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for name, lp in self.optimizer.plan.items():

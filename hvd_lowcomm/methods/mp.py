@@ -47,6 +47,9 @@ class Partitioned(Method):
     def batches(self, split: Any, batch_size: int, shuffle: bool, device: torch.device) -> Any:
         return self.layout.batches(split, batch_size, shuffle, self.cfg.train.seed, device)
 
+    def state_owner(self) -> int:
+        return self.layout.group.ranks[0]  # one rank per partition group holds its partition
+
     def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int, float]:
         return pipeline_evaluate(self.layout, batches)
 

@@ -200,3 +200,6 @@ class PowerSGD(DataParallel):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.optimizer.powersgd.load_state_dict(state["powersgd"])
+
+    def state_owner(self) -> int:
+        return runtime.rank()  # error-feedback buffers are each rank's own

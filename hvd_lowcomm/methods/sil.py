@@ -96,6 +96,8 @@ class SyntheticIntermediateLabels(Partitioned):
         self.train_split: Any = None
         self.generator = torch.Generator().manual_seed(self.code_seed + runtime.rank())
 
+    lockstep = False  # in sequential mode some partitions idle while others train
+
     def epochs(self) -> int:
         return self.training_epochs + self.cfg.options.recovery_epochs
 
@@ -164,6 +166,23 @@ class SyntheticIntermediateLabels(Partitioned):
     def epoch_metrics(self) -> dict[str, Any]:
         return {**super().epoch_metrics(), "sil_phase": self.phase}
 
+    def state_dict(self) -> dict[str, Any]:
+        # The codes follow from code_seed (recomputed in setup); the phase and, in sequential
+        # mode, the inputs handed over by the previous partition are this partition's progress.
+        return {**super().state_dict(), "sil": {"phase": self.phase, "code_seed": self.code_seed,
+                                                "stored_inputs": self.stored_inputs}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.phase, self.stored_inputs = state["sil"]["phase"], state["sil"]["stored_inputs"]
+        assert state["sil"]["code_seed"] == self.code_seed, "SIL codes differ from the checkpoint's"
+
+    def local_state_dict(self) -> dict[str, Any]:
+        return {"noise_generator": self.generator.get_state()}
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["noise_generator"])
+
 
 class _SILBatches:
     """This rank's training batches under SIL: none while its partition is idle; in sequential
@@ -175,15 +194,15 @@ class _SILBatches:
     def __len__(self) -> int:
         return len(self.inner)
 
-    def set_epoch(self, epoch: int) -> None:
-        self.inner.set_epoch(epoch)
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.inner.set_epoch(epoch, start)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         method = self.method
         if method.phase == "idle":
             return
         if method.phase == "train" and method.stored_inputs is not None:
-            for indices in self.inner.batch_indices():
+            for indices in self.inner.batch_indices()[self.inner.start:]:
                 _, y = self.inner.split.read(indices)
                 yield method.stored_inputs[indices].to(self.inner.device), y.to(self.inner.device)
             return

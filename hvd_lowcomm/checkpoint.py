@@ -1,0 +1,224 @@
+"""Checkpoints: what a run needs to continue exactly where it stopped.
+
+    <run dir>/checkpoints/step-00001200/
+        rank-00000.pt ... rank-0000N.pt   one per rank
+        manifest.json                     written last: files, sizes, sha256, step, ranks, method
+
+Every rank writes a small file with what is its own: RNG states, data position, traffic
+totals and the method's per-rank extras (`Method.local_state_dict`). The method's real state
+(model, optimiser, schedule, its own state) is written only by the ranks that own it
+(`Method.state_owner()`: rank 0 when all ranks hold the same state; one rank per group or
+partition where groups differ; every rank where each holds its own, like PowerSGD's error
+feedback); every rank restores from its owner's file.
+
+A checkpoint is written into `.step-N.tmp/` (each file: temporary name, fsync, rename), then
+rank 0 writes the manifest and renames the directory: a checkpoint directory without the
+`.tmp` exists only complete. The newest `keep` are kept. On resume, rank 0 checks the newest
+checkpoint against its manifest (sizes and sha256) and falls back to the previous one, saying
+why, when it is corrupt or partial.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hvd_lowcomm.config import Config, ConfigError
+
+FORMAT = "hvd_lowcomm-ckpt/1"
+_STEP_DIR = re.compile(r"step-(\d{8})")
+
+
+class CheckpointError(ConfigError):
+    """No usable checkpoint where the user pointed, or one that does not fit this run."""
+
+
+def rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def save(run_dir: Path, method: Any, position: dict[str, Any], extra: dict[str, Any], keep: int) -> Path:
+    """Write a checkpoint of this rank's part; collective over all ranks. Returns its directory."""
+    from mpi4py import MPI
+
+    from hvd_lowcomm.traffic import meter
+
+    comm, rank = MPI.COMM_WORLD, MPI.COMM_WORLD.Get_rank()
+    root = run_dir / "checkpoints"
+    step = position["step"]
+    final, tmp = root / f"step-{step:08d}", root / f".step-{step:08d}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted earlier attempt
+        tmp.mkdir(parents=True)
+    comm.Barrier()
+    owner = method.state_owner()
+    payload = {"format": FORMAT, "rank": rank, "world_size": comm.Get_size(), "method": method.cfg.method,
+               "position": position, "rng": rng_state(), "traffic": meter.state_dict(),
+               "local": method.local_state_dict(), "owner": owner, "extra": extra,
+               "state": method.state_dict() if owner == rank else None}
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    data = buffer.getvalue()
+    name = f"rank-{rank:05d}.pt"
+    _write_atomic(tmp / name, data)
+    with meter.in_phase("control"):
+        files = meter.gather_object((name, len(data), hashlib.sha256(data).hexdigest()), "checkpoint.files")
+    if rank == 0:
+        manifest = {"format": FORMAT, "step": step, "world_size": comm.Get_size(), "method": method.cfg.method,
+                    "position": position, "time": time.time(),
+                    "files": {n: {"bytes": b, "sha256": h} for n, b, h in files}}
+        _write_atomic(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
+        _fsync_dir(tmp)
+        if final.exists():  # the same step saved twice (e.g. a periodic save, then the last one)
+            shutil.rmtree(final)
+        tmp.rename(final)
+        _fsync_dir(root)
+        for old in sorted(checkpoints(root))[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    comm.Barrier()
+    return final
+
+
+def checkpoints(root: Path) -> list[Path]:
+    """Complete-looking checkpoint directories under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and _STEP_DIR.fullmatch(p.name))
+
+
+def problem(path: Path) -> str | None:
+    """Why checkpoint directory `path` cannot be used, or None when its files match its manifest."""
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+    except (OSError, ValueError) as err:
+        return f"no readable manifest.json ({err.__class__.__name__}): it was not finished"
+    if manifest.get("format") != FORMAT:
+        return f"format {manifest.get('format')!r}, expected {FORMAT!r}"
+    for name, meta in manifest.get("files", {}).items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        data = file.read_bytes()
+        if len(data) != meta["bytes"] or hashlib.sha256(data).hexdigest() != meta["sha256"]:
+            return f"{name} does not match its checksum (truncated or overwritten)"
+    if len(manifest.get("files", {})) != manifest.get("world_size"):
+        return "the manifest lists fewer files than ranks"
+    return None
+
+
+def newest_usable(root: Path, say: Any = print) -> Path | None:
+    """The newest checkpoint under `root` that passes `problem`, reporting each one skipped."""
+    for path in reversed(checkpoints(root)):
+        why = problem(path)
+        if why is None:
+            return path
+        say(f"checkpoint {path} is unusable ({why}); trying the previous one")
+    return None
+
+
+def resolve(cfg: Config, world_size: int, say: Any = print) -> tuple[Path | None, Path | None]:
+    """(run directory to continue in or None for a fresh one, checkpoint to load or None) for
+    `run.resume`: "" (fresh run), "auto" (the run `run.dir/run.name`, from its newest usable
+    checkpoint if it has one), or a run / checkpoints / checkpoint directory. Rank 0 only."""
+    resume = cfg.run.resume
+    if not resume:
+        return None, None
+    if resume == "auto":
+        if not cfg.run.name:
+            raise CheckpointError("--resume auto needs --run.name, so it knows which run to continue "
+                                  "(job scripts set it to the job name)")
+        run_dir = Path(cfg.run.dir) / cfg.run.name
+        found = newest_usable(run_dir / "checkpoints", say)
+        if found is None:
+            say(f"no checkpoint in {run_dir}: starting from scratch")
+    else:
+        path = Path(resume)
+        if (path / "manifest.json").exists() or _STEP_DIR.fullmatch(path.name):
+            why = problem(path)
+            if why is not None:
+                raise CheckpointError(f"checkpoint {path} is unusable: {why}; give its run directory to take "
+                                      f"the newest usable one")
+            found, run_dir = path, path.parent.parent
+        else:
+            root = path if path.name == "checkpoints" else path / "checkpoints"
+            found, run_dir = newest_usable(root, say), root.parent
+            if found is None:
+                raise CheckpointError(f"no usable checkpoint in {root}; check --resume (a run directory, its "
+                                      f"checkpoints/ or one step-N directory)")
+    if found is not None:
+        manifest = json.loads((found / "manifest.json").read_text())
+        if manifest["world_size"] != world_size or manifest["method"] != cfg.method:
+            raise CheckpointError(f"checkpoint {found} was written by {manifest['world_size']} ranks running "
+                                  f"{manifest['method']}; resume it with mpirun -np {manifest['world_size']} "
+                                  f"and --method {manifest['method']}")
+    return run_dir, found
+
+
+def load(path: Path, method: Any) -> dict[str, Any]:
+    """Restore this rank's state from checkpoint `path` (after `method.setup`); returns this
+    rank's payload (position, extra...)."""
+    from mpi4py import MPI
+
+    from hvd_lowcomm.traffic import meter
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    own = torch.load(path / f"rank-{rank:05d}.pt", weights_only=False)
+    owner = own["owner"]
+    state = own["state"] if owner == rank else torch.load(path / f"rank-{owner:05d}.pt", weights_only=False)["state"]
+    method.load_state_dict(state)
+    method.load_local_state_dict(own["local"])
+    meter.load_state_dict(own["traffic"])
+    set_rng_state(own["rng"])
+    return own
+
+
+class PreemptionSignal:
+    """SIGTERM / SIGUSR1 (what Slurm and PBS send before they kill a job) set a flag instead of
+    killing the process; the training loop checks it every step, agreed over all ranks."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = signum
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
