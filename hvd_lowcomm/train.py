@@ -221,19 +221,24 @@ class Checkpointer:
     def signalled(self) -> bool:
         return self.preemption is not None and self.preemption.received is not None
 
-    def after_step(self, epoch: int, next_batch: int, locally_bad: bool) -> bool:
-        """Every step of a lockstep method: agree on preemption and non-finite values over all
-        ranks, and save every run.checkpoint_every steps; returns whether the step went bad."""
+    def agree(self, locally_bad: bool) -> bool:
+        """After every step of a lockstep method: agree over all ranks on preemption and on
+        non-finite values; returns whether the step went bad anywhere."""
         from hvd_lowcomm.traffic import meter
 
         if not self.method.lockstep:
             return locally_bad
         with meter.in_phase("control"):
             self.stopping, bad = meter.any_flags([self.signalled(), locally_bad], "step.flags")
-        every = self.cfg.run.checkpoint_every
-        if not self.stopping and not bad and every and meter.step % every == 0:
-            self.save(epoch, next_batch)
         return bad
+
+    def periodic(self, epoch: int, next_batch: int) -> None:
+        """After a lockstep method's step is closed: a checkpoint every run.checkpoint_every steps."""
+        from hvd_lowcomm.traffic import meter
+
+        every = self.cfg.run.checkpoint_every
+        if self.method.lockstep and not self.stopping and every and meter.step % every == 0:
+            self.save(epoch, next_batch)
 
     def at_epoch_end(self, epoch: int, batch: int, log: Any) -> None:
         """Methods whose ranks step independently checkpoint and answer signals here."""
@@ -286,7 +291,7 @@ def train_epoch(cfg: Config, method: Any, batches: Any, epoch: int, first_batch:
         seconds += time.perf_counter() - t0
         where = nonfinite(loss, method.model)
         batch += 1
-        if keeper.after_step(epoch, batch, where is not None):
+        if keeper.agree(where is not None):
             if before is None:
                 raise FloatingPointError(f"non-finite training at step {meter.step} (epoch {epoch}): "
                                          f"{where or 'on another rank'}; lower train.lr, check the data, or "
@@ -305,6 +310,7 @@ def train_epoch(cfg: Config, method: Any, batches: Any, epoch: int, first_batch:
         meter.next_step()
         if keeper.stopping:
             break
+        keeper.periodic(epoch, batch)
         ready = time.perf_counter()
     return loss_sum / max(steps, 1), seconds, waited, steps, batch
 
