@@ -59,6 +59,8 @@ class JobSpec:
     env: list[tuple[str, str]] = field(default_factory=list)
     train_args: list[str] = field(default_factory=list)
     template: str = ""
+    signal_seconds: int = 120  # Slurm's warning signal this long before the wall time (0: none)
+    requeue: bool = True       # requeue a preempted job so it resumes from its checkpoint
 
     def validate(self) -> None:
         if self.scheduler not in SCHEDULERS:
@@ -126,8 +128,11 @@ def render(spec: JobSpec) -> str:
     values = {**asdict(spec), "time": hhmmss(seconds), "walltime": hhmmss(seconds),
               "output": spec.output or f"{spec.job_name}{suffix}.out",
               "error": spec.error or f"{spec.job_name}{suffix}.err",
+              # Every job resumes its own run (named after the job) if a checkpoint exists.
               "train_command": shlex.join([spec.python, "-m", "hvd_lowcomm.train", "--config", spec.config,
-                                           *spec.train_args])}
+                                           "--run.name", spec.job_name, "--resume", "auto", *spec.train_args]),
+              "run_dir": str(Path(config_mod.load(["--config", spec.config, *spec.train_args]).run.dir)
+                             / spec.job_name)}
     try:
         return env.get_template(template_name).render(**values)
     except jinja2.TemplateError as err:
@@ -179,6 +184,11 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="extra environment variable for the job (repeatable)")
     parser.add_argument("--template", default="", help="your site's own template (Jinja2; may include _body.sh.j2)")
+    parser.add_argument("--signal-seconds", type=int, default=120,
+                        help="Slurm: send the warning signal (USR1) this many seconds before the wall time, so "
+                             "the run checkpoints and stops cleanly; 0: none (default: 120)")
+    parser.add_argument("--no-requeue", dest="requeue", action="store_false",
+                        help="do not requeue a preempted job (it still checkpoints; resubmit it yourself)")
 
 
 def _spec(args: argparse.Namespace, train_args: list[str], **changes: object) -> JobSpec:
@@ -195,7 +205,8 @@ def _spec(args: argparse.Namespace, train_args: list[str], **changes: object) ->
                    error=args.error, modules=args.modules, venv=args.venv, workdir=args.workdir, python=args.python,
                    launcher=launcher, mpirun_args=shlex.split(args.mpirun_args),
                    fusion_threshold=args.fusion_threshold, nccl_socket_ifname=args.nccl_socket_ifname, env=env,
-                   train_args=train_args, template=args.template)
+                   train_args=train_args, template=args.template, signal_seconds=args.signal_seconds,
+                   requeue=args.requeue)
     return replace(spec, **changes)
 
 

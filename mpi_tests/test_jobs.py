@@ -49,7 +49,9 @@ def test_slurm_directives_match_the_inputs(tmp_path, run_yaml):
                  "#SBATCH --account=proj", "#SBATCH --job-name=exp1", "#SBATCH --output=exp1-%j.out",
                  "module load openmpi/4.1", "source .venv/bin/activate", "export OMP_NUM_THREADS=3",
                  "export NCCL_SOCKET_IFNAME=ib0", "export HOROVOD_FUSION_THRESHOLD=67108864",
-                 f"srun --mpi=pmix --cpu-bind=cores python -m hvd_lowcomm.train --config {run_yaml}"):
+                 f"srun --mpi=pmix --cpu-bind=cores python -m hvd_lowcomm.train --config {run_yaml} "
+                 f"--run.name exp1 --resume auto &", "#SBATCH --signal=B:USR1@120", "#SBATCH --requeue",
+                 '    scontrol requeue "$SLURM_JOB_ID"'):
         assert line in text.splitlines(), line
     shell_checks(tmp_path / "job.sh")
 
@@ -82,7 +84,8 @@ def test_a_rendered_script_really_runs_its_launch_line(tmp_path, run_yaml, sched
            "--workdir", str(REPO), "--config", str(run_yaml))
     proc = _dry_run(tmp_path / "job.sh", fake)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    summary = json.loads((tmp_path / "runs" / "job" / "summary.json").read_text())
+    # The run is named after the job, so a requeued job resumes it.
+    summary = json.loads((tmp_path / "runs" / "hvd_lowcomm" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 3
 
 
@@ -102,7 +105,8 @@ def test_sweep_writes_one_script_per_node_count_and_method_with_a_manifest(tmp_p
     for row in rows:
         text = (tmp_path / "sweep" / row["script"]).read_text()
         assert f"#SBATCH --nodes={row['nodes']}" in text
-        assert f"--config {run_yaml} --method {row['method']} --train.epochs 3" in text
+        assert f"--config {run_yaml} --run.name {row['script'][:-3]} --resume auto --method {row['method']} " \
+               f"--train.epochs 3" in text
         assert subprocess.run(["bash", "-n", str(tmp_path / "sweep" / row["script"])]).returncode == 0
 
 
