@@ -79,7 +79,9 @@ def save(run_dir: Path, method: Any, position: dict[str, Any], extra: dict[str, 
 
     comm, rank = MPI.COMM_WORLD, MPI.COMM_WORLD.Get_rank()
     root = run_dir / "checkpoints"
-    step = position["step"]
+    # Named by rank 0's step: ranks of SIL's partitions may have taken different step counts.
+    with meter.in_phase("control"):
+        step = meter.broadcast_object(position["step"], "checkpoint.step")
     final, tmp = root / f"step-{step:08d}", root / f".step-{step:08d}.tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted earlier attempt
