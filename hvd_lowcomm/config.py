@@ -63,12 +63,15 @@ class DataConfig:
 class ModelConfig:
     """Which network to train."""
 
-    name: str = option("mlp", "model from hvd_lowcomm.models (mlp, cnn; tv:<name> with the [vision] extra)")
-    hidden: list[int] = option([256, 128], "hidden widths of the MLP, or channels of the CNN's conv blocks")
+    name: str = option("", "model from hvd_lowcomm.models: mlp, cnn, sil6 (six fully connected layers), "
+                           "tv:<name> with the [vision] extra; empty: the method's default (sil6 for sil and mp, "
+                           "mlp otherwise)")
+    hidden: list[int] = option([], "hidden widths of the MLP, or channels of the CNN's conv blocks; empty: the "
+                                   "model's default (mlp 256,128; cnn 32,64; sil6 256,256,256,256,256)")
     dropout: float = option(0.0, "dropout probability after each hidden layer")
 
     def validate(self) -> None:
-        if not self.hidden or any(h <= 0 for h in self.hidden):
+        if any(h <= 0 for h in self.hidden):
             raise ConfigError(f"model.hidden must be positive widths, got {self.hidden} (e.g. --model.hidden 128,64)")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
@@ -80,7 +83,9 @@ class TrainConfig:
 
     epochs: int = option(20, "passes over the training set")
     optimizer: str = option("adam", "optimiser", choices=("sgd", "adam", "adamw"))
-    lr: float = option(0.01, "peak learning rate (not scaled by the number of ranks)")
+    # 1e-3, Adam's own default: at 1e-2 wide layers lose accuracy under every method and SIL's
+    # partitions can collapse (a partition's output stops depending on its input).
+    lr: float = option(0.001, "peak learning rate (not scaled by the number of ranks)")
     lr_schedule: str = option("cosine", "learning-rate schedule over the whole run", choices=("cosine", "constant"))
     warmup_steps: int = option(0, "linear learning-rate warm-up from 0 over this many steps")
     momentum: float = option(0.9, "SGD momentum")
@@ -194,6 +199,11 @@ def load(argv: list[str] | None = None, prog: str = "python -m hvd_lowcomm.train
         if "." in dest and value is not None:
             section, key = dest.split(".", 1)
             setattr(cfg.sections()[section], key, value)
+    if not cfg.model.name:
+        from hvd_lowcomm.methods import available_methods
+
+        methods = available_methods()
+        cfg.model.name = methods[cfg.method].default_model if cfg.method in methods else "mlp"
     cfg.validate()
     return cfg
 

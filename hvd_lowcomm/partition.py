@@ -8,8 +8,10 @@ traffic meter.
 """
 from __future__ import annotations
 
+import itertools
+import re
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn as nn
@@ -28,7 +30,8 @@ class PartitionOptions:
     """How a sequential model is cut across groups of ranks."""
 
     partitions: int = option(2, "partitions, each held by its own group of ranks")
-    cuts: list[int] = option([], "module indices where partitions 2..K start (empty: balanced by parameters)")
+    cuts: list[int] = option([], "module indices where partitions 2..K start (empty: every partition gets two "
+                                 "weight layers with a non-linearity between them, then balanced by parameters)")
 
     def validate(self) -> None:
         if self.partitions < 2:
@@ -37,39 +40,117 @@ class PartitionOptions:
 
 def _sequential(model: nn.Module) -> nn.Sequential:
     if not isinstance(model, nn.Sequential):
-        raise ConfigError(f"partitioning needs an nn.Sequential model (the zoo's mlp and cnn are); got "
+        raise ConfigError(f"partitioning needs an nn.Sequential model (the zoo's mlp, sil6 and cnn are); got "
                           f"{type(model).__name__}")
     return model
 
 
-def cut_points(model: nn.Module, partitions: int, cuts: list[int]) -> list[int]:
+# Element-wise non-linearities. Pooling and normalisation do not count: what a partition needs
+# is an activation between two weight layers.
+NONLINEARITIES = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.RReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
+                  nn.Mish, nn.Tanh, nn.Sigmoid, nn.LogSigmoid, nn.Softplus, nn.Softsign, nn.Hardtanh,
+                  nn.Hardswish, nn.Hardsigmoid, nn.Tanhshrink)
+
+
+def _kinds(module: nn.Module) -> str:
+    """The module's leaves in order as a string: W a weight layer (a weight of 2 or more
+    dimensions: Linear, ConvNd, Embedding), N a non-linearity; other leaves are left out."""
+    kinds = ""
+    for leaf in module.modules():
+        if list(leaf.children()):
+            continue
+        weight = getattr(leaf, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() >= 2:
+            kinds += "W"
+        elif isinstance(leaf, NONLINEARITIES):
+            kinds += "N"
+    return kinds
+
+
+def can_learn(modules: Iterable[nn.Module]) -> bool:
+    """Whether a partition holds two weight layers with a non-linearity between them. Anything
+    less is an affine map (perhaps followed by an activation), which cannot send the inputs of
+    every class onto an arbitrary random code: SIL's partitions collapse without this depth."""
+    return _deep("".join(_kinds(m) for m in modules))
+
+
+def _deep(kinds: str) -> bool:
+    return re.search("W.*N.*W", kinds) is not None
+
+
+def cut_points(model: nn.Module, partitions: int, cuts: list[int], need_depth: bool = False) -> list[int]:
     """Boundaries [0, c_1, ..., c_{K-1}, len(model)]: partition k is model[b_k:b_{k+1}].
 
-    Without explicit cuts, each c_j is the position closest to j/K of the parameters, preferring
-    positions right after an activation (so a left partition ends in a non-linearity), and
-    every partition holds at least one layer with parameters."""
+    Explicit `cuts` are taken as given (see `shallow_partitions` for the warning they may earn).
+    Otherwise every partition gets two weight layers with a non-linearity between them
+    (`can_learn`), and among the cuts that allow this the one whose largest partition holds the
+    smallest share of the parameters is chosen, cutting at block boundaries (right before a
+    weight layer, i.e. after the previous block's activation and pooling) where possible.
+    With `need_depth` (SIL) a model too shallow for that is refused; otherwise (mp) the cut
+    falls back to one weight layer per partition."""
     modules = list(_sequential(model))
-    sizes = [sum(p.numel() for p in m.parameters()) for m in modules]
-    parametric = sum(1 for size in sizes if size)
-    if partitions > parametric:
-        raise ConfigError(f"{partitions} partitions but the model has only {parametric} layers with parameters: "
-                          f"use at most {parametric} partitions")
     if cuts:
         if len(cuts) != partitions - 1 or sorted(set(cuts)) != list(cuts) or cuts[0] < 1 or cuts[-1] >= len(modules):
             raise ConfigError(f"cuts {cuts} must be {partitions - 1} increasing module indices in 1..{len(modules) - 1}")
         return [0, *cuts, len(modules)]
-    cumulative = [sum(sizes[:i]) for i in range(len(modules) + 1)]
-    layers_before = [sum(1 for size in sizes[:i] if size) for i in range(len(modules) + 1)]
-    after_activation = {i for i in range(1, len(modules)) if sizes[i - 1] == 0 and layers_before[i]}
-    chosen: list[int] = []
-    for j in range(1, partitions):
-        # Leave at least one parametric layer for this partition and each one still to come.
-        allowed = [c for c in range(1, len(modules))
-                   if layers_before[c] > layers_before[chosen[-1] if chosen else 0]
-                   and parametric - layers_before[c] >= partitions - j]
-        preferred = [c for c in allowed if c in after_activation] or allowed
-        chosen.append(min(preferred, key=lambda c: (abs(cumulative[c] - cumulative[-1] * j / partitions), c)))
-    return [0, *chosen, len(modules)]
+    kinds = [_kinds(m) for m in modules]
+    sizes = [sum(p.numel() for p in m.parameters()) for m in modules]
+    total = max(sum(sizes), 1)
+    block_starts = [c for c in range(1, len(modules)) if kinds[c].startswith("W")]
+    deep = lambda a, b: _deep("".join(kinds[a:b]))  # noqa: E731
+    weighted = lambda a, b: "W" in "".join(kinds[a:b])  # noqa: E731
+    for rule in (deep,) if need_depth else (deep, weighted):
+        for positions in (block_starts, range(1, len(modules))):
+            options = [[0, *combo, len(modules)] for combo in itertools.combinations(positions, partitions - 1)]
+            options = [b for b in options if all(rule(a, z) for a, z in zip(b[:-1], b[1:]))]
+            if options:
+                def shares(bounds: list[int]) -> list[float]:
+                    return [sum(sizes[a:z]) / total for a, z in zip(bounds[:-1], bounds[1:])]
+                return min(options, key=lambda b: (max(shares(b)), sum(x * x for x in shares(b)), b))
+    weight_layers = "".join(kinds).count("W")
+    if need_depth:
+        return _refuse_shallow(partitions, weight_layers)
+    raise ConfigError(f"{partitions} partitions but the model has only {weight_layers} layers with weights: "
+                      f"use at most {weight_layers} partitions")
+
+
+def _refuse_shallow(partitions: int, weight_layers: int) -> list[int]:
+    most = weight_layers // 2
+    raise ConfigError(
+        f"SIL with {partitions} partitions needs two weight layers with a non-linearity between them in every "
+        f"partition (one Linear/Conv and its activation is an affine map, which cannot send each class's inputs "
+        f"onto its random code, and training collapses), so at least {2 * partitions} weight layers; this model "
+        f"has {weight_layers}. Use a deeper model (--model.name sil6, or --model.name mlp with at least "
+        f"{2 * partitions - 1} hidden widths, e.g. --model.hidden {','.join(['256'] * (2 * partitions - 1))})"
+        + (f" or at most {most} partitions" if most >= 2 else "")
+        + ", or give --sil.cuts yourself to accept the accuracy risk")
+
+
+def shallow_partitions(table: list[dict[str, Any]]) -> list[int]:
+    """Indices of the partitions (of a `partition_table`) that lack the depth `can_learn` asks for."""
+    return [p["partition"] for p in table if not p["can_learn"]]
+
+
+def partition_table(model: nn.Module, boundaries: list[int]) -> list[dict[str, Any]]:
+    """What each partition holds: module span, layers and share of the parameters (for the
+    start-up message and summary.json). Called before other partitions' tensors are released."""
+    modules = list(model)
+    total = max(sum(p.numel() for p in model.parameters()), 1)
+    table = []
+    for k, (a, b) in enumerate(zip(boundaries[:-1], boundaries[1:])):
+        parameters = sum(p.numel() for m in modules[a:b] for p in m.parameters())
+        table.append({"partition": k, "modules": [a, b - 1], "layers": ", ".join(_short(m) for m in modules[a:b]),
+                      "parameters": parameters, "parameter_share": parameters / total,
+                      "can_learn": can_learn(modules[a:b])})
+    return table
+
+
+def _short(module: nn.Module) -> str:
+    if isinstance(module, nn.Linear):
+        return f"Linear {module.in_features}->{module.out_features}"
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return f"{type(module).__name__} {module.in_channels}->{module.out_channels}"
+    return type(module).__name__
 
 
 def activation_shapes(model: nn.Module, boundaries: list[int], input_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -86,9 +167,11 @@ def activation_shapes(model: nn.Module, boundaries: list[int], input_shape: tupl
 class Layout:
     """This rank's place: its partition index, group, partners and the partition module."""
 
-    def __init__(self, model: nn.Module, options: PartitionOptions, input_shape: tuple[int, ...]) -> None:
-        self.boundaries = cut_points(model, options.partitions, options.cuts)
+    def __init__(self, model: nn.Module, options: PartitionOptions, input_shape: tuple[int, ...],
+                 need_depth: bool = False) -> None:
+        self.boundaries = cut_points(model, options.partitions, options.cuts, need_depth)
         self.shapes = activation_shapes(model, self.boundaries, input_shape)
+        self.table = partition_table(model, self.boundaries)
         self.count = options.partitions
         self.group, _ = runtime.split_world(num_groups=options.partitions, label="partition")
         self.index = self.group.index
@@ -152,9 +235,11 @@ def pipeline_train_step(layout: Layout, optimizer: torch.optim.Optimizer, x: tor
     return loss_value
 
 
-def pipeline_evaluate(layout: Layout, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int, float]:
+def pipeline_evaluate(layout: Layout, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                      observe: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> tuple[int, int, float]:
     """The joined network on this group's test shard: each batch flows through the partitions
-    in order. Counts are returned by the last partition only (zeros elsewhere)."""
+    in order. Counts are returned by the last partition only (zeros elsewhere). `observe(out,
+    y)` sees every batch's output of a partition that is not the last."""
     layout.module.eval()
     correct, count, loss_sum = 0, 0, 0.0
     with torch.no_grad():
@@ -168,6 +253,8 @@ def pipeline_evaluate(layout: Layout, batches: Iterable[tuple[torch.Tensor, torc
                 count += len(y)
             else:
                 meter.send(out, layout.next, "eval.activations", EVALUATE)
+                if observe is not None:
+                    observe(out, y)
     layout.module.train()
     return correct, count, loss_sum
 
@@ -190,6 +277,8 @@ def joined_state_dict(layout: Layout) -> dict[str, torch.Tensor] | None:
 
 
 def describe(layout: Layout) -> str:
-    spans = [f"{k}: modules {a}..{b - 1}" for k, (a, b) in enumerate(zip(layout.boundaries[:-1], layout.boundaries[1:]))]
-    return f"{layout.count} partitions ({'; '.join(spans)}), {layout.group.size} rank(s) per partition"
+    lines = [f"{layout.count} partitions, {layout.group.size} rank(s) each:"]
+    lines += [f"  partition {p['partition']}: modules {p['modules'][0]}..{p['modules'][1]} "
+              f"({p['parameter_share']:.1%} of the parameters): {p['layers']}" for p in layout.table]
+    return "\n".join(lines)
 

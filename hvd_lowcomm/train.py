@@ -364,7 +364,8 @@ def summarize(cfg: Config, method: Any, last: dict[str, Any], best_acc: float, e
         "skipped_nonfinite_steps": skipped,
         "train_wire_bytes_per_step": meter.total("train") / steps,
         "train_wire_bytes_all_ranks": per_rank[:, 1].sum().item(),
-        "peak_rss_bytes_max_rank": peak_rss_max, **meter.summary(),
+        "peak_rss_bytes_max_rank": peak_rss_max, "peak_rss_bytes_per_rank": [int(v) for v in per_rank[:, 0].tolist()],
+        **meter.summary(),
     }
     extra = method.summary_metrics()
     summary.update(extra)
@@ -380,7 +381,8 @@ def summarize(cfg: Config, method: Any, last: dict[str, Any], best_acc: float, e
             ("peak memory (max over ranks)", human_bytes(peak_rss_max))]
     rows += [(f"  {op} in {group}", human_bytes(t.wire_bytes))
              for (phase, op, group), t in sorted(meter.by_kind.items()) if phase == "train"]
-    rows += [(f"{cfg.method}: {key} (rank 0)", _show_value(key, value)) for key, value in extra.items()]
+    rows += [(f"{cfg.method}: {key} (rank 0)", _show_value(key, value)) for key, value in extra.items()
+             if not isinstance(value, (list, dict))]  # structured figures: summary.json only
     return summary, rows
 
 

@@ -15,8 +15,8 @@ from hvd_lowcomm.config import ConfigError
 from hvd_lowcomm.data import DatasetInfo
 from hvd_lowcomm.methods.mp import ModelParallel
 from hvd_lowcomm.methods.sil import SyntheticIntermediateLabels, class_codes
-from hvd_lowcomm.models import mlp
-from hvd_lowcomm.partition import cut_points, pipeline_evaluate, pipeline_train_step
+from hvd_lowcomm.models import cnn, mlp, sil6
+from hvd_lowcomm.partition import can_learn, cut_points, partition_table, pipeline_evaluate, pipeline_train_step
 from hvd_lowcomm.train import main
 
 INFO = DatasetInfo("mem", ("mem",), 3, (6,), (64,), (16,), "test", "float32", None, None)
@@ -37,13 +37,80 @@ def test_partitions_cover_every_layer_exactly_once():
 
 
 @pytest.mark.parametrize("k, cuts, message", [
-    (7, [], "7 partitions but the model has only 6 layers with parameters"),
+    (7, [], "7 partitions but the model has only 6 layers with weights"),
     (2, [0], r"cuts \[0\] must be 1 increasing module indices"),
     (3, [5, 3], r"cuts \[5, 3\] must be 2 increasing"),
 ])
 def test_bad_partitionings_are_rejected(k, cuts, message):
     with pytest.raises(ConfigError, match=message):
         cut_points(six_layer_mlp(), k, cuts)
+
+
+DEEP_ENOUGH = [  # (model, partitions): every one has a cut that gives each partition depth
+    *[(sil6(shape, 10, [256] * 5), 2) for shape in ((64,), (784,), (3, 32, 32), (40,))],
+    (mlp((784,), 10, [512, 256, 128, 64, 32]), 2), (mlp((784,), 10, [2048] * 4), 2),
+    (mlp((784,), 10, [256] * 7), 3), (mlp((784,), 10, [256] * 7), 4), (mlp((20,), 5, [64] * 9), 3),
+    (cnn((1, 28, 28), 10, [16, 32, 32, 64]), 2), (cnn((3, 32, 32), 10, [8, 8, 16, 16, 32, 32]), 3),
+    (mlp((784,), 10, [256, 256, 256], dropout=0.2), 2),
+]
+
+
+@pytest.mark.parametrize("model, k", DEEP_ENOUGH)
+def test_the_default_sil_cut_never_leaves_a_partition_affine(model, k):
+    bounds = cut_points(model, k, [], need_depth=True)
+    modules = list(model)
+    assert len(bounds) == k + 1 and bounds[0] == 0 and bounds[-1] == len(modules)
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        kinds = [type(m).__name__ for m in modules[a:b]]
+        weights = [i for i, m in enumerate(modules[a:b]) if isinstance(m, (nn.Linear, nn.Conv2d))]
+        assert len(weights) >= 2, kinds
+        assert any(isinstance(m, nn.ReLU) for m in modules[a:b][weights[0]:weights[-1]]), kinds
+    # ... and among the block cuts (before a weight layer) that keep that depth, its largest
+    # partition is the smallest possible.
+    import itertools
+    table_max = max(p["parameter_share"] for p in partition_table(model, bounds))
+    block_starts = [i for i, m in enumerate(modules) if i and isinstance(m, (nn.Linear, nn.Conv2d))]
+    for combo in itertools.combinations(block_starts, k - 1):
+        candidate = [0, *combo, len(modules)]
+        if all(can_learn(modules[a:b]) for a, b in zip(candidate[:-1], candidate[1:])):
+            assert table_max <= max(p["parameter_share"] for p in partition_table(model, candidate)) + 1e-12
+
+
+def test_sil6_on_mnist_keeps_every_partition_under_65_percent_of_the_parameters():
+    shares = [p["parameter_share"] for p in partition_table(sil6((784,), 10, [256] * 5),
+                                                             cut_points(sil6((784,), 10, [256] * 5), 2, [], True))]
+    assert max(shares) < 0.65 and sum(shares) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("model, k, needed, hidden", [
+    (mlp((40,), 10, [256, 256]), 2, "at least 4 weight layers; this model has 3", "--model.hidden 256,256,256"),
+    (sil6((784,), 10, [64] * 5), 4, "at least 8 weight layers; this model has 6",
+     "--model.hidden 256,256,256,256,256,256,256) or at most 3 partitions"),
+    (mlp((40,), 10, [8]), 2, "this model has 2", "--model.name sil6"),
+])
+def test_a_model_too_shallow_for_sil_is_refused_with_what_would_do(model, k, needed, hidden):
+    with pytest.raises(ConfigError) as caught:
+        cut_points(model, k, [], need_depth=True)
+    assert needed in str(caught.value) and hidden in str(caught.value)
+    assert cut_points(model, k, [], need_depth=False)  # model parallelism can still cut it
+
+
+def test_sil_and_mp_train_the_six_layer_network_unless_told_otherwise():
+    for method in ("sil", "mp"):
+        cfg = config.load(["--method", method])
+        assert cfg.model.name == "sil6"
+    assert config.load([]).model.name == "mlp"
+    assert config.load(["--method", "sil", "--model.name", "cnn"]).model.name == "cnn"
+    with pytest.raises(ConfigError, match="sil6 has six fully connected layers, so --model.hidden takes five widths"):
+        sil6((64,), 10, [32, 32])
+
+
+def test_an_explicit_cut_that_leaves_a_partition_affine_is_warned():
+    method, _ = make(SyntheticIntermediateLabels, "sil", "--sil.cuts", "3")
+    (warning,) = method.partition_warnings()
+    assert "leave partition 0 (Flatten, Linear 6->12, ReLU)" in warning and "affine map" in warning
+    method, _ = make(SyntheticIntermediateLabels, "sil")
+    assert method.partition_warnings() == []
 
 
 def test_a_non_sequential_model_is_rejected():
@@ -128,7 +195,9 @@ def test_mp_gradients_equal_single_process_autograd(world, fresh_meter):
 @needs_ranks(2)
 @pytest.mark.parametrize("mode, epochs", [("parallel", 2), ("sequential", 5)])
 def test_sil_training_traffic_between_partitions(shared_tmp, mode, epochs):
-    argv = ["--method", "sil", "--sil.mode", mode, "--train.epochs", str(epochs), "--model.hidden", "32,16",
+    # sil6 by default; cut after its second layer, so the cut is 32 wide.
+    argv = ["--method", "sil", "--sil.mode", mode, "--train.epochs", str(epochs), "--model.hidden", "32,32,16,16,16",
+            "--sil.cuts", "5",
             "--data.path", str(shared_tmp / "digits.h5"), "--run.dir", str(shared_tmp / "runs"), "--run.name", mode,
             "--run.progress", "false"]
     assert main(argv) == 0
@@ -146,7 +215,54 @@ def test_sil_training_traffic_between_partitions(shared_tmp, mode, epochs):
             assert epochs[-1]["test_acc"] > 0.5  # the joined network really learned
         assert epochs[-1]["parameter_fraction"] < 1.0
         joined = torch.load(shared_tmp / "runs" / mode / "model.pt")
-        mlp((1, 8, 8), 10, [32, 16]).load_state_dict(joined)  # the whole model, as one state dict
+        mlp((1, 8, 8), 10, [32, 32, 16, 16, 16]).load_state_dict(joined)  # the whole model, as one state dict
+
+
+@needs_ranks(2)
+def test_a_collapsed_partition_is_detected_at_evaluation(world):
+    method, _ = make(SyntheticIntermediateLabels, "sil")
+    x, y = pooled_batch(n=60)
+    method.phase = "train"
+    method.evaluate([(x, y)])
+    if not method.layout.last:
+        assert not method.diagnostics["collapsed"]  # untrained, but its outputs follow its inputs
+        last_linear = [m for m in method.model if isinstance(m, nn.Linear)][-1]
+        with torch.no_grad():  # its output no longer depends on the input: a constant
+            last_linear.weight.zero_()
+            last_linear.bias.fill_(1.0)
+    method.evaluate([(x, y)])
+    if not method.layout.last:
+        assert method.diagnostics["collapsed"] and method.diagnostics["cut_spread"] == pytest.approx(0.0, abs=1e-6)
+        # every sample lands on the same code, so the nearest code is right only for one class
+        largest_class = max((y == c).sum().item() for c in range(3))
+        assert round(method.diagnostics["code_accuracy"] * len(y)) <= largest_class
+
+
+@needs_ranks(2)
+def test_sil_refuses_a_shallow_model_on_every_rank_before_training(shared_tmp, capsys):
+    argv = ["--method", "sil", "--model.name", "mlp", "--model.hidden", "32,32", "--data.path",
+            str(shared_tmp / "digits.h5"), "--run.dir", str(shared_tmp / "runs"), "--run.progress", "false"]
+    assert main(argv) == 2
+    if RANK == 0:
+        assert "at least 4 weight layers; this model has 3" in capsys.readouterr().err
+    assert not (shared_tmp / "runs").exists()
+
+
+@needs_ranks(8)
+@pytest.mark.parametrize("partitions", [2, 4])
+def test_sil_at_scale_each_partition_trains_data_parallel_and_keeps_its_accuracy(shared_tmp, partitions):
+    hidden = "64,64,64,64,64,64,64"
+    argv = ["--method", "sil", "--sil.partitions", str(partitions), "--model.name", "mlp", "--model.hidden", hidden,
+            "--data.path", str(shared_tmp / "digits.h5"),
+            "--run.dir", str(shared_tmp / "runs"), "--run.name", f"k{partitions}", "--run.progress", "false"]
+    assert main(argv) == 0
+    if RANK == 0:
+        summary = json.loads((shared_tmp / "runs" / f"k{partitions}" / "summary.json").read_text())
+        assert summary["world_size"] == 8 and len(summary["partitions"]) == partitions
+        assert all(p["can_learn"] for p in summary["partitions"])
+        assert summary["between_partitions_bytes"] == 0
+        assert summary["within_partition_wire_bytes"] > 0  # 8 / K ranks average each partition's gradients
+        assert summary["final_test_acc"] > 0.85, summary["final_test_acc"]
 
 
 @needs_ranks(2)

@@ -36,6 +36,7 @@ class Method:
 
     name = "?"
     options: Any = None  # dataclass type of this method's options, if it has any
+    default_model = "mlp"  # the model trained when --model.name is not given
     # Whether every rank takes every step (so the loop may run a collective each step for
     # preemption and non-finite checks); False where some ranks idle while others train.
     lockstep = True

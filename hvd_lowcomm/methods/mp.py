@@ -20,6 +20,11 @@ from hvd_lowcomm.partition import (Layout, PartitionOptions, describe, joined_st
 class Partitioned(Method):
     """What mp and sil share: the layout, partition-local optimiser, joined evaluation."""
 
+    default_model = "sil6"
+    # Whether every partition must be able to learn on its own (two weight layers with a
+    # non-linearity between them): SIL's partitions do, mp's learn end to end.
+    needs_deep_partitions = False
+
     def check_world(self, world_size: int) -> None:
         from hvd_lowcomm.runtime import group_layout
 
@@ -28,12 +33,12 @@ class Partitioned(Method):
     def check_model(self, model: torch.nn.Module) -> None:
         from hvd_lowcomm.partition import cut_points
 
-        cut_points(model, self.cfg.options.partitions, self.cfg.options.cuts)
+        cut_points(model, self.cfg.options.partitions, self.cfg.options.cuts, self.needs_deep_partitions)
 
     def setup(self, model: torch.nn.Module) -> None:
         from hvd_lowcomm import runtime
 
-        self.layout = Layout(model, self.cfg.options, self.data.input_shape)
+        self.layout = Layout(model, self.cfg.options, self.data.input_shape, self.needs_deep_partitions)
         self.model = self.layout.module
         self.optimizer = make_optimizer(self.cfg, self.model.parameters())
         # Replicas of a partition start equal (the whole model was built from one seed already).
@@ -43,6 +48,11 @@ class Partitioned(Method):
             from tqdm import tqdm
 
             tqdm.write(f"{self.name}: {describe(self.layout)}")
+            for warning in self.partition_warnings():
+                tqdm.write(f"warning: {warning}")
+
+    def partition_warnings(self) -> list[str]:
+        return []
 
     def batches(self, split: Any, batch_size: int, shuffle: bool, device: torch.device) -> Any:
         return self.layout.batches(split, batch_size, shuffle, self.cfg.train.seed, device)
@@ -64,7 +74,7 @@ class Partitioned(Method):
                 "parameter_bytes": 4 * own, "parameter_fraction": own / self.layout.whole_model_parameters}
 
     def summary_metrics(self) -> dict[str, Any]:
-        return self.epoch_metrics()
+        return {**self.epoch_metrics(), "partitions": self.layout.table}
 
     def joined_state_dict(self) -> dict[str, torch.Tensor] | None:
         return joined_state_dict(self.layout)

@@ -10,12 +10,22 @@ same codes. Then each partition trains on its own, data parallel inside its grou
     last partition      input    -> y           (cross-entropy)
 
 where a later partition's input is, in `parallel` mode, the code of the cut before it (plus
-Gaussian noise of std `noise`): all partitions train at the same time and exchange nothing; in
+Gaussian noise of std `noise`·κ, so that it learns to decode the imperfect outputs the
+previous partition will give it at inference, not only the exact codes): all partitions train
+at the same time and exchange nothing; in
 `sequential` mode, the real outputs of the previous partition, frozen after its epochs and
 sent once for the whole training set (counted by the meter), so partition k trains after
 partition k-1. Optional recovery epochs then train the joined network end to end, as model
 parallelism does (activations forward, gradients back). Inference always uses the joined
 network: ŷ = argmax f_K(...f_1(x)), codes play no part.
+
+Every partition must be able to learn its map on its own: two weight layers with a
+non-linearity between them (hvd_lowcomm.partition.can_learn); the default cut guarantees it and
+a model too shallow for it is refused. At every evaluation a partition that feeds a cut reports
+how well its outputs hit the codes (`code_accuracy`: the nearest code is the true class's) and
+their spread across samples against the codes' spread across classes (`cut_spread`); outputs
+that barely vary across samples for their size mean the partition no longer depends on its
+input (`collapsed`), which is warned.
 """
 from __future__ import annotations
 
@@ -30,7 +40,7 @@ from hvd_lowcomm import runtime
 from hvd_lowcomm.config import ConfigError, option
 from hvd_lowcomm.methods import register
 from hvd_lowcomm.methods.mp import Partitioned
-from hvd_lowcomm.partition import FORWARD, PartitionOptions, pipeline_train_step
+from hvd_lowcomm.partition import FORWARD, PartitionOptions, pipeline_evaluate, pipeline_train_step, shallow_partitions
 from hvd_lowcomm.traffic import meter
 
 
@@ -43,7 +53,8 @@ class SILOptions(PartitionOptions):
                        choices=("parallel", "sequential"))
     kappa: float = option(5.0, "scale of the class codes (kappa * U(0,1) or kappa * N(0,1))")
     code_distribution: str = option("uniform", "distribution of the codes", choices=("uniform", "normal"))
-    noise: float = option(0.0, "std of Gaussian noise on the codes a partition learns from (parallel mode)")
+    noise: float = option(0.3, "std of the Gaussian noise added to the codes a later partition learns from "
+                               "(parallel mode), as a fraction of kappa")
     lr: list[float] = option([], "learning rate per partition (empty: train.lr for all)")
     batch_size: list[int] = option([], "batch size per partition (empty: data.batch_size for all)")
     epochs: list[int] = option([], "epochs per partition (empty: train.epochs for each)")
@@ -73,8 +84,20 @@ class SyntheticIntermediateLabels(Partitioned):
     """SIL: each partition learns on its own toward random class codes at the cuts."""
 
     options = SILOptions
+    needs_deep_partitions = True
+    # A partition whose outputs vary across samples by less than this share of their size has
+    # collapsed onto one point (a trained one varies about half its size, an untrained one too).
+    COLLAPSED_SPREAD = 0.02
+
+    def partition_warnings(self) -> list[str]:
+        return [f"sil.cuts {self.cfg.options.cuts} leave partition {k} ({self.layout.table[k]['layers']}) without "
+                f"two weight layers and a non-linearity between them: on its own it is an affine map, which cannot "
+                f"send each class onto its random code, so expect accuracy far below data-parallel training (leave "
+                f"sil.cuts empty for a cut that avoids this)"
+                for k in shallow_partitions(self.layout.table)]
 
     def setup(self, model: torch.nn.Module) -> None:
+        self.diagnostics: dict[str, float] = {}
         super().setup(model)
         o, k = self.cfg.options, self.layout.index
         self.partition_epochs = o.epochs or [self.cfg.train.epochs] * o.partitions
@@ -131,7 +154,8 @@ class SyntheticIntermediateLabels(Partitioned):
         if k > 0 and self.cfg.options.mode == "parallel":
             inputs = self.codes[k][y]
             if self.cfg.options.noise:
-                inputs = inputs + self.cfg.options.noise * torch.randn(inputs.shape, generator=self.generator)
+                std = self.cfg.options.noise * self.cfg.options.kappa
+                inputs = inputs + std * torch.randn(inputs.shape, generator=self.generator)
         self.optimizer.zero_grad()
         out = self.model(inputs)
         loss = F.cross_entropy(out, y) if self.layout.last else F.mse_loss(out, self.codes[k + 1][y])
@@ -163,8 +187,43 @@ class SyntheticIntermediateLabels(Partitioned):
                 offset += len(rows)
             self.stored_inputs = table
 
+    def evaluate(self, batches: Any) -> tuple[int, int, float]:
+        """The joined network's counts; a partition that feeds a cut also measures its outputs
+        against the next cut's codes."""
+        if self.layout.last:
+            return pipeline_evaluate(self.layout, batches)
+        codes = self.codes[self.layout.index + 1].flatten(1)
+        hits, rows, spread, size = 0, 0, [], []
+
+        def observe(out: torch.Tensor, y: torch.Tensor) -> None:
+            nonlocal hits, rows
+            out = out.flatten(1)
+            hits += (torch.cdist(out, codes).argmin(1) == y).sum().item()
+            rows += len(y)
+            if len(y) > 1:
+                spread.append(out.std(0).mean().item())
+                size.append(out.pow(2).mean().sqrt().item())
+
+        counts = pipeline_evaluate(self.layout, batches, observe)
+        spread_mean, size_mean = (sum(v) / max(len(v), 1) for v in (spread, size))
+        # Collapsed: the outputs barely vary across samples for their size (or are all zero),
+        # i.e. the partition maps every input to about the same point.
+        collapsed = spread_mean <= self.COLLAPSED_SPREAD * size_mean
+        self.diagnostics = {"code_accuracy": hits / max(rows, 1),
+                            "cut_spread": spread_mean / max(codes.std(0).mean().item(), 1e-12),
+                            "collapsed": collapsed}
+        leader = self.layout.group.rank_of(runtime.rank()) == 0
+        if leader and self.phase != "idle" and collapsed:
+            from tqdm import tqdm
+
+            tqdm.write(f"warning: SIL partition {self.layout.index} has collapsed: its outputs are about the same "
+                       f"for every input (spread across samples {spread_mean:.3g}, size {size_mean:.3g}; nearest-code "
+                       f"accuracy {100 * self.diagnostics['code_accuracy']:.1f}%); lower its learning rate (--sil.lr, "
+                       f"--train.lr) or check that it has depth on both sides of the cut")
+        return counts
+
     def epoch_metrics(self) -> dict[str, Any]:
-        return {**super().epoch_metrics(), "sil_phase": self.phase}
+        return {**super().epoch_metrics(), "sil_phase": self.phase, **self.diagnostics}
 
     def state_dict(self) -> dict[str, Any]:
         # The codes follow from code_seed (recomputed in setup); the phase and, in sequential

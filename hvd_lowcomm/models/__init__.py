@@ -1,7 +1,8 @@
 """A small model zoo for CPU-size experiments, plus torchvision models with the [vision] extra.
 
 `build_model(cfg.model, input_shape, num_classes)`; every model is an `nn.Sequential` (so
-partitioning methods can cut it between layers) except torchvision ones.
+partitioning methods can cut it between layers) except torchvision ones. An empty
+`cfg.hidden` means the model's own default widths (DEFAULT_HIDDEN).
 """
 from __future__ import annotations
 
@@ -47,7 +48,17 @@ def cnn(input_shape: Sequence[int], num_classes: int, hidden: Sequence[int], dro
     return nn.Sequential(*layers)
 
 
-ZOO = {"mlp": mlp, "cnn": cnn}
+def sil6(input_shape: Sequence[int], num_classes: int, hidden: Sequence[int], dropout: float = 0.0) -> nn.Sequential:
+    """The SIL paper's network: six fully connected layers (five hidden widths). Cut in two, each
+    side keeps at least two weight layers with a non-linearity between them, which SIL needs."""
+    if len(hidden) != 5:
+        raise ConfigError(f"model sil6 has six fully connected layers, so --model.hidden takes five widths "
+                          f"(e.g. 256,256,256,256,256); got {len(hidden)}: {list(hidden)}")
+    return mlp(input_shape, num_classes, hidden, dropout)
+
+
+ZOO = {"mlp": mlp, "cnn": cnn, "sil6": sil6}
+DEFAULT_HIDDEN = {"mlp": [256, 128], "cnn": [32, 64], "sil6": [256] * 5}
 
 
 def build_model(cfg: ModelConfig, input_shape: Sequence[int], num_classes: int) -> nn.Module:
@@ -55,7 +66,7 @@ def build_model(cfg: ModelConfig, input_shape: Sequence[int], num_classes: int) 
         return _torchvision_model(cfg.name[3:], num_classes)
     if cfg.name not in ZOO:
         raise ConfigError(f"unknown model {cfg.name!r}; available: {', '.join(ZOO)}, tv:<torchvision name>")
-    return ZOO[cfg.name](input_shape, num_classes, cfg.hidden, cfg.dropout)
+    return ZOO[cfg.name](input_shape, num_classes, cfg.hidden or DEFAULT_HIDDEN[cfg.name], cfg.dropout)
 
 
 def _torchvision_model(name: str, num_classes: int) -> nn.Module:
