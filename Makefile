@@ -7,7 +7,7 @@ MPIRUN  ?= mpirun --allow-run-as-root --oversubscribe
 # mpi_tests/conftest.py) and --timeout ends a job that still hangs.
 PYTEST  = $(MPIRUN) --timeout 1500 -np $(1) $(PY) -m pytest -p no:cacheprovider --timeout=600 $(PYTEST_ARGS) mpi_tests
 
-.PHONY: install demo test test-1 test-2 test-4 clean
+.PHONY: install demo test test-1 test-2 test-4 test-8 clean
 
 install:          ## MPI (if missing), .venv, torch, the package, horovod (cached wheel)
 	bash scripts/install.sh
@@ -15,7 +15,7 @@ install:          ## MPI (if missing), .venv, torch, the package, horovod (cache
 demo:             ## the embedded default: MLP on handwritten digits, data-parallel on NP ranks
 	$(MPIRUN) -np $(NP) $(PY) -m hvd_lowcomm.train
 
-test: test-1 test-2 test-4
+test: test-1 test-2 test-4 test-8
 
 test-1:
 	$(call PYTEST,1)
@@ -23,6 +23,9 @@ test-2:
 	$(call PYTEST,2)
 test-4:
 	$(call PYTEST,4)
+# np 8 only for what needs that many ranks (SIL with several ranks per partition).
+test-8:
+	$(call PYTEST,8) -k at_scale
 
 clean:
 	rm -rf runs build *.egg-info

@@ -1,4 +1,4 @@
-"""SIL's defaults chosen by measurement: one option at a time around the defaults, on several
+"""SIL's defaults chosen by measurement: one option at a time around a centre, on several
 datasets, against data-parallel training of the same model for the same epochs.
 
     python -m benchmarks.sil_sweep --datasets digits,mnist5k,animals --out benchmarks/results/sil-sweep
@@ -7,14 +7,17 @@ Every run is a real `mpirun -np N python -m hvd_lowcomm.train` job (benchmarks.c
 it), with no model given, so each method trains its default model (sil6 for sil, mp and, to
 compare like with like, ddp). The factors:
 
-    kappa          code scale 1, 5 (default), 20, 50
-    lr             both partitions 1e-2, 3e-3, 1e-3 (default), 3e-4; left/right apart
-    distribution   uniform (default) / normal codes
-    noise          0, 0.3 (default), 1.0 (fraction of kappa)
-    mode           parallel (default) / sequential (each partition its train.epochs)
+    kappa          code scale 1 (the default it chose), 5 (the centre), 20, 50
+    lr             both partitions 1e-2, 3e-3, 1e-3 (centre), 3e-4; left/right apart
+    distribution   uniform (centre) / normal codes
+    noise          0, 0.3 (centre), 1.0 (fraction of kappa)
+    mode           parallel (centre) / sequential (each partition its train.epochs)
     recovery       2 end-to-end epochs after 18 SIL epochs (20 in all)
     cut            after weight layer 1 (an affine left partition), 2, 3, 4
     partitions     K = 3 and 4 on an eight-layer MLP (np = K), with --partitions
+    scale          ddp and sil (defaults) at np 8 and 16, lr scaled linearly, with --scale DATASETS
+
+The centre is SIL's options before this sweep (kappa 5): the sweep moved kappa's default to 1.
 
 Writes results.csv, results.md (one table per dataset, Δ to ddp in points), and the plots
 accuracy_vs_kappa.png, accuracy_vs_cut.png and accuracy_vs_lr.png; runs under runs/<dataset>/
@@ -32,11 +35,14 @@ from tqdm import tqdm
 
 from benchmarks.compare import Variant, _finish, run_one
 
+# The sweep's centre: SIL's options before this sweep chose kappa 1 (kappa was 5); every SIL
+# run that does not set kappa itself gets it, so the table reads one change at a time.
+CENTRE = ["--sil.kappa", "5"]
 # (factor, value shown, method entry); module indices of sil6's cuts: after weight layer L the
 # next partition starts at module 1 + 2L (Flatten, then Linear/ReLU pairs).
 SWEEP: list[tuple[str, str, str]] = [
     ("baseline", "ddp", "ddp"),
-    ("baseline", "sil defaults", "sil"),
+    ("baseline", "sil at the centre", "sil"),
     ("baseline", "mp", "mp"),
     *[("kappa", str(k), f"sil:kappa={k}") for k in (1, 20, 50)],
     *[("lr", str(lr), f"sil:train.lr={lr}") for lr in (0.01, 0.003, 0.0003)],
@@ -49,16 +55,22 @@ SWEEP: list[tuple[str, str, str]] = [
     *[("cut", f"after layer {layer}", f"sil:cuts={1 + 2 * layer}") for layer in (1, 2, 3, 4)],
 ]
 DEFAULTS = {"kappa": "5.0", "lr": "0.001", "distribution": "uniform", "noise": "0.3", "mode": "parallel"}
+# At scale: g ranks per partition (ddp: p ranks) average their gradients over g times the batch,
+# so the learning rate is scaled linearly with g, as the README says; sil runs at its defaults.
+SCALE = [(np_, method, lr) for np_ in (8, 16) for method, lr in (("ddp", 0.001 * np_ / 2), ("sil", 0.001 * np_ / 2))]
 
 
 def run_dataset(dataset: str, args: argparse.Namespace, entries: list[tuple[str, str, str]], bar: Any) -> list[dict[str, Any]]:
     runs_dir = Path(args.out) / "runs" / dataset
     runs_dir.mkdir(parents=True, exist_ok=True)
-    rows, ddp_acc = [], None
+    rows, ddp_acc = [], {}
     for factor, value, entry in entries:
-        np_, extra = args.np, []
+        np_ = args.np
+        extra = CENTRE if entry.startswith("sil") and "kappa=" not in entry and factor != "scale" else []
         if factor == "partitions":
             np_ = int(value)
+        if factor == "scale":
+            np_ = int(value.split(",")[0].split()[1])
         bar.set_postfix_str(f"{dataset}: {entry}")
         run_args = argparse.Namespace(data=f"data/{dataset}.h5", model=args.model if factor != "partitions" else "mlp",
                                       hidden=args.hidden if factor != "partitions" else "256,256,256,256,256,256,256",
@@ -69,12 +81,13 @@ def run_dataset(dataset: str, args: argparse.Namespace, entries: list[tuple[str,
         variant = Variant(entry, variant.method, tuple(o.replace(";", ",") for o in variant.overrides))
         result = run_one(variant, np_, run_args, runs_dir, extra)
         s, last = result["summary"], result["epochs"][-1]
-        if entry == "ddp":
-            ddp_acc = s["final_test_acc"]
+        if entry.split(":")[0] == "ddp":
+            ddp_acc[np_] = s["final_test_acc"]
+        base = ddp_acc.get(np_, ddp_acc.get(args.np))
         shares = [p["parameter_share"] for p in s.get("partitions", [])]
         row = {"dataset": dataset, "factor": factor, "value": value, "method": entry, "np": np_,
                "final_test_acc": s["final_test_acc"], "best_test_acc": s["best_test_acc"],
-               "acc_diff_to_ddp_points": 100 * (s["final_test_acc"] - ddp_acc) if ddp_acc is not None else float("nan"),
+               "acc_diff_to_ddp_points": 100 * (s["final_test_acc"] - base) if base is not None else float("nan"),
                "code_accuracy": float(last.get("code_accuracy") or "nan"),
                "largest_partition_share": max(shares) if shares else float("nan"),
                "between_partitions_bytes": float(last.get("between_partitions_bytes") or 0.0),
@@ -138,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated names of data/<name>.h5 (default: %(default)s)")
     parser.add_argument("--factors", default="", help="only these factors (comma-separated; default: all)")
     parser.add_argument("--partitions", action="store_true", help="also K = 3 and 4 partitions (np 3 and 4)")
+    parser.add_argument("--scale", default="", metavar="DATASETS",
+                        help="also ddp and sil at np 8 and 16, lr scaled linearly, on these datasets (comma-separated)")
     parser.add_argument("--model", default="", help="model for every run (default: each method's own, sil6)")
     parser.add_argument("--hidden", default="", help="its hidden widths (default: the model's own)")
     parser.add_argument("--np", type=int, default=2, help="ranks per run (default: %(default)s)")
@@ -152,16 +167,21 @@ def main(argv: list[str] | None = None) -> int:
     entries = [e for e in SWEEP if not factors or e[0] in factors | {"baseline"}]
     if args.partitions:
         entries += [("partitions", "3", "sil:partitions=3"), ("partitions", "4", "sil:partitions=4")]
+    scale = [("scale", f"np {np_}, lr {lr:g}", f"{method}:train.lr={lr:g}") for np_, method, lr in SCALE]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     datasets = args.datasets.split(",")
     rows: list[dict[str, Any]] = []
-    with tqdm(total=len(datasets) * len(entries), desc="runs", unit="run", file=sys.stdout) as bar:
+    scaled = set(filter(None, args.scale.split(",")))
+    with tqdm(total=len(datasets) * len(entries) + len(scaled) * len(scale), desc="runs", unit="run",
+              file=sys.stdout) as bar:
         for dataset in datasets:
-            rows += run_dataset(dataset, args, entries, bar)
+            rows += run_dataset(dataset, args, entries + (scale if dataset in scaled else []), bar)
     model = f"{args.model or 'sil6'} {args.hidden or '(default widths)'}"
     write_tables(rows, out, f"SIL sweep: {model}, {args.epochs} epochs, batch {args.batch_size}/rank, np {args.np}, "
-                            f"seed {args.seed}; one option changed at a time from the defaults {DEFAULTS}")
+                            f"seed {args.seed}; one option changed at a time from the centre {DEFAULTS}. The defaults "
+                            f"chosen from it are the centre with kappa 1: the 'kappa 1' row is SIL at its defaults "
+                            f"(and so are the 'scale' rows of sil)")
     plot(rows, out)
     print(f"tables and plots in {out}/")
     return 0

@@ -51,7 +51,11 @@ class SILOptions(PartitionOptions):
     mode: str = option("parallel", "parallel: later partitions learn from codes, nothing exchanged; sequential: "
                                    "from the frozen previous partition's outputs, sent once",
                        choices=("parallel", "sequential"))
-    kappa: float = option(5.0, "scale of the class codes (kappa * U(0,1) or kappa * N(0,1))")
+    # 1: the scale a ReLU (or BatchNorm + ReLU) layer's outputs already have. The first partition
+    # has to move its outputs onto the codes, and an optimiser's steps are of a fixed size (Adam:
+    # about lr per parameter), so larger codes need more steps: at kappa 5 a run with few steps
+    # (several ranks per partition, few epochs) ends before its outputs reach them.
+    kappa: float = option(1.0, "scale of the class codes (kappa * U(0,1) or kappa * N(0,1))")
     code_distribution: str = option("uniform", "distribution of the codes", choices=("uniform", "normal"))
     noise: float = option(0.3, "std of the Gaussian noise added to the codes a later partition learns from "
                                "(parallel mode), as a fraction of kappa")
