@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -72,15 +73,18 @@ def run_one(variant: Variant, np_: int, args: argparse.Namespace, runs_dir: Path
         # A finished run: only its tables and plots are made again.
         measured = json.loads(measured_file.read_text()) if measured_file.exists() else None
     elif args.link is None:
+        shutil.rmtree(runs_dir / name, ignore_errors=True)  # an interrupted earlier run (the trainer never overwrites)
         launch(np_, [*train_args, "--run.name", name], runs_dir / f"{name}.log")
         measured = None
     else:
         # A zero-step run in the same kind of namespace measures start-up traffic (launcher,
         # Horovod init, parameter broadcast, one evaluation), which is subtracted.
+        shutil.rmtree(runs_dir / f"{name}-startup", ignore_errors=True)
         with ShapedLink(args.link) as link:
             launch(np_, [*train_args, "--run.name", f"{name}-startup", "--train.max_steps", "0"],
                    runs_dir / f"{name}-startup.log", link)
             startup = link.bytes()
+        shutil.rmtree(runs_dir / name, ignore_errors=True)
         with ShapedLink(args.link) as link:
             launch(np_, [*train_args, "--run.name", name], runs_dir / f"{name}.log", link)
             measured = {"link": args.link, "link_bits_per_s": link.rate_bits, "measured_train_bytes": link.bytes() - startup,
