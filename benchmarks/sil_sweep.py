@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     entries = [e for e in SWEEP if not factors or e[0] in factors | {"baseline"}]
     if args.partitions:
         entries += [("partitions", "3", "sil:partitions=3"), ("partitions", "4", "sil:partitions=4")]
-    scale = [("scale", f"np {np_}, lr {lr:g}", f"{method}:train.lr={lr:g}") for np_, method, lr in SCALE]
+    scale = [("scale", f"np {np_}, lr {lr:g}, {method}", f"{method}:train.lr={lr:g}") for np_, method, lr in SCALE]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     datasets = args.datasets.split(",")
