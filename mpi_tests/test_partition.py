@@ -105,6 +105,7 @@ def test_sil_and_mp_train_the_six_layer_network_unless_told_otherwise():
         sil6((64,), 10, [32, 32])
 
 
+@needs_ranks(2)
 def test_an_explicit_cut_that_leaves_a_partition_affine_is_warned():
     method, _ = make(SyntheticIntermediateLabels, "sil", "--sil.cuts", "3")
     (warning,) = method.partition_warnings()
