@@ -151,12 +151,13 @@ def pooled_batch(seed: int = 4, n: int = 10):
 
 @needs_ranks(2)
 def test_codes_are_identical_on_all_ranks(world):
-    method, _ = make(SyntheticIntermediateLabels, "sil")
+    method, _ = make(SyntheticIntermediateLabels, "sil", "--sil.kappa", "2.5")
     codes = method.codes[1]
-    assert codes.shape == (3, *method.layout.shapes[1]) and 0 <= codes.min() and codes.max() <= 5.0
+    assert codes.shape == (3, *method.layout.shapes[1]) and 0 <= codes.min() and codes.max() <= 2.5
+    assert codes.max() > 1.0  # scaled by kappa
     gathered = world.comm.allgather(codes.numpy())
     assert all((c == gathered[0]).all() for c in gathered)
-    assert torch.equal(class_codes(method.code_seed, 1, 3, method.layout.shapes[1], 5.0, "uniform"), codes)
+    assert torch.equal(class_codes(method.code_seed, 1, 3, method.layout.shapes[1], 2.5, "uniform"), codes)
 
 
 @needs_ranks(2)
@@ -196,8 +197,8 @@ def test_mp_gradients_equal_single_process_autograd(world, fresh_meter):
 @needs_ranks(2)
 @pytest.mark.parametrize("mode, epochs", [("parallel", 2), ("sequential", 5)])
 def test_sil_training_traffic_between_partitions(shared_tmp, mode, epochs):
-    # sil6 by default; cut after its second layer, so the cut is 32 wide.
-    argv = ["--method", "sil", "--sil.mode", mode, "--train.epochs", str(epochs), "--model.hidden", "32,32,16,16,16",
+    # sil6 by default; cut after its second layer, so the cut is 64 wide.
+    argv = ["--method", "sil", "--sil.mode", mode, "--train.epochs", str(epochs), "--model.hidden", "64,64,32,32,32",
             "--sil.cuts", "5",
             "--data.path", str(shared_tmp / "digits.h5"), "--run.dir", str(shared_tmp / "runs"), "--run.name", mode,
             "--run.progress", "false"]
@@ -212,11 +213,11 @@ def test_sil_training_traffic_between_partitions(shared_tmp, mode, epochs):
         else:  # the one transfer: outputs of the first partition for its share of the training set
             assert len(epochs) == 10  # 5 epochs per partition, one after the other
             rows_sent = len(range(0, 1438, SIZE // 2))
-            assert epochs[-1]["between_partitions_bytes"] == rows_sent * 32 * 4
+            assert epochs[-1]["between_partitions_bytes"] == rows_sent * 64 * 4
             assert epochs[-1]["test_acc"] > 0.5  # the joined network really learned
         assert epochs[-1]["parameter_fraction"] < 1.0
         joined = torch.load(shared_tmp / "runs" / mode / "model.pt")
-        mlp((1, 8, 8), 10, [32, 32, 16, 16, 16]).load_state_dict(joined)  # the whole model, as one state dict
+        mlp((1, 8, 8), 10, [64, 64, 32, 32, 32]).load_state_dict(joined)  # the whole model, as one state dict
 
 
 @needs_ranks(2)
