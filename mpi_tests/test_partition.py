@@ -114,6 +114,16 @@ def test_an_explicit_cut_that_leaves_a_partition_affine_is_warned():
     assert method.partition_warnings() == []
 
 
+@needs_ranks(2)
+def test_a_cut_inside_a_conv_net_is_warned():
+    method = SyntheticIntermediateLabels(config.load(["--method", "sil", "--model.name", "cnn"]))
+    method.data = DatasetInfo("mem", ("mem",), 3, (1, 8, 8), (64,), (16,), "test", "float32", None, None)
+    method.check_world(SIZE)
+    method.setup(cnn((1, 8, 8), 3, [4, 4, 8, 8]))
+    (warning,) = method.partition_warnings()
+    assert "inside its convolutional part (cut 1: codes are random 8x2x2 tensors)" in warning
+
+
 def test_a_non_sequential_model_is_rejected():
     class Branchy(nn.Module):
         def forward(self, x):

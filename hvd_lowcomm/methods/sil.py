@@ -94,7 +94,12 @@ class SyntheticIntermediateLabels(Partitioned):
     COLLAPSED_SPREAD = 0.02
 
     def partition_warnings(self) -> list[str]:
-        return [f"sil.cuts {self.cfg.options.cuts} leave partition {k} ({self.layout.table[k]['layers']}) without "
+        spatial = [k for k in range(1, self.layout.count) if len(self.layout.shapes[k]) > 1]
+        conv = [f"SIL cuts this model inside its convolutional part (cut {k}: codes are random "
+                f"{'x'.join(map(str, self.layout.shapes[k]))} tensors): measured on animal silhouettes (cnn "
+                f"16,32,32,64, 5 epochs) this reached 67% against data-parallel training's 96%, so expect a large "
+                f"accuracy loss; prefer a fully connected model (sil6) or mp for conv nets" for k in spatial]
+        return conv + [f"sil.cuts {self.cfg.options.cuts} leave partition {k} ({self.layout.table[k]['layers']}) without "
                 f"two weight layers and a non-linearity between them: on its own it is an affine map, which cannot "
                 f"send each class onto its random code, so expect accuracy far below data-parallel training (leave "
                 f"sil.cuts empty for a cut that avoids this)"
