@@ -94,24 +94,42 @@ def cut_points(model: nn.Module, partitions: int, cuts: list[int], need_depth: b
             raise ConfigError(f"cuts {cuts} must be {partitions - 1} increasing module indices in 1..{len(modules) - 1}")
         return [0, *cuts, len(modules)]
     kinds = [_kinds(m) for m in modules]
-    sizes = [sum(p.numel() for p in m.parameters()) for m in modules]
-    total = max(sum(sizes), 1)
+    cumulative = list(itertools.accumulate((sum(p.numel() for p in m.parameters()) for m in modules), initial=0))
     block_starts = [c for c in range(1, len(modules)) if kinds[c].startswith("W")]
     deep = lambda a, b: _deep("".join(kinds[a:b]))  # noqa: E731
     weighted = lambda a, b: "W" in "".join(kinds[a:b])  # noqa: E731
     for rule in (deep,) if need_depth else (deep, weighted):
-        for positions in (block_starts, range(1, len(modules))):
-            options = [[0, *combo, len(modules)] for combo in itertools.combinations(positions, partitions - 1)]
-            options = [b for b in options if all(rule(a, z) for a, z in zip(b[:-1], b[1:]))]
-            if options:
-                def shares(bounds: list[int]) -> list[float]:
-                    return [sum(sizes[a:z]) / total for a, z in zip(bounds[:-1], bounds[1:])]
-                return min(options, key=lambda b: (max(shares(b)), sum(x * x for x in shares(b)), b))
+        for positions in (block_starts, list(range(1, len(modules)))):
+            bounds = _balanced_cut(positions, partitions, rule, cumulative)
+            if bounds is not None:
+                return bounds
     weight_layers = "".join(kinds).count("W")
     if need_depth:
         return _refuse_shallow(partitions, weight_layers)
     raise ConfigError(f"{partitions} partitions but the model has only {weight_layers} layers with weights: "
                       f"use at most {weight_layers} partitions")
+
+
+def _balanced_cut(positions: list[int], partitions: int, rule: Callable[[int, int], bool],
+                  cumulative: list[int]) -> list[int] | None:
+    """Boundaries with cuts at `positions` whose pieces all satisfy `rule`, minimising the largest
+    piece's share of the parameters (then the sum of squared shares), or None. Dynamic
+    programming over (pieces so far, where the last one ends): K·n² rule checks, where trying
+    every combination of cuts would grow as n^(K-1)."""
+    end, total = len(cumulative) - 1, max(cumulative[-1], 1)
+    best: dict[int, tuple[tuple[float, float], list[int]]] = {0: ((0.0, 0.0), [0])}
+    for piece in range(1, partitions + 1):
+        reached = {}
+        for b in [end] if piece == partitions else positions:
+            options = []
+            for a, ((largest, squares), bounds) in best.items():
+                if a < b and rule(a, b):
+                    share = (cumulative[b] - cumulative[a]) / total
+                    options.append(((max(largest, share), squares + share * share), [*bounds, b]))
+            if options:
+                reached[b] = min(options)
+        best = reached
+    return best[end][1] if end in best else None
 
 
 def _refuse_shallow(partitions: int, weight_layers: int) -> list[int]:
