@@ -82,14 +82,14 @@ class TrainConfig:
     """Optimisation: epochs, optimiser, learning rate, seed."""
 
     epochs: int = option(20, "passes over the training set")
-    optimizer: str = option("adam", "optimiser", choices=("sgd", "adam", "adamw"))
+    optimizer: str = option("adam", "optimiser (ab: adamw unless set)", choices=("sgd", "adam", "adamw"))
     # 1e-3, Adam's own default: at 1e-2 wide layers lose accuracy under every method and SIL's
     # partitions can collapse (a partition's output stops depending on its input).
     lr: float = option(0.001, "peak learning rate (not scaled by the number of ranks)")
     lr_schedule: str = option("cosine", "learning-rate schedule over the whole run", choices=("cosine", "constant"))
     warmup_steps: int = option(0, "linear learning-rate warm-up from 0 over this many steps")
     momentum: float = option(0.9, "SGD momentum")
-    weight_decay: float = option(0.0, "weight decay")
+    weight_decay: float = option(0.0, "weight decay (ab: 0.1 unless set, as the AB-training paper trains)")
     seed: int = option(42, "seed for initialisation, shuffling and every random choice")
     max_steps: int = option(-1, "stop after this many training steps (-1: no limit; 0: start up, "
                                 "evaluate once and stop, which measures start-up traffic)")
@@ -191,19 +191,22 @@ def load(argv: list[str] | None = None, prog: str = "python -m hvd_lowcomm.train
     cfg = default_config()
     parser = build_parser(cfg, prog)
     args = parser.parse_args(argv)
-    if args.config:
-        apply_mapping(cfg, read_yaml(args.config))
+    explicit = apply_mapping(cfg, read_yaml(args.config)) if args.config else set()
     if args.method is not None:
         cfg.method = args.method
     for dest, value in vars(args).items():
         if "." in dest and value is not None:
             section, key = dest.split(".", 1)
             setattr(cfg.sections()[section], key, value)
-    if not cfg.model.name:
-        from hvd_lowcomm.methods import available_methods
+            explicit.add(dest)
+    from hvd_lowcomm.methods import available_methods
 
-        methods = available_methods()
-        cfg.model.name = methods[cfg.method].default_model if cfg.method in methods else "mlp"
+    method = available_methods().get(cfg.method)
+    if not cfg.model.name:
+        cfg.model.name = method.default_model if method else "mlp"
+    for key, value in (method.train_defaults if method else {}).items():
+        if f"train.{key}" not in explicit:  # the method's preference, where the user chose nothing
+            setattr(cfg.train, key, value)
     cfg.validate()
     return cfg
 
@@ -221,9 +224,11 @@ def read_yaml(path: str) -> dict[str, Any]:
     return data
 
 
-def apply_mapping(cfg: Config, data: dict[str, Any]) -> None:
-    """Overlay a nested mapping ({'train': {'epochs': 3}, 'method': 'ddp'}) onto `cfg`."""
+def apply_mapping(cfg: Config, data: dict[str, Any]) -> set[str]:
+    """Overlay a nested mapping ({'train': {'epochs': 3}, 'method': 'ddp'}) onto `cfg`; returns
+    the options it set ('train.epochs')."""
     sections = cfg.sections()
+    applied = set()
     for name, values in data.items():
         if name == "method":
             cfg.method = str(values)
@@ -238,6 +243,8 @@ def apply_mapping(cfg: Config, data: dict[str, Any]) -> None:
             if key not in fields:
                 raise ConfigError(f"unknown option {name}.{key}{_did_you_mean(key, fields)}")
             setattr(section, key, _convert(f"{name}.{key}", _field_type(section, key), value))
+            applied.add(f"{name}.{key}")
+    return applied
 
 
 # Options used often enough on the command line (and in job scripts) to have a short flag.

@@ -1,9 +1,22 @@
 """Layers whose weight is either dense (W) or a product of low-rank factors (A B), for AB-training.
 
-A Linear or Conv2d weight is viewed as a 2-D matrix (a conv kernel C_out × C_in × kh × kw as
-C_out × C_in·kh·kw), transposed if needed so that it is tall (rows >= columns), and split by
-SVD: W = U Σ Vᵀ, A = U √Σ (rows × r), B = √Σ Vᵀ (r × columns), so W = A B. The rank r keeps
-the singular values σ_i > τ·σ_1; the first factorisation of a run may keep them all.
+A Linear or ConvNd weight is viewed as a 2-D matrix (a conv kernel C_out × C_in/groups × k… as
+C_out × C_in/groups·k…, the reference implementation's reshape), transposed if needed so that
+it is tall (rows >= columns), and split by SVD: W = U Σ Vᵀ, A = U √Σ (rows × r), B = √Σ Vᵀ
+(r × columns), so W = A B.
+
+How many singular values to keep (`choose_rank`):
+  * rule "noise" (default): those above the edge of the random bulk. A layer trained from a
+    random initialisation is a few learned directions on top of a bulk of singular values that
+    the initialisation left (Marchenko–Pastur shaped); the bulk is what a cut should drop.
+    Its edge is estimated from the median singular value by Gavish & Donoho's optimal hard
+    threshold ω(β)·median(σ) (β = columns/rows), which needs no noise level and does not move
+    when one direction grows large;
+  * rule "tau": σ_i > τ·σ_1, the reference's rule. One outlier σ_1 (a large learning rate
+    makes them) moves the cut into the learned directions and breaks the model;
+and in both cases no fewer than the floor: the cut may drop at most `max_output_error` of the
+layer's output on real inputs (relative Frobenius norm of X Wᵀ, X a batch of the layer's
+inputs), or of the weight itself where no inputs were recorded.
 """
 from __future__ import annotations
 
@@ -13,15 +26,18 @@ import torch.nn.functional as F
 
 from hvd_lowcomm.config import ConfigError
 
+FACTORIZABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+RANK_RULES = ("noise", "tau")
+
 
 class FactorizedLayer(nn.Module):
-    """Wraps a Linear or Conv2d. In dense mode it is the original layer; after `factorize` its
+    """Wraps a Linear or ConvNd. In dense mode it is the original layer; after `factorize` its
     forward uses W = A B until `densify` writes A B back into the dense weight."""
 
-    def __init__(self, layer: nn.Linear | nn.Conv2d) -> None:
+    def __init__(self, layer: nn.Module) -> None:
         super().__init__()
-        if isinstance(layer, nn.Conv2d) and (layer.groups != 1 or layer.padding_mode != "zeros"):
-            raise ConfigError("AB-training factorises Conv2d layers with groups=1 and zero padding only")
+        if not isinstance(layer, FACTORIZABLE):
+            raise ConfigError(f"AB-training factorises Linear and Conv1d/2d/3d layers, not {type(layer).__name__}")
         self.layer = layer
         rows, cols = layer.weight.shape[0], layer.weight[0].numel()
         self.transposed = rows < cols  # factorise the tall orientation
@@ -29,11 +45,20 @@ class FactorizedLayer(nn.Module):
         self.A = nn.Parameter(layer.weight.new_zeros(0, 0))
         self.B = nn.Parameter(layer.weight.new_zeros(0, 0))
         self.factorized = False
+        self.inputs: torch.Tensor | None = None  # rows of this layer's input, when recorded
 
     @property
     def rank(self) -> int:
         """Rank of the latest factorisation (kept through dense phases), or full before the first."""
         return self.A.shape[1] if self.A.numel() else min(self.tall_shape)
+
+    @property
+    def full_size(self) -> int:
+        return self.layer.weight.numel()
+
+    def factor_size(self, rank: int | None = None) -> int:
+        """Parameters in A and B at `rank` (default: the current one)."""
+        return (self.rank if rank is None else rank) * sum(self.tall_shape)
 
     def tall_matrix(self, weight: torch.Tensor | None = None) -> torch.Tensor:
         """The weight as the tall 2-D matrix that is factorised."""
@@ -45,16 +70,29 @@ class FactorizedLayer(nn.Module):
         return (tall.T if self.transposed else tall).reshape(self.layer.weight.shape)
 
     def svd(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return torch.linalg.svd(self.tall_matrix(), full_matrices=False)
+        """SVD of the tall matrix with a canonical sign (each left singular vector's largest
+        entry positive): ranks holding the same W get the same A and B, which averaging
+        factors across ranks needs."""
+        u, s, vh = torch.linalg.svd(self.tall_matrix(), full_matrices=False)
+        signs = torch.sign(u.gather(0, u.abs().argmax(dim=0, keepdim=True)))
+        signs[signs == 0] = 1
+        return u * signs, s, vh * signs.T
 
-    def factorize(self, tau: float, truncate: bool, rank: int | None = None,
-                  svd: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> int:
-        """Split the dense weight into A, B by SVD (`svd`: one already computed). Returns the
-        rank kept: `rank` if given (all ranks agreeing on one), else every σ_i > τ σ_1 when
-        truncating, else all of them."""
+    def component_energy(self, svd: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Each singular component's share of the layer's output energy, σ_i²·|X v_i|² with
+        v_i its input-side singular vector and X the recorded inputs (σ_i² without inputs).
+        The output X Wᵀ = Σ_i σ_i (X v_i) u_iᵀ has orthonormal u_i, so these energies add up."""
+        u, s, vh = svd
+        if self.inputs is None:
+            return s.square()
+        input_side = u if self.transposed else vh.T  # columns: the directions W reads its input along
+        return s.square() * (self.inputs @ input_side).square().sum(dim=0)
+
+    def factorize(self, rank: int, svd: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> int:
+        """Split the dense weight into A, B keeping `rank` singular values (`svd`: one already
+        computed). Returns the rank kept."""
         u, s, vh = svd if svd is not None else self.svd()
-        r = rank if rank is not None else (rank_for(s, tau) if truncate else len(s))
-        r = max(1, min(r, len(s)))
+        r = max(1, min(rank, len(s)))
         root = s[:r].sqrt()
         self.A.data = (u[:, :r] * root).contiguous()
         self.B.data = (root[:, None] * vh[:r]).contiguous()
@@ -74,21 +112,71 @@ class FactorizedLayer(nn.Module):
         layer, weight = self.layer, self.weight()
         if isinstance(layer, nn.Linear):
             return F.linear(x, weight, layer.bias)
-        return F.conv2d(x, weight, layer.bias, layer.stride, layer.padding, layer.dilation, layer.groups)
+        return layer._conv_forward(x, weight, layer.bias)  # stride, padding (any mode), dilation, groups
+
+    # -- recording inputs for the output-space floor ---------------------------------------------
+    def record_inputs(self, x: torch.Tensor, max_rows: int = 4096) -> None:
+        """Keep rows of this layer's input as the matrix its tall weight multiplies: features
+        of a Linear, unfolded patches of a Conv2d with groups=1. Other convolutions record
+        nothing, and their floor falls back to the weight's own energy."""
+        layer = self.layer
+        if isinstance(layer, nn.Linear):
+            rows = x.detach().reshape(-1, x.shape[-1])
+        elif isinstance(layer, nn.Conv2d) and layer.groups == 1 and layer.padding_mode == "zeros" \
+                and not isinstance(layer.padding, str):
+            patches = F.unfold(x.detach(), layer.kernel_size, layer.dilation, layer.padding, layer.stride)
+            rows = patches.transpose(1, 2).reshape(-1, patches.shape[1])
+        else:
+            return
+        if len(rows) > max_rows:  # an even sample keeps the cost of the floor small
+            rows = rows[torch.linspace(0, len(rows) - 1, max_rows).long()]
+        self.inputs = rows
 
 
-def rank_for(singular_values: torch.Tensor, tau: float) -> int:
-    """How many σ_i > τ·σ_1 (at least 1)."""
-    return max(1, int((singular_values > tau * singular_values[0]).sum().item()))
+def gavish_donoho_omega(beta: float) -> float:
+    """ω(β) of the optimal hard threshold for an unknown noise level (Gavish & Donoho 2014,
+    eq. 5): singular values above ω(β)·median(σ) stand out of a random bulk of aspect ratio β."""
+    return 0.56 * beta**3 - 0.95 * beta**2 + 1.82 * beta + 1.43
 
 
-def factorize_model(model: nn.Module, full_rank: list[str]) -> dict[str, FactorizedLayer]:
-    """Replace every Linear/Conv2d except those named in `full_rank` by a FactorizedLayer (still
+def choose_rank(s: torch.Tensor, shape: tuple[int, int], rule: str, tau: float,
+                energy: torch.Tensor, max_output_error: float) -> int:
+    """Singular values to keep: the rule's cut (see the module docstring), raised until the
+    dropped share of `energy` (per component, summing to the total) is at most
+    `max_output_error` (relative Frobenius norm)."""
+    if rule == "tau":
+        threshold = tau * s[0]
+    else:
+        beta = min(shape) / max(shape)
+        threshold = gavish_donoho_omega(beta) * s.median()
+    by_rule = int((s > threshold).sum().item())
+    # tail[r]: the relative norm dropped when r components are kept.
+    tail = (energy.flip(0).cumsum(0).flip(0) / energy.sum().clamp_min(1e-30)).sqrt()
+    by_floor = int((tail > max_output_error).sum().item())
+    return max(1, by_rule, by_floor)
+
+
+def dropped_fraction(energy: torch.Tensor, rank: int) -> float:
+    """Relative Frobenius norm dropped by keeping the first `rank` components."""
+    return float((energy[rank:].sum() / energy.sum().clamp_min(1e-30)).sqrt())
+
+
+def factorize_model(model: nn.Module, full_rank: list[str]) -> tuple[dict[str, FactorizedLayer], list[str]]:
+    """Replace every Linear/ConvNd except those named in `full_rank` by a FactorizedLayer (still
     dense until factorised). "first" and "last" name the first and last such layer in module
-    order (the reference keeps the first conv and the classifier head dense)."""
-    candidates = [name for name, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+    order (the reference keeps the first conv and the classifier head dense). Layers inside a
+    module that reads its children's weights itself (nn.MultiheadAttention uses out_proj.weight
+    without calling out_proj) stay dense. Returns the factorised layers and the names of the
+    layers left dense for that reason."""
+    candidates, inside_attention = [], []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.MultiheadAttention):
+            inside_attention += [f"{name}.{child}" if name else child for child, _ in module.named_modules() if child]
+        elif isinstance(module, FACTORIZABLE) and name not in inside_attention:
+            candidates.append(name)
     if not candidates:
-        raise ConfigError("AB-training needs Linear or Conv2d layers to factorise; this model has none")
+        raise ConfigError("AB-training needs Linear or Conv1d/2d/3d layers to factorise; this model has none"
+                          + (" outside nn.MultiheadAttention" if inside_attention else ""))
     keep = set()
     for name in full_rank:
         if name in ("first", "last"):
@@ -96,7 +184,7 @@ def factorize_model(model: nn.Module, full_rank: list[str]) -> dict[str, Factori
         elif name in candidates:
             keep.add(name)
         else:
-            raise ConfigError(f"ab.full_rank names layer {name!r}, which is not a Linear/Conv2d of this model "
+            raise ConfigError(f"ab.full_rank names layer {name!r}, which is not a Linear/ConvNd of this model "
                               f"(its layers: {', '.join(candidates)}; or use first, last)")
     factorized = {}
     for name in candidates:
@@ -109,4 +197,19 @@ def factorize_model(model: nn.Module, full_rank: list[str]) -> dict[str, Factori
     if not factorized:
         raise ConfigError(f"every factorisable layer ({', '.join(candidates)}) is in ab.full_rank; "
                           "nothing is left to train as A and B: use a deeper model or a shorter ab.full_rank")
-    return factorized
+    return factorized, [n for n in inside_attention if isinstance(model.get_submodule(n), nn.Linear)]
+
+
+def unfactorized_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` with every FactorizedLayer replaced by its dense layer holding the
+    current W (A B when factorised): the ordinary model, loadable without hvd_lowcomm."""
+    import copy
+
+    out = copy.deepcopy(model)
+    for name, module in list(out.named_modules()):
+        if isinstance(module, FactorizedLayer):
+            with torch.no_grad():
+                module.layer.weight.copy_(module.weight())
+            parent_name, _, child = name.rpartition(".")
+            setattr(out.get_submodule(parent_name) if parent_name else out, child, module.layer)
+    return out

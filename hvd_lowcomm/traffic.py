@@ -212,15 +212,15 @@ class TrafficMeter:
                     wire=wire_bytes("allgather", sum(map(_pickled_size, out)), len(out)))
         return out
 
-    def any_flags(self, flags: list[bool], name: str) -> list[bool]:
-        """For each flag, whether it is set on any rank (one small MPI allreduce, no Horovod
-        cycle: cheap enough to run every step)."""
+    def any_flags(self, flags: list[bool], name: str, group: Group | None = None) -> list[bool]:
+        """For each flag, whether it is set on any rank of `group` (default: all ranks); one small
+        MPI allreduce, no Horovod cycle: cheap enough to run every step."""
         from mpi4py import MPI
 
         local = np.array([int(f) for f in flags], dtype=np.int32)
         out = np.empty_like(local)
-        MPI.COMM_WORLD.Allreduce(local, out, op=MPI.MAX)
-        self.record("allreduce", name, local.nbytes, None)
+        (MPI.COMM_WORLD if group is None else group.comm).Allreduce(local, out, op=MPI.MAX)
+        self.record("allreduce", name, local.nbytes, group)
         return [bool(v) for v in out]
 
     def broadcast_object(self, obj: Any, name: str, root: int = 0) -> Any:

@@ -157,6 +157,7 @@ def train(cfg: Config, method: Any, info: Any, model: Any, resume_dir: Path | No
     total_steps = epochs * len(train_batches)
     if cfg.train.max_steps >= 0:
         total_steps = min(total_steps, cfg.train.max_steps)
+    method.plan(total_steps)
     start, step_seconds, wait_seconds = time.perf_counter(), 0.0, 0.0
     record: dict[str, Any] = {"test_acc": 0.0}
     for epoch in range(position["epoch"], epochs + 1):
@@ -208,7 +209,7 @@ class Checkpointer:
 
     def __init__(self, cfg: Config, method: Any, run_dir: Path, preemption: Any) -> None:
         self.cfg, self.method, self.run_dir, self.preemption = cfg, method, run_dir, preemption
-        self.best_acc, self.skipped, self.stopping = 0.0, 0, False
+        self.best_acc, self.skipped, self.stopping, self.checkpoint_due = 0.0, 0, False, False
 
     def save(self, epoch: int, batch: int) -> Path:
         from hvd_lowcomm import checkpoint
@@ -222,23 +223,31 @@ class Checkpointer:
         return self.preemption is not None and self.preemption.received is not None
 
     def agree(self, locally_bad: bool) -> bool:
-        """After every step of a lockstep method: agree over all ranks on preemption and on
-        non-finite values; returns whether the step went bad anywhere."""
+        """After every step of a lockstep method: agree on non-finite values, and on
+        preemption, over the ranks the method says meet after this step (all of them, or a
+        group running free: then preemption waits for the next step where all ranks meet);
+        returns whether the step went bad anywhere there."""
         from hvd_lowcomm.traffic import meter
 
         if not self.method.lockstep:
             return locally_bad
+        group = self.method.agreement_group()
         with meter.in_phase("control"):
+            if group is not None:
+                return meter.any_flags([locally_bad], "step.flags", group)[0]
             self.stopping, bad = meter.any_flags([self.signalled(), locally_bad], "step.flags")
         return bad
 
     def periodic(self, epoch: int, next_batch: int) -> None:
-        """After a lockstep method's step is closed: a checkpoint every run.checkpoint_every steps."""
+        """After a lockstep method's step is closed: a checkpoint every run.checkpoint_every steps
+        (at the first step after that where all ranks meet)."""
         from hvd_lowcomm.traffic import meter
 
         every = self.cfg.run.checkpoint_every
-        if self.method.lockstep and not self.stopping and every and meter.step % every == 0:
+        self.checkpoint_due |= bool(self.method.lockstep and every and meter.step % every == 0)
+        if self.checkpoint_due and not self.stopping and self.method.agreement_group() is None:
             self.save(epoch, next_batch)
+            self.checkpoint_due = False
 
     def at_epoch_end(self, epoch: int, batch: int, log: Any) -> None:
         """Methods whose ranks step independently checkpoint and answer signals here."""

@@ -1,4 +1,5 @@
-"""AB-training: factorised layers, groups, schedule, sync modes, optimiser state, reporting."""
+"""AB-training: factorised layers, rank choice, groups, schedule, sync modes, optimiser state,
+the final model, reporting."""
 from __future__ import annotations
 
 import json
@@ -10,33 +11,88 @@ import torch.nn as nn
 from conftest import RANK, SIZE, needs_ranks
 from hvd_lowcomm import config
 from hvd_lowcomm.config import ConfigError
-from hvd_lowcomm.factorized import FactorizedLayer, factorize_model, rank_for
+from hvd_lowcomm.factorized import FactorizedLayer, choose_rank, dropped_fraction, factorize_model
 from hvd_lowcomm.methods.ab import ABTraining, Schedule, _resize
-from hvd_lowcomm.train import main
+from hvd_lowcomm.train import Checkpointer, main
+
+LAYERS = {"linear": lambda: nn.Linear(7, 5), "linear-wide": lambda: nn.Linear(5, 7),
+          "conv1d": lambda: nn.Conv1d(3, 8, 3), "conv2d": lambda: nn.Conv2d(3, 8, 3),
+          "conv3d": lambda: nn.Conv3d(2, 4, 2), "conv2d-grouped": lambda: nn.Conv2d(4, 8, 3, groups=2),
+          "conv2d-circular": lambda: nn.Conv2d(3, 6, 3, padding=1, padding_mode="circular")}
+INPUTS = {"linear": (4, 7), "linear-wide": (4, 5), "conv1d": (2, 3, 9), "conv2d": (2, 3, 6, 6), "conv3d": (2, 2, 4, 4, 4),
+          "conv2d-grouped": (2, 4, 6, 6), "conv2d-circular": (2, 3, 5, 5)}
 
 
-def test_svd_split_reproduces_w_at_full_rank():
+@pytest.mark.parametrize("kind", list(LAYERS))
+def test_at_full_rank_a_b_reproduce_the_layer(kind):
     torch.manual_seed(0)
-    for layer in (nn.Linear(7, 5), nn.Linear(5, 7), nn.Conv2d(3, 8, 3)):
-        original = layer.weight.detach().clone()
-        wrapped = FactorizedLayer(layer)
-        assert wrapped.factorize(tau=0.1, truncate=False) == min(wrapped.tall_shape)
-        assert wrapped.A.shape[0] >= wrapped.B.shape[1]  # the tall orientation is factorised
-        torch.testing.assert_close(wrapped.weight(), original, rtol=1e-5, atol=1e-5)
-
-
-def test_tau_keeps_the_singular_values_above_tau_sigma1():
-    torch.manual_seed(1)
-    u, _ = torch.linalg.qr(torch.randn(12, 5))
-    v, _ = torch.linalg.qr(torch.randn(6, 5))
-    spectrum = torch.tensor([10.0, 5.0, 2.0, 0.9, 0.5])
-    layer = nn.Linear(6, 12, bias=False)
-    layer.weight.data = u @ torch.diag(spectrum) @ v.T
-    assert rank_for(spectrum, 0.1) == 3  # 10, 5, 2 > 1.0
+    layer = LAYERS[kind]()
+    x = torch.randn(*INPUTS[kind])
+    expected = layer(x)
     wrapped = FactorizedLayer(layer)
-    assert wrapped.factorize(tau=0.1, truncate=True) == 3
-    assert wrapped.factorize(tau=0.04, truncate=True) == 5
-    assert wrapped.A.shape == (12, 5) and wrapped.B.shape == (5, 6)
+    assert wrapped.factorize(rank=min(wrapped.tall_shape)) == min(wrapped.tall_shape)
+    assert wrapped.A.shape[0] >= wrapped.B.shape[1]  # the tall orientation is factorised
+    torch.testing.assert_close(wrapped(x), expected, rtol=1e-5, atol=1e-5)
+    wrapped.densify()
+    torch.testing.assert_close(wrapped(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def spectrum_matrix(spectrum: list[float], rows: int = 12, cols: int = 6, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    u, _ = torch.linalg.qr(torch.randn(rows, len(spectrum), generator=generator))
+    v, _ = torch.linalg.qr(torch.randn(cols, len(spectrum), generator=generator))
+    return u @ torch.diag(torch.tensor(spectrum)) @ v.T
+
+
+def test_tau_rule_keeps_the_singular_values_above_tau_sigma1():
+    s = torch.tensor([10.0, 5.0, 2.0, 0.9, 0.5])
+    no_floor = s.square()  # any floor below 1 is met by keeping everything: use 0.99
+    assert choose_rank(s, (12, 5), "tau", 0.1, no_floor, 0.99) == 3  # 10, 5, 2 > 1.0
+    assert choose_rank(s, (12, 5), "tau", 0.04, no_floor, 0.99) == 5
+
+
+def test_noise_rule_cuts_at_the_edge_of_a_random_bulk_and_ignores_an_outlier():
+    torch.manual_seed(2)
+    n = 256
+    bulk = torch.randn(n, n) / n**0.5                  # Marchenko-Pastur bulk, edge at 2
+    signal = spectrum_matrix([60.0, 8.0, 6.0, 5.0], n, n)  # one outlier, three learned directions
+    s = torch.linalg.svdvals(bulk + signal)
+    energy = s.square()
+    assert choose_rank(s, (n, n), "noise", 0.15, energy, 0.99) == 4
+    # the reference's rule measures against the outlier and cuts learned directions away
+    assert choose_rank(s, (n, n), "tau", 0.15, energy, 0.99) == 1
+
+
+def test_the_floor_raises_the_rank_until_the_dropped_share_is_bounded():
+    s = torch.tensor([10.0, 5.0, 2.0, 0.9, 0.5])
+    energy = s.square()
+    rank = choose_rank(s, (12, 5), "tau", 0.9, energy, 0.1)
+    assert rank == 3 and dropped_fraction(energy, rank) <= 0.1 < dropped_fraction(energy, rank - 1)
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv2d"])
+def test_output_error_is_the_share_of_the_layer_output_a_cut_drops(kind):
+    torch.manual_seed(4)
+    layer = LAYERS[kind]()
+    x = torch.randn(*INPUTS[kind]) @ torch.randn(INPUTS[kind][-1], INPUTS[kind][-1])  # correlated inputs
+    wrapped = FactorizedLayer(layer)
+    wrapped.record_inputs(x)
+    svd = wrapped.svd()
+    energy = wrapped.component_energy(svd)
+    dense = wrapped(x) - (layer.bias.view(-1, *[1] * (x.dim() - 2)) if kind == "conv2d" else layer.bias)
+    for rank in (1, 2, 3):
+        wrapped.factorize(rank=rank, svd=svd)
+        dropped = dense - (wrapped(x) - (layer.bias.view(-1, *[1] * (x.dim() - 2)) if kind == "conv2d" else layer.bias))
+        expected = (dropped.norm() / dense.norm()).item()
+        assert dropped_fraction(energy, rank) == pytest.approx(expected, rel=1e-3)
+        wrapped.factorized = False
+
+
+def test_svd_signs_are_canonical():
+    layer = FactorizedLayer(nn.Linear(5, 9))
+    u, s, vh = layer.svd()
+    assert (u.gather(0, u.abs().argmax(0, keepdim=True)) > 0).all()
+    torch.testing.assert_close(u @ torch.diag(s) @ vh, layer.tall_matrix(), rtol=1e-5, atol=1e-5)
 
 
 def test_conv_reshape_round_trips():
@@ -48,7 +104,7 @@ def test_conv_reshape_round_trips():
 
 def test_first_and_last_layers_stay_full_rank_by_default():
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
-    assert list(factorize_model(model, ["first", "last"])) == ["2"]
+    assert list(factorize_model(model, ["first", "last"])[0]) == ["2"]
     with pytest.raises(ConfigError, match="names layer 'fc9'"):
         factorize_model(nn.Sequential(nn.Linear(4, 3)), ["fc9"])
 
@@ -61,29 +117,106 @@ def test_optimizer_moments_are_sliced_or_padded():
 
 
 def test_schedule_phases_and_transitions():
-    s = Schedule(config.load(["--ab.warmup", "3", "--ab.sync_every", "2", "--ab.full_rank_steps", "1"]).method_options["ab"])
+    s = Schedule(config.load(["--ab.warmup", "3", "--ab.sync_every", "2", "--ab.full_rank_steps", "1"]).method_options["ab"], 100)
     assert [s.phase(t) for t in range(10)] == ["warmup"] * 3 + ["group", "group", "full"] * 2 + ["group"]
     assert [s.transitions(t) for t in (3, 5, 6, 8)] == [["factorize-first"], ["sync"], ["refactorize"], ["sync"]]
-    s = Schedule(config.load(["--ab.warmup", "0", "--ab.sync_every", "2", "--ab.full_rank_steps", "0"]).method_options["ab"])
+    s = Schedule(config.load(["--ab.warmup", "0", "--ab.sync_every", "2", "--ab.full_rank_steps", "0"]).method_options["ab"], 100)
     assert [s.transitions(t) for t in range(5)] == [["factorize-first"], [], ["sync", "refactorize"], [], ["sync", "refactorize"]]
+
+
+def test_schedule_lengths_below_one_are_fractions_of_the_run():
+    options = config.load(["--method", "ab"]).method_options["ab"]  # defaults: 0.1, 0.05, 0.01, 0.02
+    s = Schedule(options, total_steps=800)
+    assert (s.warmup, s.sync_every, s.full_rank_steps, s.rebound_steps) == (80, 40, 8, 16)
+    assert Schedule(options, total_steps=30).sync_every == 2
+    with pytest.raises(ConfigError, match="ab.warmup = 0.1 is a fraction of the run"):
+        Schedule(options)
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--ab.tau", "1.5"], r"ab.tau must be in \(0, 1\), got 1.5"),
     (["--ab.tau", "0"], r"ab.tau must be in \(0, 1\), got 0.0"),
-    (["--ab.sync_every", "0"], "ab.sync_every must be >= 1, got 0"),
+    (["--ab.sync_every", "0"], "ab.sync_every must be > 0, got 0"),
+    (["--ab.warmup", "2.5"], "ab.warmup must be a whole number of steps or a fraction below 1, got 2.5"),
+    (["--ab.max_output_error", "1"], r"ab.max_output_error must be in \[0, 1\)"),
 ])
 def test_invalid_settings_are_rejected(argv, message):
     with pytest.raises(ConfigError, match=message):
         config.load(["--method", "ab", *argv])
 
 
-def test_groups_that_do_not_divide_the_world_are_rejected(world):
+def test_ab_trains_with_adamw_and_weight_decay_unless_told_otherwise(tmp_path):
+    assert (config.load(["--method", "ab"]).train.optimizer, config.load(["--method", "ab"]).train.weight_decay) == ("adamw", 0.1)
+    assert (config.load(["--method", "ddp"]).train.optimizer, config.load(["--method", "ddp"]).train.weight_decay) == ("adam", 0.0)
+    chosen = config.load(["--method", "ab", "--train.optimizer", "sgd", "--train.weight_decay", "0"])
+    assert (chosen.train.optimizer, chosen.train.weight_decay) == ("sgd", 0.0)
+    (tmp_path / "run.yaml").write_text("method: ab\ntrain:\n  weight_decay: 0.01\n")
+    from_file = config.load(["--config", str(tmp_path / "run.yaml")])
+    assert (from_file.train.optimizer, from_file.train.weight_decay) == ("adamw", 0.01)
+
+
+def test_group_count_defaults_to_two_on_one_host_and_is_checked(world):
+    method = ABTraining(config.load(["--method", "ab"]))
+    assert method.num_groups(SIZE) == 2  # the tests run on one host
+    if SIZE % 2 == 0:
+        method.check_world(SIZE)
+    else:
+        with pytest.raises(ConfigError, match=f"cannot split {SIZE} ranks into 2 equal groups"):
+            method.check_world(SIZE)
     method = ABTraining(config.load(["--method", "ab", "--ab.groups", str(SIZE + 1)]))
     with pytest.raises(ConfigError, match=f"cannot split {SIZE} ranks into {SIZE + 1} equal groups"):
         method.check_world(SIZE)
     with pytest.raises(ConfigError, match="needs at least 2 groups"):
         ABTraining(config.load(["--method", "ab", "--ab.groups", "1"])).check_world(SIZE)
+    ABTraining(config.load(["--method", "ab", "--ab.groups", "1", "--ab.sync_mode", "only-b"])).check_world(SIZE)
+
+
+class ReadsChildWeight(nn.Module):
+    """Uses its child's weight without calling the child, as nn.MultiheadAttention does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.inner.weight)
+
+
+class WithAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.attention, self.mid, self.head = nn.Linear(6, 8), nn.MultiheadAttention(8, 2), \
+            nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.embed(x).unsqueeze(0)
+        h, _ = self.attention(h, h, h)
+        return self.head(torch.relu(self.mid(h.squeeze(0))))
+
+
+def checked(model: nn.Module, *argv: str) -> ABTraining:
+    from types import SimpleNamespace
+
+    method = ABTraining(config.load(["--method", "ab", *argv]))
+    method.data = SimpleNamespace(input_shape=(6,))
+    method.check_model(model)
+    return method
+
+
+def test_multihead_attention_projections_stay_dense_and_the_model_still_computes_the_same():
+    torch.manual_seed(5)
+    model = WithAttention()
+    checked(model)
+    layers, dense = factorize_model(model, ["first", "last"])
+    assert list(layers) == ["mid"] and dense == ["attention.out_proj"]
+
+
+def test_a_model_that_reads_a_factorised_weight_directly_is_refused_before_training():
+    model = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), ReadsChildWeight(), nn.ReLU(), nn.Linear(6, 6), nn.ReLU(),
+                          nn.Linear(6, 3))
+    with pytest.raises(ConfigError, match="cannot factorise this model.*2.inner.*--ab.full_rank"):
+        checked(model)
+    checked(model, "--ab.full_rank", "first,last,2.inner")  # kept dense, it trains
 
 
 def ab_method(*argv: str) -> ABTraining:
@@ -92,6 +225,7 @@ def ab_method(*argv: str) -> ABTraining:
     method = ABTraining(config.load(["--method", "ab", "--ab.groups", "2", "--train.lr", "0.01", *argv]))
     method.check_world(SIZE)
     method.setup(model)
+    method.plan(100)  # resolves the schedule's fractions (rebound: 2 steps unless given)
     return method
 
 
@@ -108,8 +242,8 @@ def test_group_phase_sends_nothing_across_groups_and_a_sync_leaves_every_rank_wi
         method.train_step(*batch(step))
         records = fresh_meter.step_records
         training_labels.setdefault(method.phase, set()).update(r.group for r in records if r.name.startswith("ab.grad."))
-        if method.phase == "group":  # the only world collective: agreeing on ranks when the phase starts
-            assert {r.name for r in records if r.group == "world"} == ({"ab.ranks"} if step == 2 else set())
+        if method.phase == "group":  # the first factorisation keeps every rank: nothing to agree on
+            assert {r.name for r in records if r.group == "world"} == set()
         fresh_meter.next_step()
         if step == 4:  # last group step: the groups' models differ
             assert method.phase == "group" and method.layers["2"].factorized
@@ -141,7 +275,8 @@ def test_sync_modes_combine_the_factors_as_specified(world, mode):
 @needs_ranks(2)
 def test_lr_rebounds_after_a_switch_and_moments_follow_rank_changes(world):
     method = ab_method("--ab.warmup", "2", "--ab.sync_every", "3", "--ab.full_rank_steps", "2", "--ab.rebound_steps", "4",
-                       "--ab.rebound_lr", "1e-5", "--ab.tau", "0.3", "--train.lr_schedule", "constant")
+                       "--ab.rebound_lr", "1e-5", "--ab.rank_rule", "tau", "--ab.tau", "0.3", "--ab.max_output_error", "0.9",
+                       "--ab.max_accuracy_drop", "1", "--train.lr_schedule", "constant")
     lrs = []
     for step in range(10):
         method.set_lr(0.01)
@@ -161,10 +296,8 @@ def test_lr_rebounds_after_a_switch_and_moments_follow_rank_changes(world):
 
 @needs_ranks(2)
 def test_a_run_goes_through_every_phase_and_its_loss_decreases(shared_tmp):
-    argv = ["--method", "ab", "--ab.groups", "2", "--ab.warmup", "15", "--ab.sync_every", "10", "--ab.full_rank_steps", "4",
-            "--train.epochs", "6", "--data.path", str(shared_tmp / "digits.h5"), "--run.dir", str(shared_tmp / "runs"),
-            # lr 1e-2: in 6 epochs at the default 1e-3 no singular value falls below tau * sigma_1 yet
-            "--train.lr", "0.01", "--run.name", "ab", "--run.progress", "false"]
+    argv = ["--method", "ab", "--train.epochs", "6", "--data.path", str(shared_tmp / "digits.h5"),
+            "--run.dir", str(shared_tmp / "runs"), "--run.name", "ab", "--run.progress", "false"]
     assert main(argv) == 0
     if RANK == 0:
         rows = [json.loads(line) for line in (shared_tmp / "runs" / "ab" / "metrics.jsonl").read_text().splitlines()]
@@ -176,3 +309,154 @@ def test_a_run_goes_through_every_phase_and_its_loss_decreases(shared_tmp):
         assert epochs[-1]["inter_group_wire_bytes"] > 0 and epochs[-1]["intra_group_wire_bytes"] >= 0
         assert epochs[-1]["compression_ratio"] > 1.0
         assert (shared_tmp / "runs" / "ab" / "rank.png").exists()
+        # model.pt is the synced model as a plain network: it scores what the last epoch reported
+        import numpy as np
+
+        from hvd_lowcomm import data, models
+
+        info = data.inspect(shared_tmp / "digits.h5")
+        model = models.build_model(config.load(argv).model, info.input_shape, info.num_classes)
+        model.load_state_dict(torch.load(shared_tmp / "runs" / "ab" / "model.pt"))
+        test = data.H5Split(info, "test")
+        x, y = test.read(np.arange(len(test)))
+        with torch.no_grad():
+            accuracy = (model(x).argmax(1) == y).float().mean().item()
+        assert accuracy == pytest.approx(epochs[-1]["test_acc"], abs=1e-6)  # one sample is 3e-3
+
+
+@needs_ranks(2)
+def test_lr_rebounds_at_every_sync_when_there_are_no_full_rank_steps(world):
+    method = ab_method("--ab.warmup", "2", "--ab.sync_every", "3", "--ab.full_rank_steps", "0", "--ab.rebound_steps", "2",
+                       "--ab.rebound_lr", "1e-5")
+    lrs = []
+    for step in range(9):
+        method.set_lr(0.01)
+        method.train_step(*batch(step))
+        lrs.append(method.optimizer.param_groups[0]["lr"])
+    # switches at step 2 (factorise), 5 and 8 (sync + re-factorise), each followed by the ramp
+    assert lrs == pytest.approx([0.01, 0.01, 1e-5, 0.005005, 0.01, 1e-5, 0.005005, 0.01, 1e-5])
+
+
+@needs_ranks(2)
+def test_groups_run_free_the_loop_checks_group_steps_inside_the_group(world, fresh_meter):
+    """No world collective during a group phase, not even the loop's per-step checks; a
+    preemption signal is acted on at the first step where all ranks meet."""
+    from types import SimpleNamespace
+
+    method = ab_method("--ab.warmup", "2", "--ab.sync_every", "4", "--ab.full_rank_steps", "1")
+    signal = SimpleNamespace(received=None)
+    keeper = Checkpointer(method.cfg, method, None, signal)
+    world_groups = {}
+    for step in range(8):
+        method.train_step(*batch(step))
+        if step == 3:
+            signal.received = 15  # SIGTERM arrives during the group phase
+        assert keeper.agree(False) is False
+        world_groups[step] = {r.group for r in fresh_meter.step_records if r.group == "world"}
+        stopping = keeper.stopping
+        fresh_meter.next_step()
+        if step in (2, 3, 4):  # group steps whose next step is a group step too
+            assert world_groups[step] == set() and not stopping, step
+    assert world_groups[5] == {"world"} and keeper.stopping  # step 6 starts with a sync: the world meets
+
+
+@needs_ranks(2)
+def test_inter_group_bytes_count_every_world_collective(world, fresh_meter):
+    method = ab_method("--ab.warmup", "1", "--ab.sync_every", "2", "--ab.full_rank_steps", "1")
+    keeper = Checkpointer(method.cfg, method, None, None)
+    for step in range(5):
+        method.train_step(*batch(step))
+        keeper.agree(False)
+        fresh_meter.next_step()
+    world = sum(t.wire_bytes for (phase, _, group), t in fresh_meter.by_kind.items()
+                if group == "world" and phase in ("train", "control"))
+    assert fresh_meter.total("control", group="world") > 0
+    assert method.epoch_metrics()["inter_group_wire_bytes"] == world
+
+
+@needs_ranks(2)
+def test_individual_mode_trains_each_rank_s_own_factor_until_the_sync(world, fresh_meter):
+    method = ab_method("--ab.warmup", "1", "--ab.sync_every", "3", "--ab.full_rank_steps", "1", "--ab.comm", "individual")
+    for step in range(3):
+        method.train_step(*batch(step))
+        names = {r.name for r in fresh_meter.step_records}
+        fresh_meter.next_step()
+    assert not any(n.endswith((".A", ".B")) for n in names if n.startswith("ab.grad."))
+    assert any(n.startswith("ab.grad.") for n in names)  # 1-D and dense layers still averaged in the group
+    factor = getattr(method.layers["2"], method.role).detach()
+    copies = world.comm.allgather(factor.numpy())
+    group_copies = [copies[r] for r in method.group.ranks]
+    if len(group_copies) > 1:  # each rank trained on its own batches
+        assert not (group_copies[0] == group_copies[1]).all()
+    for step in range(3, 5):  # step 4 syncs: one W everywhere
+        method.train_step(*batch(step))
+    weights = world.comm.allgather(method.layers["2"].layer.weight.detach().numpy())
+    assert all((w == weights[0]).all() for w in weights)
+
+
+@needs_ranks(2)
+def test_only_b_trains_b_everywhere_and_may_use_one_group(world):
+    method = ab_method("--ab.warmup", "1", "--ab.sync_every", "2", "--ab.full_rank_steps", "1",
+                       "--ab.sync_mode", "only-b", "--ab.groups", "1")
+    assert method.role == "B" and len(method.all_groups) == 1
+    method.train_step(*batch(0))
+    method.train_step(*batch(1))  # group phase: B trained, A frozen
+    layer = method.layers["2"]
+    assert layer.B.requires_grad and not layer.A.requires_grad
+    a_before = layer.A.detach().clone()
+    method.train_step(*batch(2))
+    method.train_step(*batch(3))  # sync: W = A0 B̄
+    torch.testing.assert_close(layer.A.detach(), a_before)
+    weights = world.comm.allgather(layer.layer.weight.detach().numpy())
+    assert all((w == weights[0]).all() for w in weights)
+
+
+@needs_ranks(2)
+def test_ortho_sigma_init_sets_every_singular_value_to_one_on_every_rank(world):
+    method = ab_method("--ab.init", "ortho-sigma", "--ab.warmup", "5")
+    for name, p in method.model.named_parameters():
+        if p.dim() == 2 and not name.endswith((".A", ".B")):
+            torch.testing.assert_close(torch.linalg.svdvals(p.detach()), torch.ones(min(p.shape)), rtol=1e-4, atol=1e-4)
+            copies = world.comm.allgather(p.detach().numpy())
+            assert all((c == copies[0]).all() for c in copies)
+
+
+def learnable_batch(step: int, n: int = 64):
+    """A task the tiny model learns to high accuracy: the class is the argmax of a fixed map."""
+    generator = torch.Generator().manual_seed(1000 * step + RANK)
+    x = torch.randn(n, 6, generator=generator)
+    return x, x[:, :3].argmax(1)
+
+
+@needs_ranks(2)
+def test_a_cut_that_costs_accuracy_is_undone_by_keeping_more_rank(world):
+    # A drastic rule (rank 1) with no floor; the guard must bring the batch accuracy back.
+    method = ab_method("--ab.warmup", "60", "--ab.sync_every", "2", "--ab.full_rank_steps", "1", "--ab.rank_rule", "tau",
+                       "--ab.tau", "0.99", "--ab.max_output_error", "0.99", "--ab.max_accuracy_drop", "0.02",
+                       "--ab.first_full_rank", "true")
+    for step in range(63):
+        method.train_step(*learnable_batch(step))
+    x, y = learnable_batch(63)
+    method.train_step(x, y)  # step 63: re-factorisation
+    assert method.undone_cuts >= 1 and method.layers["2"].rank > 1
+    assert all(0.0 <= c["output_error"] <= 1.0 and 0.0 <= c["weight_error"] <= 1.0 for c in method.cuts.values())
+    with torch.no_grad():
+        accuracy = (method.model(x).argmax(1) == y).float().mean().item()
+    assert accuracy > 0.8
+
+
+@needs_ranks(2)
+def test_the_final_model_is_the_synced_model_the_same_on_every_rank(world):
+    method = ab_method("--ab.warmup", "1", "--ab.sync_every", "4", "--ab.full_rank_steps", "1")
+    for step in range(3):  # ends inside the group phase: the groups' models differ
+        method.train_step(*batch(step))
+    final = method.final_state_dict()
+    assert (final is not None) == (RANK == 0)
+    synced = method.full_model().state_dict()
+    assert set(synced) == {"0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"}  # a plain model
+    copies = world.comm.allgather({k: v.numpy() for k, v in synced.items()})
+    for copy_ in copies:
+        assert all((copy_[k] == copies[0][k]).all() for k in copy_)
+    if RANK == 0:
+        assert all(torch.equal(final[k], synced[k]) for k in synced)
+    assert method.phase == "group" and method.layers["2"].factorized  # the groups' own state is untouched

@@ -1,37 +1,46 @@
 """`ab`: AB-training (Coquelin et al., arXiv 2405.01067): low-rank factors trained by groups.
 
-Every Linear/Conv2d weight outside `ab.full_rank` becomes W = A B (hvd_lowcomm.factorized).
+Every Linear/ConvNd weight outside `ab.full_rank` becomes W = A B (hvd_lowcomm.factorized).
 The world is split into G groups of contiguous ranks; the first ⌊G/2⌋ are A-groups (train A,
 B frozen), the rest B-groups (train B, A frozen). Schedule, with t the global step and a cycle
 = `sync_every` group steps + `full_rank_steps` full-rank steps:
 
     t < warmup         full-rank data parallel over all ranks
     t = warmup         factorise (every singular value kept: first_full_rank), groups start
-    group phase        each rank trains its factor; the trained factor, 1-D parameters and
-                       full-rank layers are averaged inside the group; nothing crosses groups
+    group phase        each rank trains its factor; the trained factor (unless comm is
+                       individual), 1-D parameters and full-rank layers are averaged inside
+                       the group; nothing crosses groups, not even the loop's per-step checks
     sync               across all ranks, by sync mode; W = A B; BatchNorm statistics averaged
     full phase         full-rank data parallel over all ranks, so W can regain rank
-    re-factorise       keep σ_i > τ σ_1 (rank = MAX over ranks), back to the group phase
+    re-factorise       keep the singular values the rank rule and its floor choose (rank =
+                       MAX over ranks), checked on the step's batch; back to the group phase
 
 Sync modes (A' = A₀ + ΔA trained by A-groups, B' = B₀ + ΔB by B-groups):
     with-stale    average A over all ranks (learned and stale copies), same for B:
                   (A₀ + ΔA/2)(B₀ + ΔB/2) with equal numbers of A- and B-groups
     only-learned  average A over A-groups only, B over B-groups only: A' B'
-    only-b        every group trains B only; average B: A₀ B̄
+    only-b        every group trains B only (one group allowed: data parallel on B); A₀ B̄
     full          every rank forms its W = A B; W is averaged (full matrices on the wire)
 
-At every phase switch the learning rate drops to `rebound_lr` and ramps linearly back to the
-schedule's value over `rebound_steps`. Adam/SGD moments are kept across switches and sliced
-or zero-padded when a factor's rank changes (or dropped: `reset_optimizer`).
+A re-factorisation that would cost accuracy is undone: the pooled accuracy of the step's batch
+is compared before and after the cut; when it falls by more than `max_accuracy_drop`, the
+floor is halved (more rank kept) and the cut tried again, down to no cut at all.
 
-Traffic in group process sets is intra-group; everything on the world set (warm-up, full-rank
-phase, syncs) is inter-group: with one group per node, that is the network traffic.
+At every switch (phase change, sync, re-factorisation) the learning rate drops to
+`rebound_lr` and ramps linearly back to the schedule's value over `rebound_steps`. Adam/SGD
+moments are kept across switches and sliced or zero-padded when a factor's rank changes (or
+dropped: `reset_optimizer`).
+
+Traffic in group process sets is intra-group; every world collective (warm-up, full-rank
+phase, syncs, re-factorisation checks, the loop's per-step agreement outside group phases) is
+inter-group: with one group per node, that is the network traffic.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.nn as nn
@@ -39,39 +48,67 @@ import torch.nn.functional as F
 
 from hvd_lowcomm import runtime
 from hvd_lowcomm.config import ConfigError, option
-from hvd_lowcomm.factorized import FactorizedLayer, factorize_model, rank_for
+from hvd_lowcomm.factorized import (FACTORIZABLE, RANK_RULES, FactorizedLayer, choose_rank, dropped_fraction,
+                                    factorize_model, unfactorized_copy)
 from hvd_lowcomm.methods import register
 from hvd_lowcomm.methods.base import Method, broadcast_model_and_optimizer, make_optimizer
 from hvd_lowcomm.traffic import meter
 
 SYNC_MODES = ("with-stale", "only-learned", "only-b", "full")
+COMM_SETUPS = ("groups", "individual")
+INITS = ("default", "ortho-sigma")
 
 
 @dataclass
 class ABOptions:
     """AB-training: low-rank factors A, B trained by independent groups of ranks."""
 
-    groups: int = option(0, "independent groups of contiguous ranks (0: one per node, by Horovod's local size)")
-    warmup: int = option(100, "steps of full-rank data parallel before the first factorisation")
-    sync_every: int = option(50, "group-phase steps between global syncs")
-    full_rank_steps: int = option(10, "full-rank data-parallel steps after each sync")
-    tau: float = option(0.1, "keep singular values > tau * sigma_1 at re-factorisation")
+    groups: int = option(0, "independent groups of contiguous ranks (0: one per node on several nodes, "
+                            "else 2)")
+    # Schedule lengths: steps, or below 1 a fraction of the run's steps (so the defaults fit a
+    # run of any length: the reference syncs about every 5 % of its run).
+    warmup: float = option(0.1, "full-rank data-parallel steps before the first factorisation (< 1: fraction "
+                                "of the run's steps)")
+    sync_every: float = option(0.05, "group-phase steps between global syncs (< 1: fraction of the run)")
+    full_rank_steps: float = option(0.01, "full-rank data-parallel steps after each sync (< 1: fraction of the run)")
+    rank_rule: str = option("noise", "which singular values a re-factorisation keeps: noise (those above the "
+                                     "random bulk's edge, Gavish-Donoho threshold on the median) or tau "
+                                     "(sigma_i > tau * sigma_1, the reference's rule)", choices=RANK_RULES)
+    tau: float = option(0.15, "rank_rule tau: keep singular values > tau * sigma_1")
+    max_output_error: float = option(0.25, "floor beside the rank rule: a cut drops at most this share "
+                                           "(relative Frobenius norm) of a layer's output on the step's batch "
+                                           "(of its weight for convolutions without unfolded inputs)")
+    max_accuracy_drop: float = option(0.03, "undo a cut (keep more rank) that lowers the step's pooled batch "
+                                             "accuracy by more than this")
     sync_mode: str = option("with-stale", "how factors are combined at a sync", choices=SYNC_MODES)
+    comm: str = option("groups", "groups: a group averages its trained factor every step; individual: every "
+                                 "rank trains its own copy until the sync", choices=COMM_SETUPS)
+    init: str = option("default", "ortho-sigma: set every weight's singular values to 1 before training "
+                                  "(the reference's init)", choices=INITS)
     full_rank: list[str] = option(["first", "last"], "layers never factorised (names, or first/last)")
     first_full_rank: bool = option(True, "keep every singular value at the first factorisation")
-    rebound_steps: int = option(20, "steps to ramp the LR back after a phase switch (0: no rebound)")
-    rebound_lr: float = option(1e-5, "LR right after a phase switch")
+    rebound_steps: float = option(0.02, "steps to ramp the LR back after a switch (0: no rebound; < 1: "
+                                        "fraction of the run)")
+    rebound_lr: float = option(1e-5, "LR right after a switch")
     reset_optimizer: bool = option(False, "drop the factors' optimiser moments at re-factorisation")
 
     def validate(self) -> None:
         if self.groups < 0:
-            raise ConfigError(f"ab.groups must be >= 0 (0: one per node), got {self.groups}")
+            raise ConfigError(f"ab.groups must be >= 0 (0: automatic), got {self.groups}")
         if self.warmup < 0 or self.full_rank_steps < 0 or self.rebound_steps < 0:
             raise ConfigError("ab.warmup, ab.full_rank_steps and ab.rebound_steps must be >= 0")
-        if self.sync_every < 1:
-            raise ConfigError(f"ab.sync_every must be >= 1, got {self.sync_every}")
+        if self.sync_every <= 0:
+            raise ConfigError(f"ab.sync_every must be > 0, got {self.sync_every}")
+        for name in ("warmup", "sync_every", "full_rank_steps", "rebound_steps"):
+            value = getattr(self, name)
+            if value > 1 and value != int(value):
+                raise ConfigError(f"ab.{name} must be a whole number of steps or a fraction below 1, got {value}")
         if not 0.0 < self.tau < 1.0:
             raise ConfigError(f"ab.tau must be in (0, 1), got {self.tau}")
+        if not 0.0 <= self.max_output_error < 1.0:
+            raise ConfigError(f"ab.max_output_error must be in [0, 1), got {self.max_output_error}")
+        if not 0.0 <= self.max_accuracy_drop <= 1.0:
+            raise ConfigError(f"ab.max_accuracy_drop must be in [0, 1], got {self.max_accuracy_drop}")
         if self.rebound_lr <= 0:
             raise ConfigError(f"ab.rebound_lr must be > 0, got {self.rebound_lr}")
 
@@ -79,8 +116,10 @@ class ABOptions:
 class Schedule:
     """Which phase global step t is in, and what happens when entering it."""
 
-    def __init__(self, o: ABOptions) -> None:
-        self.warmup, self.sync_every, self.full_rank_steps = o.warmup, o.sync_every, o.full_rank_steps
+    def __init__(self, o: ABOptions, total_steps: int | None = None) -> None:
+        self.warmup, self.sync_every, self.full_rank_steps, self.rebound_steps = (
+            steps(o.warmup, total_steps, "warmup"), max(1, steps(o.sync_every, total_steps, "sync_every")),
+            steps(o.full_rank_steps, total_steps, "full_rank_steps"), steps(o.rebound_steps, total_steps, "rebound_steps"))
 
     def phase(self, t: int) -> str:
         if t < self.warmup:
@@ -105,35 +144,76 @@ class Schedule:
         return []
 
 
+def steps(value: float, total_steps: int | None, name: str) -> int:
+    """An option given in steps (>= 1, or 0) or as a fraction of the run's steps (< 1)."""
+    if value >= 1 or value == 0:
+        return int(value)
+    if total_steps is None:
+        raise ConfigError(f"ab.{name} = {value} is a fraction of the run, whose length is not known here: "
+                          f"call plan(total_steps) first or give a number of steps")
+    return round(value * total_steps)
+
+
 @register("ab")
 class ABTraining(Method):
     """AB-training: factors A and B trained by separate groups, synchronised rarely."""
 
     options = ABOptions
+    # The paper trains with AdamW and weight decay 0.1: decay shrinks the directions the
+    # gradient does not sustain, which is what a cut removes.
+    train_defaults = {"optimizer": "adamw", "weight_decay": 0.1}
 
     def num_groups(self, world_size: int) -> int:
-        if self.cfg.options.groups:
-            return self.cfg.options.groups
+        o = self.cfg.options
+        if o.groups:
+            return o.groups
         import horovod.torch as hvd
 
-        return world_size // hvd.local_size()
+        nodes = world_size // hvd.local_size()
+        return nodes if nodes > 1 else 2
 
     def check_world(self, world_size: int) -> None:
         groups = self.num_groups(world_size)
-        if groups < 2:
-            raise ConfigError(f"AB-training needs at least 2 groups (A-groups and B-groups), got {groups} "
-                              f"({'one per node' if not self.cfg.options.groups else 'ab.groups'}): "
-                              f"pass --ab.groups 2 (or more) with a rank count it divides")
+        only_b = self.cfg.options.sync_mode == "only-b"
+        if groups < 2 and not only_b:
+            raise ConfigError(f"AB-training needs at least 2 groups (A-groups and B-groups), got {groups}: pass "
+                              f"--ab.groups 2 (or more) with a rank count it divides, or --ab.sync_mode only-b, "
+                              f"which trains B alone and allows one group")
         runtime.group_layout(world_size, num_groups=groups)
 
     def check_model(self, model: nn.Module) -> None:
-        factorize_model(copy.deepcopy(model), self.cfg.options.full_rank)
+        """Factorise a copy and check it computes what the model does, dense and as A B at full
+        rank: a module that reads a child's weight itself would not see A and B."""
+        trial = copy.deepcopy(model)
+        layers, _ = factorize_model(trial, self.cfg.options.full_rank)
+        if self.data is None:
+            return
+        x = torch.randn(2, *self.data.input_shape, generator=torch.Generator().manual_seed(0))
+        model.eval(), trial.eval()
+        try:
+            with torch.no_grad():
+                expected = model(x)
+                for layer in layers.values():
+                    layer.factorize(rank=min(layer.tall_shape))
+                got = trial(x)
+        except Exception as err:  # noqa: BLE001 - any failure here is the model not fitting AB
+            raise ConfigError(f"AB-training cannot factorise this model: with {', '.join(layers)} as A B, its "
+                              f"forward fails ({type(err).__name__}: {err}); name the layer that is used in "
+                              f"an unusual way in --ab.full_rank") from None
+        finally:
+            model.train()
+        if not torch.allclose(got, expected, rtol=1e-3, atol=1e-4 * float(expected.abs().max()) + 1e-6):
+            raise ConfigError(f"AB-training cannot factorise this model: its output changes when "
+                              f"{', '.join(layers)} compute with A B (some module reads their weight "
+                              f"directly); keep such layers dense with --ab.full_rank")
 
     # -- set-up --------------------------------------------------------------------------------
     def setup(self, model: nn.Module) -> None:
         o = self.cfg.options
         self.model = model
-        self.layers: dict[str, FactorizedLayer] = factorize_model(model, o.full_rank)
+        if o.init == "ortho-sigma":
+            _ortho_sigma(model)
+        self.layers, self.dense_attention = factorize_model(model, o.full_rank)
         self.full_parameters = sum(p.numel() for n, p in model.named_parameters() if not n.endswith((".A", ".B")))
         groups = self.num_groups(runtime.size())
         self.group, self.all_groups = runtime.split_world(num_groups=groups, label="group")
@@ -143,25 +223,41 @@ class ABTraining(Method):
             {"A": 0, "B": runtime.size()}
         self.optimizer = make_optimizer(self.cfg, model.parameters())
         broadcast_model_and_optimizer(model, self.optimizer)
-        self.schedule = Schedule(o)
+        self.schedule = Schedule(o) if all(v >= 1 or v == 0 for v in (o.warmup, o.sync_every, o.full_rank_steps,
+                                                                       o.rebound_steps)) else None
         self.step = 0
         self.phase = "warmup"
         self.last_switch: int | None = None
         self.base_lr = self.cfg.train.lr
+        self.cuts: dict[str, dict[str, float]] = {}  # the latest re-factorisation, per layer
+        self.undone_cuts = 0
         self._set_trainable()
+        if self.dense_attention:
+            self._say(f"kept dense inside nn.MultiheadAttention (it reads their weights itself): "
+                      f"{', '.join(self.dense_attention)}")
+
+    def plan(self, total_steps: int) -> None:
+        self.schedule = Schedule(self.cfg.options, total_steps)
+        s = self.schedule
+        self._say(f"schedule over {total_steps} steps: warm-up {s.warmup}, then cycles of {s.sync_every} group "
+                  f"steps and {s.full_rank_steps} full-rank steps; LR rebound over {s.rebound_steps} steps")
 
     # -- one step ------------------------------------------------------------------------------
     def set_lr(self, lr: float) -> None:
         self.base_lr = lr  # applied in train_step, after this step's phase switch (if any)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        self._advance()
+        if self.schedule is None:
+            self.schedule = Schedule(self.cfg.options)  # raises: a fraction needs plan()
+        self._advance(x, y)
         for group in self.optimizer.param_groups:
             group["lr"] = self._rebound_lr()
         self.optimizer.zero_grad()
         loss = F.cross_entropy(self.model(x), y)
         loss.backward()
         trained = [(f"ab.grad.{n}", p) for n, p in self.model.named_parameters() if p.requires_grad]
+        if self.phase == "group" and self.cfg.options.comm == "individual":
+            trained = [(n, p) for n, p in trained if not n.endswith((".A", ".B"))]  # each rank keeps its own
         where = self.group if self.phase == "group" else None  # None: all ranks
         for (_, p), g in zip(trained, meter.allreduce_many(
                 [(n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in trained], where, op="average")):
@@ -170,26 +266,39 @@ class ABTraining(Method):
         self.step += 1
         return loss.item()
 
-    def _advance(self) -> None:
-        for action in self.schedule.transitions(self.step):
+    def agreement_group(self) -> runtime.Group | None:
+        """Groups run free: after a group step the loop checks (non-finite values) only inside
+        the group, unless the next step starts with a world collective anyway."""
+        if self.phase == "group" and self.schedule is not None and not self.schedule.transitions(self.step):
+            return self.group
+        return None
+
+    def _advance(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        actions = self.schedule.transitions(self.step)
+        for action in actions:
             if action == "factorize-first":
-                self._factorize(truncate=not self.cfg.options.first_full_rank)
+                self._factorize(x, y, truncate=not self.cfg.options.first_full_rank)
             elif action == "sync":
                 self._sync()
             else:
-                self._factorize(truncate=True)
+                self._factorize(x, y, truncate=True)
         phase = self.schedule.phase(self.step)
+        if actions or phase != self.phase:
+            self.last_switch = self.step
         if phase != self.phase:
-            self.phase, self.last_switch = phase, self.step
+            self.phase = phase
             self._set_trainable()
             self._say(f"step {self.step}: {phase} phase" + (
                 f" (ranks {self._ranks_text()}, compression {self.compression_ratio():.2f}x)" if phase == "group" else ""))
+        elif "refactorize" in actions:
+            self._say(f"step {self.step}: re-factorised (ranks {self._ranks_text()}, "
+                      f"compression {self.compression_ratio():.2f}x)")
 
     def _rebound_lr(self) -> float:
-        o = self.cfg.options
-        if self.last_switch is None or o.rebound_steps == 0:
+        o, length = self.cfg.options, self.schedule.rebound_steps
+        if self.last_switch is None or length == 0:
             return self.base_lr
-        progress = min(1.0, (self.step - self.last_switch) / o.rebound_steps)
+        progress = min(1.0, (self.step - self.last_switch) / length)
         return o.rebound_lr + (self.base_lr - o.rebound_lr) * progress
 
     def _set_trainable(self) -> None:
@@ -200,15 +309,77 @@ class ABTraining(Method):
             layer.B.requires_grad_(grouped and self.role == "B")
 
     # -- factorise, sync -------------------------------------------------------------------------
-    def _factorize(self, truncate: bool) -> None:
-        tau = self.cfg.options.tau
-        svds = [layer.svd() for layer in self.layers.values()]
-        local = [rank_for(s, tau) if truncate else len(s) for _, s, _ in svds]
-        agreed = meter.allreduce_many([("ab.ranks", torch.tensor(local, dtype=torch.int64))], None, op="max")[0]
-        for layer, rank, svd in zip(self.layers.values(), agreed.tolist(), svds):
-            old = {"A": layer.A.shape, "B": layer.B.shape}
-            layer.factorize(tau, truncate, rank=int(rank), svd=svd)
-            self._fit_optimizer_state(layer, old)
+    def _factorize(self, x: torch.Tensor, y: torch.Tensor, truncate: bool) -> None:
+        """Factorise every layer; with `truncate`, at the ranks the rule and floor choose,
+        agreed over all ranks (MAX), and checked against the pooled accuracy of this step's
+        batch (the floor halves until the cut costs at most max_accuracy_drop)."""
+        o = self.cfg.options
+        layers = list(self.layers.values())
+        old = [{"A": layer.A.shape, "B": layer.B.shape} for layer in layers]
+        svds = [layer.svd() for layer in layers]
+        if not truncate:
+            for layer, svd, shapes in zip(layers, svds, old):
+                layer.factorize(rank=len(svd[1]), svd=svd)
+                self._fit_optimizer_state(layer, shapes)
+            return
+        with self._probing() as logits_of:
+            dense_logits = logits_of(x, record=True)
+            energies = [layer.component_energy(svd) for layer, svd in zip(layers, svds)]
+            floor = o.max_output_error
+            while True:
+                local = [choose_rank(s, layer.tall_shape, o.rank_rule, o.tau, e, floor)
+                         for layer, (_, s, _), e in zip(layers, svds, energies)]
+                ranks = meter.allreduce_many([("ab.ranks", torch.tensor(local, dtype=torch.int64))], None,
+                                             op="max")[0].tolist()
+                for layer, rank, svd in zip(layers, ranks, svds):
+                    layer.factorize(rank=int(rank), svd=svd)
+                cut_logits = logits_of(x)
+                correct = torch.tensor([(dense_logits.argmax(1) == y).sum(), (cut_logits.argmax(1) == y).sum(), len(y)],
+                                       dtype=torch.float64)
+                before, after, count = meter.allreduce_many([("ab.cut_check", correct)], None, op="sum")[0].tolist()
+                drop = (before - after) / count
+                if drop <= o.max_accuracy_drop or floor == 0.0:
+                    break
+                self.undone_cuts += 1
+                self._say(f"step {self.step}: a cut at ranks {ranks} lowered the batch accuracy by "
+                          f"{100 * drop:.1f} points; keeping more rank")
+                floor = floor / 2 if floor > o.max_output_error / 8 else 0.0
+        self.cuts = {name: {"rank": int(rank), "compression": layer.full_size / layer.factor_size(int(rank)),
+                            "weight_error": dropped_fraction(svd[1].square(), int(rank)),
+                            "output_error": dropped_fraction(energy, int(rank))}
+                     for (name, layer), rank, svd, energy in zip(self.layers.items(), ranks, svds, energies)}
+        for layer, shapes in zip(layers, old):
+            self._fit_optimizer_state(layer, shapes)
+        self._say("cut per layer: " + "; ".join(
+            f"{name} rank {c['rank']} ({c['compression']:.1f}x, drops {100 * c['weight_error']:.0f}% of W, "
+            f"{100 * c['output_error']:.0f}% of its output)" for name, c in self.cuts.items())
+            + f"; batch accuracy {100 * after / count:.1f}% ({-100 * drop:+.1f} points)")
+
+    @contextlib.contextmanager
+    def _probing(self) -> Iterator[Any]:
+        """Forward passes without training side effects (eval mode, no grad), optionally
+        recording every factorised layer's inputs for the output-space floor."""
+        hooks = []
+
+        def logits_of(x: torch.Tensor, record: bool = False) -> torch.Tensor:
+            if record:
+                hooks.extend(layer.register_forward_hook(lambda m, inputs, out: m.record_inputs(inputs[0]))
+                             for layer in self.layers.values())
+            try:
+                return self.model(x)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+                hooks.clear()
+
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                yield logits_of
+        finally:
+            self.model.train()
+            for layer in self.layers.values():
+                layer.inputs = None
 
     def _fit_optimizer_state(self, layer: FactorizedLayer, old: dict[str, torch.Size]) -> None:
         """Slice or zero-pad the factors' moments to their new rank (or drop them)."""
@@ -258,39 +429,71 @@ class ABTraining(Method):
         for (_, t), value in zip(rest, meter.allreduce_many([(n, t.detach()) for n, t in rest], None, op="average")):
             t.data.copy_(value)
 
-    # -- evaluation and reporting ----------------------------------------------------------------
-    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int, float]:
-        """Accuracy of the model a sync would give now. In the group phase this syncs a copy of
-        the state (the traffic counts as evaluation) and restores the groups' own factors."""
+    @contextlib.contextmanager
+    def _synced(self) -> Iterator[nn.Module]:
+        """The model a sync would give now (collective in the group phase: a sync on a copy of
+        the state, whose traffic counts in the current meter phase); the groups' own factors
+        are restored afterwards."""
         if self.phase != "group":
-            return super().evaluate(batches)
+            yield self.model
+            return
         saved = copy.deepcopy(self.model.state_dict())
         self._sync()
         try:
-            return super().evaluate(batches)
+            yield self.model
         finally:
             self.model.load_state_dict(saved)
             for layer in self.layers.values():
                 layer.factorized = True
 
-    def compression_ratio(self) -> float:
-        """Full-rank parameter count over the parameters one rank trains or sends in the group
-        phase at the current ranks (its trained factor, 1-D parameters and full-rank layers;
-        each counted once). 1.0 before the first factorisation."""
+    def full_model(self) -> nn.Module:
+        """The synchronised model as an ordinary module (factorised layers back to dense ones
+        holding W = A B), the same on every rank; collective."""
+        with self._synced() as model:
+            return unfactorized_copy(model)
+
+    # -- evaluation and reporting ----------------------------------------------------------------
+    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int, float]:
+        """Accuracy of the model a sync would give now."""
+        with self._synced():
+            return super().evaluate(batches)
+
+    def final_state_dict(self) -> dict[str, Any] | None:
+        with meter.in_phase("eval"):
+            model = self.full_model()
+        return model.state_dict() if runtime.rank() == 0 else None
+
+    def _parameter_counts(self) -> tuple[int, int, int]:
+        """(parameters outside the factorised layers' weights, in A and B at the current ranks,
+        in A and B at rank 1)."""
         factor_ids = {id(t) for layer in self.layers.values() for t in (layer.A, layer.B, layer.layer.weight)}
         rest = sum(p.numel() for p in self.model.parameters() if id(p) not in factor_ids)
-        trained = sum(getattr(layer, self.role).numel() if layer.A.numel() else layer.layer.weight.numel()
-                      for layer in self.layers.values())
-        return self.full_parameters / (trained + rest)
+        factors = sum(layer.factor_size() if layer.A.numel() else layer.full_size for layer in self.layers.values())
+        return rest, factors, sum(layer.factor_size(1) for layer in self.layers.values())
+
+    def compression_ratio(self) -> float:
+        """Full-rank parameter count over the low-rank model's (A and B of every factorised
+        layer at its current rank, plus everything kept dense). 1.0 before the first
+        factorisation."""
+        rest, factors, _ = self._parameter_counts()
+        return self.full_parameters / (rest + factors)
 
     def epoch_metrics(self) -> dict[str, Any]:
+        rest, factors, at_rank_one = self._parameter_counts()
         intra = sum(t.wire_bytes for (phase, _, group), t in meter.by_kind.items()
                     if phase == "train" and group.startswith("group"))
+        inter = meter.total("train", group="world") + meter.total("control", group="world")
         return {"phase": self.phase, "role": self.role, "compression_ratio": self.compression_ratio(),
-                "intra_group_wire_bytes": intra, "inter_group_wire_bytes": meter.total("train", group="world"),
-                **{f"rank/{name}": layer.rank for name, layer in self.layers.items()}}
+                # the most any rank could give with the dense layers beside the factorised ones
+                "compression_bound": self.full_parameters / (rest + at_rank_one),
+                "low_rank_parameters": rest + factors, "undone_cuts": self.undone_cuts,
+                "intra_group_wire_bytes": intra, "inter_group_wire_bytes": inter,
+                **{f"rank/{name}": layer.rank for name, layer in self.layers.items()},
+                **{f"{key}/{name}": value for name, cut in self.cuts.items() for key, value in cut.items()
+                   if key != "rank"}}
 
-    summary_metrics = epoch_metrics
+    def summary_metrics(self) -> dict[str, Any]:
+        return {**self.epoch_metrics(), "cuts": self.cuts}
 
     def _ranks_text(self) -> str:
         return ", ".join(f"{name}:{layer.rank}" for name, layer in self.layers.items())
@@ -303,7 +506,8 @@ class ABTraining(Method):
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "ab": {"step": self.step, "phase": self.phase, "last_switch": self.last_switch,
-                                               "factorized": {n: l.factorized for n, l in self.layers.items()}}}
+                                               "factorized": {n: l.factorized for n, l in self.layers.items()},
+                                               "cuts": self.cuts, "undone_cuts": self.undone_cuts}}
 
     def state_owner(self) -> int:
         return self.group.ranks[0]  # groups train different factors; ranks of a group agree
@@ -317,7 +521,20 @@ class ABTraining(Method):
         super().load_state_dict(state)
         ab = state["ab"]
         self.step, self.phase, self.last_switch = ab["step"], ab["phase"], ab["last_switch"]
+        self.cuts, self.undone_cuts = ab.get("cuts", {}), ab.get("undone_cuts", 0)
         self._set_trainable()
+
+
+def _ortho_sigma(model: nn.Module) -> None:
+    """Every Linear/ConvNd weight keeps its singular vectors with all singular values set to 1
+    (the reference's ortho-sigma init); the same on every rank, as the seed is."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, FACTORIZABLE):
+                w = module.weight
+                matrix = w.reshape(w.shape[0], -1)
+                u, _, vh = torch.linalg.svd(matrix, full_matrices=False)
+                w.copy_((u @ vh).reshape(w.shape))
 
 
 def _resize(tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor:

@@ -40,6 +40,9 @@ class Method:
     # Whether every rank takes every step (so the loop may run a collective each step for
     # preemption and non-finite checks); False where some ranks idle while others train.
     lockstep = True
+    # Training options this method trains best with, applied where the user set none
+    # (e.g. {"optimizer": "adamw", "weight_decay": 0.1}).
+    train_defaults: dict[str, Any] = {}
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -55,6 +58,9 @@ class Method:
 
     def setup(self, model: torch.nn.Module) -> None:
         raise NotImplementedError
+
+    def plan(self, total_steps: int) -> None:
+        """Called once before the first step with the number of steps the run will take."""
 
     def epochs(self) -> int:
         return self.cfg.train.epochs
@@ -84,6 +90,13 @@ class Method:
                 count += len(y)
         self.model.train()
         return correct, count, loss_sum
+
+    def agreement_group(self) -> runtime.Group | None:
+        """Where the loop's per-step checks (non-finite values) run after the step just taken:
+        None for all ranks. A method whose groups run free returns this rank's group; the
+        world then meets only where it returns None (preemption and periodic checkpoints
+        wait for that)."""
+        return None
 
     def summary_metrics(self) -> dict[str, Any]:
         """Method-specific figures for the final summary (summary.json and the printed table)."""
