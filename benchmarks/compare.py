@@ -14,8 +14,9 @@ With --link RATE each run happens in a private network namespace with a rate-lim
 
 Writes to --out: results.csv and results.md (accuracy, bytes per step from the traffic meter,
 step time, peak memory, ratios to ddp fp32 at the same rank count), accuracy_vs_epoch.png,
-accuracy_vs_bytes.png, step_time.png, effective_rank.png when a method logs one and
-accuracy_vs_inter_group_bytes.png when a method trains in groups; the runs themselves under
+accuracy_vs_bytes.png, step_time.png, effective_rank.png when a method logs one,
+accuracy_vs_inter_group_bytes.png when a method trains in groups and compression.png when one
+factorises its model; the runs themselves under
 runs/ (--reuse remakes tables and plots from them). Ratios, not absolute seconds, are what compare across machines.
 """
 from __future__ import annotations
@@ -120,7 +121,8 @@ def tabulate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                "world_bytes_per_step": world_bytes(s) / max(s["steps"], 1),
                "train_bytes_total": s["train_wire_bytes"], "world_bytes_total": world_bytes(s)}
         last_epoch = r["epochs"][-1]
-        for key in ("compression_ratio", "parameter_fraction", "parameter_bytes", "between_partitions_bytes"):
+        for key in ("compression_ratio", "compression_bound", "low_rank_parameters", "parameter_fraction",
+                    "parameter_bytes", "between_partitions_bytes"):
             if last_epoch.get(key) not in (None, ""):
                 row[key] = float(last_epoch[key])
         if r["measured"] is not None:
@@ -148,6 +150,10 @@ def tabulate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def world_bytes(summary: dict[str, Any]) -> float:
+    """Bytes on the world process set: a group method's own count (every world collective,
+    its per-step checks included), else the training collectives on the world set."""
+    if "inter_group_wire_bytes" in summary:
+        return summary["inter_group_wire_bytes"]
     return sum(v for k, v in summary.items() if k.startswith("train_") and k.endswith("_world_wire_bytes"))
 
 
@@ -171,9 +177,11 @@ def write_tables(rows: list[dict[str, Any]], out: Path, title: str) -> str:
     lines += _table(
         "Methods that train in groups: traffic on the world process set (inter-group, the network traffic when a "
         "group is a node) against all training traffic, per rank over the run.",
-        ["np", "method", "all traffic", "inter-group", "inter-group × ddp", "compression"],
+        ["np", "method", "all traffic", "inter-group", "inter-group × ddp", "compression (A+B)", "bound",
+         "parameters at the end"],
         [[row["np"], row["method"], human_bytes(row["train_bytes_total"]), human_bytes(row["world_bytes_total"]),
-          f"{row.get('world_bytes_ratio_to_ddp', float('nan')):.4f}", f"{row.get('compression_ratio', float('nan')):.2f}x"]
+          f"{row.get('world_bytes_ratio_to_ddp', float('nan')):.4f}", _times(row.get("compression_ratio")),
+          _times(row.get("compression_bound")), f"{row.get('low_rank_parameters', float('nan')):,.0f}"]
          for row in grouped])
     lines += _table(
         "Partitioned methods (figures of rank 0, which holds the first partition): bytes sent between partition "
@@ -194,6 +202,10 @@ def write_tables(rows: list[dict[str, Any]], out: Path, title: str) -> str:
     text = "\n".join(lines) + "\n"
     (out / "results.md").write_text(text)
     return text
+
+
+def _times(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}x"
 
 
 def _table(caption: str, header: list[str], rows: list[list[Any]]) -> list[str]:
@@ -248,6 +260,17 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
         ax.set(xlabel="cumulative inter-group bytes per rank (all bytes for methods without groups)",
                ylabel="test accuracy (%)", xscale="log")
         _finish(fig, ax, out / "accuracy_vs_inter_group_bytes.png")
+
+    compressed = [r for r in results if r["epochs"][0].get("compression_ratio") not in (None, "")]
+    if compressed:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for r in compressed:
+            ax.plot(series(r, "epoch"), series(r, "compression_ratio"), marker="o", label=label(r))
+            if r["epochs"][0].get("compression_bound") not in (None, ""):
+                ax.axhline(float(r["epochs"][-1]["compression_bound"]), linestyle="--", alpha=0.5,
+                           label=f"{label(r)}: bound set by the dense layers")
+        ax.set(xlabel="epoch", ylabel="compression (full-rank parameters / low-rank model's)", yscale="log")
+        _finish(fig, ax, out / "compression.png")
 
     ranked = [(r, k) for r in results for k in r["epochs"][0] if k.startswith("effective_rank/")]
     if ranked:

@@ -11,7 +11,10 @@ How many singular values to keep (`choose_rank`):
     the initialisation left (Marchenko–Pastur shaped); the bulk is what a cut should drop.
     Its edge is estimated from the median singular value by Gavish & Donoho's optimal hard
     threshold ω(β)·median(σ) (β = columns/rows), which needs no noise level and does not move
-    when one direction grows large;
+    when one direction grows large. The edge is measured while the bulk is there (the first
+    factorisation) and kept: after a cut the median falls into the dropped, near-zero part of
+    the spectrum, and the few full-rank steps since add small, structured updates (Adam's),
+    not a new bulk; later cuts use the larger of the kept edge and the current estimate;
   * rule "tau": σ_i > τ·σ_1, the reference's rule. One outlier σ_1 (a large learning rate
     makes them) moves the cut into the learned directions and breaks the model;
 and in both cases no fewer than the floor: the cut may drop at most `max_output_error` of the
@@ -46,6 +49,7 @@ class FactorizedLayer(nn.Module):
         self.B = nn.Parameter(layer.weight.new_zeros(0, 0))
         self.factorized = False
         self.inputs: torch.Tensor | None = None  # rows of this layer's input, when recorded
+        self.noise_edge: float | None = None  # the random bulk's edge, from the first factorisation
 
     @property
     def rank(self) -> int:
@@ -109,7 +113,14 @@ class FactorizedLayer(nn.Module):
         return self.weight_from_tall(self.A @ self.B) if self.factorized else self.layer.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        layer, weight = self.layer, self.weight()
+        layer = self.layer
+        if isinstance(layer, nn.Linear) and self.factorized:
+            # Through the factors, never forming W: batch·r·(rows + cols) operations instead of
+            # rows·cols·r (y = x Wᵀ, with W = A B, or Wᵀ = A B when transposed).
+            hidden = x @ self.A if self.transposed else F.linear(x, self.B)
+            out = hidden @ self.B if self.transposed else F.linear(hidden, self.A)
+            return out if layer.bias is None else out + layer.bias
+        weight = self.weight()
         if isinstance(layer, nn.Linear):
             return F.linear(x, weight, layer.bias)
         return layer._conv_forward(x, weight, layer.bias)  # stride, padding (any mode), dilation, groups
@@ -139,16 +150,21 @@ def gavish_donoho_omega(beta: float) -> float:
     return 0.56 * beta**3 - 0.95 * beta**2 + 1.82 * beta + 1.43
 
 
+def noise_edge(s: torch.Tensor, shape: tuple[int, int]) -> float:
+    """The edge of the random bulk in spectrum `s` of a matrix of `shape`: ω(β)·median(σ)."""
+    return gavish_donoho_omega(min(shape) / max(shape)) * float(s.median())
+
+
 def choose_rank(s: torch.Tensor, shape: tuple[int, int], rule: str, tau: float,
-                energy: torch.Tensor, max_output_error: float) -> int:
-    """Singular values to keep: the rule's cut (see the module docstring), raised until the
-    dropped share of `energy` (per component, summing to the total) is at most
-    `max_output_error` (relative Frobenius norm)."""
+                energy: torch.Tensor, max_output_error: float, kept_edge: float | None = None) -> int:
+    """Singular values to keep: the rule's cut (see the module docstring; `kept_edge`: the
+    bulk's edge measured at the first factorisation), raised until the dropped share of
+    `energy` (per component, summing to the total) is at most `max_output_error` (relative
+    Frobenius norm)."""
     if rule == "tau":
-        threshold = tau * s[0]
+        threshold = tau * float(s[0])
     else:
-        beta = min(shape) / max(shape)
-        threshold = gavish_donoho_omega(beta) * s.median()
+        threshold = max(noise_edge(s, shape), kept_edge or 0.0)
     by_rule = int((s > threshold).sum().item())
     # tail[r]: the relative norm dropped when r components are kept.
     tail = (energy.flip(0).cumsum(0).flip(0) / energy.sum().clamp_min(1e-30)).sqrt()

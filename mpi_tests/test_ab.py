@@ -11,7 +11,7 @@ import torch.nn as nn
 from conftest import RANK, SIZE, needs_ranks
 from hvd_lowcomm import config
 from hvd_lowcomm.config import ConfigError
-from hvd_lowcomm.factorized import FactorizedLayer, choose_rank, dropped_fraction, factorize_model
+from hvd_lowcomm.factorized import FactorizedLayer, choose_rank, dropped_fraction, factorize_model, noise_edge
 from hvd_lowcomm.methods.ab import ABTraining, Schedule, _resize
 from hvd_lowcomm.train import Checkpointer, main
 
@@ -61,6 +61,21 @@ def test_noise_rule_cuts_at_the_edge_of_a_random_bulk_and_ignores_an_outlier():
     assert choose_rank(s, (n, n), "noise", 0.15, energy, 0.99) == 4
     # the reference's rule measures against the outlier and cuts learned directions away
     assert choose_rank(s, (n, n), "tau", 0.15, energy, 0.99) == 1
+
+
+def test_after_a_cut_the_edge_measured_on_the_bulk_keeps_small_updates_out():
+    """After a cut W is low rank plus a few small optimiser updates: more than half of its
+    singular values are ~0, so the median says nothing; the edge kept from the first
+    factorisation does."""
+    torch.manual_seed(3)
+    n = 256
+    signal = spectrum_matrix([60.0, 8.0, 6.0, 5.0], n, n)
+    before = torch.linalg.svdvals(torch.randn(n, n) / n**0.5 + signal)
+    edge = noise_edge(before, (n, n))
+    updates = 1e-3 * torch.randn(n, 40) @ torch.randn(40, n) / n**0.5  # rank 40, small
+    s = torch.linalg.svdvals(signal + updates)
+    assert choose_rank(s, (n, n), "noise", 0.15, s.square(), 0.99) > 40  # the median is ~0: nothing is cut
+    assert choose_rank(s, (n, n), "noise", 0.15, s.square(), 0.99, kept_edge=edge) == 4
 
 
 def test_the_floor_raises_the_rank_until_the_dropped_share_is_bounded():

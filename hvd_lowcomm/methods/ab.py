@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from hvd_lowcomm import runtime
 from hvd_lowcomm.config import ConfigError, option
 from hvd_lowcomm.factorized import (FACTORIZABLE, RANK_RULES, FactorizedLayer, choose_rank, dropped_fraction,
-                                    factorize_model, unfactorized_copy)
+                                    factorize_model, noise_edge, unfactorized_copy)
 from hvd_lowcomm.methods import register
 from hvd_lowcomm.methods.base import Method, broadcast_model_and_optimizer, make_optimizer
 from hvd_lowcomm.traffic import meter
@@ -317,6 +317,9 @@ class ABTraining(Method):
         layers = list(self.layers.values())
         old = [{"A": layer.A.shape, "B": layer.B.shape} for layer in layers]
         svds = [layer.svd() for layer in layers]
+        for layer, (_, s, _) in zip(layers, svds):
+            if layer.noise_edge is None:  # the bulk is still there: measure its edge once
+                layer.noise_edge = noise_edge(s, layer.tall_shape)
         if not truncate:
             for layer, svd, shapes in zip(layers, svds, old):
                 layer.factorize(rank=len(svd[1]), svd=svd)
@@ -327,7 +330,7 @@ class ABTraining(Method):
             energies = [layer.component_energy(svd) for layer, svd in zip(layers, svds)]
             floor = o.max_output_error
             while True:
-                local = [choose_rank(s, layer.tall_shape, o.rank_rule, o.tau, e, floor)
+                local = [choose_rank(s, layer.tall_shape, o.rank_rule, o.tau, e, floor, layer.noise_edge)
                          for layer, (_, s, _), e in zip(layers, svds, energies)]
                 ranks = meter.allreduce_many([("ab.ranks", torch.tensor(local, dtype=torch.int64))], None,
                                              op="max")[0].tolist()
@@ -507,7 +510,8 @@ class ABTraining(Method):
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "ab": {"step": self.step, "phase": self.phase, "last_switch": self.last_switch,
                                                "factorized": {n: l.factorized for n, l in self.layers.items()},
-                                               "cuts": self.cuts, "undone_cuts": self.undone_cuts}}
+                                               "cuts": self.cuts, "undone_cuts": self.undone_cuts,
+                                               "noise_edges": {n: l.noise_edge for n, l in self.layers.items()}}}
 
     def state_owner(self) -> int:
         return self.group.ranks[0]  # groups train different factors; ranks of a group agree
@@ -522,6 +526,8 @@ class ABTraining(Method):
         ab = state["ab"]
         self.step, self.phase, self.last_switch = ab["step"], ab["phase"], ab["last_switch"]
         self.cuts, self.undone_cuts = ab.get("cuts", {}), ab.get("undone_cuts", 0)
+        for name, edge in ab.get("noise_edges", {}).items():
+            self.layers[name].noise_edge = edge
         self._set_trainable()
 
 
