@@ -171,6 +171,23 @@ def test_codes_are_identical_on_all_ranks(world):
 
 
 @needs_ranks(2)
+def test_recovery_epochs_get_their_own_learning_rate_schedule(world, fresh_meter):
+    """The loop's cosine spans training and recovery; recovery restarts it, so the joined
+    network trains at the peak rate rather than at the tail of the training schedule."""
+    method, _ = make(SyntheticIntermediateLabels, "sil", "--sil.recovery_epochs", "2", "--train.epochs", "4",
+                     "--train.lr", "0.01")
+    method.plan(60)  # 6 epochs of 10 steps: 40 training, 20 recovery
+    rates = []
+    for step in range(60):
+        fresh_meter.step = step
+        method.set_lr(123.0)  # whatever the loop's schedule says is overridden
+        rates.append(method.optimizer.param_groups[0]["lr"] / method.lr_scale)
+    assert rates[0] == pytest.approx(0.01) and rates[39] < 1e-4       # training: one cosine over 40 steps
+    assert rates[40] == pytest.approx(0.01) and rates[59] < 2e-4      # recovery: a fresh one over 20
+    assert rates[50] == pytest.approx(0.005, rel=0.05)
+
+
+@needs_ranks(2)
 def test_cross_group_evaluation_equals_the_single_process_output(world):
     method, model = make(ModelParallel, "mp")
     x, y = pooled_batch()

@@ -152,7 +152,19 @@ class SyntheticIntermediateLabels(Partitioned):
                 if epoch == self.starts[cut]:
                     self._hand_over(cut)
 
+    def plan(self, total_steps: int) -> None:
+        # The loop's schedule spans training and recovery epochs together; recovery gets its
+        # own (a cosine that ends at the end of training would leave it a learning rate ~0).
+        self.total_steps = total_steps
+        self.training_steps = round(total_steps * self.training_epochs / self.epochs())
+
     def set_lr(self, lr: float) -> None:
+        if self.cfg.options.recovery_epochs and getattr(self, "total_steps", None):
+            from hvd_lowcomm.methods.base import scheduled_lr
+
+            done, training = meter.step, self.training_steps
+            lr = scheduled_lr(self.cfg, done, training) if done < training else \
+                scheduled_lr(self.cfg, done - training, self.total_steps - training)
         super().set_lr(lr * self.lr_scale)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
