@@ -105,7 +105,11 @@ def launch(np_: int, train_args: list[str], log: Path, link: ShapedLink | None =
     log.write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        raise SystemExit(f"compare: run failed (exit {proc.returncode}): {' '.join(command)}\n{tail}\nfull log: {log}")
+        raise RunFailed(f"compare: run failed (exit {proc.returncode}): {' '.join(command)}\n{tail}\nfull log: {log}")
+
+
+class RunFailed(Exception):
+    """One method's run exited non-zero; the others still make the table."""
 
 
 def tabulate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -157,7 +161,7 @@ def world_bytes(summary: dict[str, Any]) -> float:
     return sum(v for k, v in summary.items() if k.startswith("train_") and k.endswith("_world_wire_bytes"))
 
 
-def write_tables(rows: list[dict[str, Any]], out: Path, title: str) -> str:
+def write_tables(rows: list[dict[str, Any]], out: Path, title: str, failed: list[str] = ()) -> str:
     columns = list(dict.fromkeys(k for row in rows for k in row))
     with open(out / "results.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=columns)
@@ -199,6 +203,8 @@ def write_tables(rows: list[dict[str, Any]], out: Path, title: str) -> str:
         [[row["np"], row["method"], human_bytes(row["measured_bytes_per_step"]),
           human_bytes(row["metered_bytes_per_step_all_ranks"]), f"{row['measured_vs_meter']:+.1%}",
           f"{row['link_utilisation']:.1%}", row["agreement"]] for row in measured])
+    if failed:
+        lines += ["", f"Failed runs (exit non-zero, logs under runs/): {', '.join(failed)}"]
     text = "\n".join(lines) + "\n"
     (out / "results.md").write_text(text)
     return text
@@ -327,23 +333,33 @@ def main(argv: list[str] | None = None) -> int:
             print(f"compare: {err}; running without an emulated link", file=sys.stderr)
             args.link = None
 
-    results = []
+    results, failed = [], []
     jobs = [(v, n) for n in counts for v in variants]
     with tqdm(jobs, desc="runs", unit="run", file=sys.stdout) as bar:
         for variant, np_ in bar:
             bar.set_postfix_str(f"{variant.label} on {np_} ranks")
-            result = run_one(variant, np_, args, runs_dir, extra)
+            try:
+                result = run_one(variant, np_, args, runs_dir, extra)
+            except RunFailed as err:
+                print(err, file=sys.stderr, flush=True)
+                failed.append(f"{variant.label} on {np_} ranks")
+                continue
             results.append(result)
             s = result["summary"]
             bar.write(f"{variant.label:>24} np {np_}: acc {100 * s['final_test_acc']:.2f} %, "
                       f"{human_bytes(s['train_wire_bytes_per_step'])}/step, {1000 * s['step_seconds_mean']:.1f} ms/step")
+    if not results:
+        raise SystemExit("compare: every run failed; see the logs above")
     rows = tabulate(results)
     title = args.title or (f"{', '.join(v.label for v in variants)}: {args.model} {args.hidden} on {args.data}, "
                            f"{args.epochs} epochs, batch {args.batch_size}/rank, seed {args.seed}")
-    print("\n" + write_tables(rows, out, title))
+    print("\n" + write_tables(rows, out, title, failed))
     plot(results, out)
     print(f"tables and plots in {out}/ (results.md, results.csv, *.png); runs in {runs_dir}/")
-    return 0
+    if failed:
+        print(f"compare: {len(failed)} run(s) failed and are missing from the table: {', '.join(failed)}",
+              file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

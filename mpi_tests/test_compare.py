@@ -64,3 +64,13 @@ def test_a_failing_run_still_removes_its_namespace(tmp_path):
     proc = compare(tmp_path, "--methods", "ddp", "--link", "1gbit", "--", "--model.name", "cnn", "--model.hidden", "0")
     assert proc.returncode != 0 and "run failed" in proc.stderr
     assert namespaces() == before
+
+
+@only_from_the_1_rank_suite
+def test_a_failing_method_leaves_the_others_in_the_table_and_the_exit_status_non_zero(tmp_path):
+    proc = compare(tmp_path, "--methods", "ddp,ab:groups=3", "--", "--train.max_steps", "4")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "cannot split 2 ranks into 3 equal groups" in proc.stderr
+    rows = list(csv.DictReader(open(tmp_path / "results.csv")))
+    assert [row["method"] for row in rows] == ["ddp"]
+    assert "Failed runs (exit non-zero, logs under runs/): ab:groups=3 on 2 ranks" in (tmp_path / "results.md").read_text()

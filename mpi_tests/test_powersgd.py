@@ -116,3 +116,21 @@ def test_training_with_powersgd_compresses_and_learns(shared_tmp):
         last = [r for r in rows if r["type"] == "epoch"][-1]
         assert last["test_acc"] > 0.85 and last["powersgd_compression_rate"] > 5
         assert np.isfinite(last["train_loss"])
+
+
+def test_step_after_synchronize_does_not_exchange_again(world, fresh_meter):
+    """Horovod's contract: synchronize() then step() exchanges once, so the error feedback
+    is fed once; the result equals a plain step()."""
+    results = []
+    for explicit in (False, True):
+        layer, _, _ = layer_with_grads(world, rank2_grads(step=3))
+        torch.nn.init.constant_(layer.weight, 0.5)
+        opt = wrap(layer, rank=1)
+        fresh_meter.reset()
+        if explicit:
+            opt.synchronize()
+        opt.step()
+        results.append((layer.weight.detach().clone(), len(fresh_meter.step_records)))
+    (plain, plain_records), (synced, synced_records) = results
+    assert synced_records == plain_records > 0
+    torch.testing.assert_close(synced, plain, rtol=0, atol=0)

@@ -179,15 +179,22 @@ class GradientExchange(torch.optim.Optimizer):
     """Base of optimiser wrappers in the style of Horovod's DistributedOptimizer.
 
     `step()` first calls `synchronize()`, which replaces every local gradient by the pooled
-    one (however the subclass exchanges it), then the wrapped optimiser's own step. A loop that
-    needs the pooled gradients before stepping (clipping, inspection) calls `synchronize()`
-    itself and steps inside `with opt.skip_synchronize():`.
+    one (however the subclass's `_exchange()` pools it), then the wrapped optimiser's own step.
+    A loop that needs the pooled gradients before stepping (clipping, inspection) calls
+    `synchronize()` itself and steps inside `with opt.skip_synchronize():`; as in Horovod, a
+    `step()` right after `synchronize()` does not exchange a second time (which would pool
+    pooled gradients and, for PowerSGD, feed the error back twice).
     """
 
     _should_synchronize = True
+    _synchronized = False
+
+    def _exchange(self) -> None:
+        raise NotImplementedError
 
     def synchronize(self) -> None:
-        raise NotImplementedError
+        self._exchange()
+        self._synchronized = True
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -198,8 +205,9 @@ class GradientExchange(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure: Any = None) -> Any:
-        if self._should_synchronize:
+        if self._should_synchronize and not self._synchronized:
             self.synchronize()
+        self._synchronized = False
         return super().step(closure)
 
 

@@ -163,7 +163,7 @@ class _DadExchange(GradientExchange):
         super().zero_grad(set_to_none)
 
     # -- the exchange --------------------------------------------------------------------------
-    def synchronize(self) -> None:
+    def _exchange(self) -> None:
         """Replace every local gradient by the pooled batch's, sharing rows where planned."""
         used = [n for n, c in self._captured.items() if c.acts]
         if not used:

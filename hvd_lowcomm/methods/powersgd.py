@@ -89,7 +89,7 @@ class _PowerSGDExchange(GradientExchange):
         self._named = named_parameters
         self._group = group
 
-    def synchronize(self) -> None:
+    def _exchange(self) -> None:
         state = self.powersgd
         grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in self._named}
         if state.iter < state.start_iter:
