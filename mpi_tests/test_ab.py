@@ -475,3 +475,21 @@ def test_the_final_model_is_the_synced_model_the_same_on_every_rank(world):
     if RANK == 0:
         assert all(torch.equal(final[k], synced[k]) for k in synced)
     assert method.phase == "group" and method.layers["2"].factorized  # the groups' own state is untouched
+
+
+@needs_ranks(2)
+def test_compression_counts_a_and_b_of_every_factorised_layer_and_everything_dense(world):
+    method = ab_method("--ab.warmup", "1", "--ab.sync_every", "2", "--ab.full_rank_steps", "1", "--ab.rank_rule", "tau",
+                       "--ab.tau", "0.5", "--ab.max_output_error", "0.99", "--ab.max_accuracy_drop", "1")
+    assert method.compression_ratio() == 1.0  # dense before the first factorisation
+    for step in range(5):  # re-factorised at step 4
+        method.train_step(*batch(step))
+    r = method.layers["2"].rank
+    assert r < 12
+    dense = 6 * 16 + 16 + 12 + 12 * 3 + 3  # first and last layer, every bias
+    full = dense + 16 * 12
+    assert method.compression_ratio() == pytest.approx(full / (dense + r * (16 + 12)))
+    metrics = method.epoch_metrics()
+    assert metrics["compression_bound"] == pytest.approx(full / (dense + 16 + 12))
+    assert metrics["low_rank_parameters"] == dense + r * (16 + 12)
+    assert metrics["compression/2"] == pytest.approx(16 * 12 / (r * 28))
