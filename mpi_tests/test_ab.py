@@ -140,7 +140,7 @@ def test_schedule_phases_and_transitions():
 
 
 def test_schedule_lengths_below_one_are_fractions_of_the_run():
-    options = config.load(["--method", "ab"]).method_options["ab"]  # defaults: 0.1, 0.05, 0.01, 0.02
+    options = config.load(["--method", "ab", "--ab.rebound_steps", "0.02"]).method_options["ab"]  # 0.1, 0.05, 0.01
     s = Schedule(options, total_steps=800)
     assert (s.warmup, s.sync_every, s.full_rank_steps, s.rebound_steps) == (80, 40, 8, 16)
     assert Schedule(options, total_steps=30).sync_every == 2
@@ -240,7 +240,7 @@ def ab_method(*argv: str) -> ABTraining:
     method = ABTraining(config.load(["--method", "ab", "--ab.groups", "2", "--train.lr", "0.01", *argv]))
     method.check_world(SIZE)
     method.setup(model)
-    method.plan(100)  # resolves the schedule's fractions (rebound: 2 steps unless given)
+    method.plan(100)  # resolves the schedule's fractions
     return method
 
 
