@@ -137,6 +137,8 @@ def test_bad_sil_options_are_rejected():
         config.load(["--method", "sil", "--sil.kappa", "0"])
     with pytest.raises(ConfigError, match=r"sil.epochs needs one positive value per partition \(2\)"):
         config.load(["--method", "sil", "--sil.epochs", "3"])
+    with pytest.raises(ConfigError, match=r"sil.recovery_lr must be > 0 \(a fraction of train.lr\), got 0.0"):
+        config.load(["--method", "sil", "--sil.recovery_lr", "0"])
 
 
 def test_partition_count_that_does_not_divide_the_world_is_rejected():
@@ -172,8 +174,8 @@ def test_codes_are_identical_on_all_ranks(world):
 
 @needs_ranks(2)
 def test_recovery_epochs_get_their_own_learning_rate_schedule(world, fresh_meter):
-    """The loop's cosine spans training and recovery; recovery restarts it, so the joined
-    network trains at the peak rate rather than at the tail of the training schedule."""
+    """The loop's cosine spans training and recovery; recovery restarts it from recovery_lr ×
+    the peak, rather than training the joined network at the tail of the training schedule."""
     method, _ = make(SyntheticIntermediateLabels, "sil", "--sil.recovery_epochs", "2", "--train.epochs", "4",
                      "--train.lr", "0.01")
     method.plan(60)  # 6 epochs of 10 steps: 40 training, 20 recovery
@@ -183,8 +185,8 @@ def test_recovery_epochs_get_their_own_learning_rate_schedule(world, fresh_meter
         method.set_lr(123.0)  # whatever the loop's schedule says is overridden
         rates.append(method.optimizer.param_groups[0]["lr"] / method.lr_scale)
     assert rates[0] == pytest.approx(0.01) and rates[39] < 1e-4       # training: one cosine over 40 steps
-    assert rates[40] == pytest.approx(0.01) and rates[59] < 2e-4      # recovery: a fresh one over 20
-    assert rates[50] == pytest.approx(0.005, rel=0.05)
+    assert rates[40] == pytest.approx(0.001) and rates[59] < 2e-5     # recovery: a fresh one over 20,
+    assert rates[50] == pytest.approx(0.0005, rel=0.05)               # from recovery_lr (0.1) x the peak
 
 
 @needs_ranks(2)

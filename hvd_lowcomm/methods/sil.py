@@ -63,6 +63,11 @@ class SILOptions(PartitionOptions):
     batch_size: list[int] = option([], "batch size per partition (empty: data.batch_size for all)")
     epochs: list[int] = option([], "epochs per partition (empty: train.epochs for each)")
     recovery_epochs: int = option(0, "end-to-end epochs of the joined network at the end (sends activations)")
+    # Measured on MNIST-5k (sil6, np 2, 18 + 2 epochs): peak rate 94.5 % at 0.1, 94.3 % at 0.3,
+    # 93.0 % at 1 (the jump to the joined network's loss is large), 93.8 % at the tail of the
+    # training cosine (≈ 0), 94.5 % after 18 epochs without recovery.
+    recovery_lr: float = option(0.1, "recovery's peak learning rate, a fraction of train.lr (a cosine of "
+                                     "its own over the recovery steps, as for fine-tuning)")
 
     def validate(self) -> None:
         super().validate()
@@ -70,6 +75,8 @@ class SILOptions(PartitionOptions):
             raise ConfigError(f"sil.kappa must be > 0, got {self.kappa}")
         if self.noise < 0 or self.recovery_epochs < 0:
             raise ConfigError("sil.noise and sil.recovery_epochs must be >= 0")
+        if self.recovery_lr <= 0:
+            raise ConfigError(f"sil.recovery_lr must be > 0 (a fraction of train.lr), got {self.recovery_lr}")
         for name in ("lr", "batch_size", "epochs"):
             values = getattr(self, name)
             if values and (len(values) != self.partitions or min(values) <= 0):
@@ -154,7 +161,8 @@ class SyntheticIntermediateLabels(Partitioned):
 
     def plan(self, total_steps: int) -> None:
         # The loop's schedule spans training and recovery epochs together; recovery gets its
-        # own (a cosine that ends at the end of training would leave it a learning rate ~0).
+        # own, a fine-tuning cosine from recovery_lr × train.lr (the tail of the training
+        # cosine would leave it a learning rate ~0).
         self.total_steps = total_steps
         self.training_steps = round(total_steps * self.training_epochs / self.epochs())
 
@@ -164,7 +172,7 @@ class SyntheticIntermediateLabels(Partitioned):
 
             done, training = meter.step, self.training_steps
             lr = scheduled_lr(self.cfg, done, training) if done < training else \
-                scheduled_lr(self.cfg, done - training, self.total_steps - training)
+                self.cfg.options.recovery_lr * scheduled_lr(self.cfg, done - training, self.total_steps - training)
         super().set_lr(lr * self.lr_scale)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
