@@ -1,0 +1,33 @@
+"""hvd_lowcomm: low-communication training on MPI clusters, in Horovod's idiom.
+
+    import hvd_lowcomm
+    hvd_lowcomm.init()                                    # MPI + Horovod, instead of hvd.init()
+    opt = hvd_lowcomm.PowerSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                        model.named_parameters())
+    ...
+    loss.backward(); opt.step()                           # as with hvd.DistributedOptimizer
+    print(hvd_lowcomm.meter.total("train"))               # bytes this rank sent
+
+The names below are resolved on first use, so importing the package stays cheap (the command
+line parses its options before torch and MPI load).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "init": "hvd_lowcomm.runtime",                    # start MPI + Horovod (dynamic process sets)
+    "DistributedOptimizer": "hvd_lowcomm.methods.ddp",  # Horovod's, metered (fp32 / fp16)
+    "PowerSGDOptimizer": "hvd_lowcomm.methods.powersgd",
+    "PowerSGDState": "hvd_lowcomm.methods.powersgd",
+    "DadOptimizer": "hvd_lowcomm.methods.dad",        # dAD, rank-dAD (rank=r), edAD (edad=True)
+    "meter": "hvd_lowcomm.traffic",                    # the traffic meter: bytes per op/tensor
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hvd_lowcomm' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
