@@ -193,7 +193,8 @@ class ABTraining(Method):
         if self.data is None:
             return
         x = torch.randn(2, *self.data.input_shape, generator=torch.Generator().manual_seed(0))
-        model.eval(), trial.eval()
+        model.eval()
+        trial.eval()
         try:
             with torch.no_grad():
                 expected = model(x)
@@ -227,8 +228,7 @@ class ABTraining(Method):
             {"A": 0, "B": runtime.size()}
         self.optimizer = make_optimizer(self.cfg, model.parameters())
         broadcast_model_and_optimizer(model, self.optimizer)
-        self.schedule = Schedule(o) if all(v >= 1 or v == 0 for v in (o.warmup, o.sync_every, o.full_rank_steps,
-                                                                       o.rebound_steps)) else None
+        self.schedule: Schedule | None = None  # plan() knows the run's length; else made at the first step
         self.step = 0
         self.phase = "warmup"
         self.last_switch: int | None = None
@@ -252,7 +252,7 @@ class ABTraining(Method):
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         if self.schedule is None:
-            self.schedule = Schedule(self.cfg.options)  # raises: a fraction needs plan()
+            self.schedule = Schedule(self.cfg.options)  # steps only: a fraction needs plan()
         self._advance(x, y)
         for group in self.optimizer.param_groups:
             group["lr"] = self._rebound_lr()
@@ -466,9 +466,8 @@ class ABTraining(Method):
             return super().evaluate(batches)
 
     def final_state_dict(self) -> dict[str, Any] | None:
-        with meter.in_phase("eval"):
-            model = self.full_model()
-        return model.state_dict() if runtime.rank() == 0 else None
+        with meter.in_phase("eval"), self._synced() as model:  # collective; only rank 0 copies
+            return unfactorized_copy(model).state_dict() if runtime.rank() == 0 else None
 
     def _parameter_counts(self) -> tuple[int, int, int]:
         """(parameters outside the factorised layers' weights, in A and B at the current ranks,

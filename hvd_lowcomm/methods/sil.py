@@ -131,6 +131,7 @@ class SyntheticIntermediateLabels(Partitioned):
                                        o.code_distribution) for cut in range(1, o.partitions)}
         self.lr_scale = (o.lr[k] / self.cfg.train.lr) if o.lr else 1.0
         self.phase = "idle"
+        self.total_steps: int | None = None  # set by plan()
         self.stored_inputs: torch.Tensor | None = None
         self.train_split: Any = None
         self.generator = torch.Generator().manual_seed(self.code_seed + runtime.rank())
@@ -167,7 +168,7 @@ class SyntheticIntermediateLabels(Partitioned):
         self.training_steps = round(total_steps * self.training_epochs / self.epochs())
 
     def set_lr(self, lr: float) -> None:
-        if self.cfg.options.recovery_epochs and getattr(self, "total_steps", None):
+        if self.cfg.options.recovery_epochs and self.total_steps:
             from hvd_lowcomm.methods.base import scheduled_lr
 
             done, training = meter.step, self.training_steps
