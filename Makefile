@@ -7,25 +7,39 @@ MPIRUN  ?= mpirun --allow-run-as-root --oversubscribe
 # mpi_tests/conftest.py) and --timeout ends a job that still hangs.
 PYTEST  = $(MPIRUN) --timeout 1500 -np $(1) $(PY) -m pytest -p no:cacheprovider --timeout=600 $(PYTEST_ARGS) mpi_tests
 
-.PHONY: install demo test test-1 test-2 test-4 test-8 clean
+# Written by a successful install; demo and the tests install first when it is missing
+# (fresh clone, .venv deleted) or older than what the install depends on.
+STAMP   := .venv/.installed
+
+.PHONY: install demo test test-1 test-2 test-4 test-8 examples clean
 
 install:          ## MPI (if missing), .venv, torch, the package, horovod (cached wheel)
 	bash scripts/install.sh
+	touch $(STAMP)
 
-demo:             ## the embedded default: MLP on handwritten digits, data-parallel on NP ranks
+$(STAMP): setup.cfg scripts/install.sh
+	$(MAKE) install
+
+demo: $(STAMP)    ## the embedded default: MLP on handwritten digits, data-parallel on NP ranks
 	$(MPIRUN) -np $(NP) $(PY) -m hvd_lowcomm.train
 
 test: test-1 test-2 test-4 test-8
 
-test-1:
+test-1: $(STAMP)
 	$(call PYTEST,1)
-test-2:
+test-2: $(STAMP)
 	$(call PYTEST,2)
-test-4:
+test-4: $(STAMP)
 	$(call PYTEST,4)
 # np 8 only for what needs that many ranks (SIL with several ranks per partition).
-test-8:
+test-8: $(STAMP)
 	$(call PYTEST,8) -k at_scale
+
+# Each example script at NP ranks for a few steps (CI runs this: the README's API must work).
+EXAMPLE_METHODS = ddp ddp-fp16 powersgd dad rank-dad ab sil
+examples: $(STAMP)
+	$(MPIRUN) -np $(NP) $(PY) examples/plain_horovod.py --steps 6
+	set -e; for m in $(EXAMPLE_METHODS); do $(MPIRUN) -np $(NP) $(PY) examples/lowcomm.py --method $$m --steps 6; done
 
 clean:
 	rm -rf runs build *.egg-info

@@ -18,10 +18,14 @@ from typing import Any
 
 _EXPORTS = {
     "init": "hvd_lowcomm.runtime",                    # start MPI + Horovod (dynamic process sets)
+    "rank": "hvd_lowcomm.runtime",                    # this process's global rank
+    "size": "hvd_lowcomm.runtime",                    # the number of ranks
     "DistributedOptimizer": "hvd_lowcomm.methods.ddp",  # Horovod's, metered (fp32 / fp16)
     "PowerSGDOptimizer": "hvd_lowcomm.methods.powersgd",
     "PowerSGDState": "hvd_lowcomm.methods.powersgd",
     "DadOptimizer": "hvd_lowcomm.methods.dad",        # dAD, rank-dAD (rank=r), edAD (edad=True)
+    "ABTraining": "hvd_lowcomm.methods.ab",           # AB-training around the user's step
+    "SIL": "hvd_lowcomm.methods.sil",                 # synthetic intermediate labels, per partition
     "meter": "hvd_lowcomm.traffic",                    # the traffic meter: bytes per op/tensor
 }
 __all__ = list(_EXPORTS)

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from hvd_lowcomm.config import Config, ConfigError
+from hvd_lowcomm.traffic import meter
 
 FORMAT = "hvd_lowcomm-ckpt/1"
 _STEP_DIR = re.compile(r"step-(\d{8})")
@@ -75,7 +76,7 @@ def save(run_dir: Path, method: Any, position: dict[str, Any], extra: dict[str, 
     """Write a checkpoint of this rank's part; collective over all ranks. Returns its directory."""
     from mpi4py import MPI
 
-    from hvd_lowcomm.traffic import meter
+
 
     comm, rank = MPI.COMM_WORLD, MPI.COMM_WORLD.Get_rank()
     root = run_dir / "checkpoints"
@@ -86,7 +87,8 @@ def save(run_dir: Path, method: Any, position: dict[str, Any], extra: dict[str, 
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted earlier attempt
         tmp.mkdir(parents=True)
-    comm.Barrier()
+    with meter.in_phase("control"):
+        meter.barrier("checkpoint.directory")
     owner = method.state_owner()
     payload = {"format": FORMAT, "rank": rank, "world_size": comm.Get_size(), "method": method.cfg.method,
                "position": position, "rng": rng_state(), "traffic": meter.state_dict(),
@@ -111,7 +113,8 @@ def save(run_dir: Path, method: Any, position: dict[str, Any], extra: dict[str, 
         _fsync_dir(root)
         for old in sorted(checkpoints(root))[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
-    comm.Barrier()
+    with meter.in_phase("control"):
+        meter.barrier("checkpoint.written")
     return final
 
 
@@ -195,7 +198,7 @@ def load(path: Path, method: Any) -> dict[str, Any]:
     rank's payload (position, extra...)."""
     from mpi4py import MPI
 
-    from hvd_lowcomm.traffic import meter
+
 
     rank = MPI.COMM_WORLD.Get_rank()
     own = torch.load(path / f"rank-{rank:05d}.pt", weights_only=False)
@@ -224,3 +227,64 @@ class PreemptionSignal:
     def restore(self) -> None:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
+
+
+class Checkpointer:
+    """Periodic checkpoints, the last one, and the stop on a preemption signal."""
+
+    def __init__(self, cfg: Config, method: Any, run_dir: Path, preemption: Any) -> None:
+        self.cfg, self.method, self.run_dir, self.preemption = cfg, method, run_dir, preemption
+        self.best_acc, self.skipped, self.stopping, self.checkpoint_due = 0.0, 0, False, False
+
+    def save(self, epoch: int, batch: int) -> Path:
+        position = {"epoch": epoch, "batch": batch, "step": meter.step}
+        extra = {"best_acc": self.best_acc, "skipped": self.skipped, "config": self.cfg.to_dict()}
+        return save(self.run_dir, self.method, position, extra, self.cfg.run.keep_checkpoints)
+
+    def signalled(self) -> bool:
+        return self.preemption is not None and self.preemption.received is not None
+
+    def agree(self, locally_bad: bool) -> bool:
+        """After every step of a lockstep method: agree on non-finite values, and on
+        preemption, over the ranks the method says meet after this step (all of them, or a
+        group running free: then preemption waits for the next step where all ranks meet);
+        returns whether the step went bad anywhere there."""
+        if not self.method.lockstep:
+            return locally_bad
+        group = self.method.agreement_group()
+        with meter.in_phase("control"):
+            if group is not None:
+                return meter.any_flags([locally_bad], "step.flags", group)[0]
+            self.stopping, bad = meter.any_flags([self.signalled(), locally_bad], "step.flags")
+        return bad
+
+    def periodic(self, epoch: int, next_batch: int) -> None:
+        """After a lockstep method's step is closed: a checkpoint every run.checkpoint_every steps
+        (at the first step after that where all ranks meet)."""
+        every = self.cfg.run.checkpoint_every
+        self.checkpoint_due |= bool(self.method.lockstep and every and meter.step % every == 0)
+        if self.checkpoint_due and not self.stopping and self.method.agreement_group() is None:
+            self.save(epoch, next_batch)
+            self.checkpoint_due = False
+
+    def at_epoch_end(self, epoch: int, batch: int, log: Any) -> None:
+        """Methods whose ranks step independently checkpoint and answer signals here."""
+        with meter.in_phase("control"):
+            (self.stopping,) = meter.any_flags([self.signalled()], "epoch.flags")
+        if self.stopping:
+            self.stop(epoch, batch, log)
+        elif self.cfg.run.checkpoint_every:
+            self.save(epoch, batch)
+
+    def stop(self, epoch: int, batch: int, log: Any) -> None:
+        import signal as signal_mod
+
+        from hvd_lowcomm import runtime
+
+        path = self.save(epoch, batch)
+        if runtime.rank() == 0:
+            (self.run_dir / "PREEMPTED").write_text(f"{path}\n")
+        name = signal_mod.Signals(self.preemption.received).name if self.signalled() else "a signal on another rank"
+        log.print(f"stopped by {name}: checkpoint {path} written; continue with --resume auto "
+                  f"(--run.name {self.run_dir.name}) or --resume {self.run_dir}")
+        log.close()

@@ -26,8 +26,8 @@ class ConfigError(ValueError):
 
 def option(default: Any, help: str, choices: tuple | None = None) -> Any:
     """A config field with its --help text (and allowed values, checked by `validate`)."""
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help, "choices": choices})
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, "choices": choices})
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
@@ -43,6 +43,8 @@ class DataConfig:
     normalize: bool = option(True, "standardise uint8 images with the stored per-channel mean/std")
     verify: bool = option(True, "recompute every file's checksum before training (the ranks share the work); "
                                 "turn off for huge datasets already checked with `python -m data_prep verify`")
+    source: str = option("", "your own data instead of an HDF5 file: 'module:function' returning (train, test) "
+                             "torch Datasets of (x, y) items, or (train, test, num_classes); each rank calls it")
     driver: str = option("default", "HDF5 driver for reads: default (independent POSIX reads per rank) or "
                                     "mpio (MPI-IO; needs h5py built with MPI)", choices=("default", "mpio"))
 
@@ -64,8 +66,11 @@ class ModelConfig:
     """Which network to train."""
 
     name: str = option("", "model from hvd_lowcomm.models: mlp, cnn, sil6 (six fully connected layers), "
-                           "tv:<name> with the [vision] extra; empty: the method's default (sil6 for sil and mp, "
-                           "mlp otherwise)")
+                           "tv:<name> with the [vision] extra, or your own 'module:factory' called as "
+                           "factory(input_shape, num_classes, **model.kwargs); empty: the method's default (sil6 "
+                           "for sil and mp, mlp otherwise)")
+    kwargs: dict = option({}, "keyword arguments for a 'module:factory' model, a YAML mapping (e.g. "
+                              "'{depth: 4, width: 128}')")
     hidden: list[int] = option([], "hidden widths of the MLP, or channels of the CNN's conv blocks; empty: the "
                                    "model's default (mlp 256,128; cnn 32,64; sil6 256,256,256,256,256)")
     dropout: float = option(0.0, "dropout probability after each hidden layer")
@@ -90,9 +95,15 @@ class TrainConfig:
     warmup_steps: int = option(0, "linear learning-rate warm-up from 0 over this many steps")
     momentum: float = option(0.9, "SGD momentum")
     weight_decay: float = option(0.0, "weight decay (ab: 0.1 unless set, as the AB-training paper trains)")
+    device: str = option("auto", "where each rank computes: cuda (the GPU of its local rank; collectives on the "
+                                 "GPU with NCCL where Horovod has it), cpu, or auto (cuda when available)",
+                         choices=("auto", "cpu", "cuda"))
     seed: int = option(42, "seed for initialisation, shuffling and every random choice")
     max_steps: int = option(-1, "stop after this many training steps (-1: no limit; 0: start up, "
                                 "evaluate once and stop, which measures start-up traffic)")
+    clip_grad_norm: float = option(0.0, "clip the norm of the pooled (synchronised) gradient over all parameters "
+                                        "to this before each optimiser step, as with Horovod's synchronize() "
+                                        "(0: off; not for sil and mp, whose partitions each hold part of it)")
     skip_nonfinite: bool = option(False, "skip (undo) a step whose loss or parameters become NaN/inf and go "
                                          "on, counting it in the metrics; otherwise such a step stops the run")
 
@@ -104,13 +115,15 @@ class TrainConfig:
             raise ConfigError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.lr <= 0:
             raise ConfigError(f"train.lr must be positive, got {self.lr}")
+        if self.clip_grad_norm < 0:
+            raise ConfigError(f"train.clip_grad_norm must be >= 0 (0: off), got {self.clip_grad_norm}")
 
 
 @dataclass
 class CommConfig:
     """How gradients travel in data-parallel methods."""
 
-    compression: str = option("none", "gradient compression on the wire for ddp",
+    compression: str = option("none", "gradient compression on the wire for ddp (refused for other methods)",
                                choices=("none", "fp16"))
 
 
@@ -171,6 +184,10 @@ class Config:
         if self.method not in methods:
             raise ConfigError(f"unknown method {self.method!r}{_did_you_mean(self.method, methods)}; "
                               f"available: {', '.join(sorted(methods))}")
+        if self.comm.compression != "none" and not methods[self.method].honours_compression:
+            raise ConfigError(f"comm.compression {self.comm.compression} is for ddp's allreduce; {self.method} sends "
+                              f"what it sends its own way and would ignore it: drop --comm.compression or use "
+                              f"--method ddp")
         for name, section in self.sections().items():
             _check_choices(name, section)
             if hasattr(section, "validate"):
@@ -321,6 +338,13 @@ def _field_type(section: Any, key: str) -> Any:
 def _convert(name: str, ftype: Any, value: Any) -> Any:
     """Convert a YAML value or command-line string to the field's declared type."""
     try:
+        if ftype is dict:
+            value = yaml.safe_load(value) if isinstance(value, str) else value
+            if value is None:
+                return {}
+            if not isinstance(value, dict):
+                raise ValueError(value)
+            return dict(value)
         if typing.get_origin(ftype) is list:
             (item_type,) = typing.get_args(ftype)
             if isinstance(value, str):
@@ -357,10 +381,12 @@ def _convert_argument(name: str, ftype: Any, text: str) -> Any:
 def _metavar(ftype: Any) -> str:
     if typing.get_origin(ftype) is list:
         return f"{typing.get_args(ftype)[0].__name__.upper()}[,...]"
-    return {bool: "BOOL", int: "INT", float: "FLOAT", str: "STR"}.get(ftype, "VALUE")
+    return {bool: "BOOL", int: "INT", float: "FLOAT", str: "STR", dict: "YAML"}.get(ftype, "VALUE")
 
 
 def _show(value: Any) -> str:
+    if isinstance(value, dict):
+        return yaml.safe_dump(value, default_flow_style=True).strip() if value else "none"
     if isinstance(value, list):
         return ",".join(map(str, value)) or "empty"
     return repr(value) if value == "" else str(value)

@@ -33,9 +33,9 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import h5py
 import numpy as np
@@ -77,6 +77,7 @@ class DatasetInfo:
     dtype: str                     # "uint8" (images, normalised when read) or "float32"
     mean: tuple[float, ...] | None
     std: tuple[float, ...] | None
+    datasets: Any = field(default=None, compare=False, repr=False)  # data.source: {"train": ..., "test": ...}
 
     @property
     def num_train(self) -> int:
@@ -359,3 +360,68 @@ class ShardedBatches:
         for indices in self.batch_indices()[self.start:]:
             x, y = self.split.read(indices)
             yield x.to(self.device), y.to(self.device)
+
+
+# ---------------------------------------------------------------------------------------------
+# a user's own datasets (--data.source mypkg.data:load)
+
+class DatasetSplit:
+    """A torch Dataset (items (x, y)) behind the interface ShardedBatches reads: one "shard"
+    holding every sample, read by index."""
+
+    def __init__(self, dataset: Any, name: str, split: str) -> None:
+        self.dataset, self.path, self.split = dataset, name, split
+        self.sizes = (len(dataset),)
+
+    def __len__(self) -> int:
+        return self.sizes[0]
+
+    def shard_range(self, shard: int) -> np.ndarray:
+        return np.arange(self.sizes[0])
+
+    def read(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        items = [self.dataset[int(i)] for i in indices]
+        x = torch.stack([torch.as_tensor(item[0], dtype=torch.float32) for item in items])
+        y = torch.as_tensor([int(item[1]) for item in items], dtype=torch.int64)
+        return x, y
+
+
+def from_source(source: str) -> DatasetInfo:
+    """Call a user's `module:function` returning (train, test) torch Datasets of (x, y) items,
+    or (train, test, num_classes); describe them like an HDF5 dataset. The datasets travel in
+    `info.datasets`; `open_split` reads them."""
+    import importlib
+
+    module_name, _, function_name = source.partition(":")
+    if not module_name or not function_name:
+        raise DataError(f"data.source must be 'module:function' (e.g. mypkg.data:load), got {source!r}")
+    try:
+        load = getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError) as err:
+        raise DataError(f"data.source {source!r} cannot be loaded: {err} (is the module on PYTHONPATH, "
+                        f"i.e. importable from where mpirun starts?)") from None
+    result = load()
+    if not isinstance(result, tuple) or len(result) not in (2, 3):
+        raise DataError(f"data.source {source}() must return (train, test) or (train, test, num_classes) datasets, "
+                        f"got {type(result).__name__}")
+    train, test = result[:2]
+    for name, dataset in (("train", train), ("test", test)):
+        if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__") or len(dataset) == 0:
+            raise DataError(f"data.source {source}(): the {name} set must be a non-empty map-style Dataset")
+    x, _ = train[0]
+    if len(result) == 3:
+        num_classes = int(result[2])
+    else:  # from the labels: .targets where the dataset has them (torchvision's do), else every item
+        labels = getattr(train, "targets", None)
+        labels = labels if labels is not None else [train[i][1] for i in range(len(train))]
+        num_classes = int(max(int(v) for v in labels)) + 1
+    return DatasetInfo(path=f"source {source}", files=(), num_classes=num_classes,
+                       input_shape=tuple(torch.as_tensor(x).shape), train_sizes=(len(train),), test_sizes=(len(test),),
+                       source=source, dtype="float32", mean=None, std=None, datasets={"train": train, "test": test})
+
+
+def open_split(info: DatasetInfo, split: str, normalize: bool = True, driver: str = "default") -> Any:
+    """The reader of one split: the user's dataset (data.source) or the HDF5 files."""
+    if info.datasets is not None:
+        return DatasetSplit(info.datasets[split], info.path, split)
+    return H5Split(info, split, normalize, driver)

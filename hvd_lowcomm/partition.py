@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from hvd_lowcomm import runtime
 from hvd_lowcomm.config import ConfigError, option
 from hvd_lowcomm.data import ShardedBatches
+from hvd_lowcomm.methods.base import exchange_gradients
 from hvd_lowcomm.traffic import meter
 
 FORWARD, BACKWARD, EVALUATE = 11, 12, 13  # message tags
@@ -222,11 +223,8 @@ class Layout:
         return meter.recv(torch.empty(rows, *shape), source, name, tag)
 
     def average_gradients(self) -> None:
-        params = [(f"partition.grad.{n}", p) for n, p in self.module.named_parameters() if p.requires_grad]
-        averaged = meter.allreduce_many([(n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in params],
-                                        self.group, op="average")
-        for (_, p), g in zip(params, averaged):
-            p.grad = g
+        exchange_gradients([(f"partition.grad.{n}", p) for n, p in self.module.named_parameters() if p.requires_grad],
+                           self.group)
 
 
 def pipeline_train_step(layout: Layout, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:

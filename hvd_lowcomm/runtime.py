@@ -92,9 +92,13 @@ def size() -> int:
     return world().size
 
 
-def device() -> torch.device:
-    """The GPU bound to this rank's local rank when CUDA is available, else the CPU."""
-    if torch.cuda.is_available():
+def device(choice: str = "auto") -> torch.device:
+    """Where this rank computes: `cuda` the GPU bound to its local rank (init() binds it),
+    `cpu`, or `auto` the GPU when CUDA is available, else the CPU."""
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device cuda, but this rank sees no CUDA GPU (torch.cuda.is_available() is "
+                          "False): use --train.device auto or cpu, or a CUDA build of torch on a GPU node")
+    if choice != "cpu" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

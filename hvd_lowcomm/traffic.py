@@ -18,6 +18,7 @@ bookkeeping, so comparisons can quote training traffic alone.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 from collections import defaultdict
@@ -39,7 +40,7 @@ PHASES = ("train", "eval", "setup", "control")
 def wire_bytes(op: str, payload_bytes: float, group_size: int) -> float:
     """Bytes one rank puts on the wire for `op` in a ring over `group_size` ranks."""
     p = group_size
-    if p <= 1 or op == "recv":
+    if p <= 1 or op in ("recv", "barrier"):
         return 0.0
     if op == "allreduce":
         return 2.0 * (p - 1) / p * payload_bytes
@@ -74,6 +75,11 @@ class Totals:
         self.wire_bytes += record.wire_bytes
 
 
+# A user's own loop may never close steps (next_step); the records of the open step are then
+# bounded, while the totals keep counting.
+STEP_RECORDS_KEPT = 100_000
+
+
 class TrafficMeter:
     def __init__(self) -> None:
         self.reset()
@@ -81,7 +87,7 @@ class TrafficMeter:
     def reset(self) -> None:
         self.step = 0
         self.phase = "train"
-        self.step_records: list[Record] = []
+        self.step_records: collections.deque[Record] = collections.deque(maxlen=STEP_RECORDS_KEPT)
         self.by_kind: dict[tuple[str, str, str], Totals] = defaultdict(Totals)  # (phase, op, group)
         self.by_name: dict[str, Totals] = defaultdict(Totals)
 
@@ -99,7 +105,7 @@ class TrafficMeter:
     def next_step(self) -> None:
         """Close the current training step (call after the optimiser step)."""
         self.step += 1
-        self.step_records = []
+        self.step_records.clear()
 
     def state_dict(self) -> dict[str, Any]:
         """Step count and totals, for checkpoints (the current step's records are not kept)."""
@@ -107,7 +113,8 @@ class TrafficMeter:
                 "by_name": {k: dataclasses.asdict(t) for k, t in self.by_name.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step, self.step_records = state["step"], []
+        self.step = state["step"]
+        self.step_records.clear()
         self.by_kind = defaultdict(Totals, {k: Totals(**t) for k, t in state["by_kind"].items()})
         self.by_name = defaultdict(Totals, {k: Totals(**t) for k, t in state["by_name"].items()})
 
@@ -222,6 +229,13 @@ class TrafficMeter:
         (MPI.COMM_WORLD if group is None else group.comm).Allreduce(local, out, op=MPI.MAX)
         self.record("allreduce", name, local.nbytes, group)
         return [bool(v) for v in out]
+
+    def barrier(self, name: str, group: Group | None = None) -> None:
+        """Wait for every rank of `group` (default: all); recorded as a call with no payload."""
+        from mpi4py import MPI
+
+        (MPI.COMM_WORLD if group is None else group.comm).Barrier()
+        self.record("barrier", name, 0, group)
 
     def broadcast_object(self, obj: Any, name: str, root: int = 0) -> Any:
         from mpi4py import MPI

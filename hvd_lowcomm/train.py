@@ -41,10 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     meter.reset()  # one run's traffic, from start-up checks to the summary
     preemption = PreemptionSignal()  # from here on SIGTERM/SIGUSR1 mean "checkpoint and stop"
     try:
-        prepared = preflight(cfg, world)
-        if prepared is None:
-            return 2
-        with runtime.abort_on_error():
+        with runtime.abort_on_error():  # also a user's model factory or data source that raises
+            prepared = preflight(cfg, world)
+            if prepared is None:
+                return 2
             train(cfg, *prepared, preemption=preemption)
     finally:
         preemption.restore()
@@ -55,19 +55,20 @@ def preflight(cfg: Config, world: Any) -> tuple[Any, ...] | None:
     """Everything that can fail because of the user's input, checked on every rank before the
     first training collective. All ranks agree on the outcome (one allgather), so a bad input
     ends every rank with the same clear message instead of a hang."""
-    from hvd_lowcomm import checkpoint, data, models
+    from hvd_lowcomm import checkpoint, data, models, runtime
     from hvd_lowcomm.methods import get_method
     from hvd_lowcomm.traffic import meter
     from data_prep import BUNDLED, write_dataset
 
-    comm, rank = world.comm, world.comm.Get_rank()
+    rank = world.comm.Get_rank()
     error = None
     method = info = model = resume = None
     try:
         method = get_method(cfg.method)(cfg)
         method.check_world(world.size)
+        runtime.device(cfg.train.device)  # a GPU asked for and not there
         path = Path(cfg.data.path)
-        if rank == 0 and not path.exists() and path.stem in BUNDLED:
+        if rank == 0 and not cfg.data.source and not path.exists() and path.stem in BUNDLED:
             print(f"preparing {path} from the bundled '{path.stem}' dataset (first use)", flush=True)
             train_arrays, test_arrays, classes, source = BUNDLED[path.stem]()
             write_dataset(path, train_arrays, test_arrays, classes, source)
@@ -75,10 +76,11 @@ def preflight(cfg: Config, world: Any) -> tuple[Any, ...] | None:
             resume = tuple(str(p) if p else None for p in checkpoint.resolve(cfg, world.size))
     except (ConfigError, OSError, ValueError) as err:
         error = str(err)
-    comm.Barrier()  # the bundled dataset, if rank 0 made it, is now in place
+    with meter.in_phase("control"):
+        meter.barrier("preflight.dataset")  # the bundled dataset, if rank 0 made it, is now in place
     if error is None:
         try:
-            info = data.inspect(cfg.data.path)
+            info = data.from_source(cfg.data.source) if cfg.data.source else data.inspect(cfg.data.path)
             if info.num_train < world.size:
                 raise data.DataError(f"{cfg.data.path} has {info.num_train} training samples, fewer than "
                                      f"the {world.size} ranks")
@@ -114,7 +116,7 @@ def train(cfg: Config, method: Any, info: Any, model: Any, resume_dir: Path | No
     from hvd_lowcomm.traffic import meter
 
     world = runtime.world()
-    rank, device = runtime.rank(), runtime.device()
+    rank, device = runtime.rank(), runtime.device(cfg.train.device)
     if resume_dir is None:
         run_dir = unique_run_dir(cfg.run.dir, cfg.run.name or f"{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}")
         # Only rank 0 writes; it tells the others where (the name has a timestamp).
@@ -128,7 +130,7 @@ def train(cfg: Config, method: Any, info: Any, model: Any, resume_dir: Path | No
     model = model.to(device)
     parameters = _count_parameters(model)  # the whole model; partitioned methods keep a part per rank
     method.setup(model)
-    splits = {split: data.H5Split(info, split, cfg.data.normalize, cfg.data.driver) for split in data.SPLITS}
+    splits = {split: data.open_split(info, split, cfg.data.normalize, cfg.data.driver) for split in data.SPLITS}
     train_batches = method.batches(splits["train"], cfg.data.batch_size, True, device)
     test_batches = method.batches(splits["test"], cfg.data.test_batch_size, False, device)
     epochs = method.epochs()
@@ -143,7 +145,7 @@ def train(cfg: Config, method: Any, info: Any, model: Any, resume_dir: Path | No
                   f"{100 * unused:.0f}% of the training samples are skipped each epoch (a different "
                   f"random part every epoch); write a shard count that is a multiple or divisor of the rank count")
 
-    keeper = Checkpointer(cfg, method, run_dir, preemption)
+    keeper = checkpoint.Checkpointer(cfg, method, run_dir, preemption)
     position = {"epoch": 1, "batch": 0, "step": 0}
     if resume_from is not None:
         own = checkpoint.load(resume_from, method)
@@ -204,84 +206,14 @@ def train(cfg: Config, method: Any, info: Any, model: Any, resume_dir: Path | No
     return summary
 
 
-class Checkpointer:
-    """Periodic checkpoints, the last one, and the stop on a preemption signal."""
-
-    def __init__(self, cfg: Config, method: Any, run_dir: Path, preemption: Any) -> None:
-        self.cfg, self.method, self.run_dir, self.preemption = cfg, method, run_dir, preemption
-        self.best_acc, self.skipped, self.stopping, self.checkpoint_due = 0.0, 0, False, False
-
-    def save(self, epoch: int, batch: int) -> Path:
-        from hvd_lowcomm import checkpoint
-        from hvd_lowcomm.traffic import meter
-
-        position = {"epoch": epoch, "batch": batch, "step": meter.step}
-        extra = {"best_acc": self.best_acc, "skipped": self.skipped, "config": self.cfg.to_dict()}
-        return checkpoint.save(self.run_dir, self.method, position, extra, self.cfg.run.keep_checkpoints)
-
-    def signalled(self) -> bool:
-        return self.preemption is not None and self.preemption.received is not None
-
-    def agree(self, locally_bad: bool) -> bool:
-        """After every step of a lockstep method: agree on non-finite values, and on
-        preemption, over the ranks the method says meet after this step (all of them, or a
-        group running free: then preemption waits for the next step where all ranks meet);
-        returns whether the step went bad anywhere there."""
-        from hvd_lowcomm.traffic import meter
-
-        if not self.method.lockstep:
-            return locally_bad
-        group = self.method.agreement_group()
-        with meter.in_phase("control"):
-            if group is not None:
-                return meter.any_flags([locally_bad], "step.flags", group)[0]
-            self.stopping, bad = meter.any_flags([self.signalled(), locally_bad], "step.flags")
-        return bad
-
-    def periodic(self, epoch: int, next_batch: int) -> None:
-        """After a lockstep method's step is closed: a checkpoint every run.checkpoint_every steps
-        (at the first step after that where all ranks meet)."""
-        from hvd_lowcomm.traffic import meter
-
-        every = self.cfg.run.checkpoint_every
-        self.checkpoint_due |= bool(self.method.lockstep and every and meter.step % every == 0)
-        if self.checkpoint_due and not self.stopping and self.method.agreement_group() is None:
-            self.save(epoch, next_batch)
-            self.checkpoint_due = False
-
-    def at_epoch_end(self, epoch: int, batch: int, log: Any) -> None:
-        """Methods whose ranks step independently checkpoint and answer signals here."""
-        from hvd_lowcomm.traffic import meter
-
-        with meter.in_phase("control"):
-            (self.stopping,) = meter.any_flags([self.signalled()], "epoch.flags")
-        if self.stopping:
-            self.stop(epoch, batch, log)
-        elif self.cfg.run.checkpoint_every:
-            self.save(epoch, batch)
-
-    def stop(self, epoch: int, batch: int, log: Any) -> None:
-        import signal as signal_mod
-
-        from hvd_lowcomm import runtime
-
-        path = self.save(epoch, batch)
-        if runtime.rank() == 0:
-            (self.run_dir / "PREEMPTED").write_text(f"{path}\n")
-        name = signal_mod.Signals(self.preemption.received).name if self.signalled() else "a signal on another rank"
-        log.print(f"stopped by {name}: checkpoint {path} written; continue with --resume auto "
-                  f"(--run.name {self.run_dir.name}) or --resume {self.run_dir}")
-        log.close()
-
-
 def train_epoch(cfg: Config, method: Any, batches: Any, epoch: int, first_batch: int, total_steps: int,
-                log: Any, keeper: Checkpointer) -> tuple[float, float, float, int, int]:
+                log: Any, keeper: Any) -> tuple[float, float, float, int, int]:
     """One pass over this rank's shard from batch `first_batch`, ending early at `total_steps`
     steps of the run or on a preemption signal; returns (mean local loss, seconds spent in
     steps, seconds waiting for batches, steps, index of the next batch to run)."""
     import copy
 
-    from hvd_lowcomm.methods.base import scheduled_lr
+    from hvd_lowcomm.schedule import scheduled_lr
     from hvd_lowcomm.metrics import human_bytes
     from hvd_lowcomm.traffic import meter
 

@@ -12,8 +12,9 @@ from conftest import RANK, SIZE, needs_ranks
 from hvd_lowcomm import config
 from hvd_lowcomm.config import ConfigError
 from hvd_lowcomm.factorized import FactorizedLayer, choose_rank, dropped_fraction, factorize_model, noise_edge
-from hvd_lowcomm.methods.ab import ABTraining, Schedule, _resize
-from hvd_lowcomm.train import Checkpointer, main
+from hvd_lowcomm.methods.ab import AB, Schedule, _resize, num_groups
+from hvd_lowcomm.checkpoint import Checkpointer
+from hvd_lowcomm.train import main
 
 LAYERS = {"linear": lambda: nn.Linear(7, 5), "linear-wide": lambda: nn.Linear(5, 7),
           "conv1d": lambda: nn.Conv1d(3, 8, 3), "conv2d": lambda: nn.Conv2d(3, 8, 3),
@@ -171,19 +172,19 @@ def test_ab_trains_with_adamw_and_weight_decay_unless_told_otherwise(tmp_path):
 
 
 def test_group_count_defaults_to_two_on_one_host_and_is_checked(world):
-    method = ABTraining(config.load(["--method", "ab"]))
-    assert method.num_groups(SIZE) == 2  # the tests run on one host
+    method = AB(config.load(["--method", "ab"]))
+    assert num_groups(method.cfg.options, SIZE) == 2  # the tests run on one host
     if SIZE % 2 == 0:
         method.check_world(SIZE)
     else:
         with pytest.raises(ConfigError, match=f"cannot split {SIZE} ranks into 2 equal groups"):
             method.check_world(SIZE)
-    method = ABTraining(config.load(["--method", "ab", "--ab.groups", str(SIZE + 1)]))
+    method = AB(config.load(["--method", "ab", "--ab.groups", str(SIZE + 1)]))
     with pytest.raises(ConfigError, match=f"cannot split {SIZE} ranks into {SIZE + 1} equal groups"):
         method.check_world(SIZE)
     with pytest.raises(ConfigError, match="needs at least 2 groups"):
-        ABTraining(config.load(["--method", "ab", "--ab.groups", "1"])).check_world(SIZE)
-    ABTraining(config.load(["--method", "ab", "--ab.groups", "1", "--ab.sync_mode", "only-b"])).check_world(SIZE)
+        AB(config.load(["--method", "ab", "--ab.groups", "1"])).check_world(SIZE)
+    AB(config.load(["--method", "ab", "--ab.groups", "1", "--ab.sync_mode", "only-b"])).check_world(SIZE)
 
 
 class ReadsChildWeight(nn.Module):
@@ -209,10 +210,10 @@ class WithAttention(nn.Module):
         return self.head(torch.relu(self.mid(h.squeeze(0))))
 
 
-def checked(model: nn.Module, *argv: str) -> ABTraining:
+def checked(model: nn.Module, *argv: str) -> AB:
     from types import SimpleNamespace
 
-    method = ABTraining(config.load(["--method", "ab", *argv]))
+    method = AB(config.load(["--method", "ab", *argv]))
     method.data = SimpleNamespace(input_shape=(6,))
     method.check_model(model)
     return method
@@ -234,14 +235,21 @@ def test_a_model_that_reads_a_factorised_weight_directly_is_refused_before_train
     checked(model, "--ab.full_rank", "first,last,2.inner")  # kept dense, it trains
 
 
-def ab_method(*argv: str) -> ABTraining:
+def ab_method(*argv: str) -> AB:
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 3))
-    method = ABTraining(config.load(["--method", "ab", "--ab.groups", "2", "--train.lr", "0.01", *argv]))
+    method = AB(config.load(["--method", "ab", "--ab.groups", "2", "--train.lr", "0.01", *argv]))
     method.check_world(SIZE)
     method.setup(model)
     method.plan(100)  # resolves the schedule's fractions
     return method
+
+
+def record_step_lrs(optimizer) -> list[float]:
+    """The learning rate each optimizer.step() runs with, appended as it happens."""
+    lrs: list[float] = []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: lrs.append(opt.param_groups[0]["lr"]))
+    return lrs
 
 
 def batch(step: int):
@@ -256,16 +264,16 @@ def test_group_phase_sends_nothing_across_groups_and_a_sync_leaves_every_rank_wi
     for step in range(6):
         method.train_step(*batch(step))
         records = fresh_meter.step_records
-        training_labels.setdefault(method.phase, set()).update(r.group for r in records if r.name.startswith("ab.grad."))
-        if method.phase == "group":  # the first factorisation keeps every rank: nothing to agree on
+        training_labels.setdefault(method.trainer.phase, set()).update(r.group for r in records if r.name.startswith("ab.grad."))
+        if method.trainer.phase == "group":  # the first factorisation keeps every rank: nothing to agree on
             assert {r.name for r in records if r.group == "world"} == set()
         fresh_meter.next_step()
         if step == 4:  # last group step: the groups' models differ
-            assert method.phase == "group" and method.layers["2"].factorized
-    assert training_labels["group"] == {method.group.label}  # gradients averaged in this rank's group only
+            assert method.trainer.phase == "group" and method.trainer.layers["2"].factorized
+    assert training_labels["group"] == {method.trainer.group.label}  # gradients averaged in this rank's group only
     assert training_labels["warmup"] == training_labels["full"] == {"world"}
     # step 5 began with a sync; afterwards every rank holds the same W
-    weights = world.comm.allgather(method.layers["2"].layer.weight.detach().numpy())
+    weights = world.comm.allgather(method.trainer.layers["2"].layer.weight.detach().numpy())
     for w in weights[1:]:
         assert (w == weights[0]).all()
 
@@ -275,13 +283,13 @@ def test_group_phase_sends_nothing_across_groups_and_a_sync_leaves_every_rank_wi
 def test_sync_modes_combine_the_factors_as_specified(world, mode):
     method = ab_method("--ab.warmup", "0", "--ab.sync_mode", mode)
     method.train_step(*batch(0))  # factorises at step 0
-    layer = method.layers["2"]
+    layer = method.trainer.layers["2"]
     generator = torch.Generator().manual_seed(9)  # the same on every rank
     a0, b0 = torch.randn(*layer.A.shape, generator=generator), torch.randn(*layer.B.shape, generator=generator)
     delta_a, delta_b = torch.randn(*a0.shape, generator=generator), torch.randn(*b0.shape, generator=generator)
-    layer.A.data = a0 + delta_a if method.role == "A" else a0.clone()
-    layer.B.data = b0 + delta_b if method.role == "B" else b0.clone()
-    method._sync()
+    layer.A.data = a0 + delta_a if method.trainer.role == "A" else a0.clone()
+    layer.B.data = b0 + delta_b if method.trainer.role == "B" else b0.clone()
+    method.trainer._sync()
     expected = (a0 + delta_a / 2) @ (b0 + delta_b / 2) if mode == "with-stale" else (a0 + delta_a) @ (b0 + delta_b)
     torch.testing.assert_close(layer.tall_matrix(), expected, rtol=1e-5, atol=1e-5)
     assert not layer.factorized
@@ -292,18 +300,18 @@ def test_lr_rebounds_after_a_switch_and_moments_follow_rank_changes(world):
     method = ab_method("--ab.warmup", "2", "--ab.sync_every", "3", "--ab.full_rank_steps", "2", "--ab.rebound_steps", "4",
                        "--ab.rebound_lr", "1e-5", "--ab.rank_rule", "tau", "--ab.tau", "0.3", "--ab.max_output_error", "0.9",
                        "--ab.max_accuracy_drop", "1", "--train.lr_schedule", "constant")
-    lrs = []
+    lrs = record_step_lrs(method.optimizer)
     for step in range(10):
         method.set_lr(0.01)
         method.train_step(*batch(step))
-        lrs.append(method.optimizer.param_groups[0]["lr"])
+    assert method.optimizer.param_groups[0]["lr"] == 0.01  # the schedule's value is left as it was
     assert lrs[:2] == [0.01, 0.01]                            # warm-up: no switch yet
     assert lrs[2] == pytest.approx(1e-5)                      # step 2: switch to the group phase
     assert lrs[3] == pytest.approx(1e-5 + (0.01 - 1e-5) / 4)  # ramps back linearly
     assert lrs[5] == pytest.approx(1e-5)                      # step 5: switch to the full phase
-    layer = method.layers["2"]
-    assert method.phase == "group" and layer.rank < 12        # step 7 re-factorised with truncation
-    factor = getattr(layer, method.role)
+    layer = method.trainer.layers["2"]
+    assert method.trainer.phase == "group" and layer.rank < 12        # step 7 re-factorised with truncation
+    factor = getattr(layer, method.trainer.role)
     for value in method.optimizer.state[factor].values():
         if torch.is_tensor(value) and value.dim() == 2:
             assert value.shape == factor.shape
@@ -343,11 +351,10 @@ def test_a_run_goes_through_every_phase_and_its_loss_decreases(shared_tmp):
 def test_lr_rebounds_at_every_sync_when_there_are_no_full_rank_steps(world):
     method = ab_method("--ab.warmup", "2", "--ab.sync_every", "3", "--ab.full_rank_steps", "0", "--ab.rebound_steps", "2",
                        "--ab.rebound_lr", "1e-5")
-    lrs = []
+    lrs = record_step_lrs(method.optimizer)
     for step in range(9):
         method.set_lr(0.01)
         method.train_step(*batch(step))
-        lrs.append(method.optimizer.param_groups[0]["lr"])
     # switches at step 2 (factorise), 5 and 8 (sync + re-factorise), each followed by the ramp
     assert lrs == pytest.approx([0.01, 0.01, 1e-5, 0.005005, 0.01, 1e-5, 0.005005, 0.01, 1e-5])
 
@@ -398,14 +405,14 @@ def test_individual_mode_trains_each_rank_s_own_factor_until_the_sync(world, fre
         fresh_meter.next_step()
     assert not any(n.endswith((".A", ".B")) for n in names if n.startswith("ab.grad."))
     assert any(n.startswith("ab.grad.") for n in names)  # 1-D and dense layers still averaged in the group
-    factor = getattr(method.layers["2"], method.role).detach()
+    factor = getattr(method.trainer.layers["2"], method.trainer.role).detach()
     copies = world.comm.allgather(factor.numpy())
-    group_copies = [copies[r] for r in method.group.ranks]
+    group_copies = [copies[r] for r in method.trainer.group.ranks]
     if len(group_copies) > 1:  # each rank trained on its own batches
         assert not (group_copies[0] == group_copies[1]).all()
     for step in range(3, 5):  # step 4 syncs: one W everywhere
         method.train_step(*batch(step))
-    weights = world.comm.allgather(method.layers["2"].layer.weight.detach().numpy())
+    weights = world.comm.allgather(method.trainer.layers["2"].layer.weight.detach().numpy())
     assert all((w == weights[0]).all() for w in weights)
 
 
@@ -413,10 +420,10 @@ def test_individual_mode_trains_each_rank_s_own_factor_until_the_sync(world, fre
 def test_only_b_trains_b_everywhere_and_may_use_one_group(world):
     method = ab_method("--ab.warmup", "1", "--ab.sync_every", "2", "--ab.full_rank_steps", "1",
                        "--ab.sync_mode", "only-b", "--ab.groups", "1")
-    assert method.role == "B" and len(method.all_groups) == 1
+    assert method.trainer.role == "B" and len(method.trainer.all_groups) == 1
     method.train_step(*batch(0))
     method.train_step(*batch(1))  # group phase: B trained, A frozen
-    layer = method.layers["2"]
+    layer = method.trainer.layers["2"]
     assert layer.B.requires_grad and not layer.A.requires_grad
     a_before = layer.A.detach().clone()
     method.train_step(*batch(2))
@@ -453,8 +460,8 @@ def test_a_cut_that_costs_accuracy_is_undone_by_keeping_more_rank(world):
         method.train_step(*learnable_batch(step))
     x, y = learnable_batch(63)
     method.train_step(x, y)  # step 63: re-factorisation
-    assert method.undone_cuts >= 1 and method.layers["2"].rank > 1
-    assert all(0.0 <= c["output_error"] <= 1.0 and 0.0 <= c["weight_error"] <= 1.0 for c in method.cuts.values())
+    assert method.trainer.undone_cuts >= 1 and method.trainer.layers["2"].rank > 1
+    assert all(0.0 <= c["output_error"] <= 1.0 and 0.0 <= c["weight_error"] <= 1.0 for c in method.trainer.cuts.values())
     with torch.no_grad():
         accuracy = (method.model(x).argmax(1) == y).float().mean().item()
     assert accuracy > 0.8
@@ -467,28 +474,28 @@ def test_the_final_model_is_the_synced_model_the_same_on_every_rank(world):
         method.train_step(*batch(step))
     final = method.final_state_dict()
     assert (final is not None) == (RANK == 0)
-    synced = method.full_model().state_dict()
+    synced = method.trainer.full_model().state_dict()
     assert set(synced) == {"0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"}  # a plain model
     copies = world.comm.allgather({k: v.numpy() for k, v in synced.items()})
     for copy_ in copies:
         assert all((copy_[k] == copies[0][k]).all() for k in copy_)
     if RANK == 0:
         assert all(torch.equal(final[k], synced[k]) for k in synced)
-    assert method.phase == "group" and method.layers["2"].factorized  # the groups' own state is untouched
+    assert method.trainer.phase == "group" and method.trainer.layers["2"].factorized  # the groups' own state is untouched
 
 
 @needs_ranks(2)
 def test_compression_counts_a_and_b_of_every_factorised_layer_and_everything_dense(world):
     method = ab_method("--ab.warmup", "1", "--ab.sync_every", "2", "--ab.full_rank_steps", "1", "--ab.rank_rule", "tau",
                        "--ab.tau", "0.5", "--ab.max_output_error", "0.99", "--ab.max_accuracy_drop", "1")
-    assert method.compression_ratio() == 1.0  # dense before the first factorisation
+    assert method.trainer.compression_ratio() == 1.0  # dense before the first factorisation
     for step in range(5):  # re-factorised at step 4
         method.train_step(*batch(step))
-    r = method.layers["2"].rank
+    r = method.trainer.layers["2"].rank
     assert r < 12
     dense = 6 * 16 + 16 + 12 + 12 * 3 + 3  # first and last layer, every bias
     full = dense + 16 * 12
-    assert method.compression_ratio() == pytest.approx(full / (dense + r * (16 + 12)))
+    assert method.trainer.compression_ratio() == pytest.approx(full / (dense + r * (16 + 12)))
     metrics = method.epoch_metrics()
     assert metrics["compression_bound"] == pytest.approx(full / (dense + 16 + 12))
     assert metrics["low_rank_parameters"] == dense + r * (16 + 12)

@@ -33,7 +33,7 @@ def test_collectives_are_recorded_with_payload_and_wire_bytes(world, fresh_meter
     assert (bcast.payload_bytes, bcast.wire_bytes) == (56, 56.0 if p > 1 else 0.0)
     assert fresh_meter.total(op="allreduce") == pytest.approx(reduce.wire_bytes)
     fresh_meter.next_step()
-    assert fresh_meter.step == 1 and fresh_meter.step_records == []
+    assert fresh_meter.step == 1 and list(fresh_meter.step_records) == []
     assert fresh_meter.by_name["grad.w"].calls == 1  # totals survive the step
 
 

@@ -19,7 +19,21 @@ CACHE=${HVD_LOWCOMM_CACHE:-$HOME/.cache/hvd_lowcomm}
 
 say() { printf '\033[1m[install]\033[0m %s\n' "$*"; }
 die() { printf '\033[1;31m[install] error:\033[0m %s\n' "$*" >&2; exit 1; }
+# One line per phase with its time: `phase NAME` starts one (and ends the one before).
+PHASE="" PHASE_START=0
+phase() {
+    local now
+    now=$(date +%s)
+    [ -z "$PHASE" ] || say "$PHASE: done in $((now - PHASE_START)) s"
+    PHASE=$1 PHASE_START=$now
+}
+# pip, without the "Location ... is ignored" warnings a site's pip.conf (find-links that do
+# not exist) adds to every call; real errors still reach stderr and fail the install.
+quiet_pip() {
+    "$PY" -m pip --disable-pip-version-check "$@" 2> >(grep -v "Location .* is ignored" >&2)
+}
 
+phase "MPI"
 # --- 1. MPI -------------------------------------------------------------------------------
 if ! command -v mpicc >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
@@ -42,9 +56,10 @@ if { ! command -v shellcheck || ! command -v tc; } >/dev/null 2>&1 && [ "$(id -u
 fi
 
 # --- 2. virtual environment, torch, the package ---------------------------------------------
+phase "virtual environment, torch, hvd_lowcomm"
 [ -x "$VENV/bin/python" ] || { say "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
 PY="$VENV/bin/python"
-PIP=("$PY" -m pip install --disable-pip-version-check -q)
+PIP=(quiet_pip install -q)
 if ! "$PY" -c 'import torch' 2>/dev/null; then
     if "$PYTHON" -c 'import torch' 2>/dev/null; then
         # Keep the system's torch (e.g. a site's CUDA build) rather than fetching another.
@@ -60,6 +75,7 @@ fi
 say "installing hvd_lowcomm[dev] (editable)"
 "${PIP[@]}" -e ".[dev]"
 
+phase "horovod"
 # --- 3. horovod -------------------------------------------------------------------------------
 horovod_ok() {
     local report
@@ -87,7 +103,7 @@ PYEOF
         say "building horovod $HOROVOD_VERSION (C++$CXX_STD, GPU ops: $GPU_OPS); takes ~8 min on 2 cores"
         BUILD=$(mktemp -d)
         trap 'rm -rf "$BUILD"' EXIT
-        "$PY" -m pip download --disable-pip-version-check -q --no-deps --no-binary :all: \
+        quiet_pip download -q --no-deps --no-binary :all: \
             "horovod==$HOROVOD_VERSION" -d "$BUILD"
         tar -xzf "$BUILD"/horovod-"$HOROVOD_VERSION".tar.gz -C "$BUILD"
         SRC="$BUILD/horovod-$HOROVOD_VERSION"
@@ -112,7 +128,9 @@ PYEOF
     "${PIP[@]}" cloudpickle psutil pyyaml packaging cffi
 fi
 
+phase "check"
 # --- 4. check ---------------------------------------------------------------------------------
 "$VENV/bin/horovodrun" --check-build
 horovod_ok || die "horovodrun --check-build does not list both PyTorch and MPI"
+phase ""
 say "done. Try: make demo   (or: make test)"

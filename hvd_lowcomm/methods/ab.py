@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
@@ -52,7 +53,7 @@ from hvd_lowcomm.config import ConfigError, option
 from hvd_lowcomm.factorized import (FACTORIZABLE, RANK_RULES, FactorizedLayer, choose_rank, dropped_fraction,
                                     factorize_model, noise_edge, unfactorized_copy)
 from hvd_lowcomm.methods import register
-from hvd_lowcomm.methods.base import Method, broadcast_model_and_optimizer, make_optimizer
+from hvd_lowcomm.methods.base import Method, broadcast_model_and_optimizer, exchange_gradients, make_optimizer
 from hvd_lowcomm.traffic import meter
 
 SYNC_MODES = ("with-stale", "only-learned", "only-b", "full")
@@ -158,152 +159,133 @@ def steps(value: float, total_steps: int | None, name: str) -> int:
     return round(value * total_steps)
 
 
-@register("ab")
-class ABTraining(Method):
-    """AB-training: factors A and B trained by separate groups, synchronised rarely."""
+class ABTraining:
+    """AB-training for any training loop: factorises `model` in place, owns the groups and the
+    schedule, and takes one optimisation step per `with ab.step(x, y):` block.
 
-    options = ABOptions
-    # The paper trains with AdamW and weight decay 0.1: decay shrinks the directions the
-    # gradient does not sustain, which is what a cut removes.
-    train_defaults = {"optimizer": "adamw", "weight_decay": 0.1}
+        model = Net()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        ab = hvd_lowcomm.ABTraining(model, opt, total_steps=epochs * len(loader))
+        for x, y in loader:
+            with ab.step(x, y):        # before: phase switches; after: exchange, opt.step()
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+        final = ab.full_model()        # the synced model as an ordinary network (collective)
 
-    def num_groups(self, world_size: int) -> int:
-        o = self.cfg.options
-        if o.groups:
-            return o.groups
-        import horovod.torch as hvd
+    Entering `step` applies the schedule's switch for this step (a re-factorisation measures
+    its cut on `x` and checks it against the labels `y`, or against the dense model's own
+    predictions when `y` is None); leaving it averages the gradients of what this rank trains
+    (inside its group in the group phase, over all ranks otherwise) and calls
+    `optimizer.step()`. The factors A and B join the parameter group of the weight they
+    replace, so the user's optimiser, its hyper-parameters and LR scheduler keep working;
+    `clip_grad_norm` clips the pooled gradient before that step. Frozen layers stay dense.
+    `total_steps` lets options below 1 mean fractions of the run; keyword options are those
+    of `ABOptions` (groups, warmup, sync_every, rank_rule, ...). Collective: every rank
+    constructs it and takes every step.
+    """
 
-        nodes = world_size // hvd.local_size()
-        return nodes if nodes > 1 else 2
-
-    def check_world(self, world_size: int) -> None:
-        groups = self.num_groups(world_size)
-        only_b = self.cfg.options.sync_mode == "only-b"
-        if groups < 2 and not only_b:
-            raise ConfigError(f"AB-training needs at least 2 groups (A-groups and B-groups), got {groups}: pass "
-                              f"--ab.groups 2 (or more) with a rank count it divides, or --ab.sync_mode only-b, "
-                              f"which trains B alone and allows one group")
-        runtime.group_layout(world_size, num_groups=groups)
-
-    def check_model(self, model: nn.Module) -> None:
-        """Factorise a copy and check it computes what the model does, dense and as A B at full
-        rank: a module that reads a child's weight itself would not see A and B."""
-        trial = copy.deepcopy(model)
-        layers, _ = factorize_model(trial, self.cfg.options.full_rank)
-        if self.data is None:
-            return
-        x = torch.randn(2, *self.data.input_shape, generator=torch.Generator().manual_seed(0))
-        model.eval()
-        trial.eval()
-        try:
-            with torch.no_grad():
-                expected = model(x)
-                for layer in layers.values():
-                    layer.factorize(rank=min(layer.tall_shape))
-                got = trial(x)
-        except Exception as err:  # noqa: BLE001 - any failure here is the model not fitting AB
-            raise ConfigError(f"AB-training cannot factorise this model: with {', '.join(layers)} as A B, its "
-                              f"forward fails ({type(err).__name__}: {err}); name the layer that is used in "
-                              f"an unusual way in --ab.full_rank") from None
-        finally:
-            model.train()
-        if not torch.allclose(got, expected, rtol=1e-3, atol=1e-4 * float(expected.abs().max()) + 1e-6):
-            raise ConfigError(f"AB-training cannot factorise this model: its output changes when "
-                              f"{', '.join(layers)} compute with A B (some module reads their weight "
-                              f"directly); keep such layers dense with --ab.full_rank")
-
-    # -- set-up --------------------------------------------------------------------------------
-    def setup(self, model: nn.Module) -> None:
-        o = self.cfg.options
-        self.model = model
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, total_steps: int | None = None,
+                 options: ABOptions | None = None, clip_grad_norm: float = 0.0, **kwargs: Any) -> None:
+        o = options or make_options(**kwargs)
+        o.validate()
+        self.options, self.model, self.optimizer, self.clip_grad_norm = o, model, optimizer, clip_grad_norm
+        groups = num_groups(o, runtime.size())
+        check_groups(o, groups, runtime.size())
         if o.init == "ortho-sigma":
             _ortho_sigma(model)
-        self.layers, self.dense_attention = factorize_model(model, o.full_rank)
+        # Frozen layers stay dense: their factors would otherwise be trained by the groups.
+        frozen = [name for name, m in model.named_modules() if isinstance(m, FACTORIZABLE) and not m.weight.requires_grad]
+        self.layers, self.dense_attention = factorize_model(model, [*o.full_rank, *frozen])
+        _add_factors_to_optimizer(optimizer, self.layers.values())
         self.full_parameters = sum(p.numel() for n, p in model.named_parameters() if not n.endswith((".A", ".B")))
-        groups = self.num_groups(runtime.size())
         self.group, self.all_groups = runtime.split_world(num_groups=groups, label="group")
         self.role = "B" if o.sync_mode == "only-b" or self.group.index >= groups // 2 else "A"
         a_ranks = sum(g.size for g in self.all_groups[: groups // 2])
         self.trainers = {"A": a_ranks, "B": runtime.size() - a_ranks} if o.sync_mode != "only-b" else \
             {"A": 0, "B": runtime.size()}
-        self.optimizer = make_optimizer(self.cfg, model.parameters())
-        broadcast_model_and_optimizer(model, self.optimizer)
+        broadcast_model_and_optimizer(model, optimizer)
         self.schedule: Schedule | None = None  # plan() knows the run's length; else made at the first step
-        self.step = 0
+        self.global_step = 0
         self.phase = "warmup"
         self.last_switch: int | None = None
-        self.base_lr = self.cfg.train.lr
         self.cuts: dict[str, dict[str, float]] = {}  # the latest re-factorisation, per layer
         self.undone_cuts = 0
         self._set_trainable()
         if self.dense_attention:
             self._say(f"kept dense inside nn.MultiheadAttention (it reads their weights itself): "
                       f"{', '.join(self.dense_attention)}")
+        if total_steps is not None:
+            self.plan(total_steps)
 
     def plan(self, total_steps: int) -> None:
-        self.schedule = Schedule(self.cfg.options, total_steps)
+        """Fix the schedule for a run of `total_steps` steps (resolves fractional options)."""
+        self.schedule = Schedule(self.options, total_steps)
         s = self.schedule
         self._say(f"schedule over {total_steps} steps: warm-up {s.warmup}, then cycles of {s.sync_every} group "
                   f"steps and {s.full_rank_steps} full-rank steps; LR rebound over {s.rebound_steps} steps")
 
     # -- one step ------------------------------------------------------------------------------
-    def set_lr(self, lr: float) -> None:
-        self.base_lr = lr  # applied in train_step, after this step's phase switch (if any)
-
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    @contextlib.contextmanager
+    def step(self, x: torch.Tensor, y: torch.Tensor | None = None) -> Iterator[None]:
+        """One training step around the caller's forward and backward pass (see the class)."""
         if self.schedule is None:
-            self.schedule = Schedule(self.cfg.options)  # steps only: a fraction needs plan()
+            self.schedule = Schedule(self.options)  # steps only: a fraction needs plan()
         self._advance(x, y)
-        for group in self.optimizer.param_groups:
-            group["lr"] = self._rebound_lr()
-        self.optimizer.zero_grad()
-        loss = F.cross_entropy(self.model(x), y)
-        loss.backward()
+        scheduled = [group["lr"] for group in self.optimizer.param_groups]
+        for group, lr in zip(self.optimizer.param_groups, scheduled):
+            group["lr"] = self._rebound_lr(lr)
+        try:
+            yield
+            self._exchange_gradients()
+            if self.clip_grad_norm:  # the pooled gradient of what this rank trains
+                torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
+                                               self.clip_grad_norm)
+            self.optimizer.step()
+            self.global_step += 1
+        finally:  # the caller's (or its scheduler's) learning rate, untouched by the rebound
+            for group, lr in zip(self.optimizer.param_groups, scheduled):
+                group["lr"] = lr
+
+    def _exchange_gradients(self) -> None:
         trained = [(f"ab.grad.{n}", p) for n, p in self.model.named_parameters() if p.requires_grad]
-        if self.phase == "group" and self.cfg.options.comm == "individual":
+        if self.phase == "group" and self.options.comm == "individual":
             trained = [(n, p) for n, p in trained if not n.endswith((".A", ".B"))]  # each rank keeps its own
-        where = self.group if self.phase == "group" else None  # None: all ranks
-        for (_, p), g in zip(trained, meter.allreduce_many(
-                [(n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in trained], where, op="average")):
-            p.grad = g
-        self.optimizer.step()
-        self.step += 1
-        return loss.item()
+        exchange_gradients(trained, self.group if self.phase == "group" else None)
 
     def agreement_group(self) -> runtime.Group | None:
-        """Groups run free: after a group step the loop checks (non-finite values) only inside
-        the group, unless the next step starts with a world collective anyway."""
-        if self.phase == "group" and self.schedule is not None and not self.schedule.transitions(self.step):
+        """Groups run free: after a group step, checks (non-finite values) belong inside the
+        group, unless the next step starts with a world collective anyway; None: all ranks."""
+        if self.phase == "group" and self.schedule is not None and not self.schedule.transitions(self.global_step):
             return self.group
         return None
 
-    def _advance(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        actions = self.schedule.transitions(self.step)
+    def _advance(self, x: torch.Tensor, y: torch.Tensor | None) -> None:
+        actions = self.schedule.transitions(self.global_step)
         for action in actions:
             if action == "factorize-first":
-                self._factorize(x, y, truncate=not self.cfg.options.first_full_rank)
+                self._factorize(x, y, truncate=not self.options.first_full_rank)
             elif action == "sync":
                 self._sync()
             else:
                 self._factorize(x, y, truncate=True)
-        phase = self.schedule.phase(self.step)
+        phase = self.schedule.phase(self.global_step)
         if actions or phase != self.phase:
-            self.last_switch = self.step
+            self.last_switch = self.global_step
         if phase != self.phase:
             self.phase = phase
             self._set_trainable()
-            self._say(f"step {self.step}: {phase} phase" + (
+            self._say(f"step {self.global_step}: {phase} phase" + (
                 f" (ranks {self._ranks_text()}, compression {self.compression_ratio():.2f}x)" if phase == "group" else ""))
         elif "refactorize" in actions:
-            self._say(f"step {self.step}: re-factorised (ranks {self._ranks_text()}, "
+            self._say(f"step {self.global_step}: re-factorised (ranks {self._ranks_text()}, "
                       f"compression {self.compression_ratio():.2f}x)")
 
-    def _rebound_lr(self) -> float:
-        o, length = self.cfg.options, self.schedule.rebound_steps
+    def _rebound_lr(self, lr: float) -> float:
+        o, length = self.options, self.schedule.rebound_steps
         if self.last_switch is None or length == 0:
-            return self.base_lr
-        progress = min(1.0, (self.step - self.last_switch) / length)
-        return o.rebound_lr + (self.base_lr - o.rebound_lr) * progress
+            return lr
+        progress = min(1.0, (self.global_step - self.last_switch) / length)
+        return o.rebound_lr + (lr - o.rebound_lr) * progress
 
     def _set_trainable(self) -> None:
         grouped = self.phase == "group"
@@ -313,11 +295,11 @@ class ABTraining(Method):
             layer.B.requires_grad_(grouped and self.role == "B")
 
     # -- factorise, sync -------------------------------------------------------------------------
-    def _factorize(self, x: torch.Tensor, y: torch.Tensor, truncate: bool) -> None:
+    def _factorize(self, x: torch.Tensor, y: torch.Tensor | None, truncate: bool) -> None:
         """Factorise every layer; with `truncate`, at the ranks the rule and floor choose,
         agreed over all ranks (MAX), and checked against the pooled accuracy of this step's
         batch (the floor halves until the cut costs at most max_accuracy_drop)."""
-        o = self.cfg.options
+        o = self.options
         layers = list(self.layers.values())
         old = [{"A": layer.A.shape, "B": layer.B.shape} for layer in layers]
         svds = [layer.svd() for layer in layers]
@@ -331,6 +313,7 @@ class ABTraining(Method):
             return
         with self._probing() as logits_of:
             dense_logits = logits_of(x, record=True)
+            labels = dense_logits.argmax(1) if y is None else y  # no labels: agreement with the dense model
             energies = [layer.component_energy(svd) for layer, svd in zip(layers, svds)]
             floor = o.max_output_error
             while True:
@@ -341,14 +324,14 @@ class ABTraining(Method):
                 for layer, rank, svd in zip(layers, ranks, svds):
                     layer.factorize(rank=int(rank), svd=svd)
                 cut_logits = logits_of(x)
-                correct = torch.tensor([(dense_logits.argmax(1) == y).sum(), (cut_logits.argmax(1) == y).sum(), len(y)],
-                                       dtype=torch.float64)
+                correct = torch.tensor([(dense_logits.argmax(1) == labels).sum(), (cut_logits.argmax(1) == labels).sum(),
+                                        len(labels)], dtype=torch.float64)
                 before, after, count = meter.allreduce_many([("ab.cut_check", correct)], None, op="sum")[0].tolist()
                 drop = (before - after) / count
                 if drop <= o.max_accuracy_drop or floor == 0.0:
                     break
                 self.undone_cuts += 1
-                self._say(f"step {self.step}: a cut at ranks {ranks} lowered the batch accuracy by "
+                self._say(f"step {self.global_step}: a cut at ranks {ranks} lowered the batch accuracy by "
                           f"{100 * drop:.1f} points; keeping more rank")
                 floor = floor / 2 if floor > o.max_output_error / 8 else 0.0
         self.cuts = {name: {"rank": int(rank), "compression": layer.full_size / layer.factor_size(int(rank)),
@@ -395,7 +378,7 @@ class ABTraining(Method):
             state = self.optimizer.state.get(param)
             if not state:
                 continue
-            if self.cfg.options.reset_optimizer:
+            if self.options.reset_optimizer:
                 del self.optimizer.state[param]
                 continue
             for key, value in state.items():
@@ -404,7 +387,7 @@ class ABTraining(Method):
 
     def _sync(self) -> None:
         """Combine the groups' factors by sync mode, W = A B, average everything else."""
-        mode = self.cfg.options.sync_mode
+        mode = self.options.sync_mode
         layers = list(self.layers.items())
         if mode == "full":
             named = [(f"ab.sync.W.{n}", layer.weight().detach()) for n, layer in layers]
@@ -437,7 +420,7 @@ class ABTraining(Method):
             t.data.copy_(value)
 
     @contextlib.contextmanager
-    def _synced(self) -> Iterator[nn.Module]:
+    def synced(self) -> Iterator[nn.Module]:
         """The model a sync would give now (collective in the group phase: a sync on a copy of
         the state, whose traffic counts in the current meter phase); the groups' own factors
         are restored afterwards."""
@@ -455,20 +438,11 @@ class ABTraining(Method):
 
     def full_model(self) -> nn.Module:
         """The synchronised model as an ordinary module (factorised layers back to dense ones
-        holding W = A B), the same on every rank; collective."""
-        with self._synced() as model:
+        holding W = A B), the same on every rank; collective (its traffic counts as eval)."""
+        with meter.in_phase("eval"), self.synced() as model:
             return unfactorized_copy(model)
 
-    # -- evaluation and reporting ----------------------------------------------------------------
-    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int, float]:
-        """Accuracy of the model a sync would give now."""
-        with self._synced():
-            return super().evaluate(batches)
-
-    def final_state_dict(self) -> dict[str, Any] | None:
-        with meter.in_phase("eval"), self._synced() as model:  # collective; only rank 0 copies
-            return unfactorized_copy(model).state_dict() if runtime.rank() == 0 else None
-
+    # -- reporting --------------------------------------------------------------------------------
     def _parameter_counts(self) -> tuple[int, int, int]:
         """(parameters outside the factorised layers' weights, in A and B at the current ranks,
         in A and B at rank 1)."""
@@ -511,13 +485,13 @@ class ABTraining(Method):
             tqdm.write(f"ab: {text}")
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "ab": {"step": self.step, "phase": self.phase, "last_switch": self.last_switch,
-                                               "factorized": {n: l.factorized for n, l in self.layers.items()},
-                                               "cuts": self.cuts, "undone_cuts": self.undone_cuts,
-                                               "noise_edges": {n: l.noise_edge for n, l in self.layers.items()}}}
-
-    def state_owner(self) -> int:
-        return self.group.ranks[0]  # groups train different factors; ranks of a group agree
+        """Everything needed to resume: model (with its factors), optimiser and schedule state.
+        Ranks of one group hold the same state; groups differ in the group phase."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "ab": {"step": self.global_step, "phase": self.phase, "last_switch": self.last_switch,
+                       "factorized": {n: l.factorized for n, l in self.layers.items()},
+                       "cuts": self.cuts, "undone_cuts": self.undone_cuts,
+                       "noise_edges": {n: l.noise_edge for n, l in self.layers.items()}}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         model_state = state["model"]
@@ -525,13 +499,141 @@ class ABTraining(Method):
             layer.A.data = torch.empty_like(model_state[f"{name}.A"])
             layer.B.data = torch.empty_like(model_state[f"{name}.B"])
             layer.factorized = state["ab"]["factorized"][name]
-        super().load_state_dict(state)
+        self.model.load_state_dict(model_state)
+        self.optimizer.load_state_dict(state["optimizer"])
         ab = state["ab"]
-        self.step, self.phase, self.last_switch = ab["step"], ab["phase"], ab["last_switch"]
+        self.global_step, self.phase, self.last_switch = ab["step"], ab["phase"], ab["last_switch"]
         self.cuts, self.undone_cuts = ab.get("cuts", {}), ab.get("undone_cuts", 0)
         for name, edge in ab.get("noise_edges", {}).items():
             self.layers[name].noise_edge = edge
         self._set_trainable()
+
+
+def make_options(**kwargs: Any) -> ABOptions:
+    """ABOptions from keyword arguments, with a clear error for a misspelt one."""
+    known = {f.name for f in dataclasses.fields(ABOptions)}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ConfigError(f"unknown AB-training option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return ABOptions(**kwargs)
+
+
+def num_groups(options: ABOptions, world_size: int) -> int:
+    """The group count: as given, or one per node on several nodes, else 2."""
+    if options.groups:
+        return options.groups
+    import horovod.torch as hvd
+
+    nodes = world_size // hvd.local_size()
+    return nodes if nodes > 1 else 2
+
+
+def check_groups(options: ABOptions, groups: int, world_size: int) -> None:
+    if groups < 2 and options.sync_mode != "only-b":
+        raise ConfigError(f"AB-training needs at least 2 groups (A-groups and B-groups), got {groups}: pass "
+                          f"--ab.groups 2 (or more) with a rank count it divides, or --ab.sync_mode only-b, "
+                          f"which trains B alone and allows one group")
+    runtime.group_layout(world_size, num_groups=groups)
+
+
+def check_factorizable(model: nn.Module, full_rank: list[str], example: torch.Tensor) -> None:
+    """Factorise a copy and check it computes what the model does, dense and as A B at full
+    rank: a module that reads a child's weight itself would not see A and B."""
+    trial = copy.deepcopy(model)
+    layers, _ = factorize_model(trial, full_rank)
+    model.eval()
+    trial.eval()
+    try:
+        with torch.no_grad():
+            expected = model(example)
+            for layer in layers.values():
+                layer.factorize(rank=min(layer.tall_shape))
+            got = trial(example)
+    except Exception as err:  # noqa: BLE001 - any failure here is the model not fitting AB
+        raise ConfigError(f"AB-training cannot factorise this model: with {', '.join(layers)} as A B, its "
+                          f"forward fails ({type(err).__name__}: {err}); name the layer that is used in "
+                          f"an unusual way in --ab.full_rank") from None
+    finally:
+        model.train()
+    if not torch.allclose(got, expected, rtol=1e-3, atol=1e-4 * float(expected.abs().max()) + 1e-6):
+        raise ConfigError(f"AB-training cannot factorise this model: its output changes when "
+                          f"{', '.join(layers)} compute with A B (some module reads their weight "
+                          f"directly); keep such layers dense with --ab.full_rank")
+
+
+def _add_factors_to_optimizer(optimizer: torch.optim.Optimizer, layers: Iterable[FactorizedLayer]) -> None:
+    """A and B join the parameter group of the weight they replace (its LR, decay...)."""
+    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    for layer in layers:
+        group = group_of.get(id(layer.layer.weight))
+        if group is None:
+            raise ConfigError("AB-training: the optimiser does not hold the weight of a layer it factorises; "
+                              "make the optimiser over model.parameters() (frozen layers: list them in full_rank)")
+        present = {id(p) for p in group["params"]}
+        group["params"].extend(p for p in (layer.A, layer.B) if id(p) not in present)
+
+
+@register("ab")
+class AB(Method):
+    """`--method ab`: ABTraining driven by the built-in loop."""
+
+    options = ABOptions
+    # The paper trains with AdamW and weight decay 0.1: decay shrinks the directions the
+    # gradient does not sustain, which is what a cut removes.
+    train_defaults = {"optimizer": "adamw", "weight_decay": 0.1}
+
+    def check_world(self, world_size: int) -> None:
+        o = self.cfg.options
+        check_groups(o, num_groups(o, world_size), world_size)
+
+    def check_model(self, model: nn.Module) -> None:
+        factorize_model(copy.deepcopy(model), self.cfg.options.full_rank)  # names in full_rank exist
+        if self.data is not None:
+            example = torch.randn(2, *self.data.input_shape, generator=torch.Generator().manual_seed(0))
+            check_factorizable(model, self.cfg.options.full_rank, example)
+
+    def setup(self, model: nn.Module) -> None:
+        self.model = model
+        self.optimizer = make_optimizer(self.cfg, model.parameters())
+        self.trainer = ABTraining(model, self.optimizer, options=self.cfg.options,
+                                  clip_grad_norm=self.cfg.train.clip_grad_norm)
+
+    def plan(self, total_steps: int) -> None:
+        self.trainer.plan(total_steps)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        with self.trainer.step(x, y):
+            self.optimizer.zero_grad()
+            loss = F.cross_entropy(self.model(x), y)
+            loss.backward()
+        return loss.item()
+
+    def agreement_group(self) -> runtime.Group | None:
+        return self.trainer.agreement_group()
+
+    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int, float]:
+        """Accuracy of the model a sync would give now."""
+        with self.trainer.synced():
+            return super().evaluate(batches)
+
+    def final_state_dict(self) -> dict[str, Any] | None:
+        with meter.in_phase("eval"), self.trainer.synced() as model:  # collective; only rank 0 copies
+            return unfactorized_copy(model).state_dict() if runtime.rank() == 0 else None
+
+    def epoch_metrics(self) -> dict[str, Any]:
+        return self.trainer.epoch_metrics()
+
+    def summary_metrics(self) -> dict[str, Any]:
+        return self.trainer.summary_metrics()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.trainer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.trainer.load_state_dict(state)
+
+    def state_owner(self) -> int:
+        return self.trainer.group.ranks[0]  # groups train different factors; ranks of a group agree
 
 
 def _ortho_sigma(model: nn.Module) -> None:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -43,6 +42,9 @@ class Method:
     # Training options this method trains best with, applied where the user set none
     # (e.g. {"optimizer": "adamw", "weight_decay": 0.1}).
     train_defaults: dict[str, Any] = {}
+    # Whether this method sends its gradients as comm.compression says (else that option is
+    # refused for it rather than silently ignored).
+    honours_compression = False
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -151,18 +153,6 @@ def make_optimizer(cfg: Config, params: Iterable[torch.nn.Parameter]) -> torch.o
     raise ValueError(f"unknown optimizer {t.optimizer!r}")
 
 
-def scheduled_lr(cfg: Config, step: int, total_steps: int) -> float:
-    """Learning rate for `step` (0-based) of `total_steps`: linear warm-up, then constant or
-    cosine decay to zero at the end of the run."""
-    t = cfg.train
-    if step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    if t.lr_schedule == "constant":
-        return t.lr
-    progress = (step - t.warmup_steps) / max(1, total_steps - t.warmup_steps)
-    return t.lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
 def broadcast_model_and_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                                   root_rank: int = 0, group: runtime.Group | None = None) -> None:
     """Make every rank of `group` start from `root_rank`'s parameters and optimiser state."""
@@ -173,6 +163,18 @@ def broadcast_model_and_optimizer(model: torch.nn.Module, optimizer: torch.optim
             [(f"optimizer.{index}.{key}", value) for index, entry in sorted(state.items())
              for key, value in sorted(entry.items()) if torch.is_tensor(value)],
             root_rank, group)
+
+
+def exchange_gradients(named: Iterable[tuple[str, torch.nn.Parameter]], group: runtime.Group | None = None,
+                       op: str = "average") -> None:
+    """Replace every parameter's gradient by its `op` over `group` (None: all ranks), one
+    metered, fused allreduce for all of them; a parameter without a gradient takes part with
+    zeros (every rank must send the same tensors) and gets the pooled value."""
+    named = list(named)
+    pooled = meter.allreduce_many([(n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in named],
+                                  group, op=op)
+    for (_, p), g in zip(named, pooled):
+        p.grad = g
 
 
 class GradientExchange(torch.optim.Optimizer):

@@ -376,6 +376,8 @@ class RankDadOptions(DadOptions):
 class DistributedAutoDiff(DataParallel):
     """Exact dAD: allgather [activations | deltas] per planned layer, allreduce the rest."""
 
+    honours_compression = False  # rows and factors travel in fp32
+
     options = DadOptions
     edad = False
 

@@ -50,6 +50,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
 class DataParallel(Method):
     """Every gradient averaged over all ranks at every step (Horovod allreduce)."""
 
+    honours_compression = True
+
     def setup(self, model: torch.nn.Module) -> None:
         self.model = model
         optimizer = make_optimizer(self.cfg, model.parameters())
@@ -65,5 +67,12 @@ class DataParallel(Method):
         self.optimizer.zero_grad()
         loss = F.cross_entropy(self.model(x), y)
         loss.backward()
-        self.optimizer.step()
+        clip = self.cfg.train.clip_grad_norm
+        if clip:  # on the pooled gradient: exchange first, then clip, then step without a second exchange
+            self.optimizer.synchronize()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+            with self.optimizer.skip_synchronize():
+                self.optimizer.step()
+        else:
+            self.optimizer.step()
         return loss.item()

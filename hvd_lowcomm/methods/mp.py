@@ -26,8 +26,12 @@ class Partitioned(Method):
     needs_deep_partitions = False
 
     def check_world(self, world_size: int) -> None:
+        from hvd_lowcomm.config import ConfigError
         from hvd_lowcomm.runtime import group_layout
 
+        if self.cfg.train.clip_grad_norm:
+            raise ConfigError(f"{self.name} does not support train.clip_grad_norm: each partition holds only its "
+                              f"part of the gradient, so no rank knows its norm; leave it at 0 for {self.name}")
         group_layout(world_size, num_groups=self.cfg.options.partitions)
 
     def check_model(self, model: torch.nn.Module) -> None:
@@ -38,7 +42,7 @@ class Partitioned(Method):
     def setup(self, model: torch.nn.Module) -> None:
         from hvd_lowcomm import runtime
 
-        self.layout = Layout(model, self.cfg.options, self.data.input_shape, self.needs_deep_partitions)
+        self.layout = self.make_layout(model)
         self.model = self.layout.module
         self.optimizer = make_optimizer(self.cfg, self.model.parameters())
         # Replicas of a partition start equal (the whole model was built from one seed already).
@@ -50,6 +54,9 @@ class Partitioned(Method):
             tqdm.write(f"{self.name}: {describe(self.layout)}")
             for warning in self.partition_warnings():
                 tqdm.write(f"warning: {warning}")
+
+    def make_layout(self, model: torch.nn.Module) -> Layout:
+        return Layout(model, self.cfg.options, self.data.input_shape, self.needs_deep_partitions)
 
     def partition_warnings(self) -> list[str]:
         return []

@@ -181,6 +181,8 @@ class PowerSGDOptions:
 class PowerSGD(DataParallel):
     """Gradients compressed to rank-r factors before they are averaged (PowerSGD)."""
 
+    honours_compression = False  # its own compression
+
     options = PowerSGDOptions
 
     def distribute(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> torch.optim.Optimizer:

@@ -30,7 +30,7 @@ input (`collapsed`), which is warned.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -40,7 +40,8 @@ from hvd_lowcomm import runtime
 from hvd_lowcomm.config import ConfigError, option
 from hvd_lowcomm.methods import register
 from hvd_lowcomm.methods.mp import Partitioned
-from hvd_lowcomm.partition import FORWARD, PartitionOptions, pipeline_evaluate, pipeline_train_step, shallow_partitions
+from hvd_lowcomm.partition import (FORWARD, Layout, PartitionOptions, joined_state_dict, pipeline_evaluate,
+                                   pipeline_train_step, shallow_partitions)
 from hvd_lowcomm.traffic import meter
 
 
@@ -90,16 +91,150 @@ def class_codes(seed: int, cut: int, classes: int, shape: tuple[int, ...], kappa
     return kappa * draw(classes, *shape, generator=generator)
 
 
+class SIL:
+    """SIL for a user's own `nn.Sequential` model and training loop.
+
+        sil = hvd_lowcomm.SIL(model, input_shape=(1, 28, 28), num_classes=10)   # cut, codes
+        opt = torch.optim.Adam(sil.module.parameters(), lr=1e-3)               # this rank's part
+        sampler = DistributedSampler(train_set, sil.data_replicas, sil.data_rank)
+        for x, y in loader:
+            sil.step(opt, x, y)                # toward the codes; nothing leaves the group
+        correct, count, _ = sil.evaluate(test_batches)   # the joined network (collective)
+
+    The world is split into `partitions` groups of contiguous ranks; this rank keeps only its
+    partition (`module`; the others' tensors are released). `cuts` are where partitions 2..K
+    start: indices or child names of the Sequential; None chooses a cut that gives every
+    partition two weight layers with a non-linearity between them, balanced by parameters.
+    Ranks at the same position in their groups (`data_rank` of `data_replicas`) must read the
+    same samples when activations pass between them (`evaluate`, `recovery_step`). With
+    `from_codes` False a later partition learns from the `x` it is given (sequential SIL: the
+    previous partition's real outputs) instead of the previous cut's codes.
+    """
+
+    def __init__(self, model: torch.nn.Module, input_shape: tuple[int, ...], num_classes: int, partitions: int = 2,
+                 cuts: list[int | str] | None = None, kappa: float = 1.0, code_distribution: str = "uniform",
+                 noise: float = 0.3, seed: int = 42, from_codes: bool = True) -> None:
+        options = PartitionOptions(partitions=partitions, cuts=_cut_indices(model, cuts or []))
+        options.validate()
+        if kappa <= 0 or noise < 0:
+            raise ConfigError(f"SIL needs kappa > 0 and noise >= 0, got kappa {kappa}, noise {noise}")
+        self.kappa, self.noise, self.from_codes = kappa, noise, from_codes
+        self.layout = Layout(model, options, tuple(input_shape), need_depth=True)
+        self.module = self.layout.module
+        group = self.layout.group
+        with meter.in_phase("setup"):  # replicas of a partition start equal
+            runtime.broadcast_parameters(self.module.state_dict(), group.ranks[0], group)
+            code_seed = torch.tensor([np.random.default_rng(seed).integers(2**31 - 1)], dtype=torch.int64)
+            meter.broadcast_(code_seed, 0, "sil.code_seed")  # drawn once on rank 0, regenerated everywhere
+        self.code_seed = int(code_seed.item())
+        self.codes = {cut: class_codes(self.code_seed, cut, num_classes, self.layout.shapes[cut], kappa,
+                                       code_distribution) for cut in range(1, partitions)}
+        self.generator = torch.Generator().manual_seed(self.code_seed + runtime.rank())
+        self.diagnostics: dict[str, Any] = {}
+
+    @property
+    def index(self) -> int:
+        """This rank's partition (0-based)."""
+        return self.layout.index
+
+    @property
+    def data_rank(self) -> int:
+        return self.layout.group.rank_of(runtime.rank())
+
+    @property
+    def data_replicas(self) -> int:
+        return self.layout.group.size
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """This partition's own objective: the first maps x, a later one the previous cut's
+        codes (with noise), onto the next cut's codes (MSE); the last onto y (cross-entropy)."""
+        k = self.layout.index
+        inputs = x
+        if k > 0 and self.from_codes:
+            inputs = self.codes[k][y]
+            if self.noise:
+                inputs = inputs + self.noise * self.kappa * torch.randn(inputs.shape, generator=self.generator)
+        out = self.module(inputs.to(x.device))
+        return F.cross_entropy(out, y) if self.layout.last else F.mse_loss(out, self.codes[k + 1][y].to(out.device))
+
+    def step(self, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One step of this partition: its loss, gradients averaged in its group, optimiser
+        step; returns the local loss."""
+        optimizer.zero_grad()
+        loss = self.loss(x, y)
+        loss.backward()
+        self.layout.average_gradients()
+        optimizer.step()
+        return loss.item()
+
+    def recovery_step(self, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One end-to-end step of the joined network (model parallel: activations forward,
+        gradients back); the loss on the last partition, 0.0 elsewhere."""
+        return pipeline_train_step(self.layout, optimizer, x, y)
+
+    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int, float]:
+        """(correct, count, loss sum) of the joined network on the last partition (zeros
+        elsewhere); collective over partitions. A partition that feeds a cut also measures its
+        outputs against the next cut's codes (`diagnostics`: code_accuracy, cut_spread,
+        collapsed)."""
+        with meter.in_phase("eval"):
+            return self._evaluate(batches)
+
+    def _evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int, float]:
+        if self.layout.last:
+            return pipeline_evaluate(self.layout, batches)
+        codes = self.codes[self.layout.index + 1].flatten(1)
+        hits, rows, spread, size = 0, 0, [], []
+
+        def observe(out: torch.Tensor, y: torch.Tensor) -> None:
+            nonlocal hits, rows
+            out = out.flatten(1)
+            hits += (torch.cdist(out, codes).argmin(1) == y).sum().item()
+            rows += len(y)
+            if len(y) > 1:
+                spread.append(out.std(0).mean().item())
+                size.append(out.pow(2).mean().sqrt().item())
+
+        counts = pipeline_evaluate(self.layout, batches, observe)
+        spread_mean, size_mean = (sum(v) / max(len(v), 1) for v in (spread, size))
+        # Collapsed: the outputs barely vary across samples for their size (or are all zero),
+        # i.e. the partition maps every input to about the same point.
+        self.diagnostics = {"code_accuracy": hits / max(rows, 1),
+                            "cut_spread": spread_mean / max(codes.std(0).mean().item(), 1e-12),
+                            "collapsed": spread_mean <= COLLAPSED_SPREAD * size_mean,
+                            "spread": spread_mean, "size": size_mean}
+        return counts
+
+    def joined_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's ordinary state dict on global rank 0 (None elsewhere); collective."""
+        return joined_state_dict(self.layout)
+
+
+def _cut_indices(model: torch.nn.Module, cuts: list[int | str]) -> list[int]:
+    """Cut points given as child indices or names of a Sequential, as indices."""
+    names = [name for name, _ in model.named_children()]
+    indices = []
+    for cut in cuts:
+        if isinstance(cut, str) and not cut.isdigit():
+            if cut not in names:
+                raise ConfigError(f"SIL cut {cut!r} is not a child of the model; its children: {', '.join(names)}")
+            indices.append(names.index(cut))
+        else:
+            indices.append(int(cut))
+    return indices
+
+
+# A partition whose outputs vary across samples by less than this share of their size has
+# collapsed onto one point (a trained one varies about half its size, an untrained one too).
+COLLAPSED_SPREAD = 0.02
+
+
 @register("sil")
 class SyntheticIntermediateLabels(Partitioned):
     """SIL: each partition learns on its own toward random class codes at the cuts."""
 
     options = SILOptions
     needs_deep_partitions = True
-    # A partition whose outputs vary across samples by less than this share of their size has
-    # collapsed onto one point (a trained one varies about half its size, an untrained one too).
-    COLLAPSED_SPREAD = 0.02
-
     def partition_warnings(self) -> list[str]:
         spatial = [k for k in range(1, self.layout.count) if len(self.layout.shapes[k]) > 1]
         conv = [f"SIL cuts this model inside its convolutional part (cut {k}: codes are random "
@@ -112,8 +247,13 @@ class SyntheticIntermediateLabels(Partitioned):
                 f"sil.cuts empty for a cut that avoids this)"
                 for k in shallow_partitions(self.layout.table)]
 
+    def make_layout(self, model: torch.nn.Module) -> Layout:
+        o = self.cfg.options
+        self.sil = SIL(model, self.data.input_shape, self.data.num_classes, o.partitions, o.cuts, o.kappa,
+                       o.code_distribution, o.noise, self.cfg.train.seed, from_codes=o.mode == "parallel")
+        return self.sil.layout
+
     def setup(self, model: torch.nn.Module) -> None:
-        self.diagnostics: dict[str, float] = {}
         super().setup(model)
         o, k = self.cfg.options, self.layout.index
         self.partition_epochs = o.epochs or [self.cfg.train.epochs] * o.partitions
@@ -122,19 +262,23 @@ class SyntheticIntermediateLabels(Partitioned):
         self.window = (starts[k], starts[k] + self.partition_epochs[k] - 1)
         self.starts = starts
         self.training_epochs = max(s + e - 1 for s, e in zip(starts, self.partition_epochs))
-        seed = torch.tensor([np.random.default_rng(self.cfg.train.seed).integers(2**31 - 1)], dtype=torch.int64)
-        with meter.in_phase("setup"):
-            meter.broadcast_(seed, 0, "sil.code_seed")  # drawn once on rank 0, regenerated everywhere
-        self.code_seed = int(seed.item())
-        classes = self.data.num_classes
-        self.codes = {cut: class_codes(self.code_seed, cut, classes, self.layout.shapes[cut], o.kappa,
-                                       o.code_distribution) for cut in range(1, o.partitions)}
         self.lr_scale = (o.lr[k] / self.cfg.train.lr) if o.lr else 1.0
         self.phase = "idle"
         self.total_steps: int | None = None  # set by plan()
         self.stored_inputs: torch.Tensor | None = None
         self.train_split: Any = None
-        self.generator = torch.Generator().manual_seed(self.code_seed + runtime.rank())
+
+    @property
+    def codes(self) -> dict[int, torch.Tensor]:
+        return self.sil.codes
+
+    @property
+    def code_seed(self) -> int:
+        return self.sil.code_seed
+
+    @property
+    def diagnostics(self) -> dict[str, Any]:
+        return {k: v for k, v in self.sil.diagnostics.items() if k not in ("spread", "size")}
 
     lockstep = False  # in sequential mode some partitions idle while others train
 
@@ -169,7 +313,7 @@ class SyntheticIntermediateLabels(Partitioned):
 
     def set_lr(self, lr: float) -> None:
         if self.cfg.options.recovery_epochs and self.total_steps:
-            from hvd_lowcomm.methods.base import scheduled_lr
+            from hvd_lowcomm.schedule import scheduled_lr
 
             done, training = meter.step, self.training_steps
             lr = scheduled_lr(self.cfg, done, training) if done < training else \
@@ -178,21 +322,8 @@ class SyntheticIntermediateLabels(Partitioned):
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         if self.phase == "recovery":
-            return pipeline_train_step(self.layout, self.optimizer, x, y)
-        k = self.layout.index
-        inputs = x
-        if k > 0 and self.cfg.options.mode == "parallel":
-            inputs = self.codes[k][y]
-            if self.cfg.options.noise:
-                std = self.cfg.options.noise * self.cfg.options.kappa
-                inputs = inputs + std * torch.randn(inputs.shape, generator=self.generator)
-        self.optimizer.zero_grad()
-        out = self.model(inputs)
-        loss = F.cross_entropy(out, y) if self.layout.last else F.mse_loss(out, self.codes[k + 1][y])
-        loss.backward()
-        self.layout.average_gradients()
-        self.optimizer.step()
-        return loss.item()
+            return self.sil.recovery_step(self.optimizer, x, y)
+        return self.sil.step(self.optimizer, x, y)
 
     def _hand_over(self, cut: int) -> None:
         """Sequential mode: partition cut-1 (frozen now) sends its outputs for the whole training
@@ -218,37 +349,16 @@ class SyntheticIntermediateLabels(Partitioned):
             self.stored_inputs = table
 
     def evaluate(self, batches: Any) -> tuple[int, int, float]:
-        """The joined network's counts; a partition that feeds a cut also measures its outputs
-        against the next cut's codes."""
-        if self.layout.last:
-            return pipeline_evaluate(self.layout, batches)
-        codes = self.codes[self.layout.index + 1].flatten(1)
-        hits, rows, spread, size = 0, 0, [], []
-
-        def observe(out: torch.Tensor, y: torch.Tensor) -> None:
-            nonlocal hits, rows
-            out = out.flatten(1)
-            hits += (torch.cdist(out, codes).argmin(1) == y).sum().item()
-            rows += len(y)
-            if len(y) > 1:
-                spread.append(out.std(0).mean().item())
-                size.append(out.pow(2).mean().sqrt().item())
-
-        counts = pipeline_evaluate(self.layout, batches, observe)
-        spread_mean, size_mean = (sum(v) / max(len(v), 1) for v in (spread, size))
-        # Collapsed: the outputs barely vary across samples for their size (or are all zero),
-        # i.e. the partition maps every input to about the same point.
-        collapsed = spread_mean <= self.COLLAPSED_SPREAD * size_mean
-        self.diagnostics = {"code_accuracy": hits / max(rows, 1),
-                            "cut_spread": spread_mean / max(codes.std(0).mean().item(), 1e-12),
-                            "collapsed": collapsed}
+        """The joined network's counts; warns when a partition feeding a cut has collapsed."""
+        counts = self.sil.evaluate(batches)
+        d = self.sil.diagnostics
         leader = self.layout.group.rank_of(runtime.rank()) == 0
-        if leader and self.phase != "idle" and collapsed:
+        if leader and self.phase != "idle" and d.get("collapsed"):
             from tqdm import tqdm
 
             tqdm.write(f"warning: SIL partition {self.layout.index} has collapsed: its outputs are about the same "
-                       f"for every input (spread across samples {spread_mean:.3g}, size {size_mean:.3g}; nearest-code "
-                       f"accuracy {100 * self.diagnostics['code_accuracy']:.1f}%); lower its learning rate (--sil.lr, "
+                       f"for every input (spread across samples {d['spread']:.3g}, size {d['size']:.3g}; nearest-code "
+                       f"accuracy {100 * d['code_accuracy']:.1f}%); lower its learning rate (--sil.lr, "
                        f"--train.lr) or check that it has depth on both sides of the cut")
         return counts
 
@@ -267,10 +377,10 @@ class SyntheticIntermediateLabels(Partitioned):
         assert state["sil"]["code_seed"] == self.code_seed, "SIL codes differ from the checkpoint's"
 
     def local_state_dict(self) -> dict[str, Any]:
-        return {"noise_generator": self.generator.get_state()}
+        return {"noise_generator": self.sil.generator.get_state()}
 
     def load_local_state_dict(self, state: dict[str, Any]) -> None:
-        self.generator.set_state(state["noise_generator"])
+        self.sil.generator.set_state(state["noise_generator"])
 
 
 class _SILBatches:

@@ -6,6 +6,7 @@ partitioning methods can cut it between layers) except torchvision ones. An empt
 """
 from __future__ import annotations
 
+import importlib
 import math
 from typing import Sequence
 
@@ -62,11 +63,34 @@ DEFAULT_HIDDEN = {"mlp": [256, 128], "cnn": [32, 64], "sil6": [256] * 5}
 
 
 def build_model(cfg: ModelConfig, input_shape: Sequence[int], num_classes: int) -> nn.Module:
+    if ":" in cfg.name and not cfg.name.startswith("tv:"):
+        return _factory_model(cfg.name, tuple(input_shape), num_classes, cfg.kwargs)
+    if cfg.kwargs:
+        raise ConfigError(f"model.kwargs is for a 'module:factory' model; {cfg.name} takes --model.hidden and "
+                          f"--model.dropout")
     if cfg.name.startswith("tv:"):
         return _torchvision_model(cfg.name[3:], num_classes)
     if cfg.name not in ZOO:
         raise ConfigError(f"unknown model {cfg.name!r}; available: {', '.join(ZOO)}, tv:<torchvision name>")
     return ZOO[cfg.name](input_shape, num_classes, cfg.hidden or DEFAULT_HIDDEN[cfg.name], cfg.dropout)
+
+
+def _factory_model(name: str, input_shape: tuple[int, ...], num_classes: int, kwargs: dict) -> nn.Module:
+    """The user's own model: factory(input_shape, num_classes, **kwargs) from an importable module."""
+    module_name, _, factory_name = name.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), factory_name)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"model {name!r} cannot be loaded: {err} (is {module_name} importable from where mpirun "
+                          f"starts, e.g. on PYTHONPATH?)") from None
+    try:
+        model = factory(input_shape, num_classes, **kwargs)
+    except TypeError as err:
+        raise ConfigError(f"model {name}: calling {factory_name}(input_shape={input_shape}, num_classes={num_classes}"
+                          f"{''.join(f', {k}={v!r}' for k, v in kwargs.items())}) failed: {err}") from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model {name}: {factory_name}() returned {type(model).__name__}, not a torch.nn.Module")
+    return model
 
 
 def _torchvision_model(name: str, num_classes: int) -> nn.Module:

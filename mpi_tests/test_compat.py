@@ -1,0 +1,138 @@
+"""The compatibility matrix (README): each supported cell is checked here against a
+single-process reference on the pooled batch; unsupported ones are refused before training."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hvd_lowcomm
+from conftest import RANK, SIZE
+from hvd_lowcomm import config
+from hvd_lowcomm.config import ConfigError
+from hvd_lowcomm.methods import get_method
+from hvd_lowcomm.models import mlp
+
+LOCAL = 8
+
+
+def pooled_problem():
+    torch.manual_seed(1234)  # the same on every rank
+    model = mlp((6,), 3, [16, 8])
+    x, y = torch.randn(SIZE * LOCAL, 6), torch.randint(0, 3, (SIZE * LOCAL,))
+    return model, x, y, slice(RANK * LOCAL, (RANK + 1) * LOCAL)
+
+
+@pytest.mark.parametrize("name", ["ddp", "powersgd", "dad", "ab"])
+def test_clip_grad_norm_clips_the_pooled_gradient(world, name):
+    """SGD at lr 1 with a tiny clip: the step is -clip x the pooled gradient's direction (a clip
+    of each rank's own gradient would give each rank a different step)."""
+    model, x, y, local = pooled_problem()
+    reference = copy.deepcopy(model)
+    F.cross_entropy(reference(x), y).backward()
+    pooled = torch.cat([p.grad.flatten() for p in reference.parameters()])
+    clip = 0.01
+    assert pooled.norm() > 10 * clip
+    method = get_method(name)(config.load(["--method", name, "--train.optimizer", "sgd", "--train.momentum", "0",
+                                           "--train.weight_decay", "0", "--train.lr", "1",
+                                           "--train.clip_grad_norm", str(clip)]))
+    method.setup(model)
+    method.plan(100)
+    before = [p.detach().clone() for p in reference.parameters()]
+    method.train_step(x[local], y[local])
+    dense = [p for n, p in model.named_parameters() if not n.endswith((".A", ".B"))]  # ab: W, not its factors
+    step = torch.cat([(p.detach() - b).flatten() for p, b in zip(dense, before)])
+    torch.testing.assert_close(step, -clip * pooled / pooled.norm(), rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["sil", "mp"])
+def test_clip_grad_norm_is_refused_where_no_rank_sees_the_whole_gradient(name):
+    method = get_method(name)(config.load(["--method", name, "--train.clip_grad_norm", "1"]))
+    with pytest.raises(ConfigError, match=f"{name} does not support train.clip_grad_norm"):
+        method.check_world(SIZE)
+
+
+def wrap(kind: str, model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    if kind == "ddp":
+        return hvd_lowcomm.DistributedOptimizer(opt, model.named_parameters())
+    if kind == "powersgd":
+        return hvd_lowcomm.PowerSGDOptimizer(opt, model.named_parameters())
+    return hvd_lowcomm.DadOptimizer(opt, model, plan="all")
+
+
+@pytest.mark.parametrize("kind", ["ddp", "powersgd", "dad"])
+def test_frozen_layers_stay_as_they_are_and_the_rest_gets_the_pooled_gradient(world, kind):
+    model, x, y, local = pooled_problem()
+    model[1].requires_grad_(False)  # the first Linear: a frozen feature extractor
+    reference = copy.deepcopy(model)
+    F.cross_entropy(reference(x), y).backward()
+    opt = wrap(kind, model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5))
+    F.cross_entropy(model(x[local]), y[local]).backward()
+    opt.step()
+    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        expected = r.detach() if not r.requires_grad else r.detach() - 0.5 * r.grad
+        torch.testing.assert_close(p.detach(), expected, rtol=1e-4, atol=1e-6, msg=name)
+
+
+class SharedLayer(nn.Module):
+    """The same Linear applied twice in one forward pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.shared, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.first(x))
+        h = torch.relu(self.shared(h))
+        return self.head(torch.relu(self.shared(h)))
+
+
+@pytest.mark.parametrize("kind", ["ddp", "powersgd", "dad"])
+def test_a_layer_used_twice_in_one_step_gets_the_sum_of_both_uses(world, kind):
+    torch.manual_seed(3)
+    model = SharedLayer()
+    x, y = torch.randn(SIZE * LOCAL, 6), torch.randint(0, 3, (SIZE * LOCAL,))
+    local = slice(RANK * LOCAL, (RANK + 1) * LOCAL)
+    reference = copy.deepcopy(model)
+    F.cross_entropy(reference(x), y).backward()
+    opt = wrap(kind, model, torch.optim.SGD(model.parameters(), lr=0.5))
+    F.cross_entropy(model(x[local]), y[local]).backward()
+    opt.step()
+    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), r.detach() - 0.5 * r.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.skipif(SIZE % 2, reason="two AB groups need an even rank count")
+def test_ab_keeps_frozen_layers_dense_and_untouched(world):
+    model, x, y, local = pooled_problem()
+    model[3].requires_grad_(False)  # the middle Linear (16 -> 8)
+    frozen = model[3].weight.detach().clone()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    ab = hvd_lowcomm.ABTraining(model, opt, groups=2, warmup=1, sync_every=2, full_rank_steps=1,
+                                full_rank=["first"])
+    assert "3" not in ab.layers and "5" in ab.layers
+    for step in range(5):
+        with ab.step(x[local], y[local]):
+            opt.zero_grad()
+            F.cross_entropy(model(x[local]), y[local]).backward()
+    assert torch.equal(model[3].weight.detach(), frozen)
+
+
+@pytest.mark.parametrize("name", ["powersgd", "dad", "rank-dad", "ab", "sil", "mp"])
+def test_comm_compression_is_refused_by_methods_that_would_ignore_it(name):
+    with pytest.raises(ConfigError, match=f"comm.compression fp16 is for ddp's allreduce; {name} sends"):
+        config.load(["--method", name, "--comm.compression", "fp16"])
+    assert config.load(["--method", "ddp", "--comm.compression", "fp16"]).comm.compression == "fp16"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_asking_for_a_gpu_without_one_is_refused_before_training(shared_tmp, capsys):
+    from hvd_lowcomm.train import main
+
+    argv = ["--train.device", "cuda", "--data.path", str(shared_tmp / "digits.h5"), "--run.dir", str(shared_tmp / "r")]
+    assert main(argv) == 2
+    if RANK == 0:
+        assert "train.device cuda, but this rank sees no CUDA GPU" in capsys.readouterr().err
