@@ -101,6 +101,11 @@ class TrainConfig:
     seed: int = option(42, "seed for initialisation, shuffling and every random choice")
     max_steps: int = option(-1, "stop after this many training steps (-1: no limit; 0: start up, "
                                 "evaluate once and stop, which measures start-up traffic)")
+    accumulate: int = option(1, "split each rank's batch into this many micro-batches, forward and backward one "
+                                "at a time (less activation memory), and exchange once per step on their summed "
+                                "gradient (Horovod's backward_passes_per_step; not for sil and mp)")
+    amp: str = option("none", "autocast the forward pass: bf16 (CPU and GPU) or none; parameters, gradients "
+                              "and what is exchanged stay fp32 (not for sil and mp)", choices=("none", "bf16"))
     clip_grad_norm: float = option(0.0, "clip the norm of the pooled (synchronised) gradient over all parameters "
                                         "to this before each optimiser step, as with Horovod's synchronize() "
                                         "(0: off; not for sil and mp, whose partitions each hold part of it)")
@@ -108,7 +113,7 @@ class TrainConfig:
                                          "on, counting it in the metrics; otherwise such a step stops the run")
 
     def validate(self) -> None:
-        _positive(self, "epochs")
+        _positive(self, "epochs", "accumulate")
         if self.max_steps < -1:
             raise ConfigError(f"train.max_steps must be -1 (no limit) or >= 0, got {self.max_steps}")
         if self.warmup_steps < 0:

@@ -46,7 +46,6 @@ from typing import Any, Iterable, Iterator
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from hvd_lowcomm import runtime
 from hvd_lowcomm.config import ConfigError, option
@@ -604,9 +603,8 @@ class AB(Method):
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         with self.trainer.step(x, y):
             self.optimizer.zero_grad()
-            loss = F.cross_entropy(self.model(x), y)
-            loss.backward()
-        return loss.item()
+            loss = self.forward_backward(x, y)
+        return loss
 
     def agreement_group(self) -> runtime.Group | None:
         return self.trainer.agreement_group()

@@ -80,6 +80,22 @@ class Method:
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         raise NotImplementedError
 
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """The local batch's loss, and its gradient accumulated into .grad: in train.accumulate
+        micro-batches, each loss weighted by its share of the batch (so the sum is the whole
+        batch's mean-loss gradient), forward passes under train.amp autocast."""
+        assert self.model is not None
+        t = self.cfg.train
+        total = 0.0
+        for xs, ys in zip(x.tensor_split(t.accumulate), y.tensor_split(t.accumulate)):
+            if len(ys) == 0:
+                continue
+            with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=t.amp == "bf16"):
+                loss = F.cross_entropy(self.model(xs), ys) * (len(ys) / len(y))
+            loss.backward()
+            total += loss.item()
+        return total
+
     def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int, float]:
         assert self.model is not None
         self.model.eval()

@@ -431,3 +431,11 @@ class EfficientDistributedAutoDiff(DistributedAutoDiff):
 
     def distribute(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
         return DadOptimizer(optimizer, model, edad=True, seed=self.cfg.train.seed)
+
+    def check_world(self, world_size: int) -> None:
+        # Hidden deltas are recomputed from the output delta and the shared activations of one
+        # forward pass: several micro-batches (or bf16 activations) break that recomputation.
+        t = self.cfg.train
+        if t.accumulate > 1 or t.amp != "none":
+            raise ConfigError("edad does not support train.accumulate or train.amp (it recomputes hidden deltas "
+                              "from one fp32 forward pass); use dad, which does, or leave them at 1 and none")

@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import torch
-import torch.nn.functional as F
 
 from hvd_lowcomm.methods import register
 from hvd_lowcomm.methods.base import Method, broadcast_model_and_optimizer, make_optimizer
@@ -60,13 +59,13 @@ class DataParallel(Method):
 
     def distribute(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> torch.optim.Optimizer:
         """Wrap the local optimiser so that step() uses the gradient of the pooled batch."""
-        return DistributedOptimizer(optimizer, model.named_parameters(), compression=self.cfg.comm.compression)
+        return DistributedOptimizer(optimizer, model.named_parameters(), compression=self.cfg.comm.compression,
+                                    backward_passes_per_step=self.cfg.train.accumulate)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         assert self.model is not None and self.optimizer is not None
         self.optimizer.zero_grad()
-        loss = F.cross_entropy(self.model(x), y)
-        loss.backward()
+        loss = self.forward_backward(x, y)
         clip = self.cfg.train.clip_grad_norm
         if clip:  # on the pooled gradient: exchange first, then clip, then step without a second exchange
             self.optimizer.synchronize()
@@ -75,4 +74,4 @@ class DataParallel(Method):
                 self.optimizer.step()
         else:
             self.optimizer.step()
-        return loss.item()
+        return loss

@@ -29,9 +29,13 @@ class Partitioned(Method):
         from hvd_lowcomm.config import ConfigError
         from hvd_lowcomm.runtime import group_layout
 
-        if self.cfg.train.clip_grad_norm:
+        t = self.cfg.train
+        if t.clip_grad_norm:
             raise ConfigError(f"{self.name} does not support train.clip_grad_norm: each partition holds only its "
                               f"part of the gradient, so no rank knows its norm; leave it at 0 for {self.name}")
+        if t.accumulate > 1 or t.amp != "none":
+            raise ConfigError(f"{self.name} does not support train.accumulate or train.amp yet (its partitions "
+                              f"train by their own step functions); leave them at 1 and none for {self.name}")
         group_layout(world_size, num_groups=self.cfg.options.partitions)
 
     def check_model(self, model: torch.nn.Module) -> None:
