@@ -12,9 +12,14 @@ without a dot belong to the method's own section: `rank-dad:rank=4` is
 With --link RATE each run happens in a private network namespace with a rate-limited loopback
 (see benchmarks/netns.py); the bytes that really crossed it are printed beside the meter's.
 
+`--methods all` runs every method and `local`, the no-communication floor (each rank steps
+alone): each row then shows where its step goes (forward, backward, blocked in communication,
+the rest) and its distance to the floor, max(local's step time, bytes per step / link rate).
+
 Writes to --out: results.csv and results.md (accuracy, bytes per step from the traffic meter,
-step time, peak memory, ratios to ddp fp32 at the same rank count), accuracy_vs_epoch.png,
-accuracy_vs_bytes.png, step_time.png, effective_rank.png when a method logs one,
+step time and its phases, floor, peak memory, ratios to ddp fp32 at the same rank count),
+accuracy_vs_epoch.png, accuracy_vs_bytes.png, step_time.png, step_phases.png (stacked),
+effective_rank.png when a method logs one,
 accuracy_vs_inter_group_bytes.png when a method trains in groups and compression.png when one
 factorises its model; the runs themselves under
 runs/ (--reuse remakes tables and plots from them). Ratios, not absolute seconds, are what compare across machines.
@@ -41,6 +46,9 @@ from hvd_lowcomm.metrics import human_bytes
 ALIASES = {"ddp-fp16": "ddp:comm.compression=fp16"}
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
 AGREEMENT = 0.10  # measured and metered training bytes should agree within this fraction
+STEP_PHASES = ("forward", "backward", "exchange", "other")  # as the trainer's summary splits a step
+# Every method, and the no-communication floor (--methods all).
+ALL_METHODS = "local,ddp,ddp-fp16,powersgd,dad,rank-dad,edad,ab,sil,mp"
 
 
 @dataclass(frozen=True)
@@ -112,7 +120,8 @@ class RunFailed(Exception):
     """One method's run exited non-zero; the others still make the table."""
 
 
-def tabulate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def tabulate(results: list[dict[str, Any]], wire_rate: float) -> list[dict[str, Any]]:
+    """One row per run; `wire_rate` (bits/s) converts bytes per step into wire time."""
     rows = []
     for r in results:
         s = r["summary"]
@@ -124,6 +133,15 @@ def tabulate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                # Traffic on the world process set: with groups of one node, what crosses the network.
                "world_bytes_per_step": world_bytes(s) / max(s["steps"], 1),
                "train_bytes_total": s["train_wire_bytes"], "world_bytes_total": world_bytes(s)}
+        for phase in STEP_PHASES:
+            row[f"step_ms_{phase}"] = s.get(f"step_ms_{phase}", float("nan"))
+        floor = next((b["summary"] for b in results if b["np"] == r["np"] and b["variant"] == "local"), None)
+        # The floor a step cannot beat: the compute of the same step without any exchange
+        # (the local run), or the time its bytes need on the link, whichever is longer.
+        row["wire_ms"] = 1000 * s["train_wire_bytes_per_step"] * 8 / wire_rate
+        if floor is not None:
+            row["floor_ms"] = max(1000 * floor["step_seconds_mean"], row["wire_ms"])
+            row["step_time_ratio_to_floor"] = row["step_ms"] / row["floor_ms"]
         last_epoch = r["epochs"][-1]
         for key in ("compression_ratio", "compression_bound", "low_rank_parameters", "parameter_fraction",
                     "parameter_bytes", "between_partitions_bytes"):
@@ -161,7 +179,8 @@ def world_bytes(summary: dict[str, Any]) -> float:
     return sum(v for k, v in summary.items() if k.startswith("train_") and k.endswith("_world_wire_bytes"))
 
 
-def write_tables(rows: list[dict[str, Any]], out: Path, title: str, failed: list[str] = ()) -> str:
+def write_tables(rows: list[dict[str, Any]], out: Path, title: str, failed: list[str] = (),
+                 wire_label: str = "1gbit") -> str:
     columns = list(dict.fromkeys(k for row in rows for k in row))
     with open(out / "results.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=columns)
@@ -177,6 +196,14 @@ def write_tables(rows: list[dict[str, Any]], out: Path, title: str, failed: list
             f"{row.get('bytes_ratio_to_ddp', float('nan')):.4f}", f"{row['step_ms']:.1f}",
             f"{row.get('step_time_ratio_to_ddp', float('nan')):.2f}", f"{row.get('seconds_to_90pct_of_ddp', float('nan')):.1f} s",
             f"{row['peak_rss_mb']:.0f} MB"]) + " |")
+    lines += _table(
+        f"Where a step goes (rank 0, ms): forward and backward passes, blocked in communication, and the rest (the "
+        f"method's own computation and the optimiser step). Floor = the longer of the no-communication step "
+        f"(method local) and the wire time of the step's bytes at {wire_label}; × floor = step time over it.",
+        ["np", "method", "forward", "backward", "exchange", "other", "step", "wire", "floor", "× floor"],
+        [[row["np"], row["method"], *(f"{row[f'step_ms_{phase}']:.1f}" for phase in STEP_PHASES),
+          f"{row['step_ms']:.1f}", f"{row['wire_ms']:.1f}", f"{row.get('floor_ms', float('nan')):.1f}",
+          f"{row.get('step_time_ratio_to_floor', float('nan')):.2f}"] for row in rows])
     grouped = [row for row in rows if row["world_bytes_total"] < row["train_bytes_total"]]
     lines += _table(
         "Methods that train in groups: traffic on the world process set (inter-group, the network traffic when a "
@@ -257,6 +284,15 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
     fig.savefig(out / "step_time.png", dpi=100)
     plt.close(fig)
 
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    left = [0.0] * len(results)
+    for phase in STEP_PHASES:
+        widths = [r["summary"].get(f"step_ms_{phase}", 0.0) for r in results]
+        ax.barh([label(r) for r in results], widths, left=left, label=phase)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.set(xlabel="ms per step on rank 0 (forward, backward, blocked in communication, the rest)")
+    _finish(fig, ax, out / "step_phases.png")
+
     if any("inter_group_wire_bytes" in r["epochs"][0] for r in results):
         # Group methods: only inter-group traffic crosses nodes; for the others all of it does.
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -293,7 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = argv[:argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(prog="python -m benchmarks.compare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--methods", default="ddp,ddp-fp16", help="comma-separated method entries (default: %(default)s)")
+    parser.add_argument("--methods", default="ddp,ddp-fp16", help="comma-separated method entries, or 'all' "
+                        f"({ALL_METHODS}; local is the no-communication floor) (default: %(default)s)")
+    parser.add_argument("--wire-rate", default=None, metavar="RATE",
+                        help="link rate for the wire-time floor column (default: --link's, else 1gbit)")
     parser.add_argument("--np", default="2", help="comma-separated rank counts (default: %(default)s)")
     parser.add_argument("--data", default="data/mnist5k.h5", help="HDF5 dataset (default: %(default)s)")
     parser.add_argument("--model", default="mlp", help="model name; empty: each method's default (default: %(default)s)")
@@ -313,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Entries split on commas, but "rank-dad:rank=4,iterations=5" keeps its options together.
     entries: list[str] = []
-    for piece in args.methods.split(","):
+    for piece in (ALL_METHODS if args.methods == "all" else args.methods).split(","):
         if entries and "=" in piece and ":" not in piece:
             entries[-1] += "," + piece
         else:
@@ -350,10 +389,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"{human_bytes(s['train_wire_bytes_per_step'])}/step, {1000 * s['step_seconds_mean']:.1f} ms/step")
     if not results:
         raise SystemExit("compare: every run failed; see the logs above")
-    rows = tabulate(results)
+    wire_label = args.wire_rate or args.link or "1gbit"
+    rows = tabulate(results, rate_bits(wire_label))
     title = args.title or (f"{', '.join(v.label for v in variants)}: {args.model} {args.hidden} on {args.data}, "
                            f"{args.epochs} epochs, batch {args.batch_size}/rank, seed {args.seed}")
-    print("\n" + write_tables(rows, out, title, failed))
+    print("\n" + write_tables(rows, out, title, failed, wire_label))
     plot(results, out)
     print(f"tables and plots in {out}/ (results.md, results.csv, *.png); runs in {runs_dir}/")
     if failed:

@@ -23,7 +23,7 @@ _EXPORTS = {
     "DistributedOptimizer": "hvd_lowcomm.methods.ddp",  # Horovod's, metered (fp32 / fp16)
     "PowerSGDOptimizer": "hvd_lowcomm.methods.powersgd",
     "PowerSGDState": "hvd_lowcomm.methods.powersgd",
-    "DadOptimizer": "hvd_lowcomm.methods.dad",        # dAD, rank-dAD (rank=r), edAD (edad=True)
+    "DadOptimizer": "hvd_lowcomm.methods.dad",        # mode="exact" | "rank" (rank=r) | "edad"
     "ABTraining": "hvd_lowcomm.methods.ab",           # AB-training around the user's step
     "SIL": "hvd_lowcomm.methods.sil",                 # synthetic intermediate labels, per partition
     "meter": "hvd_lowcomm.traffic",                    # the traffic meter: bytes per op/tensor

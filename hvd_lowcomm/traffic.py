@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
@@ -90,6 +91,9 @@ class TrafficMeter:
         self.step_records: collections.deque[Record] = collections.deque(maxlen=STEP_RECORDS_KEPT)
         self.by_kind: dict[tuple[str, str, str], Totals] = defaultdict(Totals)  # (phase, op, group)
         self.by_name: dict[str, Totals] = defaultdict(Totals)
+        # Seconds spent blocked in metered communication, per phase (the exchange share of a
+        # step: what is not hidden behind computation).
+        self.seconds: dict[str, float] = defaultdict(float)
 
     # -- bookkeeping ----------------------------------------------------------------------
     def record(self, op: str, name: str, payload_bytes: int, group: Group | None,
@@ -117,6 +121,15 @@ class TrafficMeter:
         self.step_records.clear()
         self.by_kind = defaultdict(Totals, {k: Totals(**t) for k, t in state["by_kind"].items()})
         self.by_name = defaultdict(Totals, {k: Totals(**t) for k, t in state["by_name"].items()})
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Count the time inside as communication of the current phase."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[self.phase] += time.perf_counter() - start
 
     @contextlib.contextmanager
     def in_phase(self, phase: str) -> Iterator[None]:
@@ -157,7 +170,8 @@ class TrafficMeter:
         sent, ctx = compression.compress(tensor)
         self.record("allreduce", name, _nbytes(sent), group)
         op = hvd.Average if average and tensor.is_floating_point() else hvd.Sum
-        out = hvd.allreduce(sent, name=name, op=op, process_set=_process_set(group))
+        with self.waiting():
+            out = hvd.allreduce(sent, name=name, op=op, process_set=_process_set(group))
         return compression.decompress(out, ctx)
 
     def allgather(self, tensor: torch.Tensor, name: str, group: Group | None = None) -> torch.Tensor:
@@ -169,8 +183,9 @@ class TrafficMeter:
         import horovod.torch as hvd
 
         ps = _process_set(group)
-        handles = [hvd.allgather_async(tensor, name=name, process_set=ps) for name, tensor in named]
-        outs = [hvd.synchronize(handle) for handle in handles]
+        with self.waiting():
+            handles = [hvd.allgather_async(tensor, name=name, process_set=ps) for name, tensor in named]
+            outs = [hvd.synchronize(handle) for handle in handles]
         size = group.size if group is not None else _world_size()
         for (name, tensor), out in zip(named, outs):
             self.record("allgather", name, _nbytes(tensor), group, wire=wire_bytes("allgather", _nbytes(out), size))
@@ -183,10 +198,11 @@ class TrafficMeter:
 
         hvd_op = {"sum": hvd.Sum, "average": hvd.Average, "max": hvd.Max}[op]
         ps = _process_set(group)
-        handles = [hvd.allreduce_async(tensor, name=name, op=hvd_op, process_set=ps) for name, tensor in named]
-        for name, tensor in named:
-            self.record("allreduce", name, _nbytes(tensor), group)
-        return [hvd.synchronize(handle) for handle in handles]
+        with self.waiting():
+            handles = [hvd.allreduce_async(tensor, name=name, op=hvd_op, process_set=ps) for name, tensor in named]
+            for name, tensor in named:
+                self.record("allreduce", name, _nbytes(tensor), group)
+            return [hvd.synchronize(handle) for handle in handles]
 
     def broadcast_(self, tensor: torch.Tensor, root_rank: int, name: str,
                    group: Group | None = None) -> torch.Tensor:
@@ -194,7 +210,8 @@ class TrafficMeter:
         import horovod.torch as hvd
 
         self.record("broadcast", name, _nbytes(tensor), group)
-        return hvd.broadcast_(tensor, root_rank, name=name, process_set=_process_set(group))
+        with self.waiting():
+            return hvd.broadcast_(tensor, root_rank, name=name, process_set=_process_set(group))
 
     def allreduce_object_sum(self, values: list[float], name: str, group: Group | None = None) -> list[float]:
         """Sum a few scalars (counts, losses) over `group` in float64."""
@@ -226,7 +243,8 @@ class TrafficMeter:
 
         local = np.array([int(f) for f in flags], dtype=np.int32)
         out = np.empty_like(local)
-        (MPI.COMM_WORLD if group is None else group.comm).Allreduce(local, out, op=MPI.MAX)
+        with self.waiting():
+            (MPI.COMM_WORLD if group is None else group.comm).Allreduce(local, out, op=MPI.MAX)
         self.record("allreduce", name, local.nbytes, group)
         return [bool(v) for v in out]
 
@@ -234,7 +252,8 @@ class TrafficMeter:
         """Wait for every rank of `group` (default: all); recorded as a call with no payload."""
         from mpi4py import MPI
 
-        (MPI.COMM_WORLD if group is None else group.comm).Barrier()
+        with self.waiting():
+            (MPI.COMM_WORLD if group is None else group.comm).Barrier()
         self.record("barrier", name, 0, group)
 
     def broadcast_object(self, obj: Any, name: str, root: int = 0) -> Any:
@@ -251,14 +270,16 @@ class TrafficMeter:
 
         array = tensor.detach().contiguous().cpu().numpy()
         self.record("send", name, array.nbytes, None, wire=array.nbytes)
-        MPI.COMM_WORLD.Send(array, dest=dest, tag=tag)
+        with self.waiting():
+            MPI.COMM_WORLD.Send(array, dest=dest, tag=tag)
 
     def recv(self, out: torch.Tensor, source: int, name: str, tag: int = 0) -> torch.Tensor:
         """Blocking receive into the CPU tensor `out` from global rank `source`."""
         from mpi4py import MPI
 
         array = out.numpy()
-        MPI.COMM_WORLD.Recv(array, source=source, tag=tag)
+        with self.waiting():
+            MPI.COMM_WORLD.Recv(array, source=source, tag=tag)
         self.record("recv", name, array.nbytes, None, wire=0)
         return out
 

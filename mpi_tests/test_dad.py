@@ -112,22 +112,25 @@ def test_rank_dad_error_is_within_5_percent_of_the_truncated_svd():
 def test_edad_equals_dad(world):
     x, y, local, _ = unequal_batches(world.size, world.comm.Get_rank(), (6,), 3)
     _, dad = pooled_and_distributed_grads(world, mlp(), x, y, local, plan="all")
-    _, edad = pooled_and_distributed_grads(world, mlp(), x, y, local, edad=True)
+    _, edad = pooled_and_distributed_grads(world, mlp(), x, y, local, mode="edad")
     for (name, got, _), (_, want, _) in zip(edad, dad):
         assert relative_error(got, want) <= 1e-5, name
 
 
 def test_edad_refuses_models_where_it_would_not_be_exact():
     with pytest.raises(ConfigError, match=r"layer 0 \(Conv2d\) breaks that"):
-        DadOptimizer(torch.optim.SGD(cnn().parameters(), lr=0.1), cnn(), edad=True)
+        DadOptimizer(torch.optim.SGD(cnn().parameters(), lr=0.1), cnn(), mode="edad")
     dropout = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Dropout(0.5), nn.Linear(4, 2))
     with pytest.raises(ConfigError, match=r"layer 2 \(Dropout\) breaks that"):
-        DadOptimizer(torch.optim.SGD(dropout.parameters(), lr=0.1), dropout, edad=True)
+        DadOptimizer(torch.optim.SGD(dropout.parameters(), lr=0.1), dropout, mode="edad")
 
 
 @pytest.mark.parametrize("options, message", [
     ({"rank": 0}, "rank must be >= 1, got 0"),
     ({"rank": 4, "tol": 0.0}, "tolerance must be > 0, got 0.0"),
+    ({"mode": "rank"}, "mode 'rank' needs rank=r"),
+    ({"mode": "edad", "rank": 4}, "mode 'edad' is exact and takes no rank"),
+    ({"mode": "fast"}, "mode must be one of exact, rank, edad, got 'fast'"),
 ])
 def test_bad_rank_dad_options_are_rejected(options, message):
     model = mlp()

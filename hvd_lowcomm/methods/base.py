@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -51,6 +52,8 @@ class Method:
         self.data: Any = None  # the dataset's hvd_lowcomm.data.DatasetInfo, set before check_model/setup
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        # Seconds of the run's steps spent in forward and backward passes (forward_backward).
+        self.phase_seconds: dict[str, float] = {"forward": 0.0, "backward": 0.0}
 
     def check_world(self, world_size: int) -> None:
         """Raise ConfigError when this method cannot run on `world_size` ranks."""
@@ -90,10 +93,14 @@ class Method:
         for xs, ys in zip(x.tensor_split(t.accumulate), y.tensor_split(t.accumulate)):
             if len(ys) == 0:
                 continue
+            start = time.perf_counter()
             with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=t.amp == "bf16"):
                 loss = F.cross_entropy(self.model(xs), ys) * (len(ys) / len(y))
+            middle = time.perf_counter()
             loss.backward()
             total += loss.item()
+            self.phase_seconds["forward"] += middle - start
+            self.phase_seconds["backward"] += time.perf_counter() - middle
         return total
 
     def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int, float]:

@@ -123,7 +123,7 @@ def format_plan(plans: list[LayerPlan]) -> str:
 @dataclass
 class _Capture:
     acts: list[torch.Tensor] = field(default_factory=list)
-    deltas: list[torch.Tensor] = field(default_factory=list)
+    deltas: dict[int, torch.Tensor] = field(default_factory=dict)  # by the index of their activation
 
 
 class _DadExchange(GradientExchange):
@@ -142,25 +142,40 @@ class _DadExchange(GradientExchange):
         self._captured = {name: _Capture() for name in self._layers}
         for name, module in self._layers.items():
             module.register_forward_hook(self._capture_hook(name))
+        # Samples of this rank's batch: every forward pass of the model counts its batch once
+        # (micro-batches add up; a layer used twice in one pass does not count twice).
+        self._samples: list[int] = []
+        model.register_forward_pre_hook(self._count_samples)
         self._names = {p: n for n, p in model.named_parameters()}
         self.plan: dict[str, LayerPlan] = {}
         self.effective_ranks: dict[str, list[int]] = {name: [] for name in self._layers}
         self._generator = torch.Generator().manual_seed(seed)
+
+    def _count_samples(self, module: nn.Module, inputs: tuple[Any, ...]) -> None:
+        if torch.is_grad_enabled() and inputs and torch.is_tensor(inputs[0]):
+            self._samples.append(inputs[0].shape[0])
 
     def _capture_hook(self, name: str):
         capture = self._captured[name]
 
         def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
             if torch.is_grad_enabled() and output.requires_grad:
+                index = len(capture.acts)
                 capture.acts.append(inputs[0].detach())
-                output.register_hook(lambda grad: capture.deltas.append(grad.detach()))
+                # Deltas arrive in backward order: reversed within one backward pass (a layer
+                # used twice), in order across several (micro-batches); the index pairs them.
+                output.register_hook(lambda grad: capture.deltas.__setitem__(index, grad.detach()))
         return hook
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._clear_captures()
+        super().zero_grad(set_to_none)
+
+    def _clear_captures(self) -> None:
+        self._samples.clear()
         for capture in self._captured.values():
             capture.acts.clear()
             capture.deltas.clear()
-        super().zero_grad(set_to_none)
 
     # -- the exchange --------------------------------------------------------------------------
     def _exchange(self) -> None:
@@ -168,7 +183,7 @@ class _DadExchange(GradientExchange):
         used = [n for n, c in self._captured.items() if c.acts]
         if not used:
             raise RuntimeError("dAD optimizer: no forward pass with gradients was seen before step()")
-        local_batch = self._captured[used[0]].acts[0].shape[0]
+        local_batch = sum(self._samples) or self._captured[used[0]].acts[0].shape[0]
         p = self._group.size if self._group is not None else runtime.size()
         with meter.in_phase("train"):
             sizes = meter.allreduce_many([("dad.batch_size", torch.tensor([local_batch], dtype=torch.int64))],
@@ -207,18 +222,17 @@ class _DadExchange(GradientExchange):
         by_name = dict(zip([n for n, _ in reduced], summed))
         for param in others:
             param.grad = by_name[f"allreduce.{self._names.get(param, id(param))}"]
-        for capture in self._captured.values():
-            capture.acts.clear()
-            capture.deltas.clear()
+        self._clear_captures()
 
     def _local_rows(self, name: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         module, capture = self._layers[name], self._captured[name]
         if len(capture.deltas) != len(capture.acts):
             raise RuntimeError(f"dAD: layer {name} ran forward {len(capture.acts)} times but got "
                                f"{len(capture.deltas)} deltas; call backward() before step()")
-        acts = torch.cat([activation_rows(module, a) for a in capture.acts])
+        # fp32 rows whatever autocast computed in (train.amp): gradients and the wire stay fp32.
+        acts = torch.cat([activation_rows(module, a.float()) for a in capture.acts])
         # Hooks fire in backward order; reversing restores forward order for repeated uses.
-        deltas = torch.cat([delta_rows(module, d) for d in reversed(capture.deltas)]) * scale
+        deltas = torch.cat([delta_rows(module, capture.deltas[i].float()) for i in range(len(capture.acts))]) * scale
         return acts, deltas
 
     def _make_plan(self, rows: dict[str, tuple[torch.Tensor, torch.Tensor]], local_batch: int,
@@ -322,24 +336,36 @@ def edad_chain(model: nn.Module) -> list[tuple[str, Any]]:
     return [(name, derivative) for name, derivative in chain]
 
 
-def DadOptimizer(optimizer: torch.optim.Optimizer, model: nn.Module, rank: int | None = None,
-                 iterations: int = 10, tol: float = 1e-3, plan: str = "auto", edad: bool = False,
-                 group: Group | None = None, seed: int = 0) -> torch.optim.Optimizer:
+DAD_MODES = ("exact", "rank", "edad")
+
+
+def DadOptimizer(optimizer: torch.optim.Optimizer, model: nn.Module, mode: str = "exact", rank: int | None = None,
+                 iterations: int = 10, tol: float = 1e-3, plan: str = "auto", group: Group | None = None,
+                 seed: int = 0) -> torch.optim.Optimizer:
     """Wrap `optimizer` so step() uses the pooled batch's gradient, built by (rank-/e)dAD.
 
-    rank=None: exact dAD; rank=r: rank-dAD with at most r components per layer, `iterations`
-    power iterations and tolerance `tol`; edad=True: edAD. plan "auto" shares rows only
-    where that is cheaper than allreduce, "all" wherever supported. Use it like Horovod's
-    DistributedOptimizer: `loss.backward(); opt.step()` (or `opt.synchronize()` then
-    `with opt.skip_synchronize(): opt.step()`). The loss must be a mean over the local batch
-    (dim 0 of each layer's input).
+    mode "exact": dAD; "rank": rank-dAD with at most `rank` components per layer (a rank given
+    with the default mode means "rank"), `iterations` power iterations and tolerance `tol`;
+    "edad": edAD. plan "auto" shares rows only where that is cheaper than allreduce, "all"
+    wherever supported. Use it like Horovod's DistributedOptimizer: `loss.backward();
+    opt.step()` (or `opt.synchronize()` then `with opt.skip_synchronize(): opt.step()`). The
+    loss must be a mean over the local batch (dim 0 of each layer's input).
     """
+    if mode == "exact" and rank is not None:
+        mode = "rank"
+    if mode not in DAD_MODES:
+        raise ConfigError(f"DadOptimizer mode must be one of {', '.join(DAD_MODES)}, got {mode!r}")
+    if mode == "rank" and rank is None:
+        raise ConfigError("DadOptimizer mode 'rank' needs rank=r, the most components per layer (e.g. rank=4)")
+    if mode != "rank" and rank is not None:
+        raise ConfigError(f"DadOptimizer mode {mode!r} is exact and takes no rank; use mode='rank' for rank-dAD")
     if rank is not None and rank < 1:
         raise ConfigError(f"rank-dAD rank must be >= 1, got {rank}")
     if tol <= 0:
         raise ConfigError(f"rank-dAD tolerance must be > 0, got {tol}")
     if iterations < 1:
         raise ConfigError(f"rank-dAD iterations must be >= 1, got {iterations}")
+    edad = mode == "edad"
     return wrap_optimizer(optimizer, _DadExchange, model, rank, iterations, tol, plan, edad, group, seed)
 
 
@@ -418,7 +444,7 @@ class RankDistributedAutoDiff(DistributedAutoDiff):
 
     def distribute(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
         o = self.cfg.options
-        return DadOptimizer(optimizer, model, rank=o.rank, iterations=o.iterations, tol=o.tol, plan=o.plan,
+        return DadOptimizer(optimizer, model, mode="rank", rank=o.rank, iterations=o.iterations, tol=o.tol, plan=o.plan,
                             seed=self.cfg.train.seed)
 
 
@@ -430,7 +456,7 @@ class EfficientDistributedAutoDiff(DistributedAutoDiff):
     edad = True
 
     def distribute(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
-        return DadOptimizer(optimizer, model, edad=True, seed=self.cfg.train.seed)
+        return DadOptimizer(optimizer, model, mode="edad", seed=self.cfg.train.seed)
 
     def check_world(self, world_size: int) -> None:
         # Hidden deltas are recomputed from the output delta and the shared activations of one

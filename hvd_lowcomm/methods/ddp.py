@@ -42,6 +42,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
 
     # Horovod's gradient hooks look the method up on the instance at call time.
     dist._allreduce_grad_async = metered_allreduce_grad_async
+    synchronize = dist.synchronize
+
+    def metered_synchronize() -> None:
+        with meter.waiting():  # the allreduces not finished behind the backward pass
+            synchronize()
+
+    dist.synchronize = metered_synchronize
     return dist
 
 
@@ -74,4 +81,28 @@ class DataParallel(Method):
                 self.optimizer.step()
         else:
             self.optimizer.step()
+        return loss
+
+
+@register("local")
+class LocalOnly(DataParallel):
+    """No communication: every rank trains its own copy on its own shard (the compute floor).
+
+    Not a way to train (the ranks' models drift apart and the reported accuracy pools them):
+    benchmarks.compare runs it beside the real methods so that every step time has the floor
+    that the same model, batch and optimiser set without any exchange.
+    """
+
+    honours_compression = False
+
+    def distribute(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> torch.optim.Optimizer:
+        return optimizer
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        assert self.model is not None and self.optimizer is not None
+        self.optimizer.zero_grad()
+        loss = self.forward_backward(x, y)
+        if self.cfg.train.clip_grad_norm:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.clip_grad_norm)
+        self.optimizer.step()
         return loss

@@ -1,0 +1,271 @@
+"""The built-in training loop over the Method interface (hvd_lowcomm.methods.base).
+
+The loop knows no method by name: the method does one step on the local batch and sends
+whatever it sends through the traffic meter; the loop shards the data, schedules the learning
+rate, evaluates, checkpoints (hvd_lowcomm.checkpoint) and writes metrics.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hvd_lowcomm import checkpoint, data, runtime
+from hvd_lowcomm.config import Config
+from hvd_lowcomm.metrics import RunLogger, human_bytes, unique_run_dir
+from hvd_lowcomm.schedule import scheduled_lr
+from hvd_lowcomm.traffic import meter
+
+
+@dataclass
+class TrainState:
+    """Where the run stands: the next (epoch, batch) to run, the timers, the latest epoch record."""
+
+    epoch: int = 1
+    batch: int = 0
+    step_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    record: dict[str, Any] = field(default_factory=lambda: {"test_acc": 0.0})
+
+
+@dataclass
+class EpochResult:
+    """One pass over this rank's shard (or the part of it run before a stop)."""
+
+    mean_loss: float      # mean local training loss over the steps taken
+    step_seconds: float   # time inside method.train_step
+    wait_seconds: float   # time waiting for batches
+    steps: int
+    next_batch: int       # index of the next batch to run in this epoch
+
+
+def train(cfg: Config, method: Any, info: Any, model: Any, resume_dir: Path | None = None,
+          resume_from: Path | None = None, preemption: Any = None) -> dict[str, Any] | None:
+    """Train (from `resume_from` when given) and write the run's files; returns rank 0's
+    summary, or None when a preemption signal stopped the run after a checkpoint."""
+    world = runtime.world()
+    rank, device = runtime.rank(), runtime.device(cfg.train.device)
+    if resume_dir is None:
+        run_dir = unique_run_dir(cfg.run.dir, cfg.run.name or f"{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}")
+        # Only rank 0 writes; it tells the others where (the name has a timestamp).
+        with meter.in_phase("control"):
+            run_dir = Path(meter.broadcast_object(str(run_dir) if rank == 0 else None, "run.dir"))
+    else:
+        run_dir = resume_dir
+    log = RunLogger(run_dir if rank == 0 else None, cfg.run.progress, continuing=resume_dir is not None)
+    log.write_config(cfg.to_dict())
+
+    model = model.to(device)
+    parameters = _count_parameters(model)  # the whole model; partitioned methods keep a part per rank
+    method.setup(model)
+    splits = {split: data.open_split(info, split, cfg.data.normalize, cfg.data.driver) for split in data.SPLITS}
+    train_batches = method.batches(splits["train"], cfg.data.batch_size, True, device)
+    test_batches = method.batches(splits["test"], cfg.data.test_batch_size, False, device)
+    epochs = method.epochs()
+    shards = f", {len(info.files)} shard files" if len(info.files) > 1 else ""
+    log.print(f"hvd_lowcomm: method {cfg.method} on {world.size} rank(s) ({device.type}); model "
+              f"{cfg.model.name} ({parameters:,} parameters); data {info.path} "
+              f"({info.num_train} train / {info.num_test} test, {info.num_classes} classes{shards}); "
+              f"{len(train_batches)} steps/epoch; run dir {run_dir}")
+    unused = getattr(train_batches, "unused_fraction", lambda: 0.0)()
+    if unused > 0.05:
+        log.print(f"warning: {len(info.files)} shard files split unevenly over {world.size} ranks, so "
+                  f"{100 * unused:.0f}% of the training samples are skipped each epoch (a different "
+                  f"random part every epoch); write a shard count that is a multiple or divisor of the rank count")
+
+    keeper = checkpoint.Checkpointer(cfg, method, run_dir, preemption)
+    state = TrainState()
+    if resume_from is not None:
+        own = checkpoint.load(resume_from, method)
+        position = own["position"]
+        state.epoch, state.batch = position["epoch"], position["batch"]
+        keeper.best_acc, keeper.skipped = own["extra"]["best_acc"], own["extra"]["skipped"]
+        log.continue_from(position["step"])
+        log.print(f"resumed from {resume_from} at step {position['step']} (epoch {state.epoch}, "
+                  f"batch {state.batch})")
+    if rank == 0:
+        (run_dir / "PREEMPTED").unlink(missing_ok=True)
+
+    total_steps = epochs * len(train_batches)
+    if cfg.train.max_steps >= 0:
+        total_steps = min(total_steps, cfg.train.max_steps)
+    method.plan(total_steps)
+    start = time.perf_counter()
+    for epoch in range(state.epoch, epochs + 1):
+        first_batch = state.batch if epoch == state.epoch else 0
+        if first_batch == 0:  # a resumed epoch's start-of-epoch state is in the checkpoint
+            method.start_epoch(epoch)
+        wire_at_start = meter.total("train")
+        result = train_epoch(cfg, method, train_batches, epoch, first_batch, total_steps, log, keeper)
+        state.step_seconds += result.step_seconds
+        state.wait_seconds += result.wait_seconds
+        if keeper.stopping:
+            keeper.stop(epoch, result.next_batch, log)
+            return None
+        record = {"epoch": epoch, "step": meter.step, **evaluate(method, test_batches, result.mean_loss),
+                  "train_wire_bytes": meter.total("train") - wire_at_start,
+                  "train_wire_bytes_total": meter.total("train"),
+                  "seconds": time.perf_counter() - start, "data_wait_seconds": result.wait_seconds,
+                  "skipped_steps": keeper.skipped, **method.epoch_metrics()}
+        state.record = record
+        keeper.best_acc = max(keeper.best_acc, record["test_acc"])
+        log.epoch(record)
+        log.print(f"epoch {epoch:>3}/{epochs} | loss {record['train_loss']:.4f} | "
+                  f"test acc {100 * record['test_acc']:6.2f}% | sent {human_bytes(record['train_wire_bytes'])} "
+                  f"({human_bytes(record['train_wire_bytes'] / max(result.steps, 1))}/step)")
+        done = result.next_batch >= len(train_batches)
+        state.epoch, state.batch = (epoch + 1, 0) if done else (epoch, result.next_batch)
+        if not method.lockstep:  # the epoch's end is where all ranks meet
+            keeper.at_epoch_end(state.epoch, state.batch, log)
+            if keeper.stopping:
+                return None
+        if meter.step >= total_steps:
+            break
+        state.epoch, state.batch = epoch + 1, 0
+    if "epoch" not in state.record:  # resumed a run that had nothing left to do: report where it stands
+        state.record = evaluate(method, test_batches, 0.0)
+    keeper.save(state.epoch, state.batch)
+
+    summary, rows = summarize(cfg, method, state, keeper.best_acc, time.perf_counter() - start, parameters,
+                              keeper.skipped)
+    final = method.final_state_dict()
+    if final is not None:
+        torch.save(final, run_dir / "model.pt")
+    log.summary(summary, rows)
+    log.close()
+    return summary
+
+
+def train_epoch(cfg: Config, method: Any, batches: Any, epoch: int, first_batch: int, total_steps: int,
+                log: Any, keeper: checkpoint.Checkpointer) -> EpochResult:
+    """One pass over this rank's shard from batch `first_batch`, ending early at `total_steps`
+    steps of the run or on a preemption signal."""
+    batches.set_epoch(epoch, first_batch)
+    loss_sum, seconds, waited, steps, batch = 0.0, 0.0, 0.0, 0, first_batch
+    bar = log.progress(batches, len(batches) - first_batch, f"epoch {epoch}")
+    ready = time.perf_counter()
+    for x, y in bar:
+        waited += time.perf_counter() - ready  # reading and decoding this batch
+        if meter.step >= total_steps:
+            break
+        method.set_lr(scheduled_lr(cfg, meter.step, total_steps))
+        before = copy.deepcopy(method.state_dict()) if cfg.train.skip_nonfinite else None
+        t0 = time.perf_counter()
+        loss = method.train_step(x, y)
+        seconds += time.perf_counter() - t0
+        where = nonfinite(loss, method.model)
+        batch += 1
+        if keeper.agree(where is not None):
+            if before is None:
+                raise FloatingPointError(f"non-finite training at step {meter.step} (epoch {epoch}): "
+                                         f"{where or 'on another rank'}; lower train.lr, check the data, or "
+                                         f"set --train.skip_nonfinite true to skip such steps")
+            method.load_state_dict(before)  # undo the step on every rank
+            keeper.skipped += 1
+            log.log("skipped_step", {"step": meter.step, "epoch": epoch, "reason": where or "another rank"})
+            loss = 0.0
+        else:
+            loss_sum, steps = loss_sum + loss, steps + 1
+        step_bytes = meter.step_total()
+        if meter.step % cfg.run.log_every == 0:
+            log.log("step", {"step": meter.step, "epoch": epoch, "loss": loss, "wire_bytes": step_bytes})
+        if hasattr(bar, "set_postfix"):
+            bar.set_postfix(loss=f"{loss:.4f}", sent=human_bytes(step_bytes), refresh=False)
+        meter.next_step()
+        if keeper.stopping:
+            break
+        keeper.periodic(epoch, batch)
+        ready = time.perf_counter()
+    return EpochResult(loss_sum / max(steps, 1), seconds, waited, steps, batch)
+
+
+def nonfinite(loss: float, model: Any) -> str | None:
+    """What went non-finite in the step just taken (loss, or the first layer whose gradient
+    or value is NaN/inf), or None."""
+    for name, p in model.named_parameters():
+        if p.grad is not None and not torch.isfinite(p.grad).all():
+            return f"loss {loss}, gradient of layer {name!r} is not finite"
+        if not torch.isfinite(p).all():
+            return f"loss {loss}, parameters of layer {name!r} are not finite"
+    return None if math.isfinite(loss) else f"loss is {loss}"
+
+
+def evaluate(method: Any, test_batches: Any, local_train_loss: float) -> dict[str, float]:
+    """Test accuracy and loss over the whole test set, and the mean training loss over ranks."""
+    with meter.in_phase("eval"):
+        correct, count, test_loss = method.evaluate(test_batches)
+        correct, count, test_loss, train_loss = meter.allreduce_object_sum(
+            [correct, count, test_loss, local_train_loss], "eval.totals")
+    return {"train_loss": train_loss / runtime.size(), "test_loss": test_loss / count,
+            "test_acc": correct / count}
+
+
+def summarize(cfg: Config, method: Any, state: TrainState, best_acc: float, elapsed: float, parameters: int,
+              skipped: int) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """The run's summary record, and its rows for the table printed at the end."""
+    last, step_seconds, wait_seconds = state.record, state.step_seconds, state.wait_seconds
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports kB
+    with meter.in_phase("control"):
+        per_rank = meter.allgather(torch.tensor([[peak_rss, meter.total("train")]], dtype=torch.float64),
+                                   "summary.per_rank")
+    peak_rss_max = int(per_rank[:, 0].max().item())
+    steps = max(meter.step, 1)
+    summary = {
+        "method": cfg.method, "world_size": runtime.size(), "epochs": method.epochs(), "steps": meter.step,
+        "final_test_acc": last["test_acc"], "best_test_acc": best_acc, "seconds": elapsed,
+        "step_seconds_mean": step_seconds / steps, "parameters": parameters,
+        "data_wait_fraction": wait_seconds / max(wait_seconds + step_seconds, 1e-12),
+        "skipped_nonfinite_steps": skipped,
+        "train_wire_bytes_per_step": meter.total("train") / steps,
+        "train_wire_bytes_all_ranks": per_rank[:, 1].sum().item(),
+        "peak_rss_bytes_max_rank": peak_rss_max, "peak_rss_bytes_per_rank": [int(v) for v in per_rank[:, 0].tolist()],
+        **meter.summary(),
+        # Where a step's time goes on this rank (rank 0): forward and backward passes (methods
+        # that use Method.forward_backward), blocked in communication (the meter's timers), and
+        # the rest (the method's own computation: power iteration, SVD, optimiser step...).
+        **step_phases(method, step_seconds, steps),
+    }
+    extra = method.summary_metrics()
+    summary.update(extra)
+    rows = [("method", f"{cfg.method} on {runtime.size()} rank(s)"),
+            ("test accuracy", f"{100 * last['test_acc']:.2f}% (best {100 * best_acc:.2f}%)"),
+            ("steps", f"{meter.step} in {elapsed:.1f} s ({1000 * step_seconds / steps:.1f} ms/step)"),
+            ("step time (rank 0)", ", ".join(f"{name} {summary[f'step_ms_{name}']:.1f} ms"
+                                             for name in ("forward", "backward", "exchange", "other"))),
+            ("lr schedule", f"{cfg.train.lr_schedule}, peak {cfg.train.lr:g}"),
+            ("waiting for data (rank 0)", f"{100 * summary['data_wait_fraction']:.1f}% of step time"),
+            ("sent for training (rank 0)", f"{human_bytes(meter.total('train'))} on the wire, "
+                                           f"{human_bytes(meter.total('train', field='payload_bytes'))} payload"),
+            ("sent per step", human_bytes(summary["train_wire_bytes_per_step"])),
+            ("sent for eval/setup", f"{human_bytes(meter.total('eval'))} / {human_bytes(meter.total('setup'))}"),
+            ("peak memory (max over ranks)", human_bytes(peak_rss_max))]
+    rows += [(f"  {op} in {group}", human_bytes(t.wire_bytes))
+             for (phase, op, group), t in sorted(meter.by_kind.items()) if phase == "train"]
+    rows += [(f"{cfg.method}: {key} (rank 0)", _show_value(key, value)) for key, value in extra.items()
+             if not isinstance(value, (list, dict))]  # structured figures: summary.json only
+    return summary, rows
+
+
+def step_phases(method: Any, step_seconds: float, steps: int) -> dict[str, float]:
+    ms = {"forward": method.phase_seconds["forward"], "backward": method.phase_seconds["backward"],
+          "exchange": meter.seconds["train"]}
+    ms["other"] = max(0.0, step_seconds - sum(ms.values()))
+    return {f"step_ms_{name}": 1000 * seconds / steps for name, seconds in ms.items()}
+
+
+def _show_value(key: str, value: Any) -> str:
+    if isinstance(value, float) and "bytes" in key:
+        return human_bytes(value)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _count_parameters(model: Any) -> int:
+    return sum(p.numel() for p in model.parameters())
