@@ -120,8 +120,9 @@ class RunFailed(Exception):
     """One method's run exited non-zero; the others still make the table."""
 
 
-def tabulate(results: list[dict[str, Any]], wire_rate: float) -> list[dict[str, Any]]:
-    """One row per run; `wire_rate` (bits/s) converts bytes per step into wire time."""
+def tabulate(results: list[dict[str, Any]], wire_rate: float | None) -> list[dict[str, Any]]:
+    """One row per run; `wire_rate` (bits/s) converts bytes per step into wire time (None: an
+    unshaped link, whose floor is the computation alone)."""
     rows = []
     for r in results:
         s = r["summary"]
@@ -138,9 +139,9 @@ def tabulate(results: list[dict[str, Any]], wire_rate: float) -> list[dict[str, 
         floor = next((b["summary"] for b in results if b["np"] == r["np"] and b["variant"] == "local"), None)
         # The floor a step cannot beat: the compute of the same step without any exchange
         # (the local run), or the time its bytes need on the link, whichever is longer.
-        row["wire_ms"] = 1000 * s["train_wire_bytes_per_step"] * 8 / wire_rate
+        row["wire_ms"] = 1000 * s["train_wire_bytes_per_step"] * 8 / wire_rate if wire_rate else float("nan")
         if floor is not None:
-            row["floor_ms"] = max(1000 * floor["step_seconds_mean"], row["wire_ms"])
+            row["floor_ms"] = max(1000 * floor["step_seconds_mean"], 0.0 if wire_rate is None else row["wire_ms"])
             row["step_time_ratio_to_floor"] = row["step_ms"] / row["floor_ms"]
         last_epoch = r["epochs"][-1]
         for key in ("compression_ratio", "compression_bound", "low_rank_parameters", "parameter_fraction",
@@ -180,7 +181,7 @@ def world_bytes(summary: dict[str, Any]) -> float:
 
 
 def write_tables(rows: list[dict[str, Any]], out: Path, title: str, failed: list[str] = (),
-                 wire_label: str = "1gbit") -> str:
+                 wire_label: str | None = None) -> str:
     columns = list(dict.fromkeys(k for row in rows for k in row))
     with open(out / "results.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=columns)
@@ -197,12 +198,14 @@ def write_tables(rows: list[dict[str, Any]], out: Path, title: str, failed: list
             f"{row.get('step_time_ratio_to_ddp', float('nan')):.2f}", f"{row.get('seconds_to_90pct_of_ddp', float('nan')):.1f} s",
             f"{row['peak_rss_mb']:.0f} MB"]) + " |")
     lines += _table(
-        f"Where a step goes (rank 0, ms): forward and backward passes, blocked in communication, and the rest (the "
-        f"method's own computation and the optimiser step). Floor = the longer of the no-communication step "
-        f"(method local) and the wire time of the step's bytes at {wire_label}; × floor = step time over it.",
+        "Where a step goes (rank 0, ms): forward and backward passes, blocked in communication, and the rest (the "
+        "method's own computation and the optimiser step). Floor = " + (
+            f"the longer of the no-communication step (method local) and the wire time of the step's bytes at "
+            f"{wire_label}" if wire_label else "the no-communication step (method local; unshaped link, so no wire "
+            "floor: pass --link or --wire-rate)") + "; × floor = step time over it.",
         ["np", "method", "forward", "backward", "exchange", "other", "step", "wire", "floor", "× floor"],
         [[row["np"], row["method"], *(f"{row[f'step_ms_{phase}']:.1f}" for phase in STEP_PHASES),
-          f"{row['step_ms']:.1f}", f"{row['wire_ms']:.1f}", f"{row.get('floor_ms', float('nan')):.1f}",
+          f"{row['step_ms']:.1f}", _ms(row["wire_ms"]), _ms(row.get("floor_ms")),
           f"{row.get('step_time_ratio_to_floor', float('nan')):.2f}"] for row in rows])
     grouped = [row for row in rows if row["world_bytes_total"] < row["train_bytes_total"]]
     lines += _table(
@@ -235,6 +238,10 @@ def write_tables(rows: list[dict[str, Any]], out: Path, title: str, failed: list
     text = "\n".join(lines) + "\n"
     (out / "results.md").write_text(text)
     return text
+
+
+def _ms(value: float | None) -> str:
+    return "–" if value is None or value != value else f"{value:.1f}"  # value != value: NaN
 
 
 def _times(value: float | None) -> str:
@@ -332,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default="ddp,ddp-fp16", help="comma-separated method entries, or 'all' "
                         f"({ALL_METHODS}; local is the no-communication floor) (default: %(default)s)")
     parser.add_argument("--wire-rate", default=None, metavar="RATE",
-                        help="link rate for the wire-time floor column (default: --link's, else 1gbit)")
+                        help="link rate for the wire-time floor column (default: --link's; none on an unshaped link)")
     parser.add_argument("--np", default="2", help="comma-separated rank counts (default: %(default)s)")
     parser.add_argument("--data", default="data/mnist5k.h5", help="HDF5 dataset (default: %(default)s)")
     parser.add_argument("--model", default="mlp", help="model name; empty: each method's default (default: %(default)s)")
@@ -389,8 +396,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{human_bytes(s['train_wire_bytes_per_step'])}/step, {1000 * s['step_seconds_mean']:.1f} ms/step")
     if not results:
         raise SystemExit("compare: every run failed; see the logs above")
-    wire_label = args.wire_rate or args.link or "1gbit"
-    rows = tabulate(results, rate_bits(wire_label))
+    wire_label = args.wire_rate or args.link
+    rows = tabulate(results, rate_bits(wire_label) if wire_label else None)
     title = args.title or (f"{', '.join(v.label for v in variants)}: {args.model} {args.hidden} on {args.data}, "
                            f"{args.epochs} epochs, batch {args.batch_size}/rank, seed {args.seed}")
     print("\n" + write_tables(rows, out, title, failed, wire_label))

@@ -182,6 +182,10 @@ class TrafficMeter:
         """Several allgathers submitted together, so Horovod can fuse them into one cycle."""
         import horovod.torch as hvd
 
+        if _members(group) == 1:  # nothing to gather; skips a Horovod cycle per call
+            for name, tensor in named:
+                self.record("allgather", name, _nbytes(tensor), group, wire=0.0)
+            return [tensor.clone() for _, tensor in named]
         ps = _process_set(group)
         with self.waiting():
             handles = [hvd.allgather_async(tensor, name=name, process_set=ps) for name, tensor in named]
@@ -197,6 +201,10 @@ class TrafficMeter:
         import horovod.torch as hvd
 
         hvd_op = {"sum": hvd.Sum, "average": hvd.Average, "max": hvd.Max}[op]
+        if _members(group) == 1:  # nothing to combine; skips a Horovod cycle (ms) per call
+            for name, tensor in named:
+                self.record("allreduce", name, _nbytes(tensor), group)
+            return [tensor.clone() for _, tensor in named]
         ps = _process_set(group)
         with self.waiting():
             handles = [hvd.allreduce_async(tensor, name=name, op=hvd_op, process_set=ps) for name, tensor in named]
@@ -288,6 +296,10 @@ def _pickled_size(obj: Any) -> int:
     import pickle
 
     return len(pickle.dumps(obj))
+
+
+def _members(group: Group | None) -> int:
+    return group.size if group is not None else _world_size()
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
