@@ -158,6 +158,18 @@ def test_a_layer_used_twice_in_one_step_gets_the_sum_of_both_uses(world, kind):
         torch.testing.assert_close(p.detach(), r.detach() - 0.5 * r.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_ab_sums_both_uses_of_a_factorised_layer_used_twice(world):
+    torch.manual_seed(3)
+    model = SharedLayer()
+    x, y = torch.randn(SIZE * LOCAL, 6), torch.randint(0, 3, (SIZE * LOCAL,))
+    local = slice(RANK * LOCAL, (RANK + 1) * LOCAL)
+    reference = copy.deepcopy(model)
+    F.cross_entropy(reference(x), y).backward()
+    pooled = torch.cat([p.grad.flatten() for p in reference.parameters()])
+    step = one_sgd_step("ab", model, x[local], y[local])  # warm-up: the dense W of the factorised layer
+    torch.testing.assert_close(step, -pooled, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.skipif(SIZE % 2, reason="two AB groups need an even rank count")
 def test_ab_keeps_frozen_layers_dense_and_untouched(world):
     model, x, y, local = pooled_problem()
