@@ -12,6 +12,9 @@ without a dot belong to the method's own section: `rank-dad:rank=4` is
 With --link RATE each run happens in a private network namespace with a rate-limited loopback
 (see benchmarks/netns.py); the bytes that really crossed it are printed beside the meter's.
 
+The entry `horovod` runs benchmarks/bare_horovod.py instead: ddp's training as a plain Horovod
+script (MLP models, unshaped link), to show what hvd_lowcomm's loop and meter add.
+
 `--methods all` runs every method and `local`, the no-communication floor (each rank steps
 alone): each row then shows where its step goes (forward, backward, blocked in communication,
 the rest) and its distance to the floor, max(local's step time, bytes per step / link rate).
@@ -47,6 +50,8 @@ ALIASES = {"ddp-fp16": "ddp:comm.compression=fp16"}
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
 AGREEMENT = 0.10  # measured and metered training bytes should agree within this fraction
 STEP_PHASES = ("forward", "backward", "exchange", "other")  # as the trainer's summary splits a step
+# benchmarks/bare_horovod.py as a method name: ddp's training without hvd_lowcomm's machinery.
+BARE_HOROVOD = "horovod"
 # Every method, and the no-communication floor (--methods all).
 ALL_METHODS = "local,ddp,ddp-fp16,powersgd,dad,rank-dad,edad,ab,sil,mp"
 
@@ -78,7 +83,15 @@ def run_one(variant: Variant, np_: int, args: argparse.Namespace, runs_dir: Path
                   "--train.seed", str(args.seed), "--run.dir", str(runs_dir), "--run.progress", "false", *extra]
     started = time.monotonic()
     measured_file = runs_dir / f"{name}.link.json"
-    if args.reuse and (runs_dir / name / "summary.json").exists():
+    if variant.method == BARE_HOROVOD:  # the same training as ddp, as a plain Horovod script
+        if args.link is not None:
+            raise RunFailed("compare: horovod (the bare script) runs on an unshaped link only")
+        if not (args.reuse and (runs_dir / name / "summary.json").exists()):
+            launch(np_, ["--data", args.data, "--hidden", args.hidden, "--epochs", str(args.epochs),
+                         "--batch-size", str(args.batch_size), "--seed", str(args.seed), "--run-dir", str(runs_dir / name)],
+                   runs_dir / f"{name}.log", module="benchmarks.bare_horovod")
+        measured = None
+    elif args.reuse and (runs_dir / name / "summary.json").exists():
         # A finished run: only its tables and plots are made again.
         measured = json.loads(measured_file.read_text()) if measured_file.exists() else None
     elif args.link is None:
@@ -106,9 +119,10 @@ def run_one(variant: Variant, np_: int, args: argparse.Namespace, runs_dir: Path
             "wall_seconds": time.monotonic() - started}
 
 
-def launch(np_: int, train_args: list[str], log: Path, link: ShapedLink | None = None) -> None:
+def launch(np_: int, train_args: list[str], log: Path, link: ShapedLink | None = None,
+           module: str = "hvd_lowcomm.train") -> None:
     command = [*MPIRUN, *(MPI_OVER_LOOPBACK if link else []), "-np", str(np_),
-               sys.executable, "-m", "hvd_lowcomm.train", *train_args]
+               sys.executable, "-m", module, *train_args]
     proc = subprocess.run([*(link.prefix if link else []), *command], capture_output=True, text=True)
     log.write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
@@ -204,7 +218,7 @@ def write_tables(rows: list[dict[str, Any]], out: Path, title: str, failed: list
             f"{wire_label}" if wire_label else "the no-communication step (method local; unshaped link, so no wire "
             "floor: pass --link or --wire-rate)") + "; × floor = step time over it.",
         ["np", "method", "forward", "backward", "exchange", "other", "step", "wire", "floor", "× floor"],
-        [[row["np"], row["method"], *(f"{row[f'step_ms_{phase}']:.1f}" for phase in STEP_PHASES),
+        [[row["np"], row["method"], *(_ms(row[f"step_ms_{phase}"]) for phase in STEP_PHASES),
           f"{row['step_ms']:.1f}", _ms(row["wire_ms"]), _ms(row.get("floor_ms")),
           f"{row.get('step_time_ratio_to_floor', float('nan')):.2f}"] for row in rows])
     grouped = [row for row in rows if row["world_bytes_total"] < row["train_bytes_total"]]

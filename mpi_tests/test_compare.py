@@ -74,3 +74,20 @@ def test_a_failing_method_leaves_the_others_in_the_table_and_the_exit_status_non
     rows = list(csv.DictReader(open(tmp_path / "results.csv")))
     assert [row["method"] for row in rows] == ["ddp"]
     assert "Failed runs (exit non-zero, logs under runs/): ab:groups=3 on 2 ranks" in (tmp_path / "results.md").read_text()
+
+
+@only_from_the_1_rank_suite
+def test_the_floor_the_bare_horovod_script_and_step_phases_are_tabled(tmp_path):
+    proc = compare(tmp_path, "--methods", "local,ddp,horovod", "--", "--train.max_steps", "10")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {row["method"]: row for row in csv.DictReader(open(tmp_path / "results.csv"))}
+    assert set(rows) == {"local", "ddp", "horovod"}
+    assert float(rows["local"]["bytes_per_step"]) == 0 and float(rows["local"]["step_time_ratio_to_floor"]) == 1.0
+    # the bare script sends what ddp's meter counts: every gradient, ring allreduce
+    assert float(rows["horovod"]["bytes_per_step"]) == pytest.approx(float(rows["ddp"]["bytes_per_step"]))
+    assert float(rows["horovod"]["step_time_ratio_to_ddp"]) > 0
+    phases = [float(rows["ddp"][f"step_ms_{p}"]) for p in ("forward", "backward", "exchange", "other")]
+    assert all(v >= 0 for v in phases) and sum(phases) == pytest.approx(float(rows["ddp"]["step_ms"]), rel=0.01)
+    assert float(rows["ddp"]["floor_ms"]) == pytest.approx(float(rows["local"]["step_ms"]))
+    assert "Where a step goes" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "step_phases.png").stat().st_size > 0
