@@ -19,6 +19,13 @@ from hvd_lowcomm.models import mlp
 LOCAL = 8
 
 
+def pooled_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The gradient of the mean loss over the whole pooled batch, flattened (one process)."""
+    reference = copy.deepcopy(model)
+    F.cross_entropy(reference(x), y).backward()
+    return torch.cat([p.grad.flatten() for p in reference.parameters()])
+
+
 def pooled_problem():
     torch.manual_seed(1234)  # the same on every rank
     model = mlp((6,), 3, [16, 8])
@@ -31,9 +38,7 @@ def test_clip_grad_norm_clips_the_pooled_gradient(world, name):
     """SGD at lr 1 with a tiny clip: the step is -clip x the pooled gradient's direction (a clip
     of each rank's own gradient would give each rank a different step)."""
     model, x, y, local = pooled_problem()
-    reference = copy.deepcopy(model)
-    F.cross_entropy(reference(x), y).backward()
-    pooled = torch.cat([p.grad.flatten() for p in reference.parameters()])
+    pooled = pooled_gradient(model, x, y)
     clip = 0.01
     assert pooled.norm() > 10 * clip
     step = one_sgd_step(name, model, x[local], y[local], "--train.clip_grad_norm", str(clip))
@@ -58,9 +63,7 @@ def one_sgd_step(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, 
 @pytest.mark.parametrize("name", ["ddp", "powersgd", "dad", "ab"])
 def test_accumulated_micro_batches_give_the_pooled_batch_gradient(world, name):
     model, x, y, local = pooled_problem()
-    reference = copy.deepcopy(model)
-    F.cross_entropy(reference(x), y).backward()
-    pooled = torch.cat([p.grad.flatten() for p in reference.parameters()])
+    pooled = pooled_gradient(model, x, y)
     plan = ["--dad.plan", "all"] if name == "dad" else []  # rows shared for every layer (auto may allreduce all)
     step = one_sgd_step(name, model, x[local], y[local], "--train.accumulate", "3", *plan)
     torch.testing.assert_close(step, -pooled, rtol=1e-4, atol=1e-6)
@@ -79,9 +82,7 @@ def test_rank_dad_takes_the_same_step_with_accumulated_micro_batches(world):
 @pytest.mark.parametrize("name", ["ddp", "dad", "ab"])
 def test_bf16_autocast_runs_the_forward_in_bf16_and_keeps_fp32_parameters(world, name):
     model, x, y, local = pooled_problem()
-    reference = copy.deepcopy(model)
-    F.cross_entropy(reference(x), y).backward()
-    pooled = torch.cat([p.grad.flatten() for p in reference.parameters()])
+    pooled = pooled_gradient(model, x, y)
     seen = []
     model[1].register_forward_hook(lambda module, inputs, out: seen.append(out.dtype))
     plan = ["--dad.plan", "all"] if name == "dad" else []  # the rows path: bf16 activations sent as fp32
@@ -143,12 +144,15 @@ class SharedLayer(nn.Module):
         return self.head(torch.relu(self.shared(h)))
 
 
+def shared_layer_problem():
+    torch.manual_seed(3)  # the same on every rank
+    x, y = torch.randn(SIZE * LOCAL, 6), torch.randint(0, 3, (SIZE * LOCAL,))
+    return SharedLayer(), x, y, slice(RANK * LOCAL, (RANK + 1) * LOCAL)
+
+
 @pytest.mark.parametrize("kind", ["ddp", "powersgd", "dad"])
 def test_a_layer_used_twice_in_one_step_gets_the_sum_of_both_uses(world, kind):
-    torch.manual_seed(3)
-    model = SharedLayer()
-    x, y = torch.randn(SIZE * LOCAL, 6), torch.randint(0, 3, (SIZE * LOCAL,))
-    local = slice(RANK * LOCAL, (RANK + 1) * LOCAL)
+    model, x, y, local = shared_layer_problem()
     reference = copy.deepcopy(model)
     F.cross_entropy(reference(x), y).backward()
     opt = wrap(kind, model, torch.optim.SGD(model.parameters(), lr=0.5))
@@ -159,13 +163,8 @@ def test_a_layer_used_twice_in_one_step_gets_the_sum_of_both_uses(world, kind):
 
 
 def test_ab_sums_both_uses_of_a_factorised_layer_used_twice(world):
-    torch.manual_seed(3)
-    model = SharedLayer()
-    x, y = torch.randn(SIZE * LOCAL, 6), torch.randint(0, 3, (SIZE * LOCAL,))
-    local = slice(RANK * LOCAL, (RANK + 1) * LOCAL)
-    reference = copy.deepcopy(model)
-    F.cross_entropy(reference(x), y).backward()
-    pooled = torch.cat([p.grad.flatten() for p in reference.parameters()])
+    model, x, y, local = shared_layer_problem()
+    pooled = pooled_gradient(model, x, y)
     step = one_sgd_step("ab", model, x[local], y[local])  # warm-up: the dense W of the factorised layer
     torch.testing.assert_close(step, -pooled, rtol=1e-4, atol=1e-6)
 
