@@ -28,6 +28,7 @@ import re
 import shutil
 import signal
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -229,16 +230,33 @@ class PreemptionSignal:
             signal.signal(s, handler)
 
 
+@dataclass
+class TrainState:
+    """Where a run stands: the next (epoch, batch) to run, the best test accuracy so far, the
+    skipped non-finite steps (these four are checkpointed), the step timers and the latest
+    epoch record."""
+
+    epoch: int = 1
+    batch: int = 0
+    best_acc: float = 0.0
+    skipped: int = 0
+    step_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    record: dict[str, Any] = field(default_factory=lambda: {"test_acc": 0.0})
+
+
 class Checkpointer:
     """Periodic checkpoints, the last one, and the stop on a preemption signal."""
 
-    def __init__(self, cfg: Config, method: Any, run_dir: Path, preemption: Any) -> None:
+    def __init__(self, cfg: Config, method: Any, run_dir: Path, preemption: Any,
+                 state: TrainState | None = None) -> None:
         self.cfg, self.method, self.run_dir, self.preemption = cfg, method, run_dir, preemption
-        self.best_acc, self.skipped, self.stopping, self.checkpoint_due = 0.0, 0, False, False
+        self.state = state or TrainState()
+        self.stopping, self.checkpoint_due = False, False
 
     def save(self, epoch: int, batch: int) -> Path:
         position = {"epoch": epoch, "batch": batch, "step": meter.step}
-        extra = {"best_acc": self.best_acc, "skipped": self.skipped, "config": self.cfg.to_dict()}
+        extra = {"best_acc": self.state.best_acc, "skipped": self.state.skipped, "config": self.cfg.to_dict()}
         return save(self.run_dir, self.method, position, extra, self.cfg.run.keep_checkpoints)
 
     def signalled(self) -> bool:

@@ -10,28 +10,18 @@ import copy
 import math
 import resource
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from hvd_lowcomm import checkpoint, data, runtime
+from hvd_lowcomm.checkpoint import TrainState
 from hvd_lowcomm.config import Config
 from hvd_lowcomm.metrics import RunLogger, human_bytes, unique_run_dir
 from hvd_lowcomm.schedule import scheduled_lr
 from hvd_lowcomm.traffic import meter
-
-
-@dataclass
-class TrainState:
-    """Where the run stands: the next (epoch, batch) to run, the timers, the latest epoch record."""
-
-    epoch: int = 1
-    batch: int = 0
-    step_seconds: float = 0.0
-    wait_seconds: float = 0.0
-    record: dict[str, Any] = field(default_factory=lambda: {"test_acc": 0.0})
 
 
 @dataclass
@@ -79,13 +69,13 @@ def train(cfg: Config, method: Any, info: Any, model: Any, resume_dir: Path | No
                   f"{100 * unused:.0f}% of the training samples are skipped each epoch (a different "
                   f"random part every epoch); write a shard count that is a multiple or divisor of the rank count")
 
-    keeper = checkpoint.Checkpointer(cfg, method, run_dir, preemption)
     state = TrainState()
+    keeper = checkpoint.Checkpointer(cfg, method, run_dir, preemption, state)
     if resume_from is not None:
         own = checkpoint.load(resume_from, method)
         position = own["position"]
         state.epoch, state.batch = position["epoch"], position["batch"]
-        keeper.best_acc, keeper.skipped = own["extra"]["best_acc"], own["extra"]["skipped"]
+        state.best_acc, state.skipped = own["extra"]["best_acc"], own["extra"]["skipped"]
         log.continue_from(position["step"])
         log.print(f"resumed from {resume_from} at step {position['step']} (epoch {state.epoch}, "
                   f"batch {state.batch})")
@@ -112,9 +102,9 @@ def train(cfg: Config, method: Any, info: Any, model: Any, resume_dir: Path | No
                   "train_wire_bytes": meter.total("train") - wire_at_start,
                   "train_wire_bytes_total": meter.total("train"),
                   "seconds": time.perf_counter() - start, "data_wait_seconds": result.wait_seconds,
-                  "skipped_steps": keeper.skipped, **method.epoch_metrics()}
+                  "skipped_steps": state.skipped, **method.epoch_metrics()}
         state.record = record
-        keeper.best_acc = max(keeper.best_acc, record["test_acc"])
+        state.best_acc = max(state.best_acc, record["test_acc"])
         log.epoch(record)
         log.print(f"epoch {epoch:>3}/{epochs} | loss {record['train_loss']:.4f} | "
                   f"test acc {100 * record['test_acc']:6.2f}% | sent {human_bytes(record['train_wire_bytes'])} "
@@ -132,8 +122,7 @@ def train(cfg: Config, method: Any, info: Any, model: Any, resume_dir: Path | No
         state.record = evaluate(method, test_batches, 0.0)
     keeper.save(state.epoch, state.batch)
 
-    summary, rows = summarize(cfg, method, state, keeper.best_acc, time.perf_counter() - start, parameters,
-                              keeper.skipped)
+    summary, rows = summarize(cfg, method, state, time.perf_counter() - start, parameters)
     final = method.final_state_dict()
     if final is not None:
         torch.save(final, run_dir / "model.pt")
@@ -167,7 +156,7 @@ def train_epoch(cfg: Config, method: Any, batches: Any, epoch: int, first_batch:
                                          f"{where or 'on another rank'}; lower train.lr, check the data, or "
                                          f"set --train.skip_nonfinite true to skip such steps")
             method.load_state_dict(before)  # undo the step on every rank
-            keeper.skipped += 1
+            keeper.state.skipped += 1
             log.log("skipped_step", {"step": meter.step, "epoch": epoch, "reason": where or "another rank"})
             loss = 0.0
         else:
@@ -206,10 +195,11 @@ def evaluate(method: Any, test_batches: Any, local_train_loss: float) -> dict[st
             "test_acc": correct / count}
 
 
-def summarize(cfg: Config, method: Any, state: TrainState, best_acc: float, elapsed: float, parameters: int,
-              skipped: int) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+def summarize(cfg: Config, method: Any, state: TrainState, elapsed: float,
+              parameters: int) -> tuple[dict[str, Any], list[tuple[str, str]]]:
     """The run's summary record, and its rows for the table printed at the end."""
     last, step_seconds, wait_seconds = state.record, state.step_seconds, state.wait_seconds
+    best_acc, skipped = state.best_acc, state.skipped
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports kB
     with meter.in_phase("control"):
         per_rank = meter.allgather(torch.tensor([[peak_rss, meter.total("train")]], dtype=torch.float64),
