@@ -23,6 +23,13 @@ def compare(out: Path, *args: str, hidden: str = "64") -> subprocess.CompletedPr
                           capture_output=True, text=True, cwd=REPO, env=clean_env(), timeout=600)
 
 
+def compared_rows(out: Path, methods: str, max_steps: str) -> dict[str, dict[str, str]]:
+    """Run compare (which must succeed) and return results.csv's rows by method."""
+    proc = compare(out, "--methods", methods, "--", "--train.max_steps", max_steps)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return {row["method"]: row for row in csv.DictReader(open(out / "results.csv"))}
+
+
 def namespaces() -> set[str]:
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return {line.split()[0] for line in listing.splitlines() if line.startswith("hvdlc-")}
@@ -30,9 +37,7 @@ def namespaces() -> set[str]:
 
 @only_from_the_1_rank_suite
 def test_compare_writes_tables_plots_and_ratios_to_ddp(tmp_path):
-    proc = compare(tmp_path, "--methods", "ddp,ddp-fp16,rank-dad:rank=2,iterations=3", "--", "--train.max_steps", "6")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = {row["method"]: row for row in csv.DictReader(open(tmp_path / "results.csv"))}
+    rows = compared_rows(tmp_path, "ddp,ddp-fp16,rank-dad:rank=2,iterations=3", "6")
     assert set(rows) == {"ddp", "ddp-fp16", "rank-dad:rank=2,iterations=3"}
     assert float(rows["ddp"]["bytes_ratio_to_ddp"]) == 1.0
     assert float(rows["ddp-fp16"]["bytes_ratio_to_ddp"]) == pytest.approx(0.5)
@@ -78,9 +83,7 @@ def test_a_failing_method_leaves_the_others_in_the_table_and_the_exit_status_non
 
 @only_from_the_1_rank_suite
 def test_the_floor_the_bare_horovod_script_and_step_phases_are_tabled(tmp_path):
-    proc = compare(tmp_path, "--methods", "local,ddp,horovod", "--", "--train.max_steps", "10")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = {row["method"]: row for row in csv.DictReader(open(tmp_path / "results.csv"))}
+    rows = compared_rows(tmp_path, "local,ddp,horovod", "10")
     assert set(rows) == {"local", "ddp", "horovod"}
     assert float(rows["local"]["bytes_per_step"]) == 0 and float(rows["local"]["step_time_ratio_to_floor"]) == 1.0
     # the bare script sends what ddp's meter counts: every gradient, ring allreduce
