@@ -12,6 +12,7 @@ image plus noise), so the examples run anywhere without a download.
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import torch
 import torch.nn as nn
@@ -59,8 +60,7 @@ def batches(args: argparse.Namespace, rank: int, replicas: int, train: bool = Tr
         split = H5Split(inspect(args.data), "train" if train else "test")
         sharded = ShardedBatches(split, args.batch_size, rank, replicas, seed=0, shuffle=train)
         sharded.set_epoch(1)
-        for step, batch in zip(range(count), sharded):
-            yield batch
+        yield from itertools.islice(sharded, count)
         return
     prototypes = torch.randn(10, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     generator = torch.Generator().manual_seed(1000 * rank + (0 if train else 999))

@@ -307,6 +307,21 @@ def build_parser(cfg: Config, prog: str) -> argparse.ArgumentParser:
 # ---------------------------------------------------------------------------------------------
 # helpers
 
+def import_object(spec: str, option: str) -> Any:
+    """What a 'module:name' option names (a user's model factory or data loader), imported
+    from where the job started; ConfigError saying which option and why otherwise."""
+    import importlib
+
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name:
+        raise ConfigError(f"{option} must be 'module:name' (e.g. mypkg.data:load), got {spec!r}")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"{option} {spec!r} cannot be loaded: {err} (is {module_name} importable from where "
+                          f"mpirun starts, e.g. on PYTHONPATH?)") from None
+
+
 def _positive(section: Any, *names: str) -> None:
     prefix = _section_name(section)
     for name in names:

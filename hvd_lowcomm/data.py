@@ -41,7 +41,7 @@ import h5py
 import numpy as np
 import torch
 
-from hvd_lowcomm.config import ConfigError
+from hvd_lowcomm.config import ConfigError, import_object
 
 FORMAT = "hvd_lowcomm-h5/2"
 SPLITS = ("train", "test")
@@ -390,16 +390,7 @@ def from_source(source: str) -> DatasetInfo:
     """Call a user's `module:function` returning (train, test) torch Datasets of (x, y) items,
     or (train, test, num_classes); describe them like an HDF5 dataset. The datasets travel in
     `info.datasets`; `open_split` reads them."""
-    import importlib
-
-    module_name, _, function_name = source.partition(":")
-    if not module_name or not function_name:
-        raise DataError(f"data.source must be 'module:function' (e.g. mypkg.data:load), got {source!r}")
-    try:
-        load = getattr(importlib.import_module(module_name), function_name)
-    except (ImportError, AttributeError) as err:
-        raise DataError(f"data.source {source!r} cannot be loaded: {err} (is the module on PYTHONPATH, "
-                        f"i.e. importable from where mpirun starts?)") from None
+    load = import_object(source, "data.source")
     result = load()
     if not isinstance(result, tuple) or len(result) not in (2, 3):
         raise DataError(f"data.source {source}() must return (train, test) or (train, test, num_classes) datasets, "

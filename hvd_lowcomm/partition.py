@@ -205,6 +205,8 @@ class Layout:
                     tensor.data = tensor.data.new_empty(0)
         self.previous = runtime.rank() - self.group.size if self.index > 0 else None
         self.next = runtime.rank() + self.group.size if self.index < self.count - 1 else None
+        with meter.in_phase("setup"):  # replicas of a partition start equal, whatever seeded the model
+            runtime.broadcast_parameters(self.module.state_dict(), self.group.ranks[0], self.group)
 
     @property
     def first(self) -> bool:

@@ -98,7 +98,7 @@ class TrafficMeter:
     # -- bookkeeping ----------------------------------------------------------------------
     def record(self, op: str, name: str, payload_bytes: int, group: Group | None,
                wire: float | None = None) -> Record:
-        label, size = (group.label, group.size) if group is not None else ("world", _world_size())
+        label, size = (group.label if group is not None else "world"), _members(group)
         rec = Record(self.step, name, op, label, size, int(payload_bytes),
                      wire_bytes(op, payload_bytes, size) if wire is None else float(wire), self.phase)
         self.step_records.append(rec)
@@ -190,7 +190,7 @@ class TrafficMeter:
         with self.waiting():
             handles = [hvd.allgather_async(tensor, name=name, process_set=ps) for name, tensor in named]
             outs = [hvd.synchronize(handle) for handle in handles]
-        size = group.size if group is not None else _world_size()
+        size = _members(group)
         for (name, tensor), out in zip(named, outs):
             self.record("allgather", name, _nbytes(tensor), group, wire=wire_bytes("allgather", _nbytes(out), size))
         return outs

@@ -566,8 +566,9 @@ def _add_factors_to_optimizer(optimizer: torch.optim.Optimizer, layers: Iterable
     for layer in layers:
         group = group_of.get(id(layer.layer.weight))
         if group is None:
-            raise ConfigError("AB-training: the optimiser does not hold the weight of a layer it factorises; "
-                              "make the optimiser over model.parameters() (frozen layers: list them in full_rank)")
+            raise ConfigError(f"AB-training: the optimiser does not hold the weight of {layer.layer}, which it "
+                              f"factorises; make the optimiser over model.parameters(), or keep that layer dense "
+                              f"with full_rank")
         present = {id(p) for p in group["params"]}
         group["params"].extend(p for p in (layer.A, layer.B) if id(p) not in present)
 
@@ -586,10 +587,11 @@ class AB(Method):
         check_groups(o, num_groups(o, world_size), world_size)
 
     def check_model(self, model: nn.Module) -> None:
-        factorize_model(copy.deepcopy(model), self.cfg.options.full_rank)  # names in full_rank exist
-        if self.data is not None:
-            example = torch.randn(2, *self.data.input_shape, generator=torch.Generator().manual_seed(0))
-            check_factorizable(model, self.cfg.options.full_rank, example)
+        if self.data is None:  # no input shape to try the model on: only the names in full_rank
+            factorize_model(copy.deepcopy(model), self.cfg.options.full_rank)
+            return
+        example = torch.randn(2, *self.data.input_shape, generator=torch.Generator().manual_seed(0))
+        check_factorizable(model, self.cfg.options.full_rank, example)
 
     def setup(self, model: nn.Module) -> None:
         self.model = model

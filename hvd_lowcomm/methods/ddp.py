@@ -10,7 +10,8 @@ from typing import Any, Iterable
 import torch
 
 from hvd_lowcomm.methods import register
-from hvd_lowcomm.methods.base import Method, broadcast_model_and_optimizer, make_optimizer
+from hvd_lowcomm.methods.base import (GradientExchange, Method, broadcast_model_and_optimizer, make_optimizer,
+                                     wrap_optimizer)
 from hvd_lowcomm.runtime import Group
 from hvd_lowcomm.traffic import meter
 
@@ -96,13 +97,11 @@ class LocalOnly(DataParallel):
     honours_compression = False
 
     def distribute(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> torch.optim.Optimizer:
-        return optimizer
+        return wrap_optimizer(optimizer, _NoExchange)
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        assert self.model is not None and self.optimizer is not None
-        self.optimizer.zero_grad()
-        loss = self.forward_backward(x, y)
-        if self.cfg.train.clip_grad_norm:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.clip_grad_norm)
-        self.optimizer.step()
-        return loss
+
+class _NoExchange(GradientExchange):
+    """Keeps every rank's own gradient (method local)."""
+
+    def _exchange(self) -> None:
+        pass

@@ -12,7 +12,7 @@ from typing import Any, Iterable
 import torch
 
 from hvd_lowcomm.methods import register
-from hvd_lowcomm.methods.base import Method, broadcast_model_and_optimizer, make_optimizer
+from hvd_lowcomm.methods.base import Method, make_optimizer
 from hvd_lowcomm.partition import (Layout, PartitionOptions, describe, joined_state_dict, pipeline_evaluate,
                                    pipeline_train_step)
 
@@ -48,10 +48,7 @@ class Partitioned(Method):
 
         self.layout = self.make_layout(model)
         self.model = self.layout.module
-        self.optimizer = make_optimizer(self.cfg, self.model.parameters())
-        # Replicas of a partition start equal (the whole model was built from one seed already).
-        broadcast_model_and_optimizer(self.model, self.optimizer, root_rank=self.layout.group.ranks[0],
-                                      group=self.layout.group)
+        self.optimizer = make_optimizer(self.cfg, self.model.parameters())  # replicas equal: Layout saw to it
         if runtime.rank() == 0:
             from tqdm import tqdm
 

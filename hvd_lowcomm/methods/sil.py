@@ -121,10 +121,8 @@ class SIL:
         self.kappa, self.noise, self.from_codes = kappa, noise, from_codes
         self.layout = Layout(model, options, tuple(input_shape), need_depth=True)
         self.module = self.layout.module
-        group = self.layout.group
-        with meter.in_phase("setup"):  # replicas of a partition start equal
-            runtime.broadcast_parameters(self.module.state_dict(), group.ranks[0], group)
-            code_seed = torch.tensor([np.random.default_rng(seed).integers(2**31 - 1)], dtype=torch.int64)
+        code_seed = torch.tensor([np.random.default_rng(seed).integers(2**31 - 1)], dtype=torch.int64)
+        with meter.in_phase("setup"):
             meter.broadcast_(code_seed, 0, "sil.code_seed")  # drawn once on rank 0, regenerated everywhere
         self.code_seed = int(code_seed.item())
         self.codes = {cut: class_codes(self.code_seed, cut, num_classes, self.layout.shapes[cut], kappa,
@@ -235,6 +233,7 @@ class SyntheticIntermediateLabels(Partitioned):
 
     options = SILOptions
     needs_deep_partitions = True
+
     def partition_warnings(self) -> list[str]:
         spatial = [k for k in range(1, self.layout.count) if len(self.layout.shapes[k]) > 1]
         conv = [f"SIL cuts this model inside its convolutional part (cut {k}: codes are random "

@@ -6,13 +6,12 @@ partitioning methods can cut it between layers) except torchvision ones. An empt
 """
 from __future__ import annotations
 
-import importlib
 import math
 from typing import Sequence
 
 import torch.nn as nn
 
-from hvd_lowcomm.config import ConfigError, ModelConfig
+from hvd_lowcomm.config import ConfigError, ModelConfig, import_object
 
 
 def mlp(input_shape: Sequence[int], num_classes: int, hidden: Sequence[int], dropout: float = 0.0) -> nn.Sequential:
@@ -77,12 +76,8 @@ def build_model(cfg: ModelConfig, input_shape: Sequence[int], num_classes: int) 
 
 def _factory_model(name: str, input_shape: tuple[int, ...], num_classes: int, kwargs: dict) -> nn.Module:
     """The user's own model: factory(input_shape, num_classes, **kwargs) from an importable module."""
-    module_name, _, factory_name = name.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), factory_name)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"model {name!r} cannot be loaded: {err} (is {module_name} importable from where mpirun "
-                          f"starts, e.g. on PYTHONPATH?)") from None
+    factory = import_object(name, "model.name")
+    factory_name = name.partition(":")[2]
     try:
         model = factory(input_shape, num_classes, **kwargs)
     except TypeError as err:
