@@ -220,7 +220,8 @@ def write_tables(rows: list[dict[str, Any]], out: Path, title: str, failed: list
         ["np", "method", "forward", "backward", "exchange", "other", "step", "wire", "floor", "× floor"],
         [[row["np"], row["method"], *(_ms(row[f"step_ms_{phase}"]) for phase in STEP_PHASES),
           f"{row['step_ms']:.1f}", _ms(row["wire_ms"]), _ms(row.get("floor_ms")),
-          f"{row.get('step_time_ratio_to_floor', float('nan')):.2f}"] for row in rows])
+          "–" if "step_time_ratio_to_floor" not in row else f"{row['step_time_ratio_to_floor']:.2f}"]
+         for row in rows])
     grouped = [row for row in rows if row["world_bytes_total"] < row["train_bytes_total"]]
     lines += _table(
         "Methods that train in groups: traffic on the world process set (inter-group, the network traffic when a "
