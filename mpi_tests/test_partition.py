@@ -46,18 +46,25 @@ def test_bad_partitionings_are_rejected(k, cuts, message):
         cut_points(six_layer_mlp(), k, cuts)
 
 
-DEEP_ENOUGH = [  # (model, partitions): every one has a cut that gives each partition depth
-    *[(sil6(shape, 10, [256] * 5), 2) for shape in ((64,), (784,), (3, 32, 32), (40,))],
-    (mlp((784,), 10, [512, 256, 128, 64, 32]), 2), (mlp((784,), 10, [2048] * 4), 2),
-    (mlp((784,), 10, [256] * 7), 3), (mlp((784,), 10, [256] * 7), 4), (mlp((20,), 5, [64] * 9), 3),
-    (cnn((1, 28, 28), 10, [16, 32, 32, 64]), 2), (cnn((3, 32, 32), 10, [8, 8, 16, 16, 32, 32]), 3),
-    (mlp((784,), 10, [256, 256, 256], dropout=0.2), 2),
+def conv_net_with_dense_head(input_shape=(1, 28, 28)) -> nn.Sequential:
+    """Two conv blocks, then three fully connected layers: SIL can cut among those."""
+    trunk = list(cnn(input_shape, 10, [8, 16]))[:-1]  # ... AdaptiveAvgPool2d, Flatten
+    return nn.Sequential(*trunk, nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                         nn.Linear(64, 10))
+
+
+DEEP_ENOUGH = [  # (model, input shape, partitions): every one has a cut that gives each partition depth
+    *[(sil6(shape, 10, [256] * 5), shape, 2) for shape in ((64,), (784,), (3, 32, 32), (40,))],
+    (mlp((784,), 10, [512, 256, 128, 64, 32]), (784,), 2), (mlp((784,), 10, [2048] * 4), (1, 28, 28), 2),
+    (mlp((784,), 10, [256] * 7), (784,), 3), (mlp((784,), 10, [256] * 7), (784,), 4),
+    (mlp((20,), 5, [64] * 9), (20,), 3), (mlp((784,), 10, [256, 256, 256], dropout=0.2), (784,), 2),
+    (conv_net_with_dense_head(), (1, 28, 28), 2),
 ]
 
 
-@pytest.mark.parametrize("model, k", DEEP_ENOUGH)
-def test_the_default_sil_cut_never_leaves_a_partition_affine(model, k):
-    bounds = cut_points(model, k, [], need_depth=True)
+@pytest.mark.parametrize("model, input_shape, k", DEEP_ENOUGH)
+def test_the_default_sil_cut_never_leaves_a_partition_affine(model, input_shape, k):
+    bounds = cut_points(model, k, [], True, input_shape)
     modules = list(model)
     assert len(bounds) == k + 1 and bounds[0] == 0 and bounds[-1] == len(modules)
     for a, b in zip(bounds[:-1], bounds[1:]):
@@ -72,7 +79,8 @@ def test_the_default_sil_cut_never_leaves_a_partition_affine(model, k):
     block_starts = [i for i, m in enumerate(modules) if i and isinstance(m, (nn.Linear, nn.Conv2d))]
     for combo in itertools.combinations(block_starts, k - 1):
         candidate = [0, *combo, len(modules)]
-        if all(can_learn(modules[a:b]) for a, b in zip(candidate[:-1], candidate[1:])):
+        flat = all(not isinstance(m, nn.Conv2d) for m in modules[combo[0]:])  # cuts stay out of the convolutions
+        if flat and all(can_learn(modules[a:b]) for a, b in zip(candidate[:-1], candidate[1:])):
             assert table_max <= max(p["parameter_share"] for p in partition_table(model, candidate)) + 1e-12
 
 
@@ -95,6 +103,22 @@ def test_a_model_too_shallow_for_sil_is_refused_with_what_would_do(model, k, nee
     assert cut_points(model, k, [], need_depth=False)  # model parallelism can still cut it
 
 
+@pytest.mark.parametrize("model, k", [(cnn((1, 28, 28), 10, [16, 32, 32, 64]), 2),
+                                      (cnn((3, 32, 32), 10, [8, 8, 16, 16, 32, 32]), 3)])
+def test_sil_refuses_to_cut_inside_the_convolutions_by_default(model, k):
+    with pytest.raises(ConfigError) as caught:
+        cut_points(model, k, [], True, (model[0].in_channels, 28, 28))
+    assert "no cut into" in str(caught.value) and "outside this model's convolutional part" in str(caught.value)
+    assert "89% in sequential mode, against 96%" in str(caught.value)  # the measured reason
+    assert "--sil.cuts" in str(caught.value) and "Use mp" in str(caught.value)
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    training = [m.training for m in model.modules()]
+    assert cut_points(model, k, [], False, (model[0].in_channels, 28, 28))  # model parallelism can still cut it
+    # the dry run that found the activation shapes left the model as it was
+    assert all(torch.equal(value, model.state_dict()[key]) for key, value in state.items())
+    assert [m.training for m in model.modules()] == training
+
+
 def test_sil_and_mp_train_the_six_layer_network_unless_told_otherwise():
     for method in ("sil", "mp"):
         cfg = config.load(["--method", method])
@@ -115,13 +139,24 @@ def test_an_explicit_cut_that_leaves_a_partition_affine_is_warned():
 
 
 @needs_ranks(2)
-def test_a_cut_inside_a_conv_net_is_warned():
-    method = SyntheticIntermediateLabels(config.load(["--method", "sil", "--model.name", "cnn"]))
+def test_an_explicit_cut_inside_a_conv_net_is_warned_and_its_codes_are_channel_means():
+    method = SyntheticIntermediateLabels(config.load(["--method", "sil", "--model.name", "cnn", "--sil.cuts", "8"]))
     method.data = DatasetInfo("mem", ("mem",), 3, (1, 8, 8), (64,), (16,), "test", "float32", None, None)
     method.check_world(SIZE)
     method.setup(cnn((1, 8, 8), 3, [4, 4, 8, 8]))
     (warning,) = method.partition_warnings()
-    assert "inside its convolutional part (cut 1: codes are random 8x2x2 tensors)" in warning
+    assert "inside its convolutional part (cut 1, a 4x2x2 activation; its codes are per-channel means)" in warning
+    assert method.codes[1].shape == (3, 4)  # one value per channel and class
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(5, 1, 8, 8, generator=generator), torch.tensor([0, 1, 2, 0, 1])
+    loss = method.sil.loss(x, y)
+    if method.layout.first:  # the channel means of its output are regressed onto the codes
+        expected = F.mse_loss(method.model(x).mean((2, 3)), method.codes[1][y])
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    else:  # it learns from the codes spread over the 4x2x2 activation (plus noise)
+        method.sil.noise = 0.0
+        inputs = method.codes[1][y][:, :, None, None].expand(-1, 4, 2, 2)
+        assert method.sil.loss(x, y).item() == pytest.approx(F.cross_entropy(method.model(inputs), y).item(), rel=1e-5)
 
 
 def test_a_non_sequential_model_is_rejected():
@@ -187,6 +222,27 @@ def test_recovery_epochs_get_their_own_learning_rate_schedule(world, fresh_meter
     assert rates[0] == pytest.approx(0.01) and rates[39] < 1e-4       # training: one cosine over 40 steps
     assert rates[40] == pytest.approx(0.001) and rates[59] < 2e-5     # recovery: a fresh one over 20,
     assert rates[50] == pytest.approx(0.0005, rel=0.05)               # from recovery_lr (0.1) x the peak
+
+
+@needs_ranks(2)
+def test_recovery_starts_from_a_fresh_optimiser_state(world, fresh_meter):
+    """Adam's moments from the partition's own objective would set the size of the recovery
+    steps; they are forgotten once, when recovery starts (not when a resumed run re-enters it)."""
+    method, _ = make(SyntheticIntermediateLabels, "sil", "--sil.recovery_epochs", "1", "--train.epochs", "2")
+    x, y = pooled_batch()
+    method.start_epoch(1)
+    method.train_step(x, y)
+    assert method.optimizer.state  # Adam keeps moments per parameter
+    method.start_epoch(2)
+    method.train_step(x, y)
+    moments = {id(p): state["exp_avg_sq"].clone() for p, state in method.optimizer.state.items()}
+    method.start_epoch(3)  # the recovery epoch
+    assert method.phase == "recovery" and not method.optimizer.state
+    method.train_step(x, y)
+    assert all(not torch.equal(state["exp_avg_sq"], moments[id(p)]) for p, state in method.optimizer.state.items())
+    assert all(state["step"].item() == 1 for state in method.optimizer.state.values())
+    method.start_epoch(3)  # entered again (a resumed run): the state is kept
+    assert method.optimizer.state
 
 
 @needs_ranks(2)

@@ -41,7 +41,8 @@ class Partitioned(Method):
     def check_model(self, model: torch.nn.Module) -> None:
         from hvd_lowcomm.partition import cut_points
 
-        cut_points(model, self.cfg.options.partitions, self.cfg.options.cuts, self.needs_deep_partitions)
+        cut_points(model, self.cfg.options.partitions, self.cfg.options.cuts, self.needs_deep_partitions,
+                   self.data.input_shape)
 
     def setup(self, model: torch.nn.Module) -> None:
         from hvd_lowcomm import runtime
