@@ -16,6 +16,8 @@ import shutil
 import subprocess
 from itertools import count
 
+from hvd_lowcomm.costmodel import rate_bits  # noqa: F401 (tc's units; compare imports it from here)
+
 # Open MPI over TCP on the namespace's loopback only: btl tcp,self excludes shared memory
 # (vader), which would bypass the shaped interface.
 MPI_OVER_LOOPBACK = ["--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo",
@@ -33,16 +35,6 @@ def check_available() -> None:
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         raise LinkUnavailable(f"--link needs iproute2 ({', '.join(missing)} not found): apt-get install iproute2")
-
-
-def rate_bits(rate: str) -> float:
-    """'1gbit' -> 1e9, '100mbit' -> 1e8 (tc's units, decimal)."""
-    units = {"tbit": 1e12, "gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
-    text = rate.strip().lower()
-    for unit, factor in units.items():
-        if text.endswith(unit):
-            return float(text[: -len(unit)]) * factor
-    raise ValueError(f"link rate {rate!r}: use a tc rate such as 1gbit, 100mbit, 10gbit")
 
 
 class ShapedLink:

@@ -12,16 +12,17 @@ compare like with like, ddp). The factors:
     distribution   uniform (centre) / normal codes
     noise          0, 0.3 (centre), 1.0 (fraction of kappa)
     mode           parallel (centre) / sequential (each partition its train.epochs)
-    recovery       2 end-to-end epochs after 18 SIL epochs (20 in all)
+    recovery       2 end-to-end epochs after --epochs - 2 SIL epochs
     cut            after weight layer 1 (an affine left partition), 2, 3, 4
     partitions     K = 3 and 4 on an eight-layer MLP (np = K), with --partitions
-    scale          ddp and sil (defaults) at np 8 and 16, lr scaled linearly, with --scale DATASETS
+    scale          ddp and sil (defaults) at np 8 and 16, lr by the square-root rule, with --scale DATASETS
 
 The centre is SIL's options before this sweep (kappa 5): the sweep moved kappa's default to 1.
 
 Writes results.csv, results.md (one table per dataset, Δ to ddp in points), and the plots
 accuracy_vs_kappa.png, accuracy_vs_cut.png and accuracy_vs_lr.png; runs under runs/<dataset>/
-(--reuse remakes the tables and plots from finished runs).
+(--reuse remakes the tables and plots from finished runs; --merge keeps the rows of an earlier
+results.csv that this invocation does not measure again, so datasets can be swept one at a time).
 """
 from __future__ import annotations
 
@@ -51,13 +52,15 @@ SWEEP: list[tuple[str, str, str]] = [
     ("distribution", "normal", "sil:code_distribution=normal"),
     *[("noise", str(n), f"sil:noise={n}") for n in (0.0, 1.0)],
     ("mode", "sequential", "sil:mode=sequential"),
-    ("recovery", "18 + 2 epochs", "sil:recovery_epochs=2,train.epochs=18"),
+    ("recovery", "{training} + 2 epochs", "sil:recovery_epochs=2,train.epochs={training}"),
     *[("cut", f"after layer {layer}", f"sil:cuts={1 + 2 * layer}") for layer in (1, 2, 3, 4)],
 ]
 DEFAULTS = {"kappa": "5.0", "lr": "0.001", "distribution": "uniform", "noise": "0.3", "mode": "parallel"}
-# At scale: g ranks per partition (ddp: p ranks) average their gradients over g times the batch,
-# so the learning rate is scaled linearly with g, as the README says; sil runs at its defaults.
-SCALE = [(np_, method, lr) for np_ in (8, 16) for method, lr in (("ddp", 0.001 * np_ / 2), ("sil", 0.001 * np_ / 2))]
+# At scale: g ranks per partition (ddp: p ranks) average their gradients over g times the batch;
+# the learning rate follows the README's rule for Adam, × √g against the run at np 2 (one rank
+# per partition; ddp: × √(p/2)); sil runs at its defaults. (The linear rule, × g, made SIL's
+# first partition collapse at np 16: 62.7 % on digits, the rows labelled "linear rule".)
+SCALE = [(np_, method, round(0.001 * (np_ / 2) ** 0.5, 5)) for np_ in (8, 16) for method in ("ddp", "sil")]
 
 
 def run_dataset(dataset: str, args: argparse.Namespace, entries: list[tuple[str, str, str]], bar: Any) -> list[dict[str, Any]]:
@@ -71,6 +74,7 @@ def run_dataset(dataset: str, args: argparse.Namespace, entries: list[tuple[str,
             np_ = int(value)
         if factor == "scale":
             np_ = int(value.split(",")[0].split()[1])
+        value, entry = (text.format(training=args.epochs - 2) for text in (value, entry))
         bar.set_postfix_str(f"{dataset}: {entry}")
         run_args = argparse.Namespace(data=f"data/{dataset}.h5", model=args.model if factor != "partitions" else "mlp",
                                       hidden=args.hidden if factor != "partitions" else "256,256,256,256,256,256,256",
@@ -85,7 +89,7 @@ def run_dataset(dataset: str, args: argparse.Namespace, entries: list[tuple[str,
             ddp_acc[np_] = s["final_test_acc"]
         base = ddp_acc.get(np_, ddp_acc.get(args.np))
         shares = [p["parameter_share"] for p in s.get("partitions", [])]
-        row = {"dataset": dataset, "factor": factor, "value": value, "method": entry, "np": np_,
+        row = {"dataset": dataset, "epochs": args.epochs, "factor": factor, "value": value, "method": entry, "np": np_,
                "final_test_acc": s["final_test_acc"], "best_test_acc": s["best_test_acc"],
                "acc_diff_to_ddp_points": 100 * (s["final_test_acc"] - base) if base is not None else float("nan"),
                "code_accuracy": float(last.get("code_accuracy") or "nan"),
@@ -99,6 +103,24 @@ def run_dataset(dataset: str, args: argparse.Namespace, entries: list[tuple[str,
     return rows
 
 
+def merge_earlier(rows: list[dict[str, Any]], out: Path) -> list[dict[str, Any]]:
+    """The rows of out/results.csv that `rows` do not measure again (same dataset, factor and
+    value), followed by `rows`; numbers are read back as numbers."""
+    path = out / "results.csv"
+    if not path.exists():
+        return rows
+    measured = {(r["dataset"], r["factor"], r["value"]) for r in rows}
+    with open(path, newline="") as fh:
+        earlier = [r for r in csv.DictReader(fh) if (r["dataset"], r["factor"], r["value"]) not in measured]
+    for r in earlier:
+        for key, value in r.items():
+            if key not in ("dataset", "factor", "value", "method"):
+                r[key] = float(value)
+    merged = earlier + rows
+    order = list(dict.fromkeys(r["dataset"] for r in merged))
+    return sorted(merged, key=lambda r: order.index(r["dataset"]))  # stable: a dataset's rows keep their order
+
+
 def write_tables(rows: list[dict[str, Any]], out: Path, title: str) -> None:
     with open(out / "results.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
@@ -106,7 +128,8 @@ def write_tables(rows: list[dict[str, Any]], out: Path, title: str) -> None:
         writer.writerows(rows)
     lines = [f"# {title}", ""]
     for dataset in dict.fromkeys(r["dataset"] for r in rows):
-        lines += [f"## {dataset}", "", "| factor | value | test acc | Δ vs ddp (points) | nearest-code acc | "
+        epochs = sorted({int(r["epochs"]) for r in rows if r["dataset"] == dataset})
+        lines += [f"## {dataset} ({'/'.join(map(str, epochs))} epochs)", "", "| factor | value | test acc | Δ vs ddp (points) | nearest-code acc | "
                   "largest partition | bytes between partitions |", "|---|---|---|---|---|---|---|"]
         for r in (r for r in rows if r["dataset"] == dataset):
             lines.append(f"| {r['factor']} | {r['value']} | {100 * r['final_test_acc']:.2f} % | "
@@ -152,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--factors", default="", help="only these factors (comma-separated; default: all)")
     parser.add_argument("--partitions", action="store_true", help="also K = 3 and 4 partitions (np 3 and 4)")
     parser.add_argument("--scale", default="", metavar="DATASETS",
-                        help="also ddp and sil at np 8 and 16, lr scaled linearly, on these datasets (comma-separated)")
+                        help="also ddp and sil at np 8 and 16, lr by the square-root rule, on these datasets (comma-separated)")
     parser.add_argument("--model", default="", help="model for every run (default: each method's own, sil6)")
     parser.add_argument("--hidden", default="", help="its hidden widths (default: the model's own)")
     parser.add_argument("--np", type=int, default=2, help="ranks per run (default: %(default)s)")
@@ -161,13 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--out", default="benchmarks/results/sil-sweep")
     parser.add_argument("--reuse", action="store_true", help="reuse finished runs under --out/runs")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the rows of --out/results.csv that this invocation does not measure again")
     args = parser.parse_args(argv)
 
     factors = set(filter(None, args.factors.split(",")))
     entries = [e for e in SWEEP if not factors or e[0] in factors | {"baseline"}]
     if args.partitions:
         entries += [("partitions", "3", "sil:partitions=3"), ("partitions", "4", "sil:partitions=4")]
-    scale = [("scale", f"np {np_}, lr {lr:g}, {method}", f"{method}:train.lr={lr:g}") for np_, method, lr in SCALE]
+    scale = [("scale", f"np {np_}, lr {lr:g} (√ rule), {method}", f"{method}:train.lr={lr:g}") for np_, method, lr in SCALE]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     datasets = args.datasets.split(",")
@@ -177,8 +202,10 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stdout) as bar:
         for dataset in datasets:
             rows += run_dataset(dataset, args, entries + (scale if dataset in scaled else []), bar)
+    if args.merge:
+        rows = merge_earlier(rows, out)
     model = f"{args.model or 'sil6'} {args.hidden or '(default widths)'}"
-    write_tables(rows, out, f"SIL sweep: {model}, {args.epochs} epochs, batch {args.batch_size}/rank, np {args.np}, "
+    write_tables(rows, out, f"SIL sweep: {model}, batch {args.batch_size}/rank, np {args.np}, "
                             f"seed {args.seed}; one option changed at a time from the centre {DEFAULTS}. The defaults "
                             f"chosen from it are the centre with kappa 1: the 'kappa 1' row is SIL at its defaults "
                             f"(and so are the 'scale' rows of sil)")

@@ -221,7 +221,7 @@ def summarize(cfg: Config, method: Any, state: TrainState, elapsed: float,
         # the rest (the method's own computation: power iteration, SVD, optimiser step...).
         **step_phases(method, step_seconds, steps),
     }
-    extra = method.summary_metrics()
+    extra = {**method.summary_metrics(), **method.auto_choice}
     summary.update(extra)
     rows = [("method", f"{cfg.method} on {runtime.size()} rank(s)"),
             ("test accuracy", f"{100 * last['test_acc']:.2f}% (best {100 * best_acc:.2f}%)"),

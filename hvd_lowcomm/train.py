@@ -111,6 +111,13 @@ def preflight(cfg: Config, world: Any) -> Prepared | None:
                 where = "all ranks" if len(failing) == world.size else f"rank(s) {_rank_list(failing)}"
                 print(f"error ({where}): {message}", file=sys.stderr, flush=True)
         return None
+    if cfg.method == "auto":  # every rank got here: the probe's collectives cannot hang
+        try:
+            method = method.choose(model, world.size)
+        except ConfigError as err:  # the same model and choice everywhere: every rank stops alike
+            if rank == 0:
+                print(f"error: {err}", file=sys.stderr, flush=True)
+            return None
     with meter.in_phase("control"):
         run_dir, found = meter.broadcast_object(resume, "preflight.resume")
     return Prepared(method, info, model, Path(run_dir) if run_dir else None, Path(found) if found else None)

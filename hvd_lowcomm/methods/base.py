@@ -54,6 +54,8 @@ class Method:
         self.optimizer: torch.optim.Optimizer | None = None
         # Seconds of the run's steps spent in forward and backward passes (forward_backward).
         self.phase_seconds: dict[str, float] = {"forward": 0.0, "backward": 0.0}
+        # Set when --method auto chose this method: the choice and why (for summary.json).
+        self.auto_choice: dict[str, str] = {}
 
     def check_world(self, world_size: int) -> None:
         """Raise ConfigError when this method cannot run on `world_size` ranks."""

@@ -1,0 +1,419 @@
+"""An α-β cost model of one training step: each method's predicted step time for p ranks on a
+given network, from the model's layer shapes and its compute measured on this machine.
+
+    step = compute + the method's own computation + communication - what hides behind backward
+
+Communication (Hockney's α-β model with the algorithms MPI libraries and NCCL use for large
+messages: Rabenseifner's reduce-scatter + allgather, recursive-doubling allgather; the bytes
+are the ring's, which the traffic meter counts too), for a group of g ranks:
+
+    allreduce of M bytes              2⌈log2 g⌉·α + 2(g-1)/g · M / β
+    allgather of m bytes per rank     ⌈log2 g⌉·α + (g-1) · m / β
+    point to point, M bytes           α + M / β
+
+β is the bandwidth of the slowest link the ring crosses: the network's once the group spans
+several nodes (a ring leaves each node once, so the node's ranks do not share its link), the
+node's own (`intra_bandwidth`) inside one. α is the latency of one message. On a *shared*
+medium (benchmarks.compare --link: one token bucket that every rank's bytes cross) the bytes of
+all ranks add up instead.
+
+Compute: forward + backward + optimiser step of one batch (`profile_model` times it, or a
+measured step of `--method local` replaces it). A method's extra computation is counted in
+floating-point operations and converted at the rate the timed step reached: dAD multiplies the
+gathered rows of all p ranks (its cost grows with p), rank-dAD the r·p gathered factors plus
+its power iteration, PowerSGD its P = MQ and Q = MᵀP products. DDP's allreduce overlaps the
+backward pass (Horovod starts it as gradients appear); the others exchange after it.
+
+AB-training is not modelled: its traffic depends on the ranks its rank rule keeps, which are
+learned during training (measure it with benchmarks.compare).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from hvd_lowcomm.config import ConfigError
+
+FLOAT = 4  # bytes per fp32 number
+# The methods the model predicts; `auto` chooses among the drop-in ones (same model, same
+# training, only the gradient exchange differs). SIL and mp change how the model trains.
+DROP_IN = ("ddp", "ddp-fp16", "powersgd", "dad", "rank-dad")
+PREDICTED = (*DROP_IN, "sil", "mp")
+
+
+def rate_bits(rate: str) -> float:
+    """'1gbit' -> 1e9, '100mbit' -> 1e8 bits per second (tc's units, decimal)."""
+    units = {"tbit": 1e12, "gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
+    text = rate.strip().lower()
+    for unit, factor in units.items():
+        if text.endswith(unit):
+            try:
+                return float(text[: -len(unit)]) * factor
+            except ValueError:
+                break
+    raise ConfigError(f"link rate {rate!r}: use a rate such as 1gbit, 100mbit, 25gbit")
+
+
+@dataclass(frozen=True)
+class Link:
+    """The network between ranks."""
+
+    bandwidth: float                 # bytes per second, one direction, between nodes
+    latency: float = 2e-6            # seconds per message (α)
+    ranks_per_node: int = 1
+    intra_bandwidth: float = 20e9    # bytes per second between ranks of one node
+    shared: bool = False             # one medium for every rank's bytes (an emulated link)
+
+    @classmethod
+    def parse(cls, rate: str, latency_us: float = 2.0, **kwargs: Any) -> "Link":
+        return cls(rate_bits(rate) / 8, latency_us * 1e-6, **kwargs)
+
+    def describe(self) -> str:
+        text = f"{self.bandwidth * 8 / 1e9:.3g} Gbit/s, {self.latency * 1e6:.3g} µs"
+        if self.ranks_per_node > 1:
+            text += f", {self.ranks_per_node} ranks per node"
+        return text + (", shared medium" if self.shared else "")
+
+    def beta(self, group: int) -> float:
+        return self.intra_bandwidth if group <= self.ranks_per_node else self.bandwidth
+
+    def _time(self, messages: float, bytes_per_rank: float, group: int, ranks: int) -> float:
+        if group <= 1:
+            return 0.0
+        if self.shared:  # every rank's bytes cross the one medium
+            return messages * self.latency + ranks * bytes_per_rank / self.bandwidth
+        return messages * self.latency + bytes_per_rank / self.beta(group)
+
+    def allreduce(self, nbytes: float, group: int, ranks: int) -> float:
+        return self._time(2 * _log2(group), 2 * (group - 1) / group * nbytes, group, ranks)
+
+    def allgather(self, nbytes_per_rank: float, group: int, ranks: int) -> float:
+        return self._time(_log2(group), (group - 1) * nbytes_per_rank, group, ranks)
+
+    def send(self, nbytes: float, ranks: int, across_nodes: bool = True) -> float:
+        if self.shared:
+            return self.latency + ranks * nbytes / self.bandwidth
+        return self.latency + nbytes / (self.bandwidth if across_nodes else self.intra_bandwidth)
+
+
+def _log2(group: int) -> int:
+    return math.ceil(math.log2(group)) if group > 1 else 0
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A weight layer as the exchange methods see it: rows per sample of fan_in × fan_out."""
+
+    name: str
+    module_index: int     # position among the Sequential's children (-1: not a Sequential)
+    fan_in: int
+    fan_out: int
+    rows: int             # rows per sample: 1 for Linear, output positions (H·W) for Conv2d
+    params: int           # weight + bias numbers
+    shares_rows: bool     # dAD can share its activations and deltas (Linear, plain Conv2d)
+
+    @property
+    def flops(self) -> float:
+        """Forward multiply-adds of one sample, ×2."""
+        return 2.0 * self.rows * self.fan_in * self.fan_out
+
+
+@dataclass
+class Profile:
+    """The model as the cost model needs it, and its compute on this machine."""
+
+    layers: list[Layer]
+    other_params: int                  # parameters outside weight layers (BatchNorm, ...)
+    batch: int                         # samples per rank per step
+    step_seconds: float                # forward + backward + optimiser step
+    forward_seconds: float
+    backward_seconds: float
+    cut_widths: dict[int, list[int]] = field(default_factory=dict)      # K -> numbers per sample at each cut
+    partition_flops: dict[int, list[float]] = field(default_factory=dict)  # K -> share of the flops per partition
+    partition_params: dict[int, list[int]] = field(default_factory=dict)
+
+    @property
+    def params(self) -> int:
+        return sum(layer.params for layer in self.layers) + self.other_params
+
+    @property
+    def flop_rate(self) -> float:
+        """Floating-point operations per second the weight layers reached in the timed forward and
+        backward passes (one product forward, two backward)."""
+        return 3 * self.batch * sum(layer.flops for layer in self.layers) / \
+            max(self.forward_seconds + self.backward_seconds, 1e-9)
+
+    def with_compute(self, step: float, forward: float, backward: float) -> "Profile":
+        """The same model with measured times (e.g. those of `--method local`) as its compute."""
+        return replace(self, step_seconds=step, forward_seconds=forward, backward_seconds=backward)
+
+    def at_flop_rate(self, rate: float) -> "Profile":
+        """The same model on a device that reaches `rate` flop/s (every phase scaled alike)."""
+        scale = self.flop_rate / rate
+        return replace(self, step_seconds=self.step_seconds * scale, forward_seconds=self.forward_seconds * scale,
+                       backward_seconds=self.backward_seconds * scale)
+
+
+def profile_model(model: nn.Module, input_shape: tuple[int, ...], batch: int, repeats: int = 5,
+                  partitions: tuple[int, ...] = (2,)) -> Profile:
+    """Layer shapes from one forward pass, then the median of `repeats` timed steps (forward,
+    backward, Adam step) of a copy of `model` on random data of `batch` samples."""
+    from hvd_lowcomm.methods.dad import fan_in_out, supports
+
+    model = copy.deepcopy(model).train()
+    for module in model.modules():  # a method's hooks (dAD's captures) were copied along: not ours to run
+        for hooks in (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+                      getattr(module, "_backward_pre_hooks", {})):
+            hooks.clear()
+    children = list(model.children()) if isinstance(model, nn.Sequential) else []
+    rows: dict[str, int] = {}
+    hooks = [m.register_forward_hook(_rows_hook(rows, name)) for name, m in model.named_modules()
+             if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() >= 2]
+    x = torch.randn(batch, *input_shape)
+    with torch.no_grad():
+        model(x)
+    for hook in hooks:
+        hook.remove()
+    layers, counted = [], set()
+    for name, module in model.named_modules():
+        if name not in rows:
+            continue
+        fan_in, fan_out = fan_in_out(module)
+        params = [p for p in module.parameters(recurse=False)]
+        counted.update(id(p) for p in params)
+        index = next((i for i, child in enumerate(children) if any(m is module for m in child.modules())), -1)
+        layers.append(Layer(name, index, fan_in, fan_out, rows[name], sum(p.numel() for p in params), supports(module)))
+    other = sum(p.numel() for p in model.parameters() if id(p) not in counted)
+    step, forward, backward = _time_steps(model, x, repeats)
+    profile = Profile(layers, other, batch, step, forward, backward)
+    if children:
+        _add_partitions(profile, model, input_shape, partitions)
+    return profile
+
+
+def _rows_hook(rows: dict[str, int], name: str) -> Callable[..., None]:
+    def hook(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        rows[name] = output[0, 0].numel() if isinstance(module, nn.modules.conv._ConvNd) else \
+            output[0].numel() // output.shape[-1]
+    return hook
+
+
+def _time_steps(model: nn.Module, x: torch.Tensor, repeats: int) -> tuple[float, float, float]:
+    import torch.nn.functional as F
+
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-6)
+    out = model(x)
+    y = torch.zeros(len(x), dtype=torch.long) if out.dim() == 2 else None
+    steps, forwards, backwards = [], [], []
+    for _ in range(repeats + 2):  # two warm-up steps
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        out = model(x)
+        loss = F.cross_entropy(out, y) if y is not None else out.float().pow(2).mean()
+        middle = time.perf_counter()
+        loss.backward()
+        after_backward = time.perf_counter()
+        optimizer.step()
+        steps.append(time.perf_counter() - start)
+        forwards.append(middle - start)
+        backwards.append(after_backward - middle)
+    return tuple(sorted(times[2:])[repeats // 2] for times in (steps, forwards, backwards))  # medians
+
+
+def _add_partitions(profile: Profile, model: nn.Sequential, input_shape: tuple[int, ...],
+                    partitions: tuple[int, ...]) -> None:
+    """Where SIL's default cut falls for each K, and each partition's share of flops and
+    parameters (models SIL cannot cut are left out)."""
+    from hvd_lowcomm.partition import activation_shapes, cut_points
+
+    modules = list(model)
+    for k in partitions:
+        try:
+            bounds = cut_points(model, k, [], True, input_shape)
+        except ConfigError:
+            continue
+        shapes = activation_shapes(model, bounds, input_shape)
+        profile.cut_widths[k] = [math.prod(shape) for shape in shapes[1:]]
+        total = sum(layer.flops for layer in profile.layers) or 1.0
+        profile.partition_flops[k] = [sum(layer.flops for layer in profile.layers if a <= layer.module_index < b) / total
+                                      for a, b in zip(bounds[:-1], bounds[1:])]
+        profile.partition_params[k] = [sum(p.numel() for m in modules[a:b] for p in m.parameters())
+                                       for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+@dataclass
+class Prediction:
+    method: str
+    ranks: int
+    compute: float            # seconds: forward, backward, optimiser
+    method_compute: float     # seconds: the method's own work (power iteration, row products, ...)
+    communication: float      # seconds on the network
+    hidden: float             # of which overlapped with the backward pass
+    bytes_per_rank: float     # sent per step
+
+    @property
+    def step(self) -> float:
+        return self.compute + self.method_compute + self.communication - self.hidden
+
+
+@dataclass(frozen=True)
+class MethodSettings:
+    """The options the prediction depends on (the methods' defaults)."""
+
+    powersgd_rank: int = 2
+    powersgd_min_compression_rate: float = 2.0
+    rank_dad_rank: int = 8
+    rank_dad_iterations: int = 10
+    partitions: int = 2
+
+
+def predict(profile: Profile, method: str, ranks: int, link: Link, settings: MethodSettings = MethodSettings()
+            ) -> Prediction:
+    """The step of `method` on `ranks` ranks, each with the profile's batch."""
+    if method not in PREDICTED:
+        raise ConfigError(f"the cost model predicts {', '.join(PREDICTED)}; not {method!r}")
+    p, rate, compute = ranks, profile.flop_rate, profile.step_seconds
+    if method in ("ddp", "ddp-fp16"):
+        nbytes = profile.params * (2 if method == "ddp-fp16" else FLOAT)
+        comm = link.allreduce(nbytes, p, p)
+        return Prediction(method, p, compute, 0.0, comm, min(comm, profile.backward_seconds),
+                          _wire("allreduce", nbytes, p))
+    if method == "powersgd":
+        return _powersgd(profile, p, link, settings)
+    if method == "dad":
+        return _dad(profile, p, link, rank=None, iterations=0)
+    if method == "rank-dad":
+        return _dad(profile, p, link, settings.rank_dad_rank, settings.rank_dad_iterations)
+    return _partitioned(profile, method, p, link, settings.partitions, rate)
+
+
+def _wire(op: str, nbytes: float, group: int) -> float:
+    from hvd_lowcomm.traffic import wire_bytes
+
+    return wire_bytes(op, nbytes * group if op == "allgather" else nbytes, group)
+
+
+def _powersgd(profile: Profile, p: int, link: Link, s: MethodSettings) -> Prediction:
+    compressed_p = compressed_q = plain = 0
+    flops = 0.0
+    for layer in profile.layers:
+        n, m = layer.fan_out, layer.fan_in
+        r = min(n, m, s.powersgd_rank)
+        if (n + m) * r * s.powersgd_min_compression_rate < n * m:
+            compressed_p, compressed_q = compressed_p + n * r, compressed_q + m * r
+            plain += layer.params - n * m
+            flops += 4.0 * n * m * r + 2.0 * (n + m) * r * r  # P = MQ, Q = MᵀP, orthogonalisation
+        else:
+            plain += layer.params
+    plain += profile.other_params
+    comm = sum(link.allreduce(FLOAT * numbers, p, p) for numbers in (compressed_p, compressed_q, plain) if numbers)
+    sent = sum(_wire("allreduce", FLOAT * numbers, p) for numbers in (compressed_p, compressed_q, plain))
+    return Prediction("powersgd", p, profile.step_seconds, flops / profile.flop_rate, comm, 0.0, sent)
+
+
+def _dad(profile: Profile, p: int, link: Link, rank: int | None, iterations: int) -> Prediction:
+    """dAD (rank None) or rank-dAD: per layer the same choice as the methods' plan 'auto'
+    (share rows, or factors, where that sends fewer numbers than allreducing the gradient)."""
+    gathered = reduced = 0
+    flops = 0.0
+    control = 8  # the step's global batch size (one int64), for dAD's N_s/N scale
+    for layer in profile.layers:
+        local_rows = profile.batch * layer.rows
+        width = local_rows if rank is None else min(rank, local_rows, layer.fan_in, layer.fan_out)
+        planned = local_rows if rank is None else rank  # the plan's rows per rank
+        extra = 0 if rank is None else layer.fan_out  # rank-dAD allreduces the bias
+        if layer.shares_rows and p * planned * (layer.fan_in + layer.fan_out) + 2 * extra < 2 * layer.params:
+            gathered += width * (layer.fan_in + layer.fan_out)
+            reduced += extra
+            flops += 2.0 * p * width * layer.fan_in * layer.fan_out  # the pooled product of all ranks' rows
+            if rank is not None:  # block power iteration on the local rows, width + 4 columns
+                flops += iterations * 4.0 * local_rows * (layer.fan_in + layer.fan_out) * (width + 4)
+                control += 8  # the layer's common factor count (one int64)
+        else:
+            reduced += layer.params
+    reduced += profile.other_params
+    comm = link.allgather(FLOAT * gathered, p, p) + link.allreduce(FLOAT * reduced, p, p) + \
+        link.allreduce(control, p, p) * (2 if rank is not None else 1)
+    sent = _wire("allgather", FLOAT * gathered, p) + _wire("allreduce", FLOAT * reduced + control, p)
+    return Prediction("dad" if rank is None else "rank-dad", p, profile.step_seconds, flops / profile.flop_rate,
+                      comm, 0.0, sent)
+
+
+def _partitioned(profile: Profile, method: str, p: int, link: Link, k: int, rate: float) -> Prediction:
+    """SIL: each rank computes its partition alone; mp: the partitions of a step run one after
+    another (no pipelining) and activations and gradients cross every cut."""
+    if k not in profile.partition_flops:
+        raise ConfigError(f"{method}: this model has no cut into {k} partitions that SIL accepts")
+    if p % k:
+        raise ConfigError(f"{method}: {p} ranks do not split into {k} partitions")
+    g = p // k
+    share, params = max(profile.partition_flops[k]), max(profile.partition_params[k])
+    reduce = link.allreduce(FLOAT * params, g, p)
+    sent = _wire("allreduce", FLOAT * params, g)
+    if method == "sil":
+        return Prediction(method, p, profile.step_seconds * share, 0.0, reduce, 0.0, sent)
+    width = max(profile.cut_widths[k])
+    # Partners are g ranks apart: on different nodes once a group fills whole nodes. Forward
+    # then backward, each time the g ranks of one group send at once.
+    cut = 2 * link.send(FLOAT * profile.batch * width, g, across_nodes=g >= link.ranks_per_node)
+    return Prediction(method, p, profile.step_seconds, 0.0, reduce + cut, 0.0,
+                      sent + 2 * FLOAT * profile.batch * width)
+
+
+def break_even(profile: Profile, method: str, ranks: int, latency: float, settings: MethodSettings = MethodSettings(),
+               ranks_per_node: int = 1) -> float | None:
+    """The bandwidth (bytes/s) below which `method` steps faster than ddp, or None when it is
+    faster (or slower) at every bandwidth from 100 Mbit/s to 10 Tbit/s."""
+    def gain(bandwidth: float) -> float:
+        link = Link(bandwidth, latency, ranks_per_node)
+        return predict(profile, "ddp", ranks, link, settings).step - predict(profile, method, ranks, link, settings).step
+
+    low, high = 100e6 / 8, 10e12 / 8
+    if gain(low) <= 0 or gain(high) > 0:
+        return None
+    for _ in range(60):  # bisection in log space
+        middle = math.sqrt(low * high)
+        low, high = (middle, high) if gain(middle) > 0 else (low, middle)
+    return math.sqrt(low * high)
+
+
+# A method must beat ddp by this share to be chosen over it: within it, ddp (which changes
+# nothing about the gradient) wins the tie.
+MIN_GAIN = 0.05
+
+
+def choose(profile: Profile, ranks: int, link: Link, settings: MethodSettings = MethodSettings(),
+           candidates: tuple[str, ...] = DROP_IN) -> tuple[str, list[Prediction], str]:
+    """The candidate with the shortest predicted step (ddp unless another is MIN_GAIN faster),
+    every prediction, and why."""
+    predictions = sorted((predict(profile, m, ranks, link, settings) for m in candidates), key=lambda q: q.step)
+    best, ddp = predictions[0], next((q for q in predictions if q.method == "ddp"), None)
+    if ddp is not None and best.step > (1 - MIN_GAIN) * ddp.step:
+        best = ddp
+    why = (f"{best.method}: predicted {best.step * 1e3:.1f} ms per step on {ranks} ranks over {link.describe()} "
+           f"(compute {best.compute * 1e3:.1f} ms, its own work {best.method_compute * 1e3:.1f} ms, "
+           f"network {(best.communication - best.hidden) * 1e3:.1f} ms not hidden)")
+    if ddp is not None and best.method != "ddp":
+        why += f"; ddp would take {ddp.step * 1e3:.1f} ms ({ddp.step / best.step:.2f}x)"
+    else:
+        runner = next((q for q in predictions if q.method != best.method), None)
+        if runner is not None:
+            why += f"; the next best, {runner.method}, {runner.step * 1e3:.1f} ms (a method is chosen over " \
+                   f"ddp only when {MIN_GAIN:.0%} faster)"
+    return best.method, predictions, why
+
+
+def format_predictions(predictions: list[Prediction]) -> str:
+    from hvd_lowcomm.metrics import human_bytes
+
+    lines = [f"{'method':<10} {'step ms':>9} {'compute':>9} {'own work':>9} {'network':>9} {'hidden':>8} {'sent/rank':>10}"]
+    for q in predictions:
+        lines.append(f"{q.method:<10} {q.step * 1e3:>9.1f} {q.compute * 1e3:>9.1f} {q.method_compute * 1e3:>9.1f} "
+                     f"{q.communication * 1e3:>9.1f} {q.hidden * 1e3:>8.1f} {human_bytes(q.bytes_per_rank):>10}")
+    return "\n".join(lines)

@@ -1,0 +1,121 @@
+"""`python -m hvd_lowcomm.plan`: predicted step time of every method for your model, batch,
+rank counts and network, from the α-β cost model (hvd_lowcomm.costmodel).
+
+    python -m hvd_lowcomm.plan --ranks 64,256,1024 --links 10gbit,25gbit,100gbit,200gbit \\
+        --latency-us 2 --ranks-per-node 4 --tflops 50 --model.hidden 2048,2048 --data.batch_size 64
+
+Model and data options are those of `python -m hvd_lowcomm.train` (the data file gives the
+input shape and classes). The model's compute is timed on this machine; --tflops replaces it
+by what a device reaching that rate would take (the rate the weight layers reach, not the
+device's peak). Prints, and with --out writes (predicted.md, predicted.csv), one table per link
+(step ms per method and rank count, × ddp) and the break-even bandwidth of each method: the
+bandwidth below which it steps faster than ddp.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+from typing import Any
+
+from hvd_lowcomm.config import ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hvd_lowcomm.plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False)
+    parser.add_argument("--ranks", default="64,256,1024", help="comma-separated rank counts (default: %(default)s)")
+    parser.add_argument("--links", default="10gbit,25gbit,100gbit,200gbit",
+                        help="comma-separated network rates between nodes (default: %(default)s)")
+    parser.add_argument("--latency-us", type=float, default=2.0, help="message latency (default: %(default)s)")
+    parser.add_argument("--ranks-per-node", type=int, default=1, help="ranks sharing a node (default: %(default)s)")
+    parser.add_argument("--tflops", type=float, default=0.0,
+                        help="compute at this achieved rate, TFLOP/s (default: as timed on this machine)")
+    parser.add_argument("--out", default="", help="directory for predicted.md and predicted.csv")
+    parser.add_argument("-h", "--help", action="store_true")
+    args, rest = parser.parse_known_args(argv)
+    if args.help:
+        parser.print_help()
+        print("\nModel and data options: those of python -m hvd_lowcomm.train (see its --help).")
+        return 0
+    try:
+        tables, rows = plan(args, rest)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(tables)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "predicted.md").write_text(tables + "\n")
+        with open(out / "predicted.csv", "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        print(f"written to {out}/predicted.md and predicted.csv")
+    return 0
+
+
+def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dict[str, Any]]]:
+    from hvd_lowcomm import config, costmodel, data, models
+
+    cfg = config.load(train_argv, prog="python -m hvd_lowcomm.plan")
+    ranks = [int(r) for r in args.ranks.split(",")]
+    links = [(rate, costmodel.Link.parse(rate, args.latency_us, ranks_per_node=args.ranks_per_node))
+             for rate in args.links.split(",")]
+    if min(ranks) < 2 or args.ranks_per_node < 1:
+        raise ConfigError("--ranks needs counts of at least 2 and --ranks-per-node at least 1")
+    info = data.from_source(cfg.data.source) if cfg.data.source else data.inspect(cfg.data.path)
+    model = models.build_model(cfg.model, info.input_shape, info.num_classes)
+    profile = costmodel.profile_model(model, info.input_shape, cfg.data.batch_size)
+    device = f"{args.tflops:g} TFLOP/s" if args.tflops else f"this machine ({profile.flop_rate / 1e9:.1f} GFLOP/s)"
+    if args.tflops:
+        profile = profile.at_flop_rate(args.tflops * 1e12)
+    settings = costmodel.MethodSettings(powersgd_rank=cfg.method_options["powersgd"].rank,
+                                        rank_dad_rank=cfg.method_options["rank-dad"].rank,
+                                        rank_dad_iterations=cfg.method_options["rank-dad"].iterations)
+    methods = [m for m in costmodel.PREDICTED if m not in ("sil", "mp") or 2 in profile.partition_flops]
+    hidden = ",".join(map(str, cfg.model.hidden)) or "default widths"
+    lines = [f"# Predicted step time: {cfg.model.name} {hidden}, {profile.params:,} parameters, batch "
+             f"{cfg.data.batch_size} per rank, compute {profile.step_seconds * 1e3:.2f} ms per step at {device}; "
+             f"latency {args.latency_us:g} µs, {args.ranks_per_node} rank(s) per node", ""]
+    rows: list[dict[str, Any]] = []
+    for rate, link in links:
+        lines += [f"## {rate}", "", "| method | " + " | ".join(f"{p} ranks: ms (× ddp)" for p in ranks) + " |",
+                  "|---|" + "---|" * len(ranks)]
+        for method in methods:
+            cells = []
+            for p in ranks:
+                q = costmodel.predict(profile, method, p, link, settings)
+                ddp = costmodel.predict(profile, "ddp", p, link, settings)
+                cells.append(f"{q.step * 1e3:.2f} ({q.step / ddp.step:.2f})")
+                rows.append({"link": rate, "ranks": p, "method": method, "step_ms": q.step * 1e3,
+                             "ratio_to_ddp": q.step / ddp.step, "compute_ms": q.compute * 1e3,
+                             "method_compute_ms": q.method_compute * 1e3, "network_ms": q.communication * 1e3,
+                             "hidden_ms": q.hidden * 1e3, "bytes_per_rank": q.bytes_per_rank})
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["## Break-even bandwidth (below it the method steps faster than ddp)", "",
+              "| method | " + " | ".join(f"{p} ranks" for p in ranks) + " |", "|---|" + "---|" * len(ranks)]
+    for method in (m for m in methods if m != "ddp"):
+        cells = []
+        for p in ranks:
+            bandwidth = costmodel.break_even(profile, method, p, args.latency_us * 1e-6, settings, args.ranks_per_node)
+            cells.append("never" if bandwidth is None and _slower(profile, method, p, settings) else
+                         "always" if bandwidth is None else f"{bandwidth * 8 / 1e9:.3g} Gbit/s")
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines), rows
+
+
+def _slower(profile: Any, method: str, ranks: int, settings: Any) -> bool:
+    """Whether `method` loses to ddp even on the slowest link the break-even search tries."""
+    from hvd_lowcomm import costmodel
+
+    link = costmodel.Link(100e6 / 8)
+    return costmodel.predict(profile, method, ranks, link, settings).step >= \
+        costmodel.predict(profile, "ddp", ranks, link, settings).step
+
+
+if __name__ == "__main__":
+    sys.exit(main())
