@@ -18,11 +18,13 @@ medium (benchmarks.compare --link: one token bucket that every rank's bytes cros
 all ranks add up instead.
 
 Compute: forward + backward + optimiser step of one batch (`profile_model` times it, or a
-measured step of `--method local` replaces it). A method's extra computation is counted in
-floating-point operations and converted at the rate the timed step reached: dAD multiplies the
-gathered rows of all p ranks (its cost grows with p), rank-dAD the r·p gathered factors plus
-its power iteration, PowerSGD its P = MQ and Q = MᵀP products. DDP's allreduce overlaps the
-backward pass (Horovod starts it as gradients appear); the others exchange after it.
+measured step of `--method local` replaces it). A method's own computation is timed too, per
+layer, with the methods' own kernels on random data of the layer's shapes: PowerSGD's
+compression cycle (error feedback, P = MQ, orthogonalisation, Q = MᵀP, the new error), rank-dAD's
+block power iteration on one rank's rows, and the product of shared rows that dAD and rank-dAD
+form for every layer, timed for one rank's rows and multiplied by p (the pooled rows of all p
+ranks: this cost grows with p). DDP's allreduce overlaps the backward pass (Horovod starts it as
+gradients appear); the others exchange after it.
 
 AB-training is not modelled: its traffic depends on the ranks its rank rule keeps, which are
 learned during training (measure it with benchmarks.compare).
@@ -117,6 +119,9 @@ class Layer:
     rows: int             # rows per sample: 1 for Linear, output positions (H·W) for Conv2d
     params: int           # weight + bias numbers
     shares_rows: bool     # dAD can share its activations and deltas (Linear, plain Conv2d)
+    # Seconds of the methods' own kernels for this layer on this machine (`_time_kernels`):
+    # powersgd, rank_power (one rank's rows), dad_product and rank_product (per rank's rows).
+    kernels: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def flops(self) -> float:
@@ -156,14 +161,16 @@ class Profile:
     def at_flop_rate(self, rate: float) -> "Profile":
         """The same model on a device that reaches `rate` flop/s (every phase scaled alike)."""
         scale = self.flop_rate / rate
-        return replace(self, step_seconds=self.step_seconds * scale, forward_seconds=self.forward_seconds * scale,
-                       backward_seconds=self.backward_seconds * scale)
+        layers = [replace(layer, kernels={k: t * scale for k, t in layer.kernels.items()}) for layer in self.layers]
+        return replace(self, layers=layers, step_seconds=self.step_seconds * scale,
+                       forward_seconds=self.forward_seconds * scale, backward_seconds=self.backward_seconds * scale)
 
 
 def profile_model(model: nn.Module, input_shape: tuple[int, ...], batch: int, repeats: int = 5,
-                  partitions: tuple[int, ...] = (2,)) -> Profile:
-    """Layer shapes from one forward pass, then the median of `repeats` timed steps (forward,
-    backward, Adam step) of a copy of `model` on random data of `batch` samples."""
+                  partitions: tuple[int, ...] = (2,), settings: "MethodSettings | None" = None) -> Profile:
+    """Layer shapes from one forward pass, the median of `repeats` timed steps (forward,
+    backward, Adam step) of a copy of `model` on random data of `batch` samples, and the
+    methods' own kernels per layer with `settings` (the methods' defaults if None)."""
     from hvd_lowcomm.methods.dad import fan_in_out, supports
 
     model = copy.deepcopy(model).train()
@@ -188,7 +195,8 @@ def profile_model(model: nn.Module, input_shape: tuple[int, ...], batch: int, re
         params = [p for p in module.parameters(recurse=False)]
         counted.update(id(p) for p in params)
         index = next((i for i, child in enumerate(children) if any(m is module for m in child.modules())), -1)
-        layers.append(Layer(name, index, fan_in, fan_out, rows[name], sum(p.numel() for p in params), supports(module)))
+        layers.append(Layer(name, index, fan_in, fan_out, rows[name], sum(p.numel() for p in params), supports(module),
+                            _time_kernels(fan_in, fan_out, batch * rows[name], settings or MethodSettings())))
     other = sum(p.numel() for p in model.parameters() if id(p) not in counted)
     step, forward, backward = _time_steps(model, x, repeats)
     profile = Profile(layers, other, batch, step, forward, backward)
@@ -224,6 +232,43 @@ def _time_steps(model: nn.Module, x: torch.Tensor, repeats: int) -> tuple[float,
         forwards.append(middle - start)
         backwards.append(after_backward - middle)
     return tuple(sorted(times[2:])[repeats // 2] for times in (steps, forwards, backwards))  # medians
+
+
+def _time_kernels(fan_in: int, fan_out: int, rows: int, settings: "MethodSettings") -> dict[str, float]:
+    """Seconds of each method's own work for one layer of fan_in × fan_out with `rows` rows on
+    this rank, timed with the methods' own functions on random data (median of 3)."""
+    from hvd_lowcomm.lowrank import structured_power_iteration
+    from hvd_lowcomm.methods.powersgd import orthogonalise
+
+    generator = torch.Generator().manual_seed(0)
+    acts, deltas = torch.randn(rows, fan_in, generator=generator), torch.randn(rows, fan_out, generator=generator)
+    grad, error = torch.randn(fan_out, fan_in, generator=generator), torch.randn(fan_out, fan_in, generator=generator)
+    r = min(fan_out, fan_in, settings.powersgd_rank)
+    q = torch.randn(fan_in, r, generator=generator)
+    k = min(settings.rank_dad_rank, rows, fan_in, fan_out)
+
+    def powersgd() -> None:
+        m = grad + error
+        p = orthogonalise(m @ q)
+        approximation = p @ (m.T @ p).T
+        _ = m - approximation
+
+    kernels = {"powersgd": powersgd,
+               "rank_power": lambda: structured_power_iteration(acts, deltas, settings.rank_dad_rank,
+                                                                settings.rank_dad_iterations, 1e-3, generator),
+               "dad_product": lambda: deltas.T @ acts,
+               "rank_product": lambda: deltas[:k].T @ acts[:k]}
+    return {name: _median_seconds(fn) for name, fn in kernels.items()}
+
+
+def _median_seconds(fn: Callable[[], Any], repeats: int = 3) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[repeats // 2]
 
 
 def _add_partitions(profile: Profile, model: nn.Sequential, input_shape: tuple[int, ...],
@@ -278,7 +323,7 @@ def predict(profile: Profile, method: str, ranks: int, link: Link, settings: Met
     """The step of `method` on `ranks` ranks, each with the profile's batch."""
     if method not in PREDICTED:
         raise ConfigError(f"the cost model predicts {', '.join(PREDICTED)}; not {method!r}")
-    p, rate, compute = ranks, profile.flop_rate, profile.step_seconds
+    p, compute = ranks, profile.step_seconds
     if method in ("ddp", "ddp-fp16"):
         nbytes = profile.params * (2 if method == "ddp-fp16" else FLOAT)
         comm = link.allreduce(nbytes, p, p)
@@ -287,10 +332,10 @@ def predict(profile: Profile, method: str, ranks: int, link: Link, settings: Met
     if method == "powersgd":
         return _powersgd(profile, p, link, settings)
     if method == "dad":
-        return _dad(profile, p, link, rank=None, iterations=0)
+        return _dad(profile, p, link, rank=None)
     if method == "rank-dad":
-        return _dad(profile, p, link, settings.rank_dad_rank, settings.rank_dad_iterations)
-    return _partitioned(profile, method, p, link, settings.partitions, rate)
+        return _dad(profile, p, link, settings.rank_dad_rank)
+    return _partitioned(profile, method, p, link, settings.partitions)
 
 
 def _wire(op: str, nbytes: float, group: int) -> float:
@@ -301,27 +346,27 @@ def _wire(op: str, nbytes: float, group: int) -> float:
 
 def _powersgd(profile: Profile, p: int, link: Link, s: MethodSettings) -> Prediction:
     compressed_p = compressed_q = plain = 0
-    flops = 0.0
+    own = 0.0
     for layer in profile.layers:
         n, m = layer.fan_out, layer.fan_in
         r = min(n, m, s.powersgd_rank)
         if (n + m) * r * s.powersgd_min_compression_rate < n * m:
             compressed_p, compressed_q = compressed_p + n * r, compressed_q + m * r
             plain += layer.params - n * m
-            flops += 4.0 * n * m * r + 2.0 * (n + m) * r * r  # P = MQ, Q = MᵀP, orthogonalisation
+            own += layer.kernels["powersgd"]
         else:
             plain += layer.params
     plain += profile.other_params
     comm = sum(link.allreduce(FLOAT * numbers, p, p) for numbers in (compressed_p, compressed_q, plain) if numbers)
     sent = sum(_wire("allreduce", FLOAT * numbers, p) for numbers in (compressed_p, compressed_q, plain))
-    return Prediction("powersgd", p, profile.step_seconds, flops / profile.flop_rate, comm, 0.0, sent)
+    return Prediction("powersgd", p, profile.step_seconds, own, comm, 0.0, sent)
 
 
-def _dad(profile: Profile, p: int, link: Link, rank: int | None, iterations: int) -> Prediction:
+def _dad(profile: Profile, p: int, link: Link, rank: int | None) -> Prediction:
     """dAD (rank None) or rank-dAD: per layer the same choice as the methods' plan 'auto'
     (share rows, or factors, where that sends fewer numbers than allreducing the gradient)."""
     gathered = reduced = 0
-    flops = 0.0
+    own = 0.0
     control = 8  # the step's global batch size (one int64), for dAD's N_s/N scale
     for layer in profile.layers:
         local_rows = profile.batch * layer.rows
@@ -331,9 +376,9 @@ def _dad(profile: Profile, p: int, link: Link, rank: int | None, iterations: int
         if layer.shares_rows and p * planned * (layer.fan_in + layer.fan_out) + 2 * extra < 2 * layer.params:
             gathered += width * (layer.fan_in + layer.fan_out)
             reduced += extra
-            flops += 2.0 * p * width * layer.fan_in * layer.fan_out  # the pooled product of all ranks' rows
-            if rank is not None:  # block power iteration on the local rows, width + 4 columns
-                flops += iterations * 4.0 * local_rows * (layer.fan_in + layer.fan_out) * (width + 4)
+            own += p * layer.kernels["dad_product" if rank is None else "rank_product"]  # all ranks' rows
+            if rank is not None:  # the block power iteration on this rank's rows
+                own += layer.kernels["rank_power"]
                 control += 8  # the layer's common factor count (one int64)
         else:
             reduced += layer.params
@@ -341,11 +386,10 @@ def _dad(profile: Profile, p: int, link: Link, rank: int | None, iterations: int
     comm = link.allgather(FLOAT * gathered, p, p) + link.allreduce(FLOAT * reduced, p, p) + \
         link.allreduce(control, p, p) * (2 if rank is not None else 1)
     sent = _wire("allgather", FLOAT * gathered, p) + _wire("allreduce", FLOAT * reduced + control, p)
-    return Prediction("dad" if rank is None else "rank-dad", p, profile.step_seconds, flops / profile.flop_rate,
-                      comm, 0.0, sent)
+    return Prediction("dad" if rank is None else "rank-dad", p, profile.step_seconds, own, comm, 0.0, sent)
 
 
-def _partitioned(profile: Profile, method: str, p: int, link: Link, k: int, rate: float) -> Prediction:
+def _partitioned(profile: Profile, method: str, p: int, link: Link, k: int) -> Prediction:
     """SIL: each rank computes its partition alone; mp: the partitions of a step run one after
     another (no pipelining) and activations and gradients cross every cut."""
     if k not in profile.partition_flops:

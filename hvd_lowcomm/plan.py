@@ -68,13 +68,13 @@ def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dic
         raise ConfigError("--ranks needs counts of at least 2 and --ranks-per-node at least 1")
     info = data.from_source(cfg.data.source) if cfg.data.source else data.inspect(cfg.data.path)
     model = models.build_model(cfg.model, info.input_shape, info.num_classes)
-    profile = costmodel.profile_model(model, info.input_shape, cfg.data.batch_size)
-    device = f"{args.tflops:g} TFLOP/s" if args.tflops else f"this machine ({profile.flop_rate / 1e9:.1f} GFLOP/s)"
-    if args.tflops:
-        profile = profile.at_flop_rate(args.tflops * 1e12)
     settings = costmodel.MethodSettings(powersgd_rank=cfg.method_options["powersgd"].rank,
                                         rank_dad_rank=cfg.method_options["rank-dad"].rank,
                                         rank_dad_iterations=cfg.method_options["rank-dad"].iterations)
+    profile = costmodel.profile_model(model, info.input_shape, cfg.data.batch_size, settings=settings)
+    device = f"{args.tflops:g} TFLOP/s" if args.tflops else f"this machine ({profile.flop_rate / 1e9:.1f} GFLOP/s)"
+    if args.tflops:
+        profile = profile.at_flop_rate(args.tflops * 1e12)
     methods = [m for m in costmodel.PREDICTED if m not in ("sil", "mp") or 2 in profile.partition_flops]
     hidden = ",".join(map(str, cfg.model.hidden)) or "default widths"
     lines = [f"# Predicted step time: {cfg.model.name} {hidden}, {profile.params:,} parameters, batch "

@@ -62,7 +62,7 @@ class Auto(Method):
             settings = costmodel.MethodSettings(powersgd_rank=cfg.method_options["powersgd"].rank,
                                                 rank_dad_rank=cfg.method_options["rank-dad"].rank,
                                                 rank_dad_iterations=cfg.method_options["rank-dad"].iterations)
-            profile = costmodel.profile_model(model, self.data.input_shape, cfg.data.batch_size)
+            profile = costmodel.profile_model(model, self.data.input_shape, cfg.data.batch_size, settings=settings)
             if world_size == 1:
                 decision = ("ddp", "one rank: nothing to exchange", "")
             else:

@@ -1,0 +1,112 @@
+"""How well the cost model (hvd_lowcomm.costmodel) predicts step times that were measured.
+
+    python -m benchmarks.costmodel_check benchmarks/results/floor-mlp-1gbit ... \\
+        --latency-us 600 --out benchmarks/results/costmodel-check
+
+Each directory is a `benchmarks.compare --link RATE` result with its runs/ and a `local` row
+(the no-communication floor) at every rank count. For every other method the model predicts
+the step from the model's layer shapes, the local run's measured forward, backward and step
+times (its compute) and the emulated link: RATE on one medium that every rank's bytes cross
+(Link(shared=True)) with message latency --latency-us (on this machine a Horovod collective's
+latency is its cycle, not the wire's; measure it with `--probe`, which runs
+hvd_lowcomm.methods.auto.probe_link under mpirun on 2 ranks). Methods the model does not
+cover (ab, edad) are left out. Writes results.md and results.csv: measured against predicted
+step, the error, and its mean and largest absolute value.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from hvd_lowcomm import config, costmodel, data, models
+
+
+def check(directory: Path, latency: float) -> list[dict[str, Any]]:
+    with open(directory / "results.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    out = []
+    for np_ in sorted({int(r["np"]) for r in rows}):
+        mine = [r for r in rows if int(r["np"]) == np_]
+        local = next((r for r in mine if r["method"] == "local"), None)
+        if local is None or not local.get("link"):
+            raise SystemExit(f"{directory}: np {np_} needs a local row and a --link run")
+        link = costmodel.Link(costmodel.rate_bits(local["link"]) / 8, latency, shared=True)
+        for row in mine:
+            method, _, _ = row["method"].partition(":")
+            if method not in costmodel.PREDICTED:
+                continue
+            cfg = _run_config(directory, np_, row["method"])
+            info = data.inspect(cfg.data.path)
+            model = models.build_model(cfg.model, info.input_shape, info.num_classes)
+            settings = costmodel.MethodSettings(
+                powersgd_rank=cfg.method_options["powersgd"].rank, rank_dad_rank=cfg.method_options["rank-dad"].rank,
+                rank_dad_iterations=cfg.method_options["rank-dad"].iterations,
+                partitions=cfg.method_options[method].partitions if method in ("sil", "mp") else 2)
+            profile = costmodel.profile_model(model, info.input_shape, cfg.data.batch_size, repeats=1, settings=settings)
+            profile = profile.with_compute(*(float(local[key]) / 1e3 for key in
+                                             ("step_ms", "step_ms_forward", "step_ms_backward")))
+            predicted = costmodel.predict(profile, method, np_, link, settings)
+            measured = float(row["step_ms"])
+            out.append({"results": directory.name, "link": local["link"], "np": np_, "method": row["method"],
+                        "measured_ms": measured, "predicted_ms": predicted.step * 1e3,
+                        "compute_ms": predicted.compute * 1e3, "own_work_ms": predicted.method_compute * 1e3,
+                        "network_ms": predicted.communication * 1e3, "hidden_ms": predicted.hidden * 1e3,
+                        "error": predicted.step * 1e3 / measured - 1})
+    return out
+
+
+def _run_config(directory: Path, np_: int, label: str) -> config.Config:
+    name = f"np{np_}-{label.replace(':', '-').replace(',', '-').replace('=', '')}"
+    cfg = config.default_config()
+    config.apply_mapping(cfg, config.read_yaml(str(directory / "runs" / name / "config.yaml")))
+    return cfg
+
+
+def probe(np_: int = 2) -> float:
+    """Message latency (s) of Horovod on this machine, from probe_link under mpirun."""
+    code = ("from hvd_lowcomm import runtime; from hvd_lowcomm.methods.auto import probe_link; runtime.init(0); "
+            "link = probe_link(1.0); import json; runtime.rank() == 0 and print(json.dumps(link.latency))")
+    result = subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np_), sys.executable, "-c",
+                             code], capture_output=True, text=True, check=True)
+    return float(json.loads(result.stdout.strip().splitlines()[-1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.costmodel_check", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", nargs="+", help="benchmarks.compare result directories (with runs/)")
+    parser.add_argument("--latency-us", type=float, default=None, help="message latency (default: --probe's)")
+    parser.add_argument("--probe", action="store_true", help="measure the latency with probe_link on 2 ranks")
+    parser.add_argument("--out", default="benchmarks/results/costmodel-check")
+    args = parser.parse_args(argv)
+    if args.latency_us is None and not args.probe:
+        parser.error("give --latency-us or --probe")
+    latency = probe() if args.probe else args.latency_us * 1e-6
+    rows = [row for directory in args.results for row in check(Path(directory), latency)]
+    errors = [abs(r["error"]) for r in rows]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "results.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = [f"# Cost model against measured steps (emulated links, latency {latency * 1e6:.0f} µs per message)", "",
+             f"Mean absolute error {100 * sum(errors) / len(errors):.1f} %, largest {100 * max(errors):.1f} %, "
+             f"over {len(rows)} runs.", "",
+             "| results | link | np | method | measured ms | predicted ms | compute | own work | network | hidden | error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['results']} | {r['link']} | {r['np']} | {r['method']} | {r['measured_ms']:.1f} | "
+              f"{r['predicted_ms']:.1f} | {r['compute_ms']:.1f} | {r['own_work_ms']:.1f} | {r['network_ms']:.1f} | "
+              f"{r['hidden_ms']:.1f} | {100 * r['error']:+.1f} % |" for r in rows]
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
