@@ -75,8 +75,13 @@ class Variant:
         return cls(text, method, tuple(overrides))
 
 
+def run_name(np_: int, label: str) -> str:
+    """The directory name of the run of method entry `label` on np_ ranks."""
+    return f"np{np_}-{label.replace(':', '-').replace(',', '-').replace('=', '')}"
+
+
 def run_one(variant: Variant, np_: int, args: argparse.Namespace, runs_dir: Path, extra: list[str]) -> dict[str, Any]:
-    name = f"np{np_}-{variant.label.replace(':', '-').replace(',', '-').replace('=', '')}"
+    name = run_name(np_, variant.label)
     model = [*(["--model.name", args.model] if args.model else []), *(["--model.hidden", args.hidden] if args.hidden else [])]
     train_args = ["--method", variant.method, *variant.overrides, "--data.path", args.data, *model,
                   "--train.epochs", str(args.epochs), "--data.batch_size", str(args.batch_size),

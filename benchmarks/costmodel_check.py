@@ -10,7 +10,8 @@ times (its compute) and the emulated link: RATE on one medium that every rank's 
 (Link(shared=True)) with message latency --latency-us (on this machine a Horovod collective's
 latency is its cycle, not the wire's; measure it with `--probe`, which runs
 hvd_lowcomm.methods.auto.probe_link under mpirun on 2 ranks). Methods the model does not
-cover (ab, edad) are left out. Writes results.md and results.csv: measured against predicted
+cover (ab, edad) are left out; PowerSGD's prediction is the run's mean step, its first
+`start_iter` steps being plain allreduces. Writes results.md and results.csv: measured against predicted
 step, the error, and its mean and largest absolute value.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.compare import run_name
 from hvd_lowcomm import config, costmodel, data, models
 
 
@@ -51,6 +53,15 @@ def check(directory: Path, latency: float) -> list[dict[str, Any]]:
             profile = profile.with_compute(*(float(local[key]) / 1e3 for key in
                                              ("step_ms", "step_ms_forward", "step_ms_backward")))
             predicted = costmodel.predict(profile, method, np_, link, settings)
+            if method == "powersgd":  # its first start_iter steps allreduce like ddp: the run's mean step
+                steps = json.loads((directory / "runs" / run_name(np_, row["method"]) / "summary.json")
+                                   .read_text())["steps"]
+                plain = min(cfg.method_options["powersgd"].start_iter, steps) / steps
+                ddp = costmodel.predict(profile, "ddp", np_, link, settings)
+                predicted = costmodel.Prediction(
+                    method, np_, predicted.compute, (1 - plain) * predicted.method_compute,
+                    *((1 - plain) * getattr(predicted, key) + plain * getattr(ddp, key)
+                      for key in ("communication", "hidden", "bytes_per_rank")))
             measured = float(row["step_ms"])
             out.append({"results": directory.name, "link": local["link"], "np": np_, "method": row["method"],
                         "measured_ms": measured, "predicted_ms": predicted.step * 1e3,
@@ -61,9 +72,8 @@ def check(directory: Path, latency: float) -> list[dict[str, Any]]:
 
 
 def _run_config(directory: Path, np_: int, label: str) -> config.Config:
-    name = f"np{np_}-{label.replace(':', '-').replace(',', '-').replace('=', '')}"
     cfg = config.default_config()
-    config.apply_mapping(cfg, config.read_yaml(str(directory / "runs" / name / "config.yaml")))
+    config.apply_mapping(cfg, config.read_yaml(str(directory / "runs" / run_name(np_, label) / "config.yaml")))
     return cfg
 
 

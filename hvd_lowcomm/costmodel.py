@@ -139,6 +139,7 @@ class Profile:
     step_seconds: float                # forward + backward + optimiser step
     forward_seconds: float
     backward_seconds: float
+    fp16_seconds: float = 0.0          # casting every gradient to fp16 and back (ddp's fp16 compression)
     cut_widths: dict[int, list[int]] = field(default_factory=dict)      # K -> numbers per sample at each cut
     partition_flops: dict[int, list[float]] = field(default_factory=dict)  # K -> share of the flops per partition
     partition_params: dict[int, list[int]] = field(default_factory=dict)
@@ -155,15 +156,18 @@ class Profile:
             max(self.forward_seconds + self.backward_seconds, 1e-9)
 
     def with_compute(self, step: float, forward: float, backward: float) -> "Profile":
-        """The same model with measured times (e.g. those of `--method local`) as its compute."""
-        return replace(self, step_seconds=step, forward_seconds=forward, backward_seconds=backward)
+        """The same model with measured times (e.g. those of `--method local`, where the ranks
+        share the machine) as its compute; the kernels' times scale as its forward and backward
+        passes did."""
+        scale = (forward + backward) / max(self.forward_seconds + self.backward_seconds, 1e-12)
+        layers = [replace(layer, kernels={k: t * scale for k, t in layer.kernels.items()}) for layer in self.layers]
+        return replace(self, layers=layers, step_seconds=step, forward_seconds=forward, backward_seconds=backward,
+                       fp16_seconds=self.fp16_seconds * scale)
 
     def at_flop_rate(self, rate: float) -> "Profile":
         """The same model on a device that reaches `rate` flop/s (every phase scaled alike)."""
         scale = self.flop_rate / rate
-        layers = [replace(layer, kernels={k: t * scale for k, t in layer.kernels.items()}) for layer in self.layers]
-        return replace(self, layers=layers, step_seconds=self.step_seconds * scale,
-                       forward_seconds=self.forward_seconds * scale, backward_seconds=self.backward_seconds * scale)
+        return self.with_compute(self.step_seconds * scale, self.forward_seconds * scale, self.backward_seconds * scale)
 
 
 def profile_model(model: nn.Module, input_shape: tuple[int, ...], batch: int, repeats: int = 5,
@@ -199,7 +203,8 @@ def profile_model(model: nn.Module, input_shape: tuple[int, ...], batch: int, re
                             _time_kernels(fan_in, fan_out, batch * rows[name], settings or MethodSettings())))
     other = sum(p.numel() for p in model.parameters() if id(p) not in counted)
     step, forward, backward = _time_steps(model, x, repeats)
-    profile = Profile(layers, other, batch, step, forward, backward)
+    gradients = torch.randn(sum(p.numel() for p in model.parameters()))
+    profile = Profile(layers, other, batch, step, forward, backward, _median_seconds(lambda: gradients.half().float()))
     if children:
         _add_partitions(profile, model, input_shape, partitions)
     return profile
@@ -325,10 +330,11 @@ def predict(profile: Profile, method: str, ranks: int, link: Link, settings: Met
         raise ConfigError(f"the cost model predicts {', '.join(PREDICTED)}; not {method!r}")
     p, compute = ranks, profile.step_seconds
     if method in ("ddp", "ddp-fp16"):
-        nbytes = profile.params * (2 if method == "ddp-fp16" else FLOAT)
+        fp16 = method == "ddp-fp16"
+        nbytes = profile.params * (2 if fp16 else FLOAT)
         comm = link.allreduce(nbytes, p, p)
-        return Prediction(method, p, compute, 0.0, comm, min(comm, profile.backward_seconds),
-                          _wire("allreduce", nbytes, p))
+        return Prediction(method, p, compute, profile.fp16_seconds if fp16 else 0.0, comm,
+                          min(comm, profile.backward_seconds), _wire("allreduce", nbytes, p))
     if method == "powersgd":
         return _powersgd(profile, p, link, settings)
     if method == "dad":
@@ -398,7 +404,10 @@ def _partitioned(profile: Profile, method: str, p: int, link: Link, k: int) -> P
         raise ConfigError(f"{method}: {p} ranks do not split into {k} partitions")
     g = p // k
     share, params = max(profile.partition_flops[k]), max(profile.partition_params[k])
-    reduce = link.allreduce(FLOAT * params, g, p)
+    # The K groups average their partitions' gradients at the same time: on separate links the
+    # largest takes longest; on one shared medium all of their bytes cross it.
+    each = [link.allreduce(FLOAT * n, g, g) for n in profile.partition_params[k]]
+    reduce = sum(each) if link.shared else max(each)
     sent = _wire("allreduce", FLOAT * params, g)
     if method == "sil":
         return Prediction(method, p, profile.step_seconds * share, 0.0, reduce, 0.0, sent)

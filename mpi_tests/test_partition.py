@@ -283,9 +283,9 @@ def test_mp_gradients_equal_single_process_autograd(world, fresh_meter):
 @pytest.mark.parametrize("mode, epochs", [("parallel", 2), ("sequential", 5)])
 def test_sil_training_traffic_between_partitions(shared_tmp, mode, epochs):
     # sil6 by default; cut after its second layer, so the cut is 64 wide.
-    # lr by the README's rule: linear in the ranks per partition (SIZE / 2), from 2e-3 for one
+    # lr by the README's rule for Adam: × √(ranks per partition) (SIZE / 2), from 2e-3 for one
     argv = ["--method", "sil", "--sil.mode", mode, "--train.epochs", str(epochs), "--model.hidden", "64,64,32,32,32",
-            "--train.lr", f"{0.002 * max(SIZE // 2, 1):g}",
+            "--train.lr", f"{0.002 * max(SIZE // 2, 1) ** 0.5:g}",
             "--sil.cuts", "5",
             "--data.path", str(shared_tmp / "digits.h5"), "--run.dir", str(shared_tmp / "runs"), "--run.name", mode,
             "--run.progress", "false"]
