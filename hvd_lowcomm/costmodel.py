@@ -32,6 +32,7 @@ learned during training (measure it with benchmarks.compare).
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -120,7 +121,8 @@ class Layer:
     params: int           # weight + bias numbers
     shares_rows: bool     # dAD can share its activations and deltas (Linear, plain Conv2d)
     # Seconds of the methods' own kernels for this layer on this machine (`_time_kernels`):
-    # powersgd, rank_power (one rank's rows), dad_product and rank_product (per rank's rows).
+    # powersgd, rank_power (one rank's rows), dad_product and rank_product (per rank's rows),
+    # rows (forming this rank's activation and delta rows, im2col for a conv).
     kernels: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -140,9 +142,9 @@ class Profile:
     forward_seconds: float
     backward_seconds: float
     fp16_seconds: float = 0.0          # casting every gradient to fp16 and back (ddp's fp16 compression)
-    cut_widths: dict[int, list[int]] = field(default_factory=dict)      # K -> numbers per sample at each cut
-    partition_flops: dict[int, list[float]] = field(default_factory=dict)  # K -> share of the flops per partition
-    partition_params: dict[int, list[int]] = field(default_factory=dict)
+    # (method, K) -> where its default cut into K partitions falls (sil: outside convolutions,
+    # two weight layers each; mp: any block boundary); absent when the method cannot cut it.
+    partitions: dict[tuple[str, int], "Cut"] = field(default_factory=dict)
 
     @property
     def params(self) -> int:
@@ -175,7 +177,7 @@ def profile_model(model: nn.Module, input_shape: tuple[int, ...], batch: int, re
     """Layer shapes from one forward pass, the median of `repeats` timed steps (forward,
     backward, Adam step) of a copy of `model` on random data of `batch` samples, and the
     methods' own kernels per layer with `settings` (the methods' defaults if None)."""
-    from hvd_lowcomm.methods.dad import fan_in_out, supports
+    from hvd_lowcomm.methods.dad import activation_rows, delta_rows, fan_in_out, supports
 
     model = copy.deepcopy(model).train()
     for module in model.modules():  # a method's hooks (dAD's captures) were copied along: not ours to run
@@ -184,7 +186,8 @@ def profile_model(model: nn.Module, input_shape: tuple[int, ...], batch: int, re
             hooks.clear()
     children = list(model.children()) if isinstance(model, nn.Sequential) else []
     rows: dict[str, int] = {}
-    hooks = [m.register_forward_hook(_rows_hook(rows, name)) for name, m in model.named_modules()
+    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # each weight layer's input and output
+    hooks = [m.register_forward_hook(_rows_hook(rows, seen, name)) for name, m in model.named_modules()
              if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() >= 2]
     x = torch.randn(batch, *input_shape)
     with torch.no_grad():
@@ -199,8 +202,12 @@ def profile_model(model: nn.Module, input_shape: tuple[int, ...], batch: int, re
         params = [p for p in module.parameters(recurse=False)]
         counted.update(id(p) for p in params)
         index = next((i for i, child in enumerate(children) if any(m is module for m in child.modules())), -1)
+        kernels = _time_kernels(fan_in, fan_out, batch * rows[name], settings or MethodSettings())
+        if supports(module):  # dAD's rows of this layer: im2col of a conv's input, its output gradient as rows
+            inputs, output = seen[name]
+            kernels["rows"] = _median_seconds(lambda: (activation_rows(module, inputs), delta_rows(module, output)))
         layers.append(Layer(name, index, fan_in, fan_out, rows[name], sum(p.numel() for p in params), supports(module),
-                            _time_kernels(fan_in, fan_out, batch * rows[name], settings or MethodSettings())))
+                            kernels))
     other = sum(p.numel() for p in model.parameters() if id(p) not in counted)
     step, forward, backward = _time_steps(model, x, repeats)
     gradients = torch.randn(sum(p.numel() for p in model.parameters()))
@@ -210,10 +217,12 @@ def profile_model(model: nn.Module, input_shape: tuple[int, ...], batch: int, re
     return profile
 
 
-def _rows_hook(rows: dict[str, int], name: str) -> Callable[..., None]:
+def _rows_hook(rows: dict[str, int], seen: dict[str, tuple[torch.Tensor, torch.Tensor]], name: str
+               ) -> Callable[..., None]:
     def hook(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
         rows[name] = output[0, 0].numel() if isinstance(module, nn.modules.conv._ConvNd) else \
             output[0].numel() // output.shape[-1]
+        seen[name] = (inputs[0], output)
     return hook
 
 
@@ -276,25 +285,33 @@ def _median_seconds(fn: Callable[[], Any], repeats: int = 3) -> float:
     return sorted(times)[repeats // 2]
 
 
+@dataclass(frozen=True)
+class Cut:
+    """A model cut into partitions: each one's share of the flops, its parameters, and the
+    numbers per sample crossing each cut."""
+
+    flop_shares: list[float]
+    params: list[int]
+    widths: list[int]
+
+
 def _add_partitions(profile: Profile, model: nn.Sequential, input_shape: tuple[int, ...],
                     partitions: tuple[int, ...]) -> None:
-    """Where SIL's default cut falls for each K, and each partition's share of flops and
-    parameters (models SIL cannot cut are left out)."""
+    """Where SIL's and mp's default cuts fall for each K (cuts a method refuses are left out)."""
     from hvd_lowcomm.partition import activation_shapes, cut_points
 
     modules = list(model)
-    for k in partitions:
+    total = sum(layer.flops for layer in profile.layers) or 1.0
+    for method, k in itertools.product(("sil", "mp"), partitions):
         try:
-            bounds = cut_points(model, k, [], True, input_shape)
+            bounds = cut_points(model, k, [], method == "sil", input_shape)
         except ConfigError:
             continue
-        shapes = activation_shapes(model, bounds, input_shape)
-        profile.cut_widths[k] = [math.prod(shape) for shape in shapes[1:]]
-        total = sum(layer.flops for layer in profile.layers) or 1.0
-        profile.partition_flops[k] = [sum(layer.flops for layer in profile.layers if a <= layer.module_index < b) / total
-                                      for a, b in zip(bounds[:-1], bounds[1:])]
-        profile.partition_params[k] = [sum(p.numel() for m in modules[a:b] for p in m.parameters())
-                                       for a, b in zip(bounds[:-1], bounds[1:])]
+        pieces = list(zip(bounds[:-1], bounds[1:]))
+        profile.partitions[(method, k)] = Cut(
+            [sum(layer.flops for layer in profile.layers if a <= layer.module_index < b) / total for a, b in pieces],
+            [sum(p.numel() for m in modules[a:b] for p in m.parameters()) for a, b in pieces],
+            [math.prod(shape) for shape in activation_shapes(model, bounds, input_shape)[1:]])
 
 
 @dataclass
@@ -382,7 +399,7 @@ def _dad(profile: Profile, p: int, link: Link, rank: int | None) -> Prediction:
         if layer.shares_rows and p * planned * (layer.fan_in + layer.fan_out) + 2 * extra < 2 * layer.params:
             gathered += width * (layer.fan_in + layer.fan_out)
             reduced += extra
-            own += p * layer.kernels["dad_product" if rank is None else "rank_product"]  # all ranks' rows
+            own += layer.kernels["rows"] + p * layer.kernels["dad_product" if rank is None else "rank_product"]
             if rank is not None:  # the block power iteration on this rank's rows
                 own += layer.kernels["rank_power"]
                 control += 8  # the layer's common factor count (one int64)
@@ -398,20 +415,21 @@ def _dad(profile: Profile, p: int, link: Link, rank: int | None) -> Prediction:
 def _partitioned(profile: Profile, method: str, p: int, link: Link, k: int) -> Prediction:
     """SIL: each rank computes its partition alone; mp: the partitions of a step run one after
     another (no pipelining) and activations and gradients cross every cut."""
-    if k not in profile.partition_flops:
-        raise ConfigError(f"{method}: this model has no cut into {k} partitions that SIL accepts")
+    cut = profile.partitions.get((method, k))
+    if cut is None:
+        raise ConfigError(f"{method}: this model has no default cut into {k} partitions")
     if p % k:
         raise ConfigError(f"{method}: {p} ranks do not split into {k} partitions")
     g = p // k
-    share, params = max(profile.partition_flops[k]), max(profile.partition_params[k])
+    share, params = max(cut.flop_shares), max(cut.params)
     # The K groups average their partitions' gradients at the same time: on separate links the
     # largest takes longest; on one shared medium all of their bytes cross it.
-    each = [link.allreduce(FLOAT * n, g, g) for n in profile.partition_params[k]]
+    each = [link.allreduce(FLOAT * n, g, g) for n in cut.params]
     reduce = sum(each) if link.shared else max(each)
     sent = _wire("allreduce", FLOAT * params, g)
     if method == "sil":
         return Prediction(method, p, profile.step_seconds * share, 0.0, reduce, 0.0, sent)
-    width = max(profile.cut_widths[k])
+    width = max(cut.widths)
     # Partners are g ranks apart: on different nodes once a group fills whole nodes. Forward
     # then backward, each time the g ranks of one group send at once.
     cut = 2 * link.send(FLOAT * profile.batch * width, g, across_nodes=g >= link.ranks_per_node)

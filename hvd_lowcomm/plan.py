@@ -75,7 +75,7 @@ def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dic
     device = f"{args.tflops:g} TFLOP/s" if args.tflops else f"this machine ({profile.flop_rate / 1e9:.1f} GFLOP/s)"
     if args.tflops:
         profile = profile.at_flop_rate(args.tflops * 1e12)
-    methods = [m for m in costmodel.PREDICTED if m not in ("sil", "mp") or 2 in profile.partition_flops]
+    methods = [m for m in costmodel.PREDICTED if m not in ("sil", "mp") or (m, 2) in profile.partitions]
     hidden = ",".join(map(str, cfg.model.hidden)) or "default widths"
     lines = [f"# Predicted step time: {cfg.model.name} {hidden}, {profile.params:,} parameters, batch "
              f"{cfg.data.batch_size} per rank, compute {profile.step_seconds * 1e3:.2f} ms per step at {device}; "

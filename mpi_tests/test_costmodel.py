@@ -53,14 +53,16 @@ def test_the_profile_counts_every_parameter_and_the_partitions(mlp_profile):
     assert mlp_profile.params == sum(p.numel() for p in model.parameters())
     assert [layer.rows for layer in mlp_profile.layers] == [1, 1, 1, 1]
     assert mlp_profile.step_seconds > 0 and 0 < mlp_profile.backward_seconds < mlp_profile.step_seconds
-    shares = mlp_profile.partition_flops[2]
+    shares = mlp_profile.partitions[("sil", 2)].flop_shares
     assert len(shares) == 2 and sum(shares) == pytest.approx(1.0) and max(shares) < 0.8
+    assert mlp_profile.partitions[("sil", 2)].widths == [256]  # the cut after a hidden layer of 256
     conv = profile_model(cnn((1, 12, 12), 10, [4, 8]), (1, 12, 12), 8, repeats=1)
     assert conv.layers[0].rows == 144 and conv.layers[0].fan_in == 9  # 12x12 positions of a 3x3x1 patch
     assert conv.other_params == 2 * (4 + 8)  # BatchNorm weights and biases
-    assert 2 not in conv.partition_flops  # SIL refuses to cut this conv net: no SIL or mp prediction
-    with pytest.raises(ConfigError, match="no cut into 2 partitions that SIL accepts"):
+    assert ("sil", 2) not in conv.partitions and ("mp", 2) in conv.partitions  # SIL refuses this conv net; mp cuts it
+    with pytest.raises(ConfigError, match="sil: this model has no default cut into 2 partitions"):
         predict(conv, "sil", 4, Link(1e9))
+    assert predict(conv, "mp", 4, Link(1e9)).bytes_per_rank > 0
 
 
 def test_more_bandwidth_never_slows_a_step_and_dad_work_grows_with_ranks(mlp_profile):

@@ -189,13 +189,15 @@ class _DadExchange(GradientExchange):
             sizes = meter.allreduce_many([("dad.batch_size", torch.tensor([local_batch], dtype=torch.int64))],
                                          self._group, op="sum")[0]
         scale = local_batch / int(sizes.item())
-        rows = {n: self._local_rows(n, scale) for n in used}
-        if not self.plan:
-            self._make_plan(rows, local_batch, int(sizes.item()), p)
+        if not self.plan:  # the first step: every layer's rows, to plan from their shapes
+            self._make_plan({n: self._local_rows(n, scale) for n in used}, local_batch, int(sizes.item()), p)
+        dad_layers = [n for n in used if self.plan[n].choice == "dad"]
+        # Rows only where they are shared: a conv layer's im2col rows cost more than its
+        # allreduce saves (measured on cnn 16,32,32,64: 14.8 ms of a 34.9 ms step on 2 ranks).
+        rows = {n: self._local_rows(n, scale) for n in dad_layers}
 
         shared: list[tuple[str, torch.Tensor]] = []
         reduced: list[tuple[str, torch.Tensor]] = []
-        dad_layers = [n for n in used if self.plan[n].choice == "dad"]
         if self._edad:
             shared = self._edad_payload(rows)
         elif self._rank is None:
