@@ -12,7 +12,6 @@ are the analytic ring-allreduce bytes of the gradients: nothing meters them here
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import resource
 import time
@@ -23,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from hvd_lowcomm.data import H5Split, ShardedBatches, inspect
+from hvd_lowcomm.metrics import write_csv
 from hvd_lowcomm.models import mlp
 
 
@@ -75,10 +75,7 @@ def main() -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         for row in rows:
             row["train_wire_bytes_total"] = wire * steps * row["epoch"] / args.epochs
-        with open(run_dir / "epochs.csv", "w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(run_dir / "epochs.csv", rows)
         summary = {"method": "horovod", "world_size": p, "steps": steps, "final_test_acc": rows[-1]["test_acc"],
                    "best_test_acc": max(r["test_acc"] for r in rows), "step_seconds_mean": step_seconds / steps,
                    "train_wire_bytes_per_step": wire, "train_wire_bytes": wire * steps,

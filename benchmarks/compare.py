@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from benchmarks.netns import MPI_OVER_LOOPBACK, LinkUnavailable, ShapedLink, check_available, rate_bits
 from data_prep import BUNDLED
-from hvd_lowcomm.metrics import human_bytes
+from hvd_lowcomm.metrics import human_bytes, write_csv
 
 ALIASES = {"ddp-fp16": "ddp:comm.compression=fp16"}
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
@@ -201,11 +201,7 @@ def world_bytes(summary: dict[str, Any]) -> float:
 
 def write_tables(rows: list[dict[str, Any]], out: Path, title: str, failed: list[str] = (),
                  wire_label: str | None = None) -> str:
-    columns = list(dict.fromkeys(k for row in rows for k in row))
-    with open(out / "results.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(out / "results.csv", rows)
     header = ["np", "method", "test acc", "Δ acc vs ddp", "bytes/step", "× ddp bytes", "step ms", "× ddp time",
               "time to 90 % of ddp", "peak RSS"]
     lines = [f"# {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

@@ -26,9 +26,10 @@ from typing import Any
 
 from benchmarks.compare import run_name
 from hvd_lowcomm import config, costmodel, data, models
+from hvd_lowcomm.metrics import write_csv
 
 
-def check(directory: Path, latency: float) -> list[dict[str, Any]]:
+def check(directory: Path, latency: float, profiles: dict[tuple, costmodel.Profile]) -> list[dict[str, Any]]:
     with open(directory / "results.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
     out = []
@@ -43,14 +44,14 @@ def check(directory: Path, latency: float) -> list[dict[str, Any]]:
             if method not in costmodel.PREDICTED:
                 continue
             cfg = _run_config(directory, np_, row["method"])
-            info = data.inspect(cfg.data.path)
-            model = models.build_model(cfg.model, info.input_shape, info.num_classes)
-            settings = costmodel.MethodSettings(
-                powersgd_rank=cfg.method_options["powersgd"].rank, rank_dad_rank=cfg.method_options["rank-dad"].rank,
-                rank_dad_iterations=cfg.method_options["rank-dad"].iterations,
-                partitions=cfg.method_options[method].partitions if method in ("sil", "mp") else 2)
-            profile = costmodel.profile_model(model, info.input_shape, cfg.data.batch_size, repeats=1, settings=settings)
-            profile = profile.with_compute(*(float(local[key]) / 1e3 for key in
+            settings = costmodel.MethodSettings.from_config(cfg)
+            key = (cfg.model.name, tuple(cfg.model.hidden), cfg.data.path, cfg.data.batch_size, settings)
+            if key not in profiles:  # the same model's shapes and kernels serve every run of it
+                info = data.inspect(cfg.data.path)
+                model = models.build_model(cfg.model, info.input_shape, info.num_classes)
+                profiles[key] = costmodel.profile_model(model, info.input_shape, cfg.data.batch_size, repeats=1,
+                                                        settings=settings)
+            profile = profiles[key].with_compute(*(float(local[key]) / 1e3 for key in
                                              ("step_ms", "step_ms_forward", "step_ms_backward")))
             predicted = costmodel.predict(profile, method, np_, link, settings)
             if method == "powersgd":  # its first start_iter steps allreduce like ddp: the run's mean step
@@ -97,14 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.latency_us is None and not args.probe:
         parser.error("give --latency-us or --probe")
     latency = probe() if args.probe else args.latency_us * 1e-6
-    rows = [row for directory in args.results for row in check(Path(directory), latency)]
+    profiles: dict[tuple, costmodel.Profile] = {}
+    rows = [row for directory in args.results for row in check(Path(directory), latency, profiles)]
     errors = [abs(r["error"]) for r in rows]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "results.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(out / "results.csv", rows)
     lines = [f"# Cost model against measured steps (emulated links, latency {latency * 1e6:.0f} µs per message)", "",
              f"Mean absolute error {100 * sum(errors) / len(errors):.1f} %, largest {100 * max(errors):.1f} %, "
              f"over {len(rows)} runs.", "",

@@ -14,7 +14,6 @@ in-memory read are what compare across machines.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import subprocess
 import sys
@@ -22,6 +21,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from hvd_lowcomm.metrics import write_csv
 
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
 LAYOUTS = ("memory", "file", "shards", "file-gzip")
@@ -137,10 +138,7 @@ def write_results(out: Path, rows: list[dict], waits: list[dict], args: argparse
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with open(out / "results.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(out / "results.csv", rows)
     lines = [f"# Loader throughput ({args.samples} uint8 images of {args.shape}, batch {args.batch}/rank, "
              f"{args.epochs} epochs, {args.shards} shards)", "",
              "| ranks | source | samples/s (all ranks) | per rank | x in-memory |", "|---|---|---|---|---|"]

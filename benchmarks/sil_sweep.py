@@ -35,6 +35,7 @@ from typing import Any
 from tqdm import tqdm
 
 from benchmarks.compare import Variant, _finish, run_one
+from hvd_lowcomm.metrics import write_csv
 
 # The sweep's centre: SIL's options before this sweep chose kappa 1 (kappa was 5); every SIL
 # run that does not set kappa itself gets it, so the table reads one change at a time.
@@ -122,10 +123,7 @@ def merge_earlier(rows: list[dict[str, Any]], out: Path) -> list[dict[str, Any]]
 
 
 def write_tables(rows: list[dict[str, Any]], out: Path, title: str) -> None:
-    with open(out / "results.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(out / "results.csv", rows)
     lines = [f"# {title}", ""]
     for dataset in dict.fromkeys(r["dataset"] for r in rows):
         epochs = sorted({int(r["epochs"]) for r in rows if r["dataset"] == dataset})

@@ -339,6 +339,13 @@ class MethodSettings:
     rank_dad_iterations: int = 10
     partitions: int = 2
 
+    @classmethod
+    def from_config(cls, cfg: Any) -> "MethodSettings":
+        """The settings a run's config gives (partitions: its own method's, for sil and mp)."""
+        o = cfg.method_options
+        return cls(o["powersgd"].rank, o["powersgd"].min_compression_rate, o["rank-dad"].rank,
+                   o["rank-dad"].iterations, o[cfg.method].partitions if cfg.method in ("sil", "mp") else 2)
+
 
 def predict(profile: Profile, method: str, ranks: int, link: Link, settings: MethodSettings = MethodSettings()
             ) -> Prediction:
@@ -388,6 +395,8 @@ def _powersgd(profile: Profile, p: int, link: Link, s: MethodSettings) -> Predic
 def _dad(profile: Profile, p: int, link: Link, rank: int | None) -> Prediction:
     """dAD (rank None) or rank-dAD: per layer the same choice as the methods' plan 'auto'
     (share rows, or factors, where that sends fewer numbers than allreducing the gradient)."""
+    from hvd_lowcomm.methods.dad import sharing_is_cheaper
+
     gathered = reduced = 0
     own = 0.0
     control = 8  # the step's global batch size (one int64), for dAD's N_s/N scale
@@ -396,7 +405,7 @@ def _dad(profile: Profile, p: int, link: Link, rank: int | None) -> Prediction:
         width = local_rows if rank is None else min(rank, local_rows, layer.fan_in, layer.fan_out)
         planned = local_rows if rank is None else rank  # the plan's rows per rank
         extra = 0 if rank is None else layer.fan_out  # rank-dAD allreduces the bias
-        if layer.shares_rows and p * planned * (layer.fan_in + layer.fan_out) + 2 * extra < 2 * layer.params:
+        if layer.shares_rows and sharing_is_cheaper(p * planned, layer.fan_in, layer.fan_out, layer.params, extra):
             gathered += width * (layer.fan_in + layer.fan_out)
             reduced += extra
             own += layer.kernels["rows"] + p * layer.kernels["dad_product" if rank is None else "rank_product"]
@@ -432,22 +441,24 @@ def _partitioned(profile: Profile, method: str, p: int, link: Link, k: int) -> P
     width = max(cut.widths)
     # Partners are g ranks apart: on different nodes once a group fills whole nodes. Forward
     # then backward, each time the g ranks of one group send at once.
-    cut = 2 * link.send(FLOAT * profile.batch * width, g, across_nodes=g >= link.ranks_per_node)
-    return Prediction(method, p, profile.step_seconds, 0.0, reduce + cut, 0.0,
+    sends = 2 * link.send(FLOAT * profile.batch * width, g, across_nodes=g >= link.ranks_per_node)
+    return Prediction(method, p, profile.step_seconds, 0.0, reduce + sends, 0.0,
                       sent + 2 * FLOAT * profile.batch * width)
 
 
 def break_even(profile: Profile, method: str, ranks: int, latency: float, settings: MethodSettings = MethodSettings(),
-               ranks_per_node: int = 1) -> float | None:
-    """The bandwidth (bytes/s) below which `method` steps faster than ddp, or None when it is
-    faster (or slower) at every bandwidth from 100 Mbit/s to 10 Tbit/s."""
+               ranks_per_node: int = 1) -> float:
+    """The bandwidth (bytes/s) below which `method` steps faster than ddp: inf when it is faster
+    at every bandwidth from 100 Mbit/s to 10 Tbit/s, 0 when it is faster at none."""
     def gain(bandwidth: float) -> float:
         link = Link(bandwidth, latency, ranks_per_node)
         return predict(profile, "ddp", ranks, link, settings).step - predict(profile, method, ranks, link, settings).step
 
     low, high = 100e6 / 8, 10e12 / 8
-    if gain(low) <= 0 or gain(high) > 0:
-        return None
+    if gain(low) <= 0:
+        return 0.0
+    if gain(high) > 0:
+        return math.inf
     for _ in range(60):  # bisection in log space
         middle = math.sqrt(low * high)
         low, high = (middle, high) if gain(middle) > 0 else (low, middle)

@@ -11,7 +11,6 @@ program's own validator before a script is written, so a job never starts with a
 from __future__ import annotations
 
 import argparse
-import csv
 import re
 import shlex
 import shutil
@@ -24,6 +23,7 @@ import jinja2
 
 from hvd_lowcomm import config as config_mod
 from hvd_lowcomm.config import ConfigError
+from hvd_lowcomm.metrics import write_csv
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "jobs"
 SCHEDULERS = {"slurm": ("slurm.sh.j2", "sbatch"), "pbs": ("pbs.sh.j2", "qsub"), "torque": ("pbs.sh.j2", "qsub")}
@@ -257,10 +257,7 @@ def sweep(args: argparse.Namespace, train_args: list[str]) -> int:
             rows.append({"script": path.name, "scheduler": spec.scheduler, "method": method or "(config)",
                          "nodes": nodes, "tasks_per_node": spec.tasks_per_node,
                          "ranks": nodes * spec.tasks_per_node, "config": spec.config})
-    with open(out_dir / "manifest.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(out_dir / "manifest.csv", rows)
     print(f"wrote {len(rows)} scripts and manifest.csv to {out_dir}/")
     return 0
 

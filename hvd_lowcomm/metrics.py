@@ -30,6 +30,15 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Rows as a CSV file with a header: every key any row has, in order of first appearance."""
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def unique_run_dir(parent: str, name: str) -> Path:
     """`parent/name`, with -2, -3, ... appended if it exists, so no run overwrites another."""
     base = Path(parent) / name
@@ -87,13 +96,7 @@ class RunLogger:
             return
         self.log("epoch", record)
         self.epoch_rows.append(record)
-        columns: list[str] = []
-        for row in self.epoch_rows:
-            columns += [k for k in row if k not in columns]
-        with open(self.run_dir / "epochs.csv", "w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=columns)
-            writer.writeheader()
-            writer.writerows(self.epoch_rows)
+        write_csv(self.run_dir / "epochs.csv", self.epoch_rows)
 
     def progress(self, items: Iterable[T], total: int, desc: str) -> Iterator[T] | tqdm:
         if not self.show_progress:

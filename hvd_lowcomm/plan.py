@@ -14,12 +14,13 @@ bandwidth below which it steps faster than ddp.
 from __future__ import annotations
 
 import argparse
-import csv
+import math
 import sys
 from pathlib import Path
 from typing import Any
 
 from hvd_lowcomm.config import ConfigError
+from hvd_lowcomm.metrics import write_csv
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,10 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "predicted.md").write_text(tables + "\n")
-        with open(out / "predicted.csv", "w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(out / "predicted.csv", rows)
         print(f"written to {out}/predicted.md and predicted.csv")
     return 0
 
@@ -68,9 +66,7 @@ def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dic
         raise ConfigError("--ranks needs counts of at least 2 and --ranks-per-node at least 1")
     info = data.from_source(cfg.data.source) if cfg.data.source else data.inspect(cfg.data.path)
     model = models.build_model(cfg.model, info.input_shape, info.num_classes)
-    settings = costmodel.MethodSettings(powersgd_rank=cfg.method_options["powersgd"].rank,
-                                        rank_dad_rank=cfg.method_options["rank-dad"].rank,
-                                        rank_dad_iterations=cfg.method_options["rank-dad"].iterations)
+    settings = costmodel.MethodSettings.from_config(cfg)
     profile = costmodel.profile_model(model, info.input_shape, cfg.data.batch_size, settings=settings)
     device = f"{args.tflops:g} TFLOP/s" if args.tflops else f"this machine ({profile.flop_rate / 1e9:.1f} GFLOP/s)"
     if args.tflops:
@@ -102,19 +98,10 @@ def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dic
         cells = []
         for p in ranks:
             bandwidth = costmodel.break_even(profile, method, p, args.latency_us * 1e-6, settings, args.ranks_per_node)
-            cells.append("never" if bandwidth is None and _slower(profile, method, p, settings) else
-                         "always" if bandwidth is None else f"{bandwidth * 8 / 1e9:.3g} Gbit/s")
+            cells.append("never" if bandwidth == 0 else "always" if math.isinf(bandwidth) else
+                         f"{bandwidth * 8 / 1e9:.3g} Gbit/s")
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines), rows
-
-
-def _slower(profile: Any, method: str, ranks: int, settings: Any) -> bool:
-    """Whether `method` loses to ddp even on the slowest link the break-even search tries."""
-    from hvd_lowcomm import costmodel
-
-    link = costmodel.Link(100e6 / 8)
-    return costmodel.predict(profile, method, ranks, link, settings).step >= \
-        costmodel.predict(profile, "ddp", ranks, link, settings).step
 
 
 if __name__ == "__main__":

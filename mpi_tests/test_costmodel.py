@@ -119,15 +119,23 @@ def test_predicted_bytes_per_step_are_what_the_method_sends(world, fresh_meter, 
 
 @needs_ranks(2)
 @pytest.mark.parametrize("link, expected", [("10000gbit", {"ddp"}), ("10mbit", {"powersgd", "dad", "rank-dad"})])
-def test_method_auto_trains_with_the_method_the_cost_model_chose(shared_tmp, capsys, link, expected):
+def test_method_auto_trains_with_the_method_the_cost_model_chose(world, fresh_meter, shared_tmp, capsys, link,
+                                                                 expected):
     argv = ["--method", "auto", "--auto.link", link, "--model.hidden", "512,512", "--train.epochs", "1",
             "--train.max_steps", "3", "--data.path", str(shared_tmp / "digits.h5"), "--run.dir", str(shared_tmp),
             "--run.name", "auto", "--run.progress", "false"]
     assert main(argv) == 0
-    if RANK == 0:  # rank 0 writes the summary and prints the choice
-        summary = json.loads((shared_tmp / "auto" / "summary.json").read_text())
-        assert summary["auto_choice"] in expected, summary["auto_reason"]
-        assert summary["method"] == ("ddp" if summary["auto_choice"] == "ddp-fp16" else summary["auto_choice"])
+    world.comm.Barrier()  # rank 0 has written the summary
+    summary = json.loads((shared_tmp / "auto" / "summary.json").read_text())
+    choice = summary["auto_choice"]
+    assert choice in expected, summary["auto_reason"]
+    assert summary["method"] == ("ddp" if choice == "ddp-fp16" else choice)
+    # Every rank trained with that method: its training tensors carry the method's names
+    # (PowerSGD's first start_iter steps are plain allreduces named "allreduce.<parameter>").
+    trained = {name.split(".")[0] for name, t in fresh_meter.by_name.items() if t.calls}
+    marker = {"dad": "dad", "rank-dad": "rank-dad", "powersgd": "allreduce"}.get(choice)
+    assert (marker in trained) if marker else not trained & {"dad", "rank-dad", "allreduce", "powersgd"}, trained
+    if RANK == 0:  # rank 0 prints the choice
         out = capsys.readouterr().out
         assert f"auto: chose {summary['auto_choice']}: predicted" in out and "predicted per step:" in out
 

@@ -59,9 +59,7 @@ class Auto(Method):
             costmodel.Link.parse(o.link, o.latency_us, ranks_per_node=o.ranks_per_node)
         decision = None
         if runtime.rank() == 0:
-            settings = costmodel.MethodSettings(powersgd_rank=cfg.method_options["powersgd"].rank,
-                                                rank_dad_rank=cfg.method_options["rank-dad"].rank,
-                                                rank_dad_iterations=cfg.method_options["rank-dad"].iterations)
+            settings = costmodel.MethodSettings.from_config(cfg)
             profile = costmodel.profile_model(model, self.data.input_shape, cfg.data.batch_size, settings=settings)
             if world_size == 1:
                 decision = ("ddp", "one rank: nothing to exchange", "")

@@ -97,14 +97,19 @@ def plan_layer(name: str, module: nn.Module, rows: int, world_size: int, extra_a
     """
     d_in, d_out = fan_in_out(module)
     params = sum(p.numel() for p in module.parameters(recurse=False))
-    shared = rows * (d_in + d_out) * FLOAT_BYTES
-    allreduced = params * FLOAT_BYTES
     p = world_size
-    shared_wire = wire_bytes("allgather", shared, p) + wire_bytes("allreduce", extra_allreduce * FLOAT_BYTES, p)
-    allreduce_wire = wire_bytes("allreduce", allreduced, p)
-    share = force or shared + 2 * extra_allreduce * FLOAT_BYTES < 2 * allreduced
+    shared_wire = wire_bytes("allgather", rows * (d_in + d_out) * FLOAT_BYTES, p) + \
+        wire_bytes("allreduce", extra_allreduce * FLOAT_BYTES, p)
+    allreduce_wire = wire_bytes("allreduce", params * FLOAT_BYTES, p)
+    share = force or sharing_is_cheaper(rows, d_in, d_out, params, extra_allreduce)
     return LayerPlan(name, tuple(module.weight.shape), rows, shared_wire, allreduce_wire,
                      "dad" if share else "allreduce")
+
+
+def sharing_is_cheaper(rows: int, d_in: int, d_out: int, params: int, extra_allreduce: int = 0) -> bool:
+    """The plan's rule: `rows` rows of d_in + d_out numbers shared by all ranks together (plus
+    `extra_allreduce` numbers still allreduced, which cost twice) against `params` allreduced."""
+    return rows * (d_in + d_out) + 2 * extra_allreduce < 2 * params
 
 
 def format_plan(plans: list[LayerPlan]) -> str:
