@@ -93,7 +93,7 @@ def test_output_error_is_the_share_of_the_layer_output_a_cut_drops(kind):
     x = torch.randn(*INPUTS[kind]) @ torch.randn(INPUTS[kind][-1], INPUTS[kind][-1])  # correlated inputs
     wrapped = FactorizedLayer(layer)
     wrapped.record_inputs(x)
-    svd = wrapped.svd()
+    svd = wrapped.spectrum()
     energy = wrapped.component_energy(svd)
     dense = wrapped(x) - (layer.bias.view(-1, *[1] * (x.dim() - 2)) if kind == "conv2d" else layer.bias)
     for rank in (1, 2, 3):
@@ -102,6 +102,58 @@ def test_output_error_is_the_share_of_the_layer_output_a_cut_drops(kind):
         expected = (dropped.norm() / dense.norm()).item()
         assert dropped_fraction(energy, rank) == pytest.approx(expected, rel=1e-3)
         wrapped.factorized = False
+
+
+def low_rank_after_a_cut(rows: int, cols: int, seed: int = 5) -> tuple[FactorizedLayer, torch.Tensor]:
+    """A layer as a re-factorisation finds it: a rank-12 product from the last cut (at rank 10)
+    plus small full-rank updates, the bulk's edge kept from a random start, and recorded inputs
+    that are correlated (so output and weight energies differ)."""
+    torch.manual_seed(seed)
+    layer = FactorizedLayer(nn.Linear(cols, rows))
+    layer.noise_edge = noise_edge(layer.spectrum().s, layer.tall_shape)
+    layer.factorize(rank=10)
+    m, n = layer.tall_shape
+    learned = torch.randn(m, 12) @ torch.diag(torch.linspace(3, 0.5, 12)) @ torch.randn(12, n) / (m * n) ** 0.25
+    with torch.no_grad():
+        layer.layer.weight.copy_(layer.weight_from_tall(learned + 1e-3 * torch.randn(m, n)))
+    layer.factorized = False  # the full-rank phase trains the dense weight
+    x = torch.randn(300, cols) @ torch.randn(cols, cols) / cols**0.5
+    layer.record_inputs(x)
+    return layer, x
+
+
+@pytest.mark.parametrize("shape", [(512, 512), (256, 512), (512, 160)])  # square, wide (transposed), tall
+def test_a_spectrum_of_the_leading_triplets_cuts_as_the_full_svd_and_knows_what_it_drops(shape):
+    layer, x = low_rank_after_a_cut(*shape)
+    full, leading = layer.spectrum(), layer.spectrum(leading=layer.rank)
+    assert full.complete and not leading.complete and len(leading.s) == 2 * 10 + 16
+    torch.testing.assert_close(leading.s[:12], full.s[:12], rtol=1e-4, atol=0)
+    full_energy, leading_energy = layer.component_energy(full), layer.component_energy(leading)
+    median = leading.median_bound(layer.tall_shape)
+    assert median >= float(full.s.median())  # an upper bound of the median it did not compute
+    for floor in (0.25, 0.01):
+        rank = choose_rank(full.s, layer.tall_shape, "noise", 0.15, full_energy, floor, layer.noise_edge)
+        assert rank == 12 and rank == choose_rank(leading.s, layer.tall_shape, "noise", 0.15, leading_energy,
+                                                  floor, layer.noise_edge, median=median)
+    x = x.double()  # in float64: a 0.3 % difference of two outputs is measured to 1e-6
+    dense = x @ layer.weight().double().T
+    for rank in (3, 12, 30):  # the tail, residual included, is exactly what the cut drops
+        layer.factorize(rank=rank, svd=leading)
+        dropped = (dense - x @ layer.weight().double().T).norm() / dense.norm()
+        layer.factorized = False
+        assert dropped_fraction(leading_energy, rank) == pytest.approx(dropped.item(), rel=1e-3, abs=1e-6)
+        if rank <= leading.trusted:  # as good a cut as the full SVD's (past trusted: the bulk, in any order)
+            assert dropped_fraction(leading.weight_energy(), rank) == pytest.approx(
+                dropped_fraction(full.weight_energy(), rank), rel=1e-3, abs=1e-6)
+
+
+def test_the_full_svd_is_taken_where_the_leading_triplets_would_not_decide_the_cut():
+    layer, _ = low_rank_after_a_cut(256, 256)
+    assert layer.spectrum(leading=60).complete  # too large a share of the spectrum to be cheaper
+    assert not layer.spectrum(leading=10).complete
+    with torch.no_grad():  # a new random bulk (a long full-rank phase): its median sets the threshold
+        layer.layer.weight.add_(torch.randn(256, 256) / 256**0.5)
+    assert layer.spectrum(leading=10).complete
 
 
 def test_svd_signs_are_canonical():
@@ -500,3 +552,36 @@ def test_compression_counts_a_and_b_of_every_factorised_layer_and_everything_den
     assert metrics["compression_bound"] == pytest.approx(full / (dense + 16 + 12))
     assert metrics["low_rank_parameters"] == dense + r * (16 + 12)
     assert metrics["compression/2"] == pytest.approx(16 * 12 / (r * 28))
+
+
+@needs_ranks(2)
+@pytest.mark.parametrize("floor", [0.25, 1e-5])
+def test_re_factorisations_after_a_cut_compute_only_the_leading_triplets_and_more_when_the_cut_needs_them(world, floor):
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(6, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 3))
+    with torch.no_grad():  # as if trained: a few learned directions over a small random bulk
+        model[2].weight.copy_(spectrum_matrix([80.0, 60.0, 50.0, 40.0, 30.0, 20.0], 512, 512)
+                              + 0.3 * torch.randn(512, 512) / 512**0.5)
+    method = AB(config.load(["--method", "ab", "--ab.groups", "2", "--train.lr", "1e-4", "--ab.warmup", "1",
+                             "--ab.sync_every", "2", "--ab.full_rank_steps", "1",
+                             "--ab.max_accuracy_drop", "1"]))  # an untrained model: its batch accuracy is noise
+    method.setup(model)
+    method.plan(100)
+    layer = method.trainer.layers["2"]
+    computed = []  # (leading asked for, complete) of every spectrum the re-factorisations take
+    spectrum = layer.spectrum
+    layer.spectrum = lambda leading=None: computed.append((leading, (s := spectrum(leading)).complete)) or s
+    for step in range(8):  # factorise at 1 (full rank), cut at 4 (full SVD), cut again at 7
+        method.train_step(*learnable_batch(step))
+        if step == 4:
+            assert computed[-1] == (512, True) and layer.rank == 6  # the learned directions
+            method.trainer.options.max_output_error = floor
+            computed.clear()
+    assert computed[0] == (6, False), computed  # the second cut starts from the last rank's triplets
+    assert method.trainer.cuts["2"]["output_error"] <= floor
+    ranks = world.comm.allgather(layer.rank)
+    assert ranks == [ranks[0]] * SIZE
+    if floor < 0.01:  # that floor needs the optimiser's updates too: the leading triplets did not suffice
+        assert len(computed) > 1 and layer.rank > 6 + 8
+    else:
+        assert computed == [(6, False)] and layer.rank == 6

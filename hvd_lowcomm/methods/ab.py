@@ -301,27 +301,37 @@ class ABTraining:
         o = self.options
         layers = list(self.layers.values())
         old = [{"A": layer.A.shape, "B": layer.B.shape} for layer in layers]
-        svds = [layer.svd() for layer in layers]
-        for layer, (_, s, _) in zip(layers, svds):
+        # After a cut, only the leading triplets near the last rank (layer.rank is the full one
+        # before any cut). W is identical on every rank here, and so is every spectrum and
+        # every decision taken on it.
+        spectra = [layer.spectrum(leading=layer.rank if truncate else None) for layer in layers]
+        for layer, spectrum in zip(layers, spectra):
             if layer.noise_edge is None:  # the bulk is still there: measure its edge once
-                layer.noise_edge = noise_edge(s, layer.tall_shape)
+                layer.noise_edge = noise_edge(spectrum.s, layer.tall_shape)
         if not truncate:
-            for layer, svd, shapes in zip(layers, svds, old):
-                layer.factorize(rank=len(svd[1]), svd=svd)
+            for layer, spectrum, shapes in zip(layers, spectra, old):
+                layer.factorize(rank=len(spectrum.s), svd=spectrum)
                 self._fit_optimizer_state(layer, shapes)
             return
         with self._probing() as logits_of:
             dense_logits = logits_of(x, record=True)
             labels = dense_logits.argmax(1) if y is None else y  # no labels: agreement with the dense model
-            energies = [layer.component_energy(svd) for layer, svd in zip(layers, svds)]
+            energies = [layer.component_energy(spectrum) for layer, spectrum in zip(layers, spectra)]
             floor = o.max_output_error
             while True:
-                local = [choose_rank(s, layer.tall_shape, o.rank_rule, o.tau, e, floor, layer.noise_edge)
-                         for layer, (_, s, _), e in zip(layers, svds, energies)]
+                local = [choose_rank(sp.s, layer.tall_shape, o.rank_rule, o.tau, e, floor, layer.noise_edge,
+                                     median=None if sp.complete else sp.median_bound(layer.tall_shape))
+                         for layer, sp, e in zip(layers, spectra, energies)]
                 ranks = meter.allreduce_many([("ab.ranks", torch.tensor(local, dtype=torch.int64))], None,
                                              op="max")[0].tolist()
-                for layer, rank, svd in zip(layers, ranks, svds):
-                    layer.factorize(rank=int(rank), svd=svd)
+                short = [i for i, (rank, sp) in enumerate(zip(ranks, spectra)) if rank > sp.trusted]
+                for i in short:  # the cut reaches past the computed triplets: compute more
+                    spectra[i] = layers[i].spectrum(leading=int(ranks[i]))
+                    energies[i] = layers[i].component_energy(spectra[i])
+                if short:
+                    continue
+                for layer, rank, spectrum in zip(layers, ranks, spectra):
+                    layer.factorize(rank=int(rank), svd=spectrum)
                 cut_logits = logits_of(x)
                 correct = torch.tensor([(dense_logits.argmax(1) == labels).sum(), (cut_logits.argmax(1) == labels).sum(),
                                         len(labels)], dtype=torch.float64)
@@ -334,9 +344,9 @@ class ABTraining:
                           f"{100 * drop:.1f} points; keeping more rank")
                 floor = floor / 2 if floor > o.max_output_error / 8 else 0.0
         self.cuts = {name: {"rank": int(rank), "compression": layer.full_size / layer.factor_size(int(rank)),
-                            "weight_error": dropped_fraction(svd[1].square(), int(rank)),
+                            "weight_error": dropped_fraction(spectrum.weight_energy(), int(rank)),
                             "output_error": dropped_fraction(energy, int(rank))}
-                     for (name, layer), rank, svd, energy in zip(self.layers.items(), ranks, svds, energies)}
+                     for (name, layer), rank, spectrum, energy in zip(self.layers.items(), ranks, spectra, energies)}
         for layer, shapes in zip(layers, old):
             self._fit_optimizer_state(layer, shapes)
         self._say("cut per layer: " + "; ".join(
