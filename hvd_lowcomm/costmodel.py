@@ -21,7 +21,8 @@ Compute: forward + backward + optimiser step of one batch (`profile_model` times
 measured step of `--method local` replaces it). A method's own computation is timed too, per
 layer, with the methods' own kernels on random data of the layer's shapes: PowerSGD's
 compression cycle (error feedback, P = MQ, orthogonalisation, Q = MᵀP, the new error), rank-dAD's
-block power iteration on one rank's rows, and the product of shared rows that dAD and rank-dAD
+factors of one rank's gradient (the way it takes for the layer's shapes: exact from few rows,
+power iteration on the gradient or on the rows), and the product of shared rows that dAD and rank-dAD
 form for every layer, timed for one rank's rows and multiplied by p (the pooled rows of all p
 ranks: this cost grows with p). DDP's allreduce overlaps the backward pass (Horovod starts it as
 gradients appear); the others exchange after it.
@@ -121,8 +122,9 @@ class Layer:
     params: int           # weight + bias numbers
     shares_rows: bool     # dAD can share its activations and deltas (Linear, plain Conv2d)
     # Seconds of the methods' own kernels for this layer on this machine (`_time_kernels`):
-    # powersgd, rank_power (one rank's rows), dad_product and rank_product (per rank's rows),
-    # rows (forming this rank's activation and delta rows, im2col for a conv).
+    # powersgd, rank_factors (one rank's gradient), dad_product and rank_product (per rank's
+    # rows), rows (forming this rank's activation and delta rows, im2col for a conv) and
+    # rank_rows (the same where rank-dAD needs them: not where it factors the gradient).
     kernels: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -177,6 +179,7 @@ def profile_model(model: nn.Module, input_shape: tuple[int, ...], batch: int, re
     """Layer shapes from one forward pass, the median of `repeats` timed steps (forward,
     backward, Adam step) of a copy of `model` on random data of `batch` samples, and the
     methods' own kernels per layer with `settings` (the methods' defaults if None)."""
+    from hvd_lowcomm.lowrank import cheapest_way
     from hvd_lowcomm.methods.dad import activation_rows, delta_rows, fan_in_out, supports
 
     model = copy.deepcopy(model).train()
@@ -206,6 +209,9 @@ def profile_model(model: nn.Module, input_shape: tuple[int, ...], batch: int, re
         if supports(module):  # dAD's rows of this layer: im2col of a conv's input, its output gradient as rows
             inputs, output = seen[name]
             kernels["rows"] = _median_seconds(lambda: (activation_rows(module, inputs), delta_rows(module, output)))
+            s = settings or MethodSettings()
+            way = cheapest_way(batch * rows[name], fan_in, fan_out, s.rank_dad_rank, s.rank_dad_iterations)
+            kernels["rank_rows"] = 0.0 if way == "gradient" else kernels["rows"]
         layers.append(Layer(name, index, fan_in, fan_out, rows[name], sum(p.numel() for p in params), supports(module),
                             kernels))
     other = sum(p.numel() for p in model.parameters() if id(p) not in counted)
@@ -251,7 +257,7 @@ def _time_steps(model: nn.Module, x: torch.Tensor, repeats: int) -> tuple[float,
 def _time_kernels(fan_in: int, fan_out: int, rows: int, settings: "MethodSettings") -> dict[str, float]:
     """Seconds of each method's own work for one layer of fan_in × fan_out with `rows` rows on
     this rank, timed with the methods' own functions on random data (median of 3)."""
-    from hvd_lowcomm.lowrank import structured_power_iteration
+    from hvd_lowcomm.lowrank import cheapest_way, factors_from_rows, gradient_power_iteration
     from hvd_lowcomm.methods.powersgd import orthogonalise
 
     generator = torch.Generator().manual_seed(0)
@@ -260,6 +266,8 @@ def _time_kernels(fan_in: int, fan_out: int, rows: int, settings: "MethodSetting
     r = min(fan_out, fan_in, settings.powersgd_rank)
     q = torch.randn(fan_in, r, generator=generator)
     k = min(settings.rank_dad_rank, rows, fan_in, fan_out)
+    rank_dad = (settings.rank_dad_rank, settings.rank_dad_iterations, 1e-3)
+    by_gradient = cheapest_way(rows, fan_in, fan_out, settings.rank_dad_rank, settings.rank_dad_iterations) == "gradient"
 
     def powersgd() -> None:
         m = grad + error
@@ -268,8 +276,8 @@ def _time_kernels(fan_in: int, fan_out: int, rows: int, settings: "MethodSetting
         _ = m - approximation
 
     kernels = {"powersgd": powersgd,
-               "rank_power": lambda: structured_power_iteration(acts, deltas, settings.rank_dad_rank,
-                                                                settings.rank_dad_iterations, 1e-3, generator),
+               "rank_factors": lambda: gradient_power_iteration(grad.T, *rank_dad, generator) if by_gradient
+               else factors_from_rows(acts, deltas, *rank_dad, generator),
                "dad_product": lambda: deltas.T @ acts,
                "rank_product": lambda: deltas[:k].T @ acts[:k]}
     return {name: _median_seconds(fn) for name, fn in kernels.items()}
@@ -408,9 +416,10 @@ def _dad(profile: Profile, p: int, link: Link, rank: int | None) -> Prediction:
         if layer.shares_rows and sharing_is_cheaper(p * planned, layer.fan_in, layer.fan_out, layer.params, extra):
             gathered += width * (layer.fan_in + layer.fan_out)
             reduced += extra
-            own += layer.kernels["rows"] + p * layer.kernels["dad_product" if rank is None else "rank_product"]
-            if rank is not None:  # the block power iteration on this rank's rows
-                own += layer.kernels["rank_power"]
+            own += layer.kernels["rows" if rank is None else "rank_rows"]
+            own += p * layer.kernels["dad_product" if rank is None else "rank_product"]
+            if rank is not None:  # the factors of this rank's gradient
+                own += layer.kernels["rank_factors"]
                 control += 8  # the layer's common factor count (one int64)
         else:
             reduced += layer.params

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from conftest import RANK, SIZE
 from hvd_lowcomm.config import ConfigError
-from hvd_lowcomm.lowrank import structured_power_iteration
+from hvd_lowcomm.lowrank import (WAYS, cheapest_way, exact_factors, gradient_power_iteration,
+                                  structured_power_iteration)
 from hvd_lowcomm.methods.dad import DadOptimizer
 from hvd_lowcomm.train import main
 
@@ -93,9 +94,27 @@ def test_rank_dad_at_or_above_the_true_rank_reproduces_the_exact_gradient(world)
     for name, got, want in grads:
         assert relative_error(got, want) <= 1e-4, name
     assert all(max(ks) <= n for ks in opt.effective_ranks.values())
+    assert {opt._factor_source(name) for name in ("1", "3", "5")} == {"rows"}  # few rows: exact from them
 
 
-def test_rank_dad_error_is_within_5_percent_of_the_truncated_svd():
+def test_rank_dad_takes_a_conv_layer_s_factors_from_its_gradient_and_stays_exact_at_its_rank(world):
+    x, y, local, _ = unequal_batches(world.size, world.comm.Get_rank(), (2, 9, 9), 3)
+    model = cnn()
+    reference = copy.deepcopy(model)
+    F.cross_entropy(reference(x), y).backward()
+    opt = DadOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, rank=5, iterations=10, tol=1e-9,
+                       plan="all")  # its block is as wide as the gradient's rank: one iteration is exact
+    F.cross_entropy(model(x[local]), y[local]).backward()
+    # 3..6 samples x 25 positions = 75..150 rows against 18 x 4 and 36 x 5 gradients
+    assert opt._factor_source("0") == opt._factor_source("2") == "gradient"
+    opt.synchronize()
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        assert relative_error(got.grad, want.grad) <= 1e-4, name  # rank 5 >= both conv gradients' rank
+    assert opt.effective_ranks["0"] == [4] and opt.effective_ranks["2"] == [5]
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_every_way_to_rank_dad_s_factors_is_within_5_percent_of_the_truncated_svd(way):
     generator = torch.Generator().manual_seed(RANK)
     acts = torch.randn(128, 40, generator=generator)
     low_rank = torch.randn(40, 4, generator=generator) @ torch.randn(4, 30, generator=generator)
@@ -103,10 +122,18 @@ def test_rank_dad_error_is_within_5_percent_of_the_truncated_svd():
     gradient = acts.T @ deltas
     u, s, vh = torch.linalg.svd(gradient)
     for r in (2, 4):
-        b_rows, c_rows = structured_power_iteration(acts, deltas, r, iterations=10, tol=1e-3, generator=generator)
+        b_rows, c_rows = {"exact": lambda: exact_factors(acts, deltas, r, tol=1e-3),
+                          "gradient": lambda: gradient_power_iteration(gradient, r, 10, 1e-3, generator),
+                          "structured": lambda: structured_power_iteration(acts, deltas, r, 10, 1e-3, generator)}[way]()
         svd_error = relative_error(u[:, :r] @ torch.diag(s[:r]) @ vh[:r], gradient)
         assert b_rows.shape == (r, 40) and c_rows.shape == (r, 30)
-        assert relative_error(b_rows.T @ c_rows, gradient) <= 1.05 * svd_error, r
+        assert relative_error(b_rows.T @ c_rows, gradient) <= (1 + 1e-4 if way == "exact" else 1.05) * svd_error, r
+
+
+def test_the_cheapest_way_follows_the_shapes():
+    assert cheapest_way(rows=32, d_in=1024, d_out=1024, rank=8, iterations=10) == "exact"          # MLP, batch 32
+    assert cheapest_way(rows=32 * 28 * 28, d_in=288, d_out=64, rank=8, iterations=10) == "gradient"  # conv
+    assert cheapest_way(rows=512, d_in=4096, d_out=4096, rank=8, iterations=10) == "structured"    # wide, large batch
 
 
 def test_edad_equals_dad(world):

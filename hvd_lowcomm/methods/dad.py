@@ -14,8 +14,10 @@ numbers, and every rank forms the pooled gradient [Δ_1; ...; Δ_p]ᵀ [A_1; ...
 - Scaling: with the loss a mean over each rank's batch of N_s samples, rank s multiplies its
   deltas (and its allreduced gradients) by N_s / N, N = sum of N_s, so the result is exactly
   the gradient of the mean loss over the pooled batch, also for unequal batch sizes.
-- rank-dAD replaces each rank's rows by k <= r factor rows from structured power iteration
-  (hvd_lowcomm.lowrank); ranks agree on k (MAX) and zero-pad. Bias gradients, which factors do
+- rank-dAD replaces each rank's rows by k <= r factor rows: the top singular triplets of the
+  local gradient, computed the cheapest way for the layer's shapes (hvd_lowcomm.lowrank: exactly
+  from few rows, by power iteration on the gradient autograd formed for a conv layer's many
+  rows, or by structured power iteration); ranks agree on k (MAX) and zero-pad. Bias gradients, which factors do
   not carry, are allreduced. The k each layer keeps is its "effective rank".
 - edAD shares every layer's activations but only the output layer's deltas; each rank
   recomputes the hidden deltas from the known weights and activation derivatives. It is exact,
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 
 from hvd_lowcomm import runtime
 from hvd_lowcomm.config import ConfigError, option
-from hvd_lowcomm.lowrank import structured_power_iteration
+from hvd_lowcomm.lowrank import cheapest_way, factors_from_rows, gradient_power_iteration
 from hvd_lowcomm.methods import register
 from hvd_lowcomm.methods.base import GradientExchange, wrap_optimizer
 from hvd_lowcomm.methods.ddp import DataParallel
@@ -198,8 +200,10 @@ class _DadExchange(GradientExchange):
             self._make_plan({n: self._local_rows(n, scale) for n in used}, local_batch, int(sizes.item()), p)
         dad_layers = [n for n in used if self.plan[n].choice == "dad"]
         # Rows only where they are shared: a conv layer's im2col rows cost more than its
-        # allreduce saves (measured on cnn 16,32,32,64: 14.8 ms of a 34.9 ms step on 2 ranks).
-        rows = {n: self._local_rows(n, scale) for n in dad_layers}
+        # allreduce saves (measured on cnn 16,32,32,64: 14.8 ms of a 34.9 ms step on 2 ranks);
+        # rank-dAD's factors of a conv layer come from its gradient instead (see _factor_source).
+        rows = {n: self._local_rows(n, scale) for n in dad_layers
+                if self._rank is None or self._factor_source(n) != "gradient"}
 
         shared: list[tuple[str, torch.Tensor]] = []
         reduced: list[tuple[str, torch.Tensor]] = []
@@ -208,7 +212,7 @@ class _DadExchange(GradientExchange):
         elif self._rank is None:
             shared = [(f"dad.{n}", torch.cat(rows[n], dim=1)) for n in dad_layers]
         else:
-            shared = self._rank_dad_payload(rows, dad_layers)
+            shared = self._rank_dad_payload(rows, dad_layers, scale)
         covered = {id(p) for n in dad_layers for p in self._layers[n].parameters(recurse=False)}
         if self._rank is not None:  # factors carry no bias: allreduce autograd's (= scaled delta sums)
             covered -= {id(self._layers[n].bias) for n in dad_layers if self._layers[n].bias is not None}
@@ -268,10 +272,25 @@ class _DadExchange(GradientExchange):
         if with_bias and module.bias is not None:
             module.bias.grad = deltas.sum(dim=0)
 
-    def _rank_dad_payload(self, rows: dict[str, tuple[torch.Tensor, torch.Tensor]], layers: list[str]
-                          ) -> list[tuple[str, torch.Tensor]]:
-        factors = {n: structured_power_iteration(*rows[n], self._rank, self._iterations, self._tol,
-                                                 self._generator) for n in layers}
+    def _factor_source(self, name: str) -> str:
+        """Where rank-dAD takes a layer's factors from: "gradient", the local weight gradient
+        autograd formed, when iterating on it is cheapest (see hvd_lowcomm.lowrank), else "rows"."""
+        module, capture = self._layers[name], self._captured[name]
+        d_in, d_out = fan_in_out(module)
+        rows = sum(delta.numel() for delta in capture.deltas.values()) // d_out
+        way = cheapest_way(rows, d_in, d_out, self._rank, self._iterations)
+        return "gradient" if way == "gradient" and module.weight.grad is not None else "rows"
+
+    def _rank_dad_payload(self, rows: dict[str, tuple[torch.Tensor, torch.Tensor]], layers: list[str],
+                          scale: float) -> list[tuple[str, torch.Tensor]]:
+        def factors_of(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+            if name in rows:
+                return factors_from_rows(*rows[name], self._rank, self._iterations, self._tol, self._generator)
+            weight = self._layers[name].weight  # its gradient is Σ Δᵀ A over this rank's rows: Gᵀ
+            gradient = weight.grad.reshape(weight.shape[0], -1).T * scale
+            return gradient_power_iteration(gradient, self._rank, self._iterations, self._tol, self._generator)
+
+        factors = {n: factors_of(n) for n in layers}
         local_k = torch.tensor([factors[n][0].shape[0] for n in layers], dtype=torch.int64)
         common_k = meter.allreduce_many([("rank-dad.k", local_k)], self._group, op="max")[0].tolist()
         shared = []
@@ -389,11 +408,12 @@ class DadOptions:
 
 @dataclass
 class RankDadOptions(DadOptions):
-    """rank-dAD: share low-rank factors of activations and deltas (structured power iteration)."""
+    """rank-dAD: share the top singular triplets of each layer's local gradient as factor rows."""
 
     rank: int = option(8, "most components per layer")
-    iterations: int = option(10, "power iterations per component")
-    tol: float = option(1e-3, "stop iterating when a component moves less than this; drop components "
+    iterations: int = option(10, "most power iterations where the triplets are iterated for (few rows give "
+                                 "them exactly, without iterating)")
+    tol: float = option(1e-3, "stop iterating when the subspace moves less than this; drop components "
                               "with sigma <= tol * sigma_1")
 
     def validate(self) -> None:
