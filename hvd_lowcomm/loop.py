@@ -177,6 +177,12 @@ def train_epoch(cfg: Config, method: Any, batches: Any, epoch: int, first_batch:
 def nonfinite(loss: float, model: Any) -> str | None:
     """What went non-finite in the step just taken (loss, or the first layer whose gradient
     or value is NaN/inf), or None."""
+    # Screen first with one sum per tensor (a single pass each; isfinite().all() per tensor
+    # took 15 ms a step on a 3 M-parameter MLP): NaN and inf always propagate through a sum,
+    # so a finite total clears the tensor; a sum that overflowed is cleared by the exact check.
+    sums = [t.sum() for p in model.parameters() for t in (p, p.grad) if t is not None]
+    if math.isfinite(loss) and (not sums or bool(torch.stack([s.to(sums[0].device) for s in sums]).isfinite().all())):
+        return None
     for name, p in model.named_parameters():
         if p.grad is not None and not torch.isfinite(p.grad).all():
             return f"loss {loss}, gradient of layer {name!r} is not finite"
