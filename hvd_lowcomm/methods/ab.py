@@ -322,8 +322,7 @@ class ABTraining:
                 local = [choose_rank(sp.s, layer.tall_shape, o.rank_rule, o.tau, e, floor, layer.noise_edge,
                                      median=None if sp.complete else sp.median_bound(layer.tall_shape))
                          for layer, sp, e in zip(layers, spectra, energies)]
-                ranks = meter.allreduce_many([("ab.ranks", torch.tensor(local, dtype=torch.int64))], None,
-                                             op="max")[0].tolist()
+                ranks = meter.allreduce_ints(local, "ab.ranks", op="max")
                 short = [i for i, (rank, sp) in enumerate(zip(ranks, spectra)) if rank > sp.trusted]
                 for i in short:  # the cut reaches past the computed triplets: compute more
                     spectra[i] = layers[i].spectrum(leading=int(ranks[i]))
@@ -333,9 +332,9 @@ class ABTraining:
                 for layer, rank, spectrum in zip(layers, ranks, spectra):
                     layer.factorize(rank=int(rank), svd=spectrum)
                 cut_logits = logits_of(x)
-                correct = torch.tensor([(dense_logits.argmax(1) == labels).sum(), (cut_logits.argmax(1) == labels).sum(),
-                                        len(labels)], dtype=torch.float64)
-                before, after, count = meter.allreduce_many([("ab.cut_check", correct)], None, op="sum")[0].tolist()
+                correct = [int((dense_logits.argmax(1) == labels).sum()), int((cut_logits.argmax(1) == labels).sum()),
+                           len(labels)]
+                before, after, count = meter.allreduce_ints(correct, "ab.cut_check")
                 drop = (before - after) / count
                 if drop <= o.max_accuracy_drop or floor == 0.0:
                     break
