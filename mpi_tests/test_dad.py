@@ -60,6 +60,44 @@ def test_dad_gradient_equals_autograd_on_the_pooled_batch_with_unequal_batches(w
         assert relative_error(got, want) <= 1e-5, name
 
 
+@pytest.mark.parametrize("mode", ["exact", "rank", "edad"])
+def test_after_the_first_step_autograd_skips_the_weight_gradients_rows_replace_and_later_steps_stay_exact(world, mode):
+    x, y, local, _ = unequal_batches(world.size, world.comm.Get_rank(), (6,), 3)
+    model = mlp()
+    model[1].bias = None  # a first layer without bias: its output's gradient needs its weight's
+    reference = copy.deepcopy(model)
+    options = {"rank": 8, "iterations": 300, "tol": 1e-9} if mode == "rank" else {}
+    opt = DadOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, mode=mode, plan="all", **options)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        F.cross_entropy(model(x[local]), y[local]).backward()
+        F.cross_entropy(reference(x), y).backward()
+        if step:  # only the first layer (no bias, input without gradient) still forms its local gradient
+            assert [model[i].weight.requires_grad for i in (1, 3, 5)] == [True, False, False]
+        opt.step()
+        ref_opt.step()
+        for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+            assert relative_error(got.grad, want.grad) <= 1e-4, (step, name)
+            assert relative_error(got.detach(), want.detach()) <= 1e-5, (step, name)
+
+
+@pytest.mark.parametrize("mode", ["exact", "edad"])
+def test_a_layer_the_user_froze_keeps_its_weight(world, mode):
+    x, y, local, _ = unequal_batches(world.size, world.comm.Get_rank(), (6,), 3)
+    model = mlp()
+    model[3].weight.requires_grad_(False)
+    frozen = model[3].weight.detach().clone()
+    opt = DadOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, mode=mode, plan="all")
+    for _ in range(2):
+        opt.zero_grad()
+        F.cross_entropy(model(x[local]), y[local]).backward()
+        opt.step()
+    assert model[3].weight.grad is None and torch.equal(model[3].weight, frozen)
+    assert not torch.equal(model[5].weight, mlp()[5].weight)  # the others trained
+
+
 def test_bytes_per_layer_are_rows_times_fan_in_plus_fan_out(world, fresh_meter):
     rank = world.comm.Get_rank()
     x, y, local, n = unequal_batches(world.size, rank, (2, 9, 9), 3)
