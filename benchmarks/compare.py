@@ -25,7 +25,9 @@ accuracy_vs_epoch.png, accuracy_vs_bytes.png, step_time.png, step_phases.png (st
 effective_rank.png when a method logs one,
 accuracy_vs_inter_group_bytes.png when a method trains in groups and compression.png when one
 factorises its model; the runs themselves under
-runs/ (--reuse remakes tables and plots from them). Ratios, not absolute seconds, are what compare across machines.
+runs/ (--reuse remakes tables and plots from them). Ratios, not absolute seconds, are what compare across machines;
+on a shared machine, --repeat N runs every method N times in rounds and reports each one's median run
+(step ms shows the range of the N).
 """
 from __future__ import annotations
 
@@ -80,8 +82,9 @@ def run_name(np_: int, label: str) -> str:
     return f"np{np_}-{label.replace(':', '-').replace(',', '-').replace('=', '')}"
 
 
-def run_one(variant: Variant, np_: int, args: argparse.Namespace, runs_dir: Path, extra: list[str]) -> dict[str, Any]:
-    name = run_name(np_, variant.label)
+def run_one(variant: Variant, np_: int, args: argparse.Namespace, runs_dir: Path, extra: list[str],
+            repeat: int = 0) -> dict[str, Any]:
+    name = run_name(np_, variant.label) + (f"-r{repeat + 1}" if repeat else "")
     model = [*(["--model.name", args.model] if args.model else []), *(["--model.hidden", args.hidden] if args.hidden else [])]
     train_args = ["--method", variant.method, *variant.overrides, "--data.path", args.data, *model,
                   "--train.epochs", str(args.epochs), "--data.batch_size", str(args.batch_size),
@@ -121,7 +124,21 @@ def run_one(variant: Variant, np_: int, args: argparse.Namespace, runs_dir: Path
     with open(runs_dir / name / "epochs.csv") as fh:
         epochs = list(csv.DictReader(fh))
     return {"variant": variant.label, "np": np_, "summary": summary, "epochs": epochs, "measured": measured,
-            "wall_seconds": time.monotonic() - started}
+            "wall_seconds": time.monotonic() - started, "step_ms_runs": [1000 * summary["step_seconds_mean"]]}
+
+
+def median_runs(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One result per (method, rank count): with --repeat, the run whose mean step time is the
+    median of its repeats (every column from that one run, so they stay consistent; runs are
+    deterministic for a seed, so only times differ), with every repeat's step time beside it."""
+    merged: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in results:
+        merged.setdefault((r["variant"], r["np"]), []).append(r)
+    out = []
+    for runs in merged.values():
+        ordered = sorted(runs, key=lambda r: r["summary"]["step_seconds_mean"])
+        out.append({**ordered[(len(ordered) - 1) // 2], "step_ms_runs": [r["step_ms_runs"][0] for r in runs]})
+    return out
 
 
 def launch(np_: int, train_args: list[str], log: Path, link: ShapedLink | None = None,
@@ -148,7 +165,8 @@ def tabulate(results: list[dict[str, Any]], wire_rate: float | None) -> list[dic
         base = next((b["summary"] for b in results if b["np"] == r["np"] and b["variant"] == "ddp"), None)
         row = {"np": r["np"], "method": r["variant"], "final_test_acc": s["final_test_acc"],
                "best_test_acc": s["best_test_acc"], "bytes_per_step": s["train_wire_bytes_per_step"],
-               "step_ms": 1000 * s["step_seconds_mean"], "peak_rss_mb": s["peak_rss_bytes_max_rank"] / 1e6,
+               "step_ms": 1000 * s["step_seconds_mean"], "step_ms_runs": r.get("step_ms_runs", []),
+               "peak_rss_mb": s["peak_rss_bytes_max_rank"] / 1e6,
                "peak_rss_per_rank": s.get("peak_rss_bytes_per_rank", [s["peak_rss_bytes_max_rank"]]),
                # Traffic on the world process set: with groups of one node, what crosses the network.
                "world_bytes_per_step": world_bytes(s) / max(s["steps"], 1),
@@ -191,6 +209,12 @@ def tabulate(results: list[dict[str, Any]], wire_rate: float | None) -> list[dic
     return rows
 
 
+def _step_ms(row: dict[str, Any]) -> str:
+    """The step time, and with repeats the range of all of them."""
+    runs = row.get("step_ms_runs") or []
+    return f"{row['step_ms']:.1f}" + (f" ({min(runs):.1f}–{max(runs):.1f})" if len(runs) > 1 else "")
+
+
 def world_bytes(summary: dict[str, Any]) -> float:
     """Bytes on the world process set: a group method's own count (every world collective,
     its per-step checks included), else the training collectives on the world set."""
@@ -209,7 +233,7 @@ def write_tables(rows: list[dict[str, Any]], out: Path, title: str, failed: list
         lines.append("| " + " | ".join([
             str(row["np"]), row["method"], f"{100 * row['final_test_acc']:.2f} %",
             f"{row.get('acc_diff_to_ddp_points', float('nan')):+.2f}", human_bytes(row["bytes_per_step"]),
-            f"{row.get('bytes_ratio_to_ddp', float('nan')):.4f}", f"{row['step_ms']:.1f}",
+            f"{row.get('bytes_ratio_to_ddp', float('nan')):.4f}", _step_ms(row),
             f"{row.get('step_time_ratio_to_ddp', float('nan')):.2f}", f"{row.get('seconds_to_90pct_of_ddp', float('nan')):.1f} s",
             f"{row['peak_rss_mb']:.0f} MB"]) + " |")
     lines += _table(
@@ -367,6 +391,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--title", default=None, help="heading of results.md")
     parser.add_argument("--reuse", action="store_true",
                         help="reuse finished runs found under --out/runs (remake tables and plots only)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run every method this many times, in rounds (all methods, then all again: "
+                             "a slow spell of a shared machine hits every method alike) and report the "
+                             "run with the median step time, the range beside it (default: %(default)s)")
     parser.add_argument("--link", default=None, metavar="RATE",
                         help="run each method in a private network namespace whose loopback is limited to "
                              "RATE (tc units: 1gbit, 100mbit), with Open MPI over TCP on it, and measure the bytes "
@@ -396,15 +424,17 @@ def main(argv: list[str] | None = None) -> int:
             args.link = None
 
     results, failed = [], []
-    jobs = [(v, n) for n in counts for v in variants]
+    if args.repeat < 1:
+        raise SystemExit(f"compare: --repeat must be >= 1, got {args.repeat}")
+    jobs = [(v, n, r) for r in range(args.repeat) for n in counts for v in variants]
     with tqdm(jobs, desc="runs", unit="run", file=sys.stdout) as bar:
-        for variant, np_ in bar:
-            bar.set_postfix_str(f"{variant.label} on {np_} ranks")
+        for variant, np_, repeat in bar:
+            bar.set_postfix_str(f"{variant.label} on {np_} ranks" + (f", round {repeat + 1}" if args.repeat > 1 else ""))
             try:
-                result = run_one(variant, np_, args, runs_dir, extra)
+                result = run_one(variant, np_, args, runs_dir, extra, repeat)
             except RunFailed as err:
                 print(err, file=sys.stderr, flush=True)
-                failed.append(f"{variant.label} on {np_} ranks")
+                failed.append(f"{variant.label} on {np_} ranks" + (f" (round {repeat + 1})" if repeat else ""))
                 continue
             results.append(result)
             s = result["summary"]
@@ -413,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     if not results:
         raise SystemExit("compare: every run failed; see the logs above")
     wire_label = args.wire_rate or args.link
+    results = median_runs(results)
     rows = tabulate(results, rate_bits(wire_label) if wire_label else None)
     title = args.title or (f"{', '.join(v.label for v in variants)}: {args.model} {args.hidden} on {args.data}, "
                            f"{args.epochs} epochs, batch {args.batch_size}/rank, seed {args.seed}")

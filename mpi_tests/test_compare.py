@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -94,3 +95,26 @@ def test_the_floor_the_bare_horovod_script_and_step_phases_are_tabled(tmp_path):
     assert float(rows["ddp"]["floor_ms"]) == pytest.approx(float(rows["local"]["step_ms"]))
     assert "Where a step goes" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "step_phases.png").stat().st_size > 0
+
+
+def test_repeats_report_the_median_run_with_every_repeat_s_step_time():
+    from benchmarks.compare import median_runs
+
+    def run(variant, ms, acc=0.9):
+        return {"variant": variant, "np": 2, "summary": {"step_seconds_mean": ms / 1000, "final_test_acc": acc},
+                "step_ms_runs": [ms]}
+
+    merged = median_runs([run("ddp", 40), run("dad", 70), run("ddp", 55), run("dad", 50), run("ddp", 45, acc=0.8)])
+    by_method = {r["variant"]: r for r in merged}
+    assert by_method["ddp"]["step_ms_runs"] == [40, 55, 45] and by_method["ddp"]["summary"]["final_test_acc"] == 0.8
+    assert by_method["dad"]["summary"]["step_seconds_mean"] == 0.05  # of two, the faster: the lower median
+
+
+@only_from_the_1_rank_suite
+def test_repeated_runs_are_kept_apart_and_their_range_is_tabled(tmp_path):
+    proc = compare(tmp_path, "--methods", "ddp", "--repeat", "2", "--", "--train.max_steps", "4")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "runs" / "np2-ddp" / "summary.json").exists()
+    assert (tmp_path / "runs" / "np2-ddp-r2" / "summary.json").exists()
+    table = (tmp_path / "results.md").read_text()
+    assert re.search(r"\| 2 \| ddp \|.*\| \d+\.\d \(\d+\.\d–\d+\.\d\) \|", table), table
