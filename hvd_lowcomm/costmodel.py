@@ -269,11 +269,10 @@ def _time_kernels(fan_in: int, fan_out: int, rows: int, settings: "MethodSetting
     rank_dad = (settings.rank_dad_rank, settings.rank_dad_iterations, 1e-3)
     by_gradient = cheapest_way(rows, fan_in, fan_out, settings.rank_dad_rank, settings.rank_dad_iterations) == "gradient"
 
-    def powersgd() -> None:
-        m = grad + error
+    def powersgd() -> None:  # as the method does it: M and the new error in the error buffer
+        m = error.add_(grad)
         p = orthogonalise(m @ q)
-        approximation = p @ (m.T @ p).T
-        _ = m - approximation
+        m.sub_(p @ (p.T @ m))
 
     kernels = {"powersgd": powersgd,
                "rank_factors": lambda: gradient_power_iteration(grad.T, *rank_dad, generator) if by_gradient
@@ -372,7 +371,7 @@ def predict(profile: Profile, method: str, ranks: int, link: Link, settings: Met
     if method == "dad":
         return _dad(profile, p, link, rank=None)
     if method == "rank-dad":
-        return _dad(profile, p, link, settings.rank_dad_rank)
+        return _dad(profile, p, link, settings.rank_dad_rank, settings.rank_dad_iterations)
     return _partitioned(profile, method, p, link, settings.partitions)
 
 
@@ -395,18 +394,23 @@ def _powersgd(profile: Profile, p: int, link: Link, s: MethodSettings) -> Predic
         else:
             plain += layer.params
     plain += profile.other_params
-    comm = sum(link.allreduce(FLOAT * numbers, p, p) for numbers in (compressed_p, compressed_q, plain) if numbers)
+    # Two rounds: P with the uncompressed gradients, then Q.
+    comm = sum(link.allreduce(FLOAT * numbers, p, p) for numbers in (compressed_p + plain, compressed_q) if numbers)
     sent = sum(_wire("allreduce", FLOAT * numbers, p) for numbers in (compressed_p, compressed_q, plain))
     return Prediction("powersgd", p, profile.step_seconds, own, comm, 0.0, sent)
 
 
-def _dad(profile: Profile, p: int, link: Link, rank: int | None) -> Prediction:
+def _dad(profile: Profile, p: int, link: Link, rank: int | None, iterations: int = 0) -> Prediction:
     """dAD (rank None) or rank-dAD: per layer the same choice as the methods' plan 'auto'
-    (share rows, or factors, where that sends fewer numbers than allreducing the gradient)."""
+    (share rows, or factors, where that sends fewer numbers than allreducing the gradient).
+    Autograd skips the local weight gradient of layers whose gradient is formed from rows:
+    about half of their backward flops (a weight layer's backward is two products of its
+    forward's size), taken off the measured backward pass in proportion."""
+    from hvd_lowcomm.lowrank import cheapest_way
     from hvd_lowcomm.methods.dad import sharing_is_cheaper
 
     gathered = reduced = 0
-    own = 0.0
+    own = skipped_flops = 0.0
     control = 8  # the step's global batch size (one int64), for dAD's N_s/N scale
     for layer in profile.layers:
         local_rows = profile.batch * layer.rows
@@ -421,9 +425,12 @@ def _dad(profile: Profile, p: int, link: Link, rank: int | None) -> Prediction:
             if rank is not None:  # the factors of this rank's gradient
                 own += layer.kernels["rank_factors"]
                 control += 8  # the layer's common factor count (one int64)
+            if rank is None or cheapest_way(local_rows, layer.fan_in, layer.fan_out, rank, iterations) != "gradient":
+                skipped_flops += layer.flops
         else:
             reduced += layer.params
     reduced += profile.other_params
+    own -= profile.backward_seconds * skipped_flops / (2 * max(sum(layer.flops for layer in profile.layers), 1.0))
     comm = link.allgather(FLOAT * gathered, p, p) + link.allreduce(FLOAT * reduced, p, p) + \
         link.allreduce(control, p, p) * (2 if rank is not None else 1)
     sent = _wire("allgather", FLOAT * gathered, p) + _wire("allreduce", FLOAT * reduced + control, p)

@@ -72,8 +72,10 @@ def test_more_bandwidth_never_slows_a_step_and_dad_work_grows_with_ranks(mlp_pro
     settings = MethodSettings()
     slow = Link.parse("100mbit")
     work = [predict(mlp_profile, "dad", p, slow, settings).method_compute for p in (2, 4)]
-    if work[0]:  # layers it shares rows for: the pooled product of every rank's rows
-        assert work[1] == pytest.approx(2 * work[0], rel=0.3)
+    # the pooled product of every rank's rows grows by one rank's product per rank (for the
+    # layers it shares rows of: at most all of them)
+    product = sum(layer.kernels["dad_product"] for layer in mlp_profile.layers)
+    assert 0 < work[1] - work[0] <= 2 * product * (1 + 1e-9)
     # ddp's allreduce hides behind the backward pass up to its length
     fast = predict(mlp_profile, "ddp", 4, Link.parse("1000gbit"))
     assert fast.hidden == pytest.approx(fast.communication)

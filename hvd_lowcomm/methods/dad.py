@@ -226,8 +226,7 @@ class _DadExchange(GradientExchange):
         reduced += [(f"allreduce.{self._names.get(p, id(p))}",
                      (p.grad if p.grad is not None else torch.zeros_like(p)) * scale) for p in others]
 
-        gathered = meter.allgather_many(shared, self._group)
-        summed = meter.allreduce_many(reduced, self._group, op="sum")
+        gathered, summed = meter.gather_and_reduce(shared, reduced, self._group, op="sum")
         results = dict(zip([n for n, _ in shared], gathered))
         if self._edad:
             self._apply_edad(results)
