@@ -411,7 +411,6 @@ def _dad(profile: Profile, p: int, link: Link, rank: int | None, iterations: int
 
     gathered = reduced = 0
     own = skipped_flops = 0.0
-    control = 8  # the step's global batch size (one int64), for dAD's N_s/N scale
     for layer in profile.layers:
         local_rows = profile.batch * layer.rows
         width = local_rows if rank is None else min(rank, local_rows, layer.fan_in, layer.fan_out)
@@ -424,16 +423,14 @@ def _dad(profile: Profile, p: int, link: Link, rank: int | None, iterations: int
             own += p * layer.kernels["dad_product" if rank is None else "rank_product"]
             if rank is not None:  # the factors of this rank's gradient
                 own += layer.kernels["rank_factors"]
-                control += 8  # the layer's common factor count (one int64)
             if rank is None or cheapest_way(local_rows, layer.fan_in, layer.fan_out, rank, iterations) != "gradient":
                 skipped_flops += layer.flops
         else:
             reduced += layer.params
-    reduced += profile.other_params
+    reduced += profile.other_params + 1  # + the pooled batch size, for the N_s/N scale
     own -= profile.backward_seconds * skipped_flops / (2 * max(sum(layer.flops for layer in profile.layers), 1.0))
-    comm = link.allgather(FLOAT * gathered, p, p) + link.allreduce(FLOAT * reduced, p, p) + \
-        link.allreduce(control, p, p) * (2 if rank is not None else 1)
-    sent = _wire("allgather", FLOAT * gathered, p) + _wire("allreduce", FLOAT * reduced + control, p)
+    comm = link.allgather(FLOAT * gathered, p, p) + link.allreduce(FLOAT * reduced, p, p)
+    sent = _wire("allgather", FLOAT * gathered, p) + _wire("allreduce", FLOAT * reduced, p)
     return Prediction("dad" if rank is None else "rank-dad", p, profile.step_seconds, own, comm, 0.0, sent)
 
 

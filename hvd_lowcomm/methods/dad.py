@@ -12,13 +12,16 @@ numbers, and every rank forms the pooled gradient [Δ_1; ...; Δ_p]ᵀ [A_1; ...
   activations only where that puts fewer bytes on the wire than allreducing the gradient
   (plan "auto"), or for every supported layer (plan "all"). Everything else is allreduced.
 - Scaling: with the loss a mean over each rank's batch of N_s samples, rank s multiplies its
-  deltas (and its allreduced gradients) by N_s / N, N = sum of N_s, so the result is exactly
-  the gradient of the mean loss over the pooled batch, also for unequal batch sizes.
+  deltas (and its allreduced gradients) by N_s, and the pooled sums are divided by N = sum of
+  N_s, which is allreduced in the same exchange: the result is exactly the gradient of the mean
+  loss over the pooled batch, also for unequal batch sizes. The exchange is one Horovod cycle
+  (allgathers and allreduces submitted together).
 - rank-dAD replaces each rank's rows by k <= r factor rows: the top singular triplets of the
   local gradient, computed the cheapest way for the layer's shapes (hvd_lowcomm.lowrank: exactly
   from few rows, by power iteration on the gradient autograd formed for a conv layer's many
-  rows, or by structured power iteration); ranks agree on k (MAX) and zero-pad. Bias gradients, which factors do
-  not carry, are allreduced. The k each layer keeps is its "effective rank".
+  rows, or by structured power iteration); each rank sends its own k rows (Horovod's allgather
+  takes a different count from each rank). Bias gradients, which factors do not carry, are
+  allreduced. The k each layer keeps is its "effective rank".
 - edAD shares every layer's activations but only the output layer's deltas; each rank
   recomputes the hidden deltas from the known weights and activation derivatives. It is exact,
   and therefore allowed, only for nn.Sequential MLPs of Linear layers and element-wise
@@ -194,12 +197,15 @@ class _DadExchange(GradientExchange):
         if not used:
             raise RuntimeError("dAD optimizer: no forward pass with gradients was seen before step()")
         local_batch = sum(self._samples) or self._captured[used[0]].acts[0].shape[0]
-        p = self._group.size if self._group is not None else runtime.size()
-        with meter.in_phase("train"):
-            (total_batch,) = meter.allreduce_ints([local_batch], "dad.batch_size", self._group)
-        scale = local_batch / total_batch
+        # The pooled gradient Σ_s (N_s/N) g_s is formed as (1/N) Σ_s N_s g_s: every rank scales
+        # its deltas and gradients by its own N_s, and N = Σ N_s travels in the exchange itself,
+        # so the step needs no round of its own to agree on N (one per step, ~1 ms here).
+        scale = float(local_batch)
         first_step = not self.plan
-        if first_step:  # every layer's rows, to plan from their shapes
+        if first_step:  # every layer's rows, to plan from their shapes and the pooled batch
+            p = self._group.size if self._group is not None else runtime.size()
+            with meter.in_phase("train"):
+                (total_batch,) = meter.allreduce_ints([local_batch], "dad.plan_batch_size", self._group)
             self._make_plan({n: self._local_rows(n, scale) for n in used}, local_batch, total_batch, p)
         dad_layers = [n for n in used if self.plan[n].choice == "dad"]
         if first_step:
@@ -225,18 +231,19 @@ class _DadExchange(GradientExchange):
                   if id(p) not in covered and p.requires_grad]
         reduced += [(f"allreduce.{self._names.get(p, id(p))}",
                      (p.grad if p.grad is not None else torch.zeros_like(p)) * scale) for p in others]
+        reduced.append(("dad.batch_size", torch.tensor([scale])))
 
         gathered, summed = meter.gather_and_reduce(shared, reduced, self._group, op="sum")
+        total_batch = float(summed[-1])
         results = dict(zip([n for n, _ in shared], gathered))
         if self._edad:
-            self._apply_edad(results)
+            self._apply_edad(results, total_batch)
         else:
             for n in dad_layers:
                 key = f"dad.{n}" if self._rank is None else f"rank-dad.{n}"
-                self._apply_rows(n, results[key], with_bias=self._rank is None)
-        by_name = dict(zip([n for n, _ in reduced], summed))
-        for param in others:
-            param.grad = by_name[f"allreduce.{self._names.get(param, id(param))}"]
+                self._apply_rows(n, results[key], total_batch, with_bias=self._rank is None)
+        for param, value in zip(others, summed):
+            param.grad = value / total_batch
         self._clear_captures()
 
     def _stop_unused_weight_gradients(self, dad_layers: list[str]) -> None:
@@ -284,11 +291,12 @@ class _DadExchange(GradientExchange):
             kind = "edAD" if self._edad else "dAD" if self._rank is None else f"rank-dAD (r={self._rank})"
             tqdm.write(f"{kind} plan (wire bytes per rank per step):\n{format_plan(list(self.plan.values()))}")
 
-    def _apply_rows(self, name: str, pooled: torch.Tensor, with_bias: bool) -> None:
-        """∇W = Δᵀ A over the pooled rows [A | Δ]; ∇b = column sums of Δ."""
+    def _apply_rows(self, name: str, pooled: torch.Tensor, total_batch: float, with_bias: bool) -> None:
+        """∇W = Δᵀ A over the pooled rows [A | Δ] (Δ scaled by each rank's batch: divided by
+        the pooled batch here); ∇b = column sums of Δ."""
         module = self._layers[name]
         d_in, _ = fan_in_out(module)
-        acts, deltas = pooled[:, :d_in], pooled[:, d_in:]
+        acts, deltas = pooled[:, :d_in], pooled[:, d_in:] / total_batch
         module.weight.grad = (deltas.T @ acts).reshape(module.weight.shape)
         if with_bias and module.bias is not None and module.bias.requires_grad:
             module.bias.grad = deltas.sum(dim=0)
@@ -311,15 +319,14 @@ class _DadExchange(GradientExchange):
             gradient = weight.grad.reshape(weight.shape[0], -1).T * scale
             return gradient_power_iteration(gradient, self._rank, self._iterations, self._tol, self._generator)
 
-        factors = {n: factors_of(n) for n in layers}
-        common_k = meter.allreduce_ints([factors[n][0].shape[0] for n in layers], "rank-dad.k", self._group, op="max")
+        # Each rank sends its own k rows (Horovod's allgather takes a different count from every
+        # rank), so the ranks need not agree on k first; a rank with none sends one zero row.
         shared = []
-        for n, k in zip(layers, common_k):
-            b_rows, c_rows = factors[n]
-            self.effective_ranks[n].append(factors[n][0].shape[0])
-            padded = torch.cat([b_rows, c_rows], dim=1)
-            padded = F.pad(padded, (0, 0, 0, int(k) - padded.shape[0]))  # zero rows up to the common k
-            shared.append((f"rank-dad.{n}", padded))
+        for n in layers:
+            b_rows, c_rows = factors_of(n)
+            self.effective_ranks[n].append(b_rows.shape[0])
+            payload = torch.cat([b_rows, c_rows], dim=1)
+            shared.append((f"rank-dad.{n}", payload if len(payload) else payload.new_zeros(1, payload.shape[1])))
         return shared
 
     # -- edAD ----------------------------------------------------------------------------------
@@ -329,9 +336,9 @@ class _DadExchange(GradientExchange):
         shared.append((f"edad.delta.{names[-1]}", rows[names[-1]][1]))
         return shared
 
-    def _apply_edad(self, results: dict[str, torch.Tensor]) -> None:
+    def _apply_edad(self, results: dict[str, torch.Tensor], total_batch: float) -> None:
         names = [n for n, _ in self._edad_chain]
-        delta = results[f"edad.delta.{names[-1]}"]
+        delta = results[f"edad.delta.{names[-1]}"] / total_batch  # the chain below is linear in it
         for index in range(len(names) - 1, -1, -1):
             name, module = names[index], self._layers[names[index]]
             acts = results[f"edad.acts.{name}"]
