@@ -10,8 +10,9 @@ times (its compute) and the emulated link: RATE on one medium that every rank's 
 (Link(shared=True)) with message latency --latency-us (on this machine a Horovod collective's
 latency is its cycle, not the wire's; measure it with `--probe`, which runs
 hvd_lowcomm.methods.auto.probe_link under mpirun on 2 ranks). Methods the model does not
-cover (ab, edad) are left out; PowerSGD's prediction is the run's mean step, its first
-`start_iter` steps being plain allreduces. Writes results.md and results.csv: measured against predicted
+cover (edad) are left out; PowerSGD's prediction is the run's mean step, its first
+`start_iter` steps being plain allreduces; AB's is the mean over the run's steps with the ranks
+its cuts kept (the summary's rank/<layer>) as the assumed rank. Writes results.md and results.csv: measured against predicted
 step, the error, and its mean and largest absolute value.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ import csv
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -44,19 +46,19 @@ def check(directory: Path, latency: float, profiles: dict[tuple, costmodel.Profi
             if method not in costmodel.PREDICTED:
                 continue
             cfg = _run_config(directory, np_, row["method"])
+            summary = json.loads((directory / "runs" / run_name(np_, row["method"]) / "summary.json").read_text())
             settings = costmodel.MethodSettings.from_config(cfg)
-            key = (cfg.model.name, tuple(cfg.model.hidden), cfg.data.path, cfg.data.batch_size, settings)
-            if key not in profiles:  # the same model's shapes and kernels serve every run of it
-                info = data.inspect(cfg.data.path)
-                model = models.build_model(cfg.model, info.input_shape, info.num_classes)
-                profiles[key] = costmodel.profile_model(model, info.input_shape, cfg.data.batch_size, repeats=1,
-                                                        settings=settings)
-            profile = profiles[key].with_compute(*(float(local[key]) / 1e3 for key in
+            profile = _profile(cfg, settings, profiles)
+            if method == "ab":  # the run's length, and the ranks its cuts kept
+                shares = [summary[f"rank/{layer.name}"] / min(layer.fan_in, layer.fan_out)
+                          for layer in profile.layers if f"rank/{layer.name}" in summary]
+                settings = replace(settings, run_steps=summary["steps"], ab_rank_share=sum(shares) / len(shares))
+                profile = _profile(cfg, settings, profiles)
+            profile = profile.with_compute(*(float(local[key]) / 1e3 for key in
                                              ("step_ms", "step_ms_forward", "step_ms_backward")))
             predicted = costmodel.predict(profile, method, np_, link, settings)
             if method == "powersgd":  # its first start_iter steps allreduce like ddp: the run's mean step
-                steps = json.loads((directory / "runs" / run_name(np_, row["method"]) / "summary.json")
-                                   .read_text())["steps"]
+                steps = summary["steps"]
                 plain = min(cfg.method_options["powersgd"].start_iter, steps) / steps
                 ddp = costmodel.predict(profile, "ddp", np_, link, settings)
                 predicted = costmodel.Prediction(
@@ -70,6 +72,18 @@ def check(directory: Path, latency: float, profiles: dict[tuple, costmodel.Profi
                         "network_ms": predicted.communication * 1e3, "hidden_ms": predicted.hidden * 1e3,
                         "error": predicted.step * 1e3 / measured - 1})
     return out
+
+
+def _profile(cfg: config.Config, settings: costmodel.MethodSettings,
+             profiles: dict[tuple, costmodel.Profile]) -> costmodel.Profile:
+    """The run's model profiled once per model and settings (shapes and kernels)."""
+    key = (cfg.model.name, tuple(cfg.model.hidden), cfg.data.path, cfg.data.batch_size, settings)
+    if key not in profiles:
+        info = data.inspect(cfg.data.path)
+        model = models.build_model(cfg.model, info.input_shape, info.num_classes)
+        profiles[key] = costmodel.profile_model(model, info.input_shape, cfg.data.batch_size, repeats=1,
+                                                settings=settings)
+    return profiles[key]
 
 
 def _run_config(directory: Path, np_: int, label: str) -> config.Config:

@@ -27,8 +27,10 @@ form for every layer, timed for one rank's rows and multiplied by p (the pooled 
 ranks: this cost grows with p). DDP's allreduce overlaps the backward pass (Horovod starts it as
 gradients appear); the others exchange after it.
 
-AB-training is not modelled: its traffic depends on the ranks its rank rule keeps, which are
-learned during training (measure it with benchmarks.compare).
+AB-training's traffic and SVDs depend on the ranks its rule keeps, which are learned during
+training: the model assumes a share of each factorised layer's smaller side
+(MethodSettings.ab_rank_share, 2 %) and predicts the mean step over a run of `run_steps` steps
+(its schedule is a fraction of the run; its two full SVDs per layer are spread over it).
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ FLOAT = 4  # bytes per fp32 number
 # The methods the model predicts; `auto` chooses among the drop-in ones (same model, same
 # training, only the gradient exchange differs). SIL and mp change how the model trains.
 DROP_IN = ("ddp", "ddp-fp16", "powersgd", "dad", "rank-dad")
-PREDICTED = (*DROP_IN, "sil", "mp")
+PREDICTED = (*DROP_IN, "ab", "sil", "mp")
 
 
 def rate_bits(rate: str) -> float:
@@ -257,6 +259,7 @@ def _time_steps(model: nn.Module, x: torch.Tensor, repeats: int) -> tuple[float,
 def _time_kernels(fan_in: int, fan_out: int, rows: int, settings: "MethodSettings") -> dict[str, float]:
     """Seconds of each method's own work for one layer of fan_in × fan_out with `rows` rows on
     this rank, timed with the methods' own functions on random data (median of 3)."""
+    from hvd_lowcomm.factorized import leading_svd
     from hvd_lowcomm.lowrank import cheapest_way, factors_from_rows, gradient_power_iteration
     from hvd_lowcomm.methods.powersgd import orthogonalise
 
@@ -274,12 +277,29 @@ def _time_kernels(fan_in: int, fan_out: int, rows: int, settings: "MethodSetting
         p = orthogonalise(m @ q)
         m.sub_(p @ (p.T @ m))
 
-    kernels = {"powersgd": powersgd,
+    tall = torch.randn(max(fan_in, fan_out), min(fan_in, fan_out), generator=generator)
+    width = min(2 * ab_rank(Layer("", -1, fan_in, fan_out, rows, 0, False), settings) + 16, tall.shape[1])
+
+    def ab_leading() -> None:  # a re-factorisation's leading triplets and residual
+        u, s, vh = leading_svd(tall, width)
+        _ = tall - (u * s) @ vh
+
+    kernels = {"powersgd": powersgd, "ab_leading": ab_leading,
                "rank_factors": lambda: gradient_power_iteration(grad.T, *rank_dad, generator) if by_gradient
                else factors_from_rows(acts, deltas, *rank_dad, generator),
                "dad_product": lambda: deltas.T @ acts,
                "rank_product": lambda: deltas[:k].T @ acts[:k]}
-    return {name: _median_seconds(fn) for name, fn in kernels.items()}
+    return {name: _median_seconds(fn) for name, fn in kernels.items()} | {"ab_svd": _svd_seconds(*tall.shape)}
+
+
+def _svd_seconds(rows: int, cols: int, largest: int = 1024) -> float:
+    """A full SVD of a rows × cols matrix (rows >= cols), O(rows cols²): timed at most
+    `largest` columns wide and scaled, so that profiling a wide model stays quick."""
+    scale = min(1.0, largest / cols)
+    small = (max(1, round(rows * scale)), max(1, round(cols * scale)))
+    matrix = torch.randn(*small, generator=torch.Generator().manual_seed(0))
+    seconds = _median_seconds(lambda: torch.linalg.svd(matrix, full_matrices=False))
+    return seconds * (rows * cols * cols) / (small[0] * small[1] * small[1])
 
 
 def _median_seconds(fn: Callable[[], Any], repeats: int = 3) -> float:
@@ -345,13 +365,26 @@ class MethodSettings:
     rank_dad_rank: int = 8
     rank_dad_iterations: int = 10
     partitions: int = 2
+    # AB-training: its schedule (fractions of the run, as ab's options), its groups (0: one per
+    # node on several nodes, else 2), the run's length (the schedule's fractions and the two
+    # full SVDs of a run are spread over it), and the rank its cuts keep, as a share of each
+    # factorised layer's smaller side: learned during training, so an assumption (this
+    # project's MLPs kept 7-27 of 1024 and 13-14 of 2048: 1-3 %).
+    ab_warmup: float = 0.1
+    ab_sync_every: float = 0.05
+    ab_full_rank_steps: float = 0.01
+    ab_groups: int = 0
+    ab_rank_share: float = 0.02
+    run_steps: int = 10_000
 
     @classmethod
     def from_config(cls, cfg: Any) -> "MethodSettings":
         """The settings a run's config gives (partitions: its own method's, for sil and mp)."""
         o = cfg.method_options
+        ab = o["ab"]
         return cls(o["powersgd"].rank, o["powersgd"].min_compression_rate, o["rank-dad"].rank,
-                   o["rank-dad"].iterations, o[cfg.method].partitions if cfg.method in ("sil", "mp") else 2)
+                   o["rank-dad"].iterations, o[cfg.method].partitions if cfg.method in ("sil", "mp") else 2,
+                   ab.warmup, ab.sync_every, ab.full_rank_steps, ab.groups)
 
 
 def predict(profile: Profile, method: str, ranks: int, link: Link, settings: MethodSettings = MethodSettings()
@@ -372,6 +405,8 @@ def predict(profile: Profile, method: str, ranks: int, link: Link, settings: Met
         return _dad(profile, p, link, rank=None)
     if method == "rank-dad":
         return _dad(profile, p, link, settings.rank_dad_rank, settings.rank_dad_iterations)
+    if method == "ab":
+        return _ab(profile, p, link, settings)
     return _partitioned(profile, method, p, link, settings.partitions)
 
 
@@ -432,6 +467,61 @@ def _dad(profile: Profile, p: int, link: Link, rank: int | None, iterations: int
     comm = link.allgather(FLOAT * gathered, p, p) + link.allreduce(FLOAT * reduced, p, p)
     sent = _wire("allgather", FLOAT * gathered, p) + _wire("allreduce", FLOAT * reduced, p)
     return Prediction("dad" if rank is None else "rank-dad", p, profile.step_seconds, own, comm, 0.0, sent)
+
+
+def ab_rank(layer: Layer, settings: MethodSettings) -> int:
+    """The rank the cost model assumes AB's cuts keep for `layer`."""
+    return max(1, round(settings.ab_rank_share * min(layer.fan_in, layer.fan_out)))
+
+
+def _ab(profile: Profile, p: int, link: Link, s: MethodSettings) -> Prediction:
+    """AB-training's mean step over a run of s.run_steps steps (ab's default layers: every weight
+    layer but the first and last is factorised). Warm-up and full-rank steps are ddp steps;
+    a group step allreduces the trained factor (the larger of A's and B's, which sets the
+    pace at the next sync) and the dense parameters inside its group (on the node's own
+    links when a group fits in a node); once per cycle a sync allreduces A, B and the rest over
+    all ranks, and a re-factorisation computes each layer's leading triplets and checks the cut
+    with two forward passes; twice per run (first factorisation, first cut) full SVDs."""
+    from hvd_lowcomm.methods.ab import ABOptions, Schedule
+
+    factorised = profile.layers[1:-1]
+    if not factorised:
+        raise ConfigError("ab: the model needs a weight layer besides the first and the last to factorise")
+    groups = s.ab_groups or (p // link.ranks_per_node if p > link.ranks_per_node else 2)
+    if p % groups or groups < 2:
+        raise ConfigError(f"ab: {p} ranks do not split into {groups} groups")
+    schedule = Schedule(ABOptions(warmup=s.ab_warmup, sync_every=s.ab_sync_every,
+                                  full_rank_steps=s.ab_full_rank_steps), s.run_steps)
+    phases = [schedule.phase(t) for t in range(s.run_steps)]
+    group_steps = phases.count("group")
+    full_steps = s.run_steps - group_steps
+    cycles = sum("sync" in schedule.transitions(t) for t in range(s.run_steps))
+    dense = profile.params - sum(layer.fan_in * layer.fan_out for layer in factorised)  # biases, dense layers...
+
+    def factors(cut: bool) -> tuple[int, int]:  # numbers in A and in B: at the assumed rank, or all of it
+        ranks = [ab_rank(layer, s) if cut else min(layer.fan_in, layer.fan_out) for layer in factorised]
+        return (sum(max(layer.fan_in, layer.fan_out) * r for layer, r in zip(factorised, ranks)),
+                sum(min(layer.fan_in, layer.fan_out) * r for layer, r in zip(factorised, ranks)))
+
+    g = p // groups
+    # The first group phase trains the full-rank factors of the first factorisation; the
+    # others the cut ones. A group averages its trained factor (the larger one sets the pace).
+    first = min(schedule.sync_every, group_steps)
+    in_group = [FLOAT * (max(factors(cut)) + dense) for cut in (False, True)]
+    at_sync = [FLOAT * (sum(factors(cut)) + dense) for cut in (False, True)]
+    ddp = predict(profile, "ddp", p, link, s)
+    runs = max(s.run_steps, 1)
+    # Re-factorisations: the first cut takes full SVDs (as does the first factorisation), the
+    # later ones the leading triplets; each checks its cut with two forward passes.
+    own = (max(cycles - 1, 0) * sum(layer.kernels["ab_leading"] for layer in factorised)
+           + 2 * sum(layer.kernels["ab_svd"] for layer in factorised) + cycles * 2 * profile.forward_seconds) / runs
+    comm = (first * link.allreduce(in_group[0], g, p) + (group_steps - first) * link.allreduce(in_group[1], g, p)
+            + full_steps * ddp.communication + min(cycles, 1) * link.allreduce(at_sync[0], p, p)
+            + max(cycles - 1, 0) * link.allreduce(at_sync[1], p, p)) / runs
+    sent = (first * _wire("allreduce", in_group[0], g) + (group_steps - first) * _wire("allreduce", in_group[1], g)
+            + full_steps * ddp.bytes_per_rank + min(cycles, 1) * _wire("allreduce", at_sync[0], p)
+            + max(cycles - 1, 0) * _wire("allreduce", at_sync[1], p)) / runs
+    return Prediction("ab", p, profile.step_seconds, own, comm, full_steps * ddp.hidden / runs, sent)
 
 
 def _partitioned(profile: Profile, method: str, p: int, link: Link, k: int) -> Prediction:

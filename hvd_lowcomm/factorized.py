@@ -134,7 +134,7 @@ class FactorizedLayer(nn.Module):
         if width is None or self.noise_edge is None or width > MAX_LEADING_SHARE * k:
             return Spectrum(*self.svd(), trusted=k)
         w = self.tall_matrix()
-        u, s, vh = _leading_svd(w, width)
+        u, s, vh = leading_svd(w, width)
         partial = Spectrum(u, s, vh, residual=w - (u * s) @ vh, trusted=leading + 8)
         if gavish_donoho_omega(k / max(self.tall_shape)) * partial.median_bound(self.tall_shape) > self.noise_edge:
             return Spectrum(*self.svd(), trusted=k)  # the median could move the noise threshold
@@ -290,7 +290,7 @@ def _canonical_signs(u: torch.Tensor, s: torch.Tensor, vh: torch.Tensor) -> tupl
     return u * signs, s, vh * signs.T
 
 
-def _leading_svd(w: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def leading_svd(w: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The `width` leading singular triplets of w, by a randomized range finder with power
     iterations (Halko et al. 2011, algorithms 4.4 and 5.1). The test matrix has a fixed seed:
     ranks holding the same w compute the same factors."""

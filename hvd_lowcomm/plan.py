@@ -7,7 +7,9 @@ rank counts and network, from the α-β cost model (hvd_lowcomm.costmodel).
 Model and data options are those of `python -m hvd_lowcomm.train` (the data file gives the
 input shape and classes). The model's compute is timed on this machine; --tflops replaces it
 by what a device reaching that rate would take (the rate the weight layers reach, not the
-device's peak). Prints, and with --out writes (predicted.md, predicted.csv), one table per link
+device's peak). AB-training's step is the mean over a run of --run-steps steps with cuts that
+keep --ab-rank-share of each factorised layer's smaller side (both unknown before training).
+Prints, and with --out writes (predicted.md, predicted.csv), one table per link
 (step ms per method and rank count, × ddp) and the break-even bandwidth of each method: the
 bandwidth below which it steps faster than ddp.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks-per-node", type=int, default=1, help="ranks sharing a node (default: %(default)s)")
     parser.add_argument("--tflops", type=float, default=0.0,
                         help="compute at this achieved rate, TFLOP/s (default: as timed on this machine)")
+    parser.add_argument("--run-steps", type=int, default=10_000,
+                        help="steps of the run, over which AB's schedule and one-off SVDs spread (default: %(default)s)")
+    parser.add_argument("--ab-rank-share", type=float, default=0.02,
+                        help="rank AB's cuts are assumed to keep, as a share of each factorised layer's smaller "
+                             "side (learned in training; default: %(default)s)")
     parser.add_argument("--out", default="", help="directory for predicted.md and predicted.csv")
     parser.add_argument("-h", "--help", action="store_true")
     args, rest = parser.parse_known_args(argv)
@@ -66,12 +74,16 @@ def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dic
         raise ConfigError("--ranks needs counts of at least 2 and --ranks-per-node at least 1")
     info = data.from_source(cfg.data.source) if cfg.data.source else data.inspect(cfg.data.path)
     model = models.build_model(cfg.model, info.input_shape, info.num_classes)
-    settings = costmodel.MethodSettings.from_config(cfg)
+    if args.run_steps < 1 or not 0 < args.ab_rank_share <= 1:
+        raise ConfigError("--run-steps needs at least 1 step and --ab-rank-share a share in (0, 1]")
+    settings = replace(costmodel.MethodSettings.from_config(cfg), run_steps=args.run_steps,
+                       ab_rank_share=args.ab_rank_share)
     profile = costmodel.profile_model(model, info.input_shape, cfg.data.batch_size, settings=settings)
     device = f"{args.tflops:g} TFLOP/s" if args.tflops else f"this machine ({profile.flop_rate / 1e9:.1f} GFLOP/s)"
     if args.tflops:
         profile = profile.at_flop_rate(args.tflops * 1e12)
-    methods = [m for m in costmodel.PREDICTED if m not in ("sil", "mp") or (m, 2) in profile.partitions]
+    methods = [m for m in costmodel.PREDICTED if (m not in ("sil", "mp") or (m, 2) in profile.partitions)
+               and (m != "ab" or len(profile.layers) > 2)]  # ab factorises layers between the first and last
     hidden = ",".join(map(str, cfg.model.hidden)) or "default widths"
     lines = [f"# Predicted step time: {cfg.model.name} {hidden}, {profile.params:,} parameters, batch "
              f"{cfg.data.batch_size} per rank, compute {profile.step_seconds * 1e3:.2f} ms per step at {device}; "

@@ -204,7 +204,7 @@ class _DadExchange(GradientExchange):
         first_step = not self.plan
         if first_step:  # every layer's rows, to plan from their shapes and the pooled batch
             p = self._group.size if self._group is not None else runtime.size()
-            with meter.in_phase("train"):
+            with meter.in_phase("setup"):  # once per run (and again after a resume): not a step's traffic
                 (total_batch,) = meter.allreduce_ints([local_batch], "dad.plan_batch_size", self._group)
             self._make_plan({n: self._local_rows(n, scale) for n in used}, local_batch, total_batch, p)
         dad_layers = [n for n in used if self.plan[n].choice == "dad"]
