@@ -438,14 +438,13 @@ def _powersgd(profile: Profile, p: int, link: Link, s: MethodSettings) -> Predic
 def _dad(profile: Profile, p: int, link: Link, rank: int | None, iterations: int = 0) -> Prediction:
     """dAD (rank None) or rank-dAD: per layer the same choice as the methods' plan 'auto'
     (share rows, or factors, where that sends fewer numbers than allreducing the gradient).
-    Autograd skips the local weight gradient of layers whose gradient is formed from rows:
-    about half of their backward flops (a weight layer's backward is two products of its
-    forward's size), taken off the measured backward pass in proportion."""
+    Autograd skips the local weight gradient of layers whose gradient is formed from rows: the
+    product of one rank's rows (the dad_product kernel), taken off the measured backward pass."""
     from hvd_lowcomm.lowrank import cheapest_way
     from hvd_lowcomm.methods.dad import sharing_is_cheaper
 
     gathered = reduced = 0
-    own = skipped_flops = 0.0
+    own = skipped = 0.0
     for layer in profile.layers:
         local_rows = profile.batch * layer.rows
         width = local_rows if rank is None else min(rank, local_rows, layer.fan_in, layer.fan_out)
@@ -459,11 +458,11 @@ def _dad(profile: Profile, p: int, link: Link, rank: int | None, iterations: int
             if rank is not None:  # the factors of this rank's gradient
                 own += layer.kernels["rank_factors"]
             if rank is None or cheapest_way(local_rows, layer.fan_in, layer.fan_out, rank, iterations) != "gradient":
-                skipped_flops += layer.flops
+                skipped += layer.kernels["dad_product"]
         else:
             reduced += layer.params
     reduced += profile.other_params + 1  # + the pooled batch size, for the N_s/N scale
-    own -= profile.backward_seconds * skipped_flops / (2 * max(sum(layer.flops for layer in profile.layers), 1.0))
+    own -= skipped
     comm = link.allgather(FLOAT * gathered, p, p) + link.allreduce(FLOAT * reduced, p, p)
     sent = _wire("allgather", FLOAT * gathered, p) + _wire("allreduce", FLOAT * reduced, p)
     return Prediction("dad" if rank is None else "rank-dad", p, profile.step_seconds, own, comm, 0.0, sent)
