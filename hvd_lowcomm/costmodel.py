@@ -45,6 +45,7 @@ import torch
 import torch.nn as nn
 
 from hvd_lowcomm.config import ConfigError
+from hvd_lowcomm.methods.ab import ABOptions, Schedule
 
 FLOAT = 4  # bytes per fp32 number
 # The methods the model predicts; `auto` chooses among the drop-in ones (same model, same
@@ -278,7 +279,7 @@ def _time_kernels(fan_in: int, fan_out: int, rows: int, settings: "MethodSetting
         m.sub_(p @ (p.T @ m))
 
     tall = torch.randn(max(fan_in, fan_out), min(fan_in, fan_out), generator=generator)
-    width = min(2 * ab_rank(Layer("", -1, fan_in, fan_out, rows, 0, False), settings) + 16, tall.shape[1])
+    width = min(2 * ab_rank(fan_in, fan_out, settings) + 16, tall.shape[1])
 
     def ab_leading() -> None:  # a re-factorisation's leading triplets and residual
         u, s, vh = leading_svd(tall, width)
@@ -370,10 +371,10 @@ class MethodSettings:
     # full SVDs of a run are spread over it), and the rank its cuts keep, as a share of each
     # factorised layer's smaller side: learned during training, so an assumption (this
     # project's MLPs kept 7-27 of 1024 and 13-14 of 2048: 1-3 %).
-    ab_warmup: float = 0.1
-    ab_sync_every: float = 0.05
-    ab_full_rank_steps: float = 0.01
-    ab_groups: int = 0
+    ab_warmup: float = ABOptions.warmup
+    ab_sync_every: float = ABOptions.sync_every
+    ab_full_rank_steps: float = ABOptions.full_rank_steps
+    ab_groups: int = ABOptions.groups
     ab_rank_share: float = 0.02
     run_steps: int = 10_000
 
@@ -468,9 +469,9 @@ def _dad(profile: Profile, p: int, link: Link, rank: int | None, iterations: int
     return Prediction("dad" if rank is None else "rank-dad", p, profile.step_seconds, own, comm, 0.0, sent)
 
 
-def ab_rank(layer: Layer, settings: MethodSettings) -> int:
-    """The rank the cost model assumes AB's cuts keep for `layer`."""
-    return max(1, round(settings.ab_rank_share * min(layer.fan_in, layer.fan_out)))
+def ab_rank(fan_in: int, fan_out: int, settings: MethodSettings) -> int:
+    """The rank the cost model assumes AB's cuts keep for a fan_in × fan_out layer."""
+    return max(1, round(settings.ab_rank_share * min(fan_in, fan_out)))
 
 
 def _ab(profile: Profile, p: int, link: Link, s: MethodSettings) -> Prediction:
@@ -481,8 +482,6 @@ def _ab(profile: Profile, p: int, link: Link, s: MethodSettings) -> Prediction:
     links when a group fits in a node); once per cycle a sync allreduces A, B and the rest over
     all ranks, and a re-factorisation computes each layer's leading triplets and checks the cut
     with two forward passes; twice per run (first factorisation, first cut) full SVDs."""
-    from hvd_lowcomm.methods.ab import ABOptions, Schedule
-
     factorised = profile.layers[1:-1]
     if not factorised:
         raise ConfigError("ab: the model needs a weight layer besides the first and the last to factorise")
@@ -498,7 +497,8 @@ def _ab(profile: Profile, p: int, link: Link, s: MethodSettings) -> Prediction:
     dense = profile.params - sum(layer.fan_in * layer.fan_out for layer in factorised)  # biases, dense layers...
 
     def factors(cut: bool) -> tuple[int, int]:  # numbers in A and in B: at the assumed rank, or all of it
-        ranks = [ab_rank(layer, s) if cut else min(layer.fan_in, layer.fan_out) for layer in factorised]
+        ranks = [ab_rank(layer.fan_in, layer.fan_out, s) if cut else min(layer.fan_in, layer.fan_out)
+                 for layer in factorised]
         return (sum(max(layer.fan_in, layer.fan_out) * r for layer, r in zip(factorised, ranks)),
                 sum(min(layer.fan_in, layer.fan_out) * r for layer, r in zip(factorised, ranks)))
 
