@@ -6,8 +6,8 @@
 Each method runs as its own `mpirun -np N python -m hvd_lowcomm.train` job. A method entry
 is a registered method name, optionally with options, `name:key=value,key=value` (keys
 without a dot belong to the method's own section: `rank-dad:rank=4` is
-`--rank-dad.rank 4`; `ddp:comm.compression=fp16` sets another section), or an alias
-(`ddp-fp16`). Anything after `--` is passed to every run.
+`--rank-dad.rank 4`; `ddp:comm.compression=fp16` sets another section); registered variants
+such as `ddp-fp16` are method names like any other. Anything after `--` is passed to every run.
 
 With --link RATE each run happens in a private network namespace with a rate-limited loopback
 (see benchmarks/netns.py); the bytes that really crossed it are printed beside the meter's.
@@ -46,9 +46,9 @@ from tqdm import tqdm
 
 from benchmarks.netns import MPI_OVER_LOOPBACK, LinkUnavailable, ShapedLink, check_available, rate_bits
 from data_prep import BUNDLED
+from hvd_lowcomm.methods import specs
 from hvd_lowcomm.metrics import human_bytes, write_csv
 
-ALIASES = {"ddp-fp16": "ddp:comm.compression=fp16"}
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
 AGREEMENT = 0.10  # measured and metered training bytes should agree within this fraction
 STEP_PHASES = ("forward", "backward", "exchange", "other")  # as the trainer's summary splits a step
@@ -66,14 +66,14 @@ class Variant:
 
     @classmethod
     def parse(cls, text: str) -> "Variant":
-        spec = ALIASES.get(text, text)
-        method, _, options = spec.partition(":")
+        method, _, options = text.partition(":")
+        section = specs()[method].section if method in specs() else method  # a variant's options are its base's
         overrides: list[str] = []
         for item in filter(None, options.split(",")):
             key, sep, value = item.partition("=")
             if not sep:
                 raise SystemExit(f"compare: method option {item!r} in {text!r} needs key=value")
-            overrides += [f"--{key if '.' in key else f'{method}.{key}'}", value]
+            overrides += [f"--{key if '.' in key else f'{section}.{key}'}", value]
         return cls(text, method, tuple(overrides))
 
 

@@ -9,8 +9,8 @@ the step from the model's layer shapes, the local run's measured forward, backwa
 times (its compute) and the emulated link: RATE on one medium that every rank's bytes cross
 (Link(shared=True)) with message latency --latency-us (on this machine a Horovod collective's
 latency is its cycle, not the wire's; measure it with `--probe`, which runs
-hvd_lowcomm.methods.auto.probe_link under mpirun on 2 ranks). Methods the model does not
-cover (edad) are left out; PowerSGD's prediction is the run's mean step, its first
+hvd_lowcomm.auto.probe_link under mpirun on 2 ranks). Methods the model does not
+cover (local, the floor itself) are left out; PowerSGD's prediction is the run's mean step, its first
 `start_iter` steps being plain allreduces; AB's is the mean over the run's steps with the ranks
 its cuts kept (the summary's rank/<layer>) as the assumed rank. Writes results.md and results.csv: measured against predicted
 step, the error, and its mean and largest absolute value.
@@ -22,7 +22,6 @@ import csv
 import json
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from hvd_lowcomm import config, costmodel, data, models
 from hvd_lowcomm.metrics import write_csv
 
 
-def check(directory: Path, latency: float, profiles: dict[tuple, costmodel.Profile]) -> list[dict[str, Any]]:
+def check(directory: Path, latency: float, profiles: dict[str, costmodel.Profile]) -> list[dict[str, Any]]:
     with open(directory / "results.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
     out = []
@@ -40,27 +39,26 @@ def check(directory: Path, latency: float, profiles: dict[tuple, costmodel.Profi
         local = next((r for r in mine if r["method"] == "local"), None)
         if local is None or not local.get("link"):
             raise SystemExit(f"{directory}: np {np_} needs a local row and a --link run")
-        link = costmodel.Link(costmodel.rate_bits(local["link"]) / 8, latency, shared=True)
+        link = costmodel.Link(config.rate_bits(local["link"]) / 8, latency, shared=True)
         for row in mine:
             method, _, _ = row["method"].partition(":")
-            if method not in costmodel.PREDICTED:
+            if method not in costmodel.predicted_methods() or method == "local":
                 continue
             cfg = _run_config(directory, np_, row["method"])
             summary = json.loads((directory / "runs" / run_name(np_, row["method"]) / "summary.json").read_text())
-            settings = costmodel.MethodSettings.from_config(cfg)
-            profile = _profile(cfg, settings, profiles)
+            profile = _profile(cfg, profiles)
+            assumptions = costmodel.RunAssumptions()
             if method == "ab":  # the run's length, and the ranks its cuts kept
                 shares = [summary[f"rank/{layer.name}"] / min(layer.fan_in, layer.fan_out)
                           for layer in profile.layers if f"rank/{layer.name}" in summary]
-                settings = replace(settings, run_steps=summary["steps"], ab_rank_share=sum(shares) / len(shares))
-                profile = _profile(cfg, settings, profiles)
+                assumptions = costmodel.RunAssumptions(run_steps=summary["steps"], rank_share=sum(shares) / len(shares))
             profile = profile.with_compute(*(float(local[key]) / 1e3 for key in
                                              ("step_ms", "step_ms_forward", "step_ms_backward")))
-            predicted = costmodel.predict(profile, method, np_, link, settings)
+            predicted = costmodel.predict(profile, method, np_, link, cfg, assumptions)
             if method == "powersgd":  # its first start_iter steps allreduce like ddp: the run's mean step
                 steps = summary["steps"]
                 plain = min(cfg.method_options["powersgd"].start_iter, steps) / steps
-                ddp = costmodel.predict(profile, "ddp", np_, link, settings)
+                ddp = costmodel.predict(profile, "ddp", np_, link, cfg)
                 predicted = costmodel.Prediction(
                     method, np_, predicted.compute, (1 - plain) * predicted.method_compute,
                     *((1 - plain) * getattr(predicted, key) + plain * getattr(ddp, key)
@@ -74,15 +72,14 @@ def check(directory: Path, latency: float, profiles: dict[tuple, costmodel.Profi
     return out
 
 
-def _profile(cfg: config.Config, settings: costmodel.MethodSettings,
-             profiles: dict[tuple, costmodel.Profile]) -> costmodel.Profile:
-    """The run's model profiled once per model and settings (shapes and kernels)."""
-    key = (cfg.model.name, tuple(cfg.model.hidden), cfg.data.path, cfg.data.batch_size, settings)
+def _profile(cfg: config.Config, profiles: dict[str, costmodel.Profile]) -> costmodel.Profile:
+    """The run's model profiled once per model, data and method options (shapes and kernels)."""
+    key = json.dumps({name: value for name, value in cfg.to_dict().items() if name not in ("method", "run")},
+                     sort_keys=True, default=str)
     if key not in profiles:
         info = data.inspect(cfg.data.path)
         model = models.build_model(cfg.model, info.input_shape, info.num_classes)
-        profiles[key] = costmodel.profile_model(model, info.input_shape, cfg.data.batch_size, repeats=1,
-                                                settings=settings)
+        profiles[key] = costmodel.profile_model(model, info.input_shape, cfg.data.batch_size, repeats=1, cfg=cfg)
     return profiles[key]
 
 
@@ -94,7 +91,7 @@ def _run_config(directory: Path, np_: int, label: str) -> config.Config:
 
 def probe(np_: int = 2) -> float:
     """Message latency (s) of Horovod on this machine, from probe_link under mpirun."""
-    code = ("from hvd_lowcomm import runtime; from hvd_lowcomm.methods.auto import probe_link; runtime.init(0); "
+    code = ("from hvd_lowcomm.comm import runtime; from hvd_lowcomm.auto import probe_link; runtime.init(0); "
             "link = probe_link(1.0); import json; runtime.rank() == 0 and print(json.dumps(link.latency))")
     result = subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np_), sys.executable, "-c",
                              code], capture_output=True, text=True, check=True)
@@ -112,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.latency_us is None and not args.probe:
         parser.error("give --latency-us or --probe")
     latency = probe() if args.probe else args.latency_us * 1e-6
-    profiles: dict[tuple, costmodel.Profile] = {}
+    profiles: dict[str, costmodel.Profile] = {}
     rows = [row for directory in args.results for row in check(Path(directory), latency, profiles)]
     errors = [abs(r["error"]) for r in rows]
     out = Path(args.out)

@@ -16,7 +16,7 @@ import shutil
 import subprocess
 from itertools import count
 
-from hvd_lowcomm.costmodel import rate_bits  # noqa: F401 (tc's units; compare imports it from here)
+from hvd_lowcomm.config import rate_bits  # noqa: F401 (tc's units; compare imports it from here)
 
 # Open MPI over TCP on the namespace's loopback only: btl tcp,self excludes shared memory
 # (vader), which would bypass the shaped interface.

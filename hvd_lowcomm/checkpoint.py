@@ -35,8 +35,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from hvd_lowcomm.comm import runtime
+from hvd_lowcomm.comm.traffic import meter
 from hvd_lowcomm.config import Config, ConfigError
-from hvd_lowcomm.traffic import meter
+from hvd_lowcomm.methods.base import Method
+from hvd_lowcomm.metrics import RunLogger
 
 FORMAT = "hvd_lowcomm-ckpt/1"
 _STEP_DIR = re.compile(r"step-(\d{8})")
@@ -73,7 +76,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def save(run_dir: Path, method: Any, position: dict[str, Any], extra: dict[str, Any], keep: int) -> Path:
+def save(run_dir: Path, method: Method, position: dict[str, Any], extra: dict[str, Any], keep: int) -> Path:
     """Write a checkpoint of this rank's part; collective over all ranks. Returns its directory."""
     from mpi4py import MPI
 
@@ -194,7 +197,7 @@ def resolve(cfg: Config, world_size: int, say: Any = print) -> tuple[Path | None
     return run_dir, found
 
 
-def load(path: Path, method: Any) -> dict[str, Any]:
+def load(path: Path, method: Method) -> dict[str, Any]:
     """Restore this rank's state from checkpoint `path` (after `method.setup`); returns this
     rank's payload (position, extra...)."""
     from mpi4py import MPI
@@ -248,7 +251,7 @@ class TrainState:
 class Checkpointer:
     """Periodic checkpoints, the last one, and the stop on a preemption signal."""
 
-    def __init__(self, cfg: Config, method: Any, run_dir: Path, preemption: Any,
+    def __init__(self, cfg: Config, method: Method, run_dir: Path, preemption: PreemptionSignal | None,
                  state: TrainState | None = None) -> None:
         self.cfg, self.method, self.run_dir, self.preemption = cfg, method, run_dir, preemption
         self.state = state or TrainState()
@@ -285,7 +288,7 @@ class Checkpointer:
             self.save(epoch, next_batch)
             self.checkpoint_due = False
 
-    def at_epoch_end(self, epoch: int, batch: int, log: Any) -> None:
+    def at_epoch_end(self, epoch: int, batch: int, log: RunLogger) -> None:
         """Methods whose ranks step independently checkpoint and answer signals here."""
         with meter.in_phase("control"):
             (self.stopping,) = meter.any_flags([self.signalled()], "epoch.flags")
@@ -294,15 +297,11 @@ class Checkpointer:
         elif self.cfg.run.checkpoint_every:
             self.save(epoch, batch)
 
-    def stop(self, epoch: int, batch: int, log: Any) -> None:
-        import signal as signal_mod
-
-        from hvd_lowcomm import runtime
-
+    def stop(self, epoch: int, batch: int, log: RunLogger) -> None:
         path = self.save(epoch, batch)
         if runtime.rank() == 0:
             (self.run_dir / "PREEMPTED").write_text(f"{path}\n")
-        name = signal_mod.Signals(self.preemption.received).name if self.signalled() else "a signal on another rank"
+        name = signal.Signals(self.preemption.received).name if self.signalled() else "a signal on another rank"
         log.print(f"stopped by {name}: checkpoint {path} written; continue with --resume auto "
                   f"(--run.name {self.run_dir.name}) or --resume {self.run_dir}")
         log.close()

@@ -3,21 +3,25 @@
 Precedence: defaults < YAML file (`--config run.yaml`) < command-line overrides. Everything is
 validated here, before MPI or Horovod start, so a bad config never costs an allocation.
 
-A method with its own options declares an `options` dataclass in its module (see
+A method with its own options registers an options dataclass with it (see
 `hvd_lowcomm.methods`); it appears here as a section named after the method (`--ab.groups 4`),
-so adding a method never means editing this file.
+so adding a method never means editing this file. This module knows methods only through that
+registry, which imports none of them until asked.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import difflib
+import importlib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from hvd_lowcomm.methods import option_sections, specs
 
 
 class ConfigError(ValueError):
@@ -29,6 +33,33 @@ def option(default: Any, help: str, choices: tuple | None = None) -> Any:
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help, "choices": choices})
     return field(default=default, metadata={"help": help, "choices": choices})
+
+
+def make_options(cls: type, prefix: str, **kwargs: Any) -> Any:
+    """An options dataclass from keyword arguments (a library user's), validated, with a clear
+    error for a misspelt name; `prefix` names the options in messages ('ab', 'powersgd')."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ConfigError(f"unknown {prefix} option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    options = cls(**kwargs)
+    _check_choices(prefix, options)
+    if hasattr(options, "validate"):
+        options.validate()
+    return options
+
+
+def rate_bits(rate: str) -> float:
+    """'1gbit' -> 1e9, '100mbit' -> 1e8 bits per second (tc's units, decimal)."""
+    units = {"tbit": 1e12, "gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
+    text = rate.strip().lower()
+    for unit, factor in units.items():
+        if text.endswith(unit):
+            try:
+                return float(text[: -len(unit)]) * factor
+            except ValueError:
+                break
+    raise ConfigError(f"link rate {rate!r}: use a rate such as 1gbit, 100mbit, 25gbit")
 
 
 @dataclass
@@ -133,6 +164,23 @@ class CommConfig:
 
 
 @dataclass
+class AutoConfig:
+    """--method auto: the cost model chooses the method from the measured compute and network."""
+
+    link: str = option("", "the network between nodes, a rate such as 25gbit (empty: measure this job's own "
+                           "with a short allreduce probe)")
+    latency_us: float = option(2.0, "message latency with auto.link, in microseconds")
+    ranks_per_node: int = option(1, "ranks sharing a node, with auto.link")
+    probe_mb: float = option(8.0, "size of the bandwidth probe's allreduce, in MB")
+
+    def validate(self) -> None:
+        if self.link:
+            rate_bits(self.link)
+        if self.latency_us < 0 or self.ranks_per_node < 1 or self.probe_mb <= 0:
+            raise ConfigError("auto.latency_us must be >= 0, auto.ranks_per_node >= 1 and auto.probe_mb > 0")
+
+
+@dataclass
 class RunConfig:
     """Where results go and how much is shown while training."""
 
@@ -155,8 +203,10 @@ class RunConfig:
 
 BASE_SECTIONS: dict[str, type] = {
     "data": DataConfig, "model": ModelConfig, "train": TrainConfig,
-    "comm": CommConfig, "run": RunConfig,
+    "comm": CommConfig, "auto": AutoConfig, "run": RunConfig,
 }
+# Not a method but a choice among them, made before training (hvd_lowcomm.auto).
+AUTO = "auto"
 
 
 @dataclass
@@ -166,8 +216,9 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    auto: AutoConfig = field(default_factory=AutoConfig)
     run: RunConfig = field(default_factory=RunConfig)
-    # One options object per registered method that declares some, keyed by method name.
+    # One options object per registered options section (a method's name), keyed by it.
     method_options: dict[str, Any] = field(default_factory=dict)
 
     def sections(self) -> dict[str, Any]:
@@ -176,20 +227,20 @@ class Config:
     @property
     def options(self) -> Any:
         """The options of the method this run uses (None if it has none)."""
-        return self.method_options.get(self.method)
+        spec = specs().get(self.method)
+        return self.method_options.get(spec.section) if spec is not None else None
 
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.method,
                 **{name: dataclasses.asdict(sec) for name, sec in self.sections().items()}}
 
     def validate(self) -> None:
-        from hvd_lowcomm.methods import available_methods
-
-        methods = available_methods()
+        methods = method_names()
         if self.method not in methods:
             raise ConfigError(f"unknown method {self.method!r}{_did_you_mean(self.method, methods)}; "
-                              f"available: {', '.join(sorted(methods))}")
-        if self.comm.compression != "none" and not methods[self.method].honours_compression:
+                              f"available: {', '.join(methods)}")
+        if self.comm.compression != "none" and (self.method == AUTO or
+                                                not specs()[self.method].method.honours_compression):
             raise ConfigError(f"comm.compression {self.comm.compression} is for ddp's allreduce; {self.method} sends "
                               f"what it sends its own way and would ignore it: drop --comm.compression or use "
                               f"--method ddp")
@@ -200,9 +251,20 @@ class Config:
 
 
 def default_config() -> Config:
-    from hvd_lowcomm.methods import method_option_types
+    return Config(method_options={name: cls() for name, cls in option_sections().items()})
 
-    return Config(method_options={name: cls() for name, cls in method_option_types().items()})
+
+def method_names() -> list[str]:
+    """Every name --method accepts: the registered methods and their variants, and auto."""
+    return sorted([*specs(), AUTO])
+
+
+def apply_presets(cfg: Config, presets: dict[str, Any], explicit: set[str] = frozenset()) -> None:
+    """Set each 'section.key' of `presets` on `cfg`, except those in `explicit` (the user's)."""
+    for dotted, value in presets.items():
+        if dotted not in explicit:
+            section, key = dotted.split(".", 1)
+            setattr(cfg.sections()[section], key, value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,14 +283,11 @@ def load(argv: list[str] | None = None, prog: str = "python -m hvd_lowcomm.train
             section, key = dest.split(".", 1)
             setattr(cfg.sections()[section], key, value)
             explicit.add(dest)
-    from hvd_lowcomm.methods import available_methods
-
-    method = available_methods().get(cfg.method)
+    spec = specs().get(cfg.method)
     if not cfg.model.name:
-        cfg.model.name = method.default_model if method else "mlp"
-    for key, value in (method.train_defaults if method else {}).items():
-        if f"train.{key}" not in explicit:  # the method's preference, where the user chose nothing
-            setattr(cfg.train, key, value)
+        cfg.model.name = spec.method.default_model if spec else "mlp"
+    if spec is not None:  # what the method's name implies, where the user chose nothing
+        apply_presets(cfg, spec.presets, explicit)
     cfg.validate()
     return cfg
 
@@ -281,10 +340,8 @@ def build_parser(cfg: Config, prog: str) -> argparse.ArgumentParser:
         epilog="Example: mpirun -np 4 python -m hvd_lowcomm.train --config run.yaml --train.epochs 5",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from hvd_lowcomm.methods import available_methods
-
     parser.add_argument("--config", metavar="FILE", help="YAML file with sections data, model, train, ...")
-    parser.add_argument("--method", default=None, choices=sorted(available_methods()),
+    parser.add_argument("--method", default=None, choices=method_names(),
                         help=f"training method (default: {cfg.method})")
     for name, section in cfg.sections().items():
         group = parser.add_argument_group(f"{name} options", _first_line(type(section).__doc__))
@@ -310,8 +367,6 @@ def build_parser(cfg: Config, prog: str) -> argparse.ArgumentParser:
 def import_object(spec: str, option: str) -> Any:
     """What a 'module:name' option names (a user's model factory or data loader), imported
     from where the job started; ConfigError saying which option and why otherwise."""
-    import importlib
-
     module_name, _, name = spec.partition(":")
     if not module_name or not name:
         raise ConfigError(f"{option} must be 'module:name' (e.g. mypkg.data:load), got {spec!r}")
@@ -340,12 +395,7 @@ def _check_choices(name: str, section: Any) -> None:
 
 
 def _section_name(section: Any) -> str:
-    for name, cls in BASE_SECTIONS.items():
-        if isinstance(section, cls):
-            return name
-    from hvd_lowcomm.methods import method_option_types
-
-    for name, cls in method_option_types().items():
+    for name, cls in {**BASE_SECTIONS, **option_sections()}.items():
         if isinstance(section, cls):
             return name
     return type(section).__name__

@@ -1,4 +1,5 @@
-"""`python -m hvd_lowcomm.jobs`: Slurm and PBS job scripts from the templates in jobs/.
+"""`python -m hvd_lowcomm.jobs`: Slurm and PBS job scripts from the package's templates
+(hvd_lowcomm/templates/, also reachable as jobs/ at the top of the repository).
 
     python -m hvd_lowcomm.jobs render --scheduler slurm --nodes 4 --tasks-per-node 8 --time 02:00:00 \\
         --partition compute --venv .venv --config run.yaml -o job.sh [--submit]
@@ -25,7 +26,8 @@ from hvd_lowcomm import config as config_mod
 from hvd_lowcomm.config import ConfigError
 from hvd_lowcomm.metrics import write_csv
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "jobs"
+# Shipped inside the package (package data), so an installed wheel has them too.
+TEMPLATES = Path(__file__).resolve().parent / "templates"
 SCHEDULERS = {"slurm": ("slurm.sh.j2", "sbatch"), "pbs": ("pbs.sh.j2", "qsub"), "torque": ("pbs.sh.j2", "qsub")}
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?$")
 

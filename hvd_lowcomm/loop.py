@@ -16,12 +16,14 @@ from typing import Any
 
 import torch
 
-from hvd_lowcomm import checkpoint, data, runtime
-from hvd_lowcomm.checkpoint import TrainState
+from hvd_lowcomm import checkpoint, data
+from hvd_lowcomm.checkpoint import Checkpointer, PreemptionSignal, TrainState
+from hvd_lowcomm.comm import runtime
+from hvd_lowcomm.comm.traffic import meter
 from hvd_lowcomm.config import Config
+from hvd_lowcomm.methods.base import Method
 from hvd_lowcomm.metrics import RunLogger, human_bytes, unique_run_dir
 from hvd_lowcomm.schedule import scheduled_lr
-from hvd_lowcomm.traffic import meter
 
 
 @dataclass
@@ -35,10 +37,12 @@ class EpochResult:
     next_batch: int       # index of the next batch to run in this epoch
 
 
-def train(cfg: Config, method: Any, info: Any, model: Any, resume_dir: Path | None = None,
-          resume_from: Path | None = None, preemption: Any = None) -> dict[str, Any] | None:
+def train(cfg: Config, method: Method, info: data.DatasetInfo, model: torch.nn.Module, resume_dir: Path | None = None,
+          resume_from: Path | None = None, preemption: PreemptionSignal | None = None,
+          notes: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """Train (from `resume_from` when given) and write the run's files; returns rank 0's
-    summary, or None when a preemption signal stopped the run after a checkpoint."""
+    summary, or None when a preemption signal stopped the run after a checkpoint. `notes`
+    join the summary (what --method auto chose and why)."""
     world = runtime.world()
     rank, device = runtime.rank(), runtime.device(cfg.train.device)
     if resume_dir is None:
@@ -70,7 +74,7 @@ def train(cfg: Config, method: Any, info: Any, model: Any, resume_dir: Path | No
                   f"random part every epoch); write a shard count that is a multiple or divisor of the rank count")
 
     state = TrainState()
-    keeper = checkpoint.Checkpointer(cfg, method, run_dir, preemption, state)
+    keeper = Checkpointer(cfg, method, run_dir, preemption, state)
     if resume_from is not None:
         own = checkpoint.load(resume_from, method)
         position = own["position"]
@@ -85,7 +89,7 @@ def train(cfg: Config, method: Any, info: Any, model: Any, resume_dir: Path | No
     total_steps = epochs * len(train_batches)
     if cfg.train.max_steps >= 0:
         total_steps = min(total_steps, cfg.train.max_steps)
-    method.plan(total_steps)
+    method.set_total_steps(total_steps)
     start = time.perf_counter()
     for epoch in range(state.epoch, epochs + 1):
         first_batch = state.batch if epoch == state.epoch else 0
@@ -122,7 +126,7 @@ def train(cfg: Config, method: Any, info: Any, model: Any, resume_dir: Path | No
         state.record = evaluate(method, test_batches, 0.0)
     keeper.save(state.epoch, state.batch)
 
-    summary, rows = summarize(cfg, method, state, time.perf_counter() - start, parameters)
+    summary, rows = summarize(cfg, method, state, time.perf_counter() - start, parameters, notes or {})
     final = method.final_state_dict()
     if final is not None:
         torch.save(final, run_dir / "model.pt")
@@ -131,8 +135,8 @@ def train(cfg: Config, method: Any, info: Any, model: Any, resume_dir: Path | No
     return summary
 
 
-def train_epoch(cfg: Config, method: Any, batches: Any, epoch: int, first_batch: int, total_steps: int,
-                log: Any, keeper: checkpoint.Checkpointer) -> EpochResult:
+def train_epoch(cfg: Config, method: Method, batches: Any, epoch: int, first_batch: int, total_steps: int,
+                log: RunLogger, keeper: Checkpointer) -> EpochResult:
     """One pass over this rank's shard from batch `first_batch`, ending early at `total_steps`
     steps of the run or on a preemption signal."""
     batches.set_epoch(epoch, first_batch)
@@ -174,12 +178,13 @@ def train_epoch(cfg: Config, method: Any, batches: Any, epoch: int, first_batch:
     return EpochResult(loss_sum / max(steps, 1), seconds, waited, steps, batch)
 
 
-def nonfinite(loss: float, model: Any) -> str | None:
+def nonfinite(loss: float, model: torch.nn.Module) -> str | None:
     """What went non-finite in the step just taken (loss, or the first layer whose gradient
     or value is NaN/inf), or None."""
-    # Screen first with one sum per tensor (a single pass each; isfinite().all() per tensor
-    # took 15 ms a step on a 3 M-parameter MLP): NaN and inf always propagate through a sum,
-    # so a finite total clears the tensor; a sum that overflowed is cleared by the exact check.
+    # Screen first with one sum per tensor and a single check of all the sums (one pass over
+    # each tensor and one host sync, where isfinite().all() per tensor makes a mask the size of
+    # the tensor and syncs once per tensor): NaN and inf always propagate through a sum, so a
+    # finite total clears the tensor; a sum that overflowed is cleared by the exact check.
     sums = [t.sum() for p in model.parameters() for t in (p, p.grad) if t is not None]
     if math.isfinite(loss) and (not sums or bool(torch.stack([s.to(sums[0].device) for s in sums]).isfinite().all())):
         return None
@@ -191,7 +196,7 @@ def nonfinite(loss: float, model: Any) -> str | None:
     return None if math.isfinite(loss) else f"loss is {loss}"
 
 
-def evaluate(method: Any, test_batches: Any, local_train_loss: float) -> dict[str, float]:
+def evaluate(method: Method, test_batches: Any, local_train_loss: float) -> dict[str, float]:
     """Test accuracy and loss over the whole test set, and the mean training loss over ranks."""
     with meter.in_phase("eval"):
         correct, count, test_loss = method.evaluate(test_batches)
@@ -201,8 +206,8 @@ def evaluate(method: Any, test_batches: Any, local_train_loss: float) -> dict[st
             "test_acc": correct / count}
 
 
-def summarize(cfg: Config, method: Any, state: TrainState, elapsed: float,
-              parameters: int) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+def summarize(cfg: Config, method: Method, state: TrainState, elapsed: float, parameters: int,
+              notes: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
     """The run's summary record, and its rows for the table printed at the end."""
     last, step_seconds, wait_seconds = state.record, state.step_seconds, state.wait_seconds
     best_acc, skipped = state.best_acc, state.skipped
@@ -225,9 +230,9 @@ def summarize(cfg: Config, method: Any, state: TrainState, elapsed: float,
         # Where a step's time goes on this rank (rank 0): forward and backward passes (methods
         # that use Method.forward_backward), blocked in communication (the meter's timers), and
         # the rest (the method's own computation: power iteration, SVD, optimiser step...).
-        **step_phases(method, step_seconds, steps),
+        **step_split(method, step_seconds, steps),
     }
-    extra = {**method.summary_metrics(), **method.auto_choice}
+    extra = {**method.summary_metrics(), **notes}
     summary.update(extra)
     rows = [("method", f"{cfg.method} on {runtime.size()} rank(s)"),
             ("test accuracy", f"{100 * last['test_acc']:.2f}% (best {100 * best_acc:.2f}%)"),
@@ -248,8 +253,8 @@ def summarize(cfg: Config, method: Any, state: TrainState, elapsed: float,
     return summary, rows
 
 
-def step_phases(method: Any, step_seconds: float, steps: int) -> dict[str, float]:
-    ms = {"forward": method.phase_seconds["forward"], "backward": method.phase_seconds["backward"],
+def step_split(method: Method, step_seconds: float, steps: int) -> dict[str, float]:
+    ms = {"forward": method.pass_seconds["forward"], "backward": method.pass_seconds["backward"],
           "exchange": meter.seconds["train"]}
     ms["other"] = max(0.0, step_seconds - sum(ms.values()))
     return {f"step_ms_{name}": 1000 * seconds / steps for name, seconds in ms.items()}
@@ -263,5 +268,5 @@ def _show_value(key: str, value: Any) -> str:
     return str(value)
 
 
-def _count_parameters(model: Any) -> int:
+def _count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())

@@ -18,10 +18,10 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from hvd_lowcomm import config, costmodel, data, models
 from hvd_lowcomm.config import ConfigError
 from hvd_lowcomm.metrics import write_csv
 
@@ -64,8 +64,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dict[str, Any]]]:
-    from hvd_lowcomm import config, costmodel, data, models
-
     cfg = config.load(train_argv, prog="python -m hvd_lowcomm.plan")
     ranks = [int(r) for r in args.ranks.split(",")]
     links = [(rate, costmodel.Link.parse(rate, args.latency_us, ranks_per_node=args.ranks_per_node))
@@ -76,14 +74,12 @@ def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dic
     model = models.build_model(cfg.model, info.input_shape, info.num_classes)
     if args.run_steps < 1 or not 0 < args.ab_rank_share <= 1:
         raise ConfigError("--run-steps needs at least 1 step and --ab-rank-share a share in (0, 1]")
-    settings = replace(costmodel.MethodSettings.from_config(cfg), run_steps=args.run_steps,
-                       ab_rank_share=args.ab_rank_share)
-    profile = costmodel.profile_model(model, info.input_shape, cfg.data.batch_size, settings=settings)
+    assumptions = costmodel.RunAssumptions(run_steps=args.run_steps, rank_share=args.ab_rank_share)
+    profile = costmodel.profile_model(model, info.input_shape, cfg.data.batch_size, cfg=cfg)
     device = f"{args.tflops:g} TFLOP/s" if args.tflops else f"this machine ({profile.flop_rate / 1e9:.1f} GFLOP/s)"
     if args.tflops:
         profile = profile.at_flop_rate(args.tflops * 1e12)
-    methods = [m for m in costmodel.PREDICTED if (m not in ("sil", "mp") or (m, 2) in profile.partitions)
-               and (m != "ab" or len(profile.layers) > 2)]  # ab factorises layers between the first and last
+    methods = [m for m in costmodel.predicted_methods() if _applies(profile, m, cfg, assumptions)]
     hidden = ",".join(map(str, cfg.model.hidden)) or "default widths"
     lines = [f"# Predicted step time: {cfg.model.name} {hidden}, {profile.params:,} parameters, batch "
              f"{cfg.data.batch_size} per rank, compute {profile.step_seconds * 1e3:.2f} ms per step at {device}; "
@@ -95,8 +91,8 @@ def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dic
         for method in methods:
             cells = []
             for p in ranks:
-                q = costmodel.predict(profile, method, p, link, settings)
-                ddp = costmodel.predict(profile, "ddp", p, link, settings)
+                q = costmodel.predict(profile, method, p, link, cfg, assumptions)
+                ddp = costmodel.predict(profile, "ddp", p, link, cfg, assumptions)
                 cells.append(f"{q.step * 1e3:.2f} ({q.step / ddp.step:.2f})")
                 rows.append({"link": rate, "ranks": p, "method": method, "step_ms": q.step * 1e3,
                              "ratio_to_ddp": q.step / ddp.step, "compute_ms": q.compute * 1e3,
@@ -109,11 +105,23 @@ def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dic
     for method in (m for m in methods if m != "ddp"):
         cells = []
         for p in ranks:
-            bandwidth = costmodel.break_even(profile, method, p, args.latency_us * 1e-6, settings, args.ranks_per_node)
+            bandwidth = costmodel.break_even(profile, method, p, args.latency_us * 1e-6, cfg, args.ranks_per_node,
+                                             assumptions)
             cells.append("never" if bandwidth == 0 else "always" if math.isinf(bandwidth) else
                          f"{bandwidth * 8 / 1e9:.3g} Gbit/s")
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines), rows
+
+
+def _applies(profile: costmodel.Profile, method: str, cfg: config.Config,
+             assumptions: costmodel.RunAssumptions) -> bool:
+    """Whether the method can train this model at all (SIL needs a cut it accepts, edAD an MLP,
+    AB a layer to factorise...): its prediction says so by refusing."""
+    try:
+        costmodel.predict(profile, method, 4, costmodel.Link.parse("10gbit"), cfg, assumptions)
+    except ConfigError:
+        return False
+    return True
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ With no arguments: an MLP trained data-parallel on scikit-learn's handwritten di
 (prepared into data/digits.h5 on first use). `--help` lists every option.
 
 This module parses and checks (before the first training collective: a bad input ends every
-rank with one clear message); the loop itself is hvd_lowcomm.loop.
+rank with one clear message) and resolves --method auto; the loop itself is hvd_lowcomm.loop.
+Nothing here starts MPI before the config is read: mpi4py initialises MPI when its MPI module
+is first imported, which the comm layer does only inside its functions.
 """
 from __future__ import annotations
 
@@ -16,23 +18,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hvd_lowcomm import config as config_mod
-from hvd_lowcomm.config import Config, ConfigError
+import torch
+
+from data_prep import BUNDLED, write_dataset
+from hvd_lowcomm import auto, checkpoint, config, data, models
+from hvd_lowcomm.checkpoint import PreemptionSignal
+from hvd_lowcomm.comm import runtime
+from hvd_lowcomm.comm.traffic import meter
+from hvd_lowcomm.config import AUTO, Config, ConfigError
+from hvd_lowcomm.loop import train
+from hvd_lowcomm.methods import spec
+from hvd_lowcomm.methods.base import Method
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        cfg = config_mod.load(argv)
+        cfg = config.load(argv)
     except ConfigError as err:
         # MPI is not started yet: every rank sees the same error; let one of them say it.
         if _launcher_rank() == 0:
             print(f"error: {err}", file=sys.stderr)
         return 2
-
-    from hvd_lowcomm import runtime
-    from hvd_lowcomm.traffic import meter
-
-    from hvd_lowcomm.checkpoint import PreemptionSignal
 
     world = runtime.init(cfg.train.seed)
     meter.reset()  # one run's traffic, from start-up checks to the summary
@@ -42,10 +48,8 @@ def main(argv: list[str] | None = None) -> int:
             prepared = preflight(cfg, world)
             if prepared is None:
                 return 2
-            from hvd_lowcomm.loop import train
-
             train(cfg, prepared.method, prepared.info, prepared.model, prepared.resume_dir, prepared.resume_from,
-                  preemption)
+                  preemption, prepared.notes)
     finally:
         preemption.restore()
     return 0
@@ -55,28 +59,25 @@ def main(argv: list[str] | None = None) -> int:
 class Prepared:
     """What preflight checked and built, for the loop."""
 
-    method: Any
-    info: Any
-    model: Any
+    method: Method
+    info: data.DatasetInfo
+    model: torch.nn.Module
     resume_dir: Path | None
     resume_from: Path | None
+    notes: dict[str, Any]  # for the summary: what --method auto chose and why
 
 
-def preflight(cfg: Config, world: Any) -> Prepared | None:
+def preflight(cfg: Config, world: runtime.Group) -> Prepared | None:
     """Everything that can fail because of the user's input, checked on every rank before the
     first training collective. All ranks agree on the outcome (one allgather), so a bad input
-    ends every rank with the same clear message instead of a hang."""
-    from hvd_lowcomm import checkpoint, data, models, runtime
-    from hvd_lowcomm.methods import get_method
-    from hvd_lowcomm.traffic import meter
-    from data_prep import BUNDLED, write_dataset
-
+    ends every rank with the same clear message instead of a hang. `--method auto` is resolved
+    here, so the loop gets a concrete method."""
     rank = world.comm.Get_rank()
     error = None
-    method = info = model = resume = None
+    info = model = resume = None
     try:
-        method = get_method(cfg.method)(cfg)
-        method.check_world(world.size)
+        if cfg.method != AUTO:  # auto's candidates fit any rank count
+            spec(cfg.method).method.check_world(cfg, world.size)
         runtime.device(cfg.train.device)  # a GPU asked for and not there
         path = Path(cfg.data.path)
         if rank == 0 and not cfg.data.source and not path.exists() and path.stem in BUNDLED:
@@ -98,8 +99,8 @@ def preflight(cfg: Config, world: Any) -> Prepared | None:
             if cfg.data.verify:  # each file checked once, by one rank
                 data.verify(info.files[rank::world.size])
             model = models.build_model(cfg.model, info.input_shape, info.num_classes)
-            method.data = info
-            method.check_model(model)
+            if cfg.method != AUTO:
+                spec(cfg.method).method(cfg, info).check_model(model)
         except ConfigError as err:
             error = str(err)
     with meter.in_phase("control"):
@@ -111,16 +112,22 @@ def preflight(cfg: Config, world: Any) -> Prepared | None:
                 where = "all ranks" if len(failing) == world.size else f"rank(s) {_rank_list(failing)}"
                 print(f"error ({where}): {message}", file=sys.stderr, flush=True)
         return None
-    if cfg.method == "auto":  # every rank got here: the probe's collectives cannot hang
+    notes: dict[str, Any] = {}
+    if cfg.method == AUTO:  # every rank got here: the probe's collectives cannot hang
+        choice = auto.choose(cfg, model, info, world.size)
+        notes = choice.summary()
+        cfg.method = choice.method
+        config.apply_presets(cfg, spec(choice.method).presets)  # ddp-fp16: its compression
         try:
-            method = method.choose(model, world.size)
+            spec(cfg.method).method(cfg, info).check_model(model)
         except ConfigError as err:  # the same model and choice everywhere: every rank stops alike
             if rank == 0:
                 print(f"error: {err}", file=sys.stderr, flush=True)
             return None
+    method = spec(cfg.method).method(cfg, info)
     with meter.in_phase("control"):
         run_dir, found = meter.broadcast_object(resume, "preflight.resume")
-    return Prepared(method, info, model, Path(run_dir) if run_dir else None, Path(found) if found else None)
+    return Prepared(method, info, model, Path(run_dir) if run_dir else None, Path(found) if found else None, notes)
 
 
 def _launcher_rank() -> int:

@@ -49,14 +49,14 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def world():
-    from hvd_lowcomm import runtime
+    from hvd_lowcomm.comm import runtime
 
     return runtime.init(seed=0)
 
 
 @pytest.fixture(autouse=True)
 def fresh_meter():
-    from hvd_lowcomm.traffic import meter
+    from hvd_lowcomm.comm.traffic import meter
 
     meter.reset()
     yield meter

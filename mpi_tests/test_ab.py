@@ -11,7 +11,7 @@ import torch.nn as nn
 from conftest import RANK, SIZE, needs_ranks
 from hvd_lowcomm import config
 from hvd_lowcomm.config import ConfigError
-from hvd_lowcomm.factorized import FactorizedLayer, choose_rank, dropped_fraction, factorize_model, noise_edge
+from hvd_lowcomm.methods.factorized import FactorizedLayer, choose_rank, dropped_fraction, factorize_model, noise_edge
 from hvd_lowcomm.methods.ab import AB, Schedule, _resize, num_groups
 from hvd_lowcomm.checkpoint import Checkpointer
 from hvd_lowcomm.train import main
@@ -227,16 +227,16 @@ def test_group_count_defaults_to_two_on_one_host_and_is_checked(world):
     method = AB(config.load(["--method", "ab"]))
     assert num_groups(method.cfg.options, SIZE) == 2  # the tests run on one host
     if SIZE % 2 == 0:
-        method.check_world(SIZE)
+        method.check_world(method.cfg, SIZE)
     else:
         with pytest.raises(ConfigError, match=f"cannot split {SIZE} ranks into 2 equal groups"):
-            method.check_world(SIZE)
+            method.check_world(method.cfg, SIZE)
     method = AB(config.load(["--method", "ab", "--ab.groups", str(SIZE + 1)]))
     with pytest.raises(ConfigError, match=f"cannot split {SIZE} ranks into {SIZE + 1} equal groups"):
-        method.check_world(SIZE)
+        method.check_world(method.cfg, SIZE)
     with pytest.raises(ConfigError, match="needs at least 2 groups"):
-        AB(config.load(["--method", "ab", "--ab.groups", "1"])).check_world(SIZE)
-    AB(config.load(["--method", "ab", "--ab.groups", "1", "--ab.sync_mode", "only-b"])).check_world(SIZE)
+        AB.check_world(config.load(["--method", "ab", "--ab.groups", "1"]), SIZE)
+    AB.check_world(config.load(["--method", "ab", "--ab.groups", "1", "--ab.sync_mode", "only-b"]), SIZE)
 
 
 class ReadsChildWeight(nn.Module):
@@ -265,8 +265,7 @@ class WithAttention(nn.Module):
 def checked(model: nn.Module, *argv: str) -> AB:
     from types import SimpleNamespace
 
-    method = AB(config.load(["--method", "ab", *argv]))
-    method.data = SimpleNamespace(input_shape=(6,))
+    method = AB(config.load(["--method", "ab", *argv]), SimpleNamespace(input_shape=(6,)))
     method.check_model(model)
     return method
 
@@ -291,9 +290,9 @@ def ab_method(*argv: str) -> AB:
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 3))
     method = AB(config.load(["--method", "ab", "--ab.groups", "2", "--train.lr", "0.01", *argv]))
-    method.check_world(SIZE)
+    method.check_world(method.cfg, SIZE)
     method.setup(model)
-    method.plan(100)  # resolves the schedule's fractions
+    method.set_total_steps(100)  # resolves the schedule's fractions
     return method
 
 
@@ -566,7 +565,7 @@ def test_re_factorisations_after_a_cut_compute_only_the_leading_triplets_and_mor
                              "--ab.sync_every", "2", "--ab.full_rank_steps", "1",
                              "--ab.max_accuracy_drop", "1"]))  # an untrained model: its batch accuracy is noise
     method.setup(model)
-    method.plan(100)
+    method.set_total_steps(100)
     layer = method.trainer.layers["2"]
     computed = []  # (leading asked for, complete) of every spectrum the re-factorisations take
     spectrum = layer.spectrum

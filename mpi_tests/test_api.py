@@ -10,7 +10,7 @@ from conftest import RANK, SIZE
 
 
 def test_every_exported_name_resolves_to_the_implementation():
-    from hvd_lowcomm import runtime, traffic
+    from hvd_lowcomm.comm import runtime, traffic
     from hvd_lowcomm.methods import dad, ddp, powersgd
 
     assert hvd_lowcomm.init is runtime.init and hvd_lowcomm.meter is traffic.meter
@@ -79,7 +79,7 @@ def test_ab_training_in_a_users_own_loop(world, fresh_meter):
         assert (final(x).argmax(1) == y).float().mean() > 0.75  # chance is 1/3
     if SIZE > 1:
         assert hvd_lowcomm.meter.total("train") > 0
-    with pytest.raises(ValueError, match="unknown AB-training option\\(s\\) sync_evry"):
+    with pytest.raises(ValueError, match="unknown ab option\\(s\\) sync_evry"):
         hvd_lowcomm.ABTraining(nn.Sequential(nn.Linear(2, 2)), torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1),
                                sync_evry=3)
 

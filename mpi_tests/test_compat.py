@@ -13,7 +13,7 @@ import hvd_lowcomm
 from conftest import RANK, SIZE
 from hvd_lowcomm import config
 from hvd_lowcomm.config import ConfigError
-from hvd_lowcomm.methods import get_method
+from hvd_lowcomm.methods import spec
 from hvd_lowcomm.models import mlp
 
 LOCAL = 8
@@ -50,10 +50,10 @@ def one_sgd_step(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, 
     with plain SGD at lr 1 on this rank's batch."""
     if name == "ab" and SIZE % 2:  # an odd rank count has one group, which only-b allows
         argv = (*argv, "--ab.groups", "1", "--ab.sync_mode", "only-b")
-    method = get_method(name)(config.load(["--method", name, "--train.optimizer", "sgd", "--train.momentum", "0",
+    method = spec(name).method(config.load(["--method", name, "--train.optimizer", "sgd", "--train.momentum", "0",
                                            "--train.weight_decay", "0", "--train.lr", "1", *argv]))
     method.setup(model)
-    method.plan(100)
+    method.set_total_steps(100)
     dense = [p for n, p in model.named_parameters() if not n.endswith((".A", ".B"))]  # ab: W, not its factors
     before = [p.detach().clone() for p in dense]
     method.train_step(x, y)
@@ -104,9 +104,9 @@ REFUSALS += [("edad", argv, "train.accumulate or train.amp") for argv in (["--tr
 
 @pytest.mark.parametrize("name, argv, what", REFUSALS)
 def test_methods_refuse_what_they_cannot_honour(name, argv, what):
-    method = get_method(name)(config.load(["--method", name, *argv]))
+    method = spec(name).method(config.load(["--method", name, *argv]))
     with pytest.raises(ConfigError, match=f"{name} does not support {what}"):
-        method.check_world(SIZE)
+        method.check_world(method.cfg, SIZE)
 
 
 def wrap(kind: str, model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:

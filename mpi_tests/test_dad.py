@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from conftest import RANK, SIZE
 from hvd_lowcomm.config import ConfigError
-from hvd_lowcomm.lowrank import (WAYS, cheapest_way, exact_factors, gradient_power_iteration,
+from hvd_lowcomm.methods.lowrank import (WAYS, cheapest_way, exact_factors, gradient_power_iteration,
                                   structured_power_iteration)
 from hvd_lowcomm.methods.dad import DadOptimizer
 from hvd_lowcomm.train import main
@@ -132,7 +132,7 @@ def test_rank_dad_at_or_above_the_true_rank_reproduces_the_exact_gradient(world)
     for name, got, want in grads:
         assert relative_error(got, want) <= 1e-4, name
     assert all(max(ks) <= n for ks in opt.effective_ranks.values())
-    assert {opt._factor_source(name) for name in ("1", "3", "5")} == {"rows"}  # few rows: exact from them
+    assert not any(opt.sharing.from_gradient(opt, name) for name in ("1", "3", "5"))  # few rows: exact from them
 
 
 def test_rank_dad_takes_a_conv_layer_s_factors_from_its_gradient_and_stays_exact_at_its_rank(world):
@@ -144,7 +144,7 @@ def test_rank_dad_takes_a_conv_layer_s_factors_from_its_gradient_and_stays_exact
                        plan="all")  # its block is as wide as the gradient's rank: one iteration is exact
     F.cross_entropy(model(x[local]), y[local]).backward()
     # 3..6 samples x 25 positions = 75..150 rows against 18 x 4 and 36 x 5 gradients
-    assert opt._factor_source("0") == opt._factor_source("2") == "gradient"
+    assert opt.sharing.from_gradient(opt, "0") and opt.sharing.from_gradient(opt, "2")
     opt.synchronize()
     for (name, got), want in zip(model.named_parameters(), reference.parameters()):
         assert relative_error(got.grad, want.grad) <= 1e-4, name  # rank 5 >= both conv gradients' rank
@@ -192,7 +192,7 @@ def test_edad_refuses_models_where_it_would_not_be_exact():
 
 @pytest.mark.parametrize("options, message", [
     ({"rank": 0}, "rank must be >= 1, got 0"),
-    ({"rank": 4, "tol": 0.0}, "tolerance must be > 0, got 0.0"),
+    ({"rank": 4, "tol": 0.0}, "rank-dad.tol must be > 0, got 0.0"),
     ({"mode": "rank"}, "mode 'rank' needs rank=r"),
     ({"mode": "edad", "rank": 4}, "mode 'edad' is exact and takes no rank"),
     ({"mode": "fast"}, "mode must be one of exact, rank, edad, got 'fast'"),

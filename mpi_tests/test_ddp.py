@@ -61,14 +61,14 @@ def test_meter_counts_the_analytic_payload_of_every_gradient(world, fresh_meter,
 
 def test_local_trains_each_rank_alone_and_sends_nothing(world, fresh_meter):
     from hvd_lowcomm import config
-    from hvd_lowcomm.methods import get_method
+    from hvd_lowcomm.methods import spec
 
     p, rank = world.size, world.comm.Get_rank()
     model, x, y = _pooled_problem(p)
     local = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
     reference = copy.deepcopy(model)
     F.cross_entropy(reference(x[local]), y[local]).backward()  # this rank's batch only
-    method = get_method("local")(config.load(["--method", "local", "--train.optimizer", "sgd", "--train.momentum", "0",
+    method = spec("local").method(config.load(["--method", "local", "--train.optimizer", "sgd", "--train.momentum", "0",
                                               "--train.lr", "0.5"]))
     method.setup(model)
     fresh_meter.reset()  # the set-up broadcast (all ranks start equal) is not a training step
@@ -76,7 +76,7 @@ def test_local_trains_each_rank_alone_and_sends_nothing(world, fresh_meter):
     for param, ref in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(param.detach(), ref.detach() - 0.5 * ref.grad)
     assert fresh_meter.total(phase=None) == 0 and fresh_meter.seconds["train"] == 0
-    assert method.phase_seconds["forward"] > 0 and method.phase_seconds["backward"] > 0
+    assert method.pass_seconds["forward"] > 0 and method.pass_seconds["backward"] > 0
 
 
 def test_the_meter_times_what_ddp_waits_for_in_synchronize(world, fresh_meter):

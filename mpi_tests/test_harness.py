@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_a_test_failing_on_one_rank_fails_the_whole_run_without_hanging(tmp_path):
     (tmp_path / "test_fails_on_rank_1.py").write_text(
         "import torch\n"
-        "from hvd_lowcomm.traffic import meter\n"
+        "from hvd_lowcomm.comm.traffic import meter\n"
         "def test_rank_1_fails(world):\n"
         "    assert world.comm.Get_rank() != 1, 'deliberate failure on rank 1'\n"
         "    meter.allreduce(torch.ones(1), 'rank-1-never-joins')  # rank 0 would wait forever\n")

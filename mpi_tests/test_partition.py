@@ -16,7 +16,7 @@ from hvd_lowcomm.data import DatasetInfo
 from hvd_lowcomm.methods.mp import ModelParallel
 from hvd_lowcomm.methods.sil import SyntheticIntermediateLabels, class_codes
 from hvd_lowcomm.models import cnn, mlp, sil6
-from hvd_lowcomm.partition import can_learn, cut_points, partition_table, pipeline_evaluate, pipeline_train_step
+from hvd_lowcomm.methods.partition import can_learn, cut_points, partition_table, pipeline_evaluate, pipeline_train_step
 from hvd_lowcomm.train import main
 
 INFO = DatasetInfo("mem", ("mem",), 3, (6,), (64,), (16,), "test", "float32", None, None)
@@ -140,9 +140,10 @@ def test_an_explicit_cut_that_leaves_a_partition_affine_is_warned():
 
 @needs_ranks(2)
 def test_an_explicit_cut_inside_a_conv_net_is_warned_and_its_codes_are_channel_means():
-    method = SyntheticIntermediateLabels(config.load(["--method", "sil", "--model.name", "cnn", "--sil.cuts", "8"]))
-    method.data = DatasetInfo("mem", ("mem",), 3, (1, 8, 8), (64,), (16,), "test", "float32", None, None)
-    method.check_world(SIZE)
+    method = SyntheticIntermediateLabels(config.load(["--method", "sil", "--model.name", "cnn", "--sil.cuts", "8"]),
+                                         DatasetInfo("mem", ("mem",), 3, (1, 8, 8), (64,), (16,), "test", "float32",
+                                                     None, None))
+    method.check_world(method.cfg, SIZE)
     method.setup(cnn((1, 8, 8), 3, [4, 4, 8, 8]))
     (warning,) = method.partition_warnings()
     assert "inside its convolutional part (cut 1, a 4x2x2 activation; its codes are per-channel means)" in warning
@@ -179,14 +180,13 @@ def test_bad_sil_options_are_rejected():
 def test_partition_count_that_does_not_divide_the_world_is_rejected():
     method = ModelParallel(config.load(["--method", "mp", "--mp.partitions", str(SIZE + 1)]))
     with pytest.raises(ConfigError, match=f"cannot split {SIZE} ranks into {SIZE + 1} equal groups"):
-        method.check_world(SIZE)
+        method.check_world(method.cfg, SIZE)
 
 
 def make(method_cls, name: str, *argv: str):
-    method = method_cls(config.load(["--method", name, "--train.lr", "0.01", *argv]))
-    method.data = INFO
+    method = method_cls(config.load(["--method", name, "--train.lr", "0.01", *argv]), INFO)
     model = six_layer_mlp()
-    method.check_world(SIZE)
+    method.check_world(method.cfg, SIZE)
     method.setup(copy.deepcopy(model))
     return method, model
 
@@ -213,7 +213,7 @@ def test_recovery_epochs_get_their_own_learning_rate_schedule(world, fresh_meter
     the peak, rather than training the joined network at the tail of the training schedule."""
     method, _ = make(SyntheticIntermediateLabels, "sil", "--sil.recovery_epochs", "2", "--train.epochs", "4",
                      "--train.lr", "0.01")
-    method.plan(60)  # 6 epochs of 10 steps: 40 training, 20 recovery
+    method.set_total_steps(60)  # 6 epochs of 10 steps: 40 training, 20 recovery
     rates = []
     for step in range(60):
         fresh_meter.step = step
@@ -237,7 +237,7 @@ def test_recovery_starts_from_a_fresh_optimiser_state(world, fresh_meter):
     method.train_step(x, y)
     moments = {id(p): state["exp_avg_sq"].clone() for p, state in method.optimizer.state.items()}
     method.start_epoch(3)  # the recovery epoch
-    assert method.phase == "recovery" and not method.optimizer.state
+    assert method.stage == "recovery" and not method.optimizer.state
     method.train_step(x, y)
     assert all(not torch.equal(state["exp_avg_sq"], moments[id(p)]) for p, state in method.optimizer.state.items())
     assert all(state["step"].item() == 1 for state in method.optimizer.state.values())
@@ -311,7 +311,7 @@ def test_sil_training_traffic_between_partitions(shared_tmp, mode, epochs):
 def test_a_collapsed_partition_is_detected_at_evaluation(world):
     method, _ = make(SyntheticIntermediateLabels, "sil")
     x, y = pooled_batch(n=60)
-    method.phase = "train"
+    method.stage = "train"
     method.evaluate([(x, y)])
     if not method.layout.last:
         assert not method.diagnostics["collapsed"]  # untrained, but its outputs follow its inputs

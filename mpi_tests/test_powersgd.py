@@ -9,7 +9,7 @@ import torch
 
 from conftest import RANK
 from hvd_lowcomm.config import ConfigError
-from hvd_lowcomm.methods.powersgd import PowerSGDOptimizer, PowerSGDState
+from hvd_lowcomm.methods.powersgd import PowerSGDOptimizer, PowerSGDState, compresses
 from hvd_lowcomm.train import main
 
 N_OUT, N_IN = 10, 12
@@ -94,11 +94,11 @@ def test_plain_allreduce_until_start_iter_then_compression(world, fresh_meter):
 
 
 def test_the_min_compression_rate_rule_decides_which_layers_are_compressed():
-    state = PowerSGDState(rank=2, min_compression_rate=2.0)
-    assert state.should_compress(100, 100) == (True, 2)     # (100+100)*2*2 = 800 < 10000
-    assert state.should_compress(10, 12) == (True, 2)       # (10+12)*2*2 = 88 < 120
-    assert state.should_compress(6, 8) == (False, 2)        # (6+8)*2*2 = 56 >= 48
-    assert state.should_compress(1, 50) == (False, 1)       # rank capped at min(n, m) = 1: 102 >= 50
+    options = PowerSGDState(rank=2, min_compression_rate=2.0).options
+    assert compresses(100, 100, options) == (True, 2)     # (100+100)*2*2 = 800 < 10000
+    assert compresses(10, 12, options) == (True, 2)       # (10+12)*2*2 = 88 < 120
+    assert compresses(6, 8, options) == (False, 2)        # (6+8)*2*2 = 56 >= 48
+    assert compresses(1, 50, options) == (False, 1)       # rank capped at min(n, m) = 1: 102 >= 50
 
 
 def test_bad_options_are_rejected():

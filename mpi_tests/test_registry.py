@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import pytest
 
 from conftest import RANK, SIZE
-from hvd_lowcomm import config, methods, runtime
+from hvd_lowcomm import config, methods
+from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.config import option
 from hvd_lowcomm.methods.ddp import DataParallel
 from hvd_lowcomm.train import main
@@ -22,15 +23,14 @@ class GroupedOptions:
 
 @pytest.fixture
 def grouped_method():
-    @methods.register("grouped-test")
+    @methods.register("grouped-test", options=GroupedOptions)
     class Grouped(DataParallel):
-        options = GroupedOptions
-
-        def check_world(self, world_size: int) -> None:
-            runtime.group_layout(world_size, num_groups=self.cfg.options.groups)
+        @classmethod
+        def check_world(cls, cfg, world_size: int) -> None:
+            runtime.group_layout(world_size, num_groups=cfg.options.groups)
 
     yield Grouped
-    methods._registry.pop("grouped-test")
+    methods.unregister("grouped-test")
 
 
 def test_a_registered_method_gets_a_config_section_and_cli_options(grouped_method, tmp_path):

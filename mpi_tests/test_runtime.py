@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import RANK, SIZE, clean_env, mpirun, needs_ranks
-from hvd_lowcomm import runtime
-from hvd_lowcomm.runtime import GroupLayoutError, group_layout
+from hvd_lowcomm.comm import runtime
+from hvd_lowcomm.comm.runtime import GroupLayoutError, group_layout
 
 
 def test_layout_is_contiguous_equal_groups():
@@ -41,7 +41,7 @@ def test_groups_communicate_only_inside_themselves(world, fresh_meter):
     assert mine.comm.allreduce(rank) == sum(mine.ranks)  # the mpi4py side agrees
 
     value = torch.tensor([float(rank)])
-    runtime.broadcast_parameters({"value": value}, root_rank=mine.ranks[-1], group=mine)
+    fresh_meter.broadcast_tensors({"value": value}, root_rank=mine.ranks[-1], group=mine)
     assert value.item() == mine.ranks[-1]  # each group got its own root's value, not rank 0's
 
     assert {(r.group, r.group_size) for r in fresh_meter.step_records} == {(mine.label, mine.size)}
@@ -61,8 +61,8 @@ def run_on_two_ranks(tmp_path, failure: str) -> tuple[subprocess.CompletedProces
     script = tmp_path / "job.py"
     script.write_text(
         "import os, signal, torch\n"
-        "from hvd_lowcomm import runtime\n"
-        "from hvd_lowcomm.traffic import meter\n"
+        "from hvd_lowcomm.comm import runtime\n"
+        "from hvd_lowcomm.comm.traffic import meter\n"
         "runtime.init(0)\n"
         "with runtime.abort_on_error():\n"
         "    if runtime.rank() == 1:\n"

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import needs_ranks
-from hvd_lowcomm.traffic import wire_bytes
+from hvd_lowcomm.comm.traffic import wire_bytes
 
 
 def test_ring_formulas():

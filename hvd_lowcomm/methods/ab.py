@@ -1,6 +1,6 @@
 """`ab`: AB-training (Coquelin et al., arXiv 2405.01067): low-rank factors trained by groups.
 
-Every Linear/ConvNd weight outside `ab.full_rank` becomes W = A B (hvd_lowcomm.factorized).
+Every Linear/ConvNd weight outside `ab.full_rank` becomes W = A B (hvd_lowcomm.methods.factorized).
 The world is split into G groups of contiguous ranks; the first ⌊G/2⌋ are A-groups (train A,
 B frozen), the rest B-groups (train B, A frozen). Schedule, with t the global step and a cycle
 = `sync_every` group steps + `full_rank_steps` full-rank steps:
@@ -40,20 +40,22 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 import torch
 import torch.nn as nn
 
-from hvd_lowcomm import runtime
-from hvd_lowcomm.config import ConfigError, option
-from hvd_lowcomm.factorized import (FACTORIZABLE, RANK_RULES, FactorizedLayer, choose_rank, dropped_fraction,
-                                    factorize_model, noise_edge, unfactorized_copy)
+from hvd_lowcomm.comm import runtime
+from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
+from hvd_lowcomm.config import Config, ConfigError, make_options, option
+from hvd_lowcomm.costmodel import (Link, LayerSample, MethodCost, Prediction, Profile, RunAssumptions, median_seconds,
+                                   wire)
 from hvd_lowcomm.methods import register
 from hvd_lowcomm.methods.base import Method, broadcast_model_and_optimizer, exchange_gradients, make_optimizer
-from hvd_lowcomm.traffic import meter
+from hvd_lowcomm.methods.factorized import (FACTORIZABLE, RANK_RULES, FactorizedLayer, choose_rank,
+                                            dropped_fraction, factorize_model, leading_svd, noise_edge,
+                                            unfactorized_copy)
 
 SYNC_MODES = ("with-stale", "only-learned", "only-b", "full")
 COMM_SETUPS = ("groups", "individual")
@@ -154,7 +156,7 @@ def steps(value: float, total_steps: int | None, name: str) -> int:
         return int(value)
     if total_steps is None:
         raise ConfigError(f"ab.{name} = {value} is a fraction of the run, whose length is not known here: "
-                          f"call plan(total_steps) first or give a number of steps")
+                          f"call set_total_steps(total_steps) first (or give ABTraining total_steps) or give a number of steps")
     return round(value * total_steps)
 
 
@@ -185,7 +187,7 @@ class ABTraining:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, total_steps: int | None = None,
                  options: ABOptions | None = None, clip_grad_norm: float = 0.0, **kwargs: Any) -> None:
-        o = options or make_options(**kwargs)
+        o = options or make_options(ABOptions, "ab", **kwargs)
         o.validate()
         self.options, self.model, self.optimizer, self.clip_grad_norm = o, model, optimizer, clip_grad_norm
         groups = num_groups(o, runtime.size())
@@ -214,9 +216,9 @@ class ABTraining:
             self._say(f"kept dense inside nn.MultiheadAttention (it reads their weights itself): "
                       f"{', '.join(self.dense_attention)}")
         if total_steps is not None:
-            self.plan(total_steps)
+            self.set_total_steps(total_steps)
 
-    def plan(self, total_steps: int) -> None:
+    def set_total_steps(self, total_steps: int) -> None:
         """Fix the schedule for a run of `total_steps` steps (resolves fractional options)."""
         self.schedule = Schedule(self.options, total_steps)
         s = self.schedule
@@ -228,7 +230,7 @@ class ABTraining:
     def step(self, x: torch.Tensor, y: torch.Tensor | None = None) -> Iterator[None]:
         """One training step around the caller's forward and backward pass (see the class)."""
         if self.schedule is None:
-            self.schedule = Schedule(self.options)  # steps only: a fraction needs plan()
+            self.schedule = Schedule(self.options)  # steps only: a fraction needs set_total_steps()
         self._advance(x, y)
         scheduled = [group["lr"] for group in self.optimizer.param_groups]
         for group, lr in zip(self.optimizer.param_groups, scheduled):
@@ -487,10 +489,7 @@ class ABTraining:
         return ", ".join(f"{name}:{layer.rank}" for name, layer in self.layers.items())
 
     def _say(self, text: str) -> None:
-        if runtime.rank() == 0:
-            from tqdm import tqdm
-
-            tqdm.write(f"ab: {text}")
+        runtime.announce(f"ab: {text}")
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume: model (with its factors), optimiser and schedule state.
@@ -515,15 +514,6 @@ class ABTraining:
         for name, edge in ab.get("noise_edges", {}).items():
             self.layers[name].noise_edge = edge
         self._set_trainable()
-
-
-def make_options(**kwargs: Any) -> ABOptions:
-    """ABOptions from keyword arguments, with a clear error for a misspelt one."""
-    known = {f.name for f in dataclasses.fields(ABOptions)}
-    unknown = sorted(set(kwargs) - known)
-    if unknown:
-        raise ConfigError(f"unknown AB-training option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    return ABOptions(**kwargs)
 
 
 def num_groups(options: ABOptions, world_size: int) -> int:
@@ -582,34 +572,113 @@ def _add_factors_to_optimizer(optimizer: torch.optim.Optimizer, layers: Iterable
         group["params"].extend(p for p in (layer.A, layer.B) if id(p) not in present)
 
 
-@register("ab")
+# ---------------------------------------------------------------------------------------------
+# the cost model's view (hvd_lowcomm.costmodel)
+
+def assumed_rank(fan_in: int, fan_out: int, assumptions: RunAssumptions) -> int:
+    """The rank the cost model assumes AB's cuts keep for a fan_in × fan_out layer."""
+    return max(1, round(assumptions.rank_share * min(fan_in, fan_out)))
+
+
+def ab_kernels(sample: LayerSample, options: ABOptions, cfg: Config) -> dict[str, Any]:
+    """A re-factorisation's leading triplets and residual at the assumed rank, and a full SVD
+    (the first factorisation's and the first cut's)."""
+    tall = torch.randn(max(sample.fan_in, sample.fan_out), min(sample.fan_in, sample.fan_out),
+                       generator=torch.Generator().manual_seed(0))
+    width = min(2 * assumed_rank(sample.fan_in, sample.fan_out, RunAssumptions()) + 16, tall.shape[1])
+
+    def leading() -> None:
+        u, s, vh = leading_svd(tall, width)
+        _ = tall - (u * s) @ vh
+    return {"ab_leading": leading, "ab_svd": _svd_seconds(*tall.shape)}
+
+
+def _svd_seconds(rows: int, cols: int, largest: int = 1024) -> float:
+    """A full SVD of a rows × cols matrix (rows >= cols), O(rows cols²): timed at most
+    `largest` columns wide and scaled, so that profiling a wide model stays quick."""
+    scale = min(1.0, largest / cols)
+    small = (max(1, round(rows * scale)), max(1, round(cols * scale)))
+    matrix = torch.randn(*small, generator=torch.Generator().manual_seed(0))
+    seconds = median_seconds(lambda: torch.linalg.svd(matrix, full_matrices=False))
+    return seconds * (rows * cols * cols) / (small[0] * small[1] * small[1])
+
+
+def predict_ab(profile: Profile, p: int, link: Link, o: ABOptions, cfg: Config,
+               assumptions: RunAssumptions) -> Prediction:
+    """AB-training's mean step over a run of assumptions.run_steps steps (its default layers:
+    every weight layer but the first and last is factorised). Warm-up and full-rank steps are
+    ddp steps; a group step allreduces the trained factor (the larger of A's and B's, which sets
+    the pace at the next sync) and the dense parameters inside its group (on the node's own
+    links when a group fits in a node); once per cycle a sync allreduces A, B and the rest over
+    all ranks, and a re-factorisation computes each layer's leading triplets and checks the cut
+    with two forward passes; twice per run (first factorisation, first cut) full SVDs. The
+    bytes are an A-group rank's (B-group ranks send less)."""
+    factorised = profile.layers[1:-1]
+    if not factorised:
+        raise ConfigError("ab: the model needs a weight layer besides the first and the last to factorise")
+    groups = o.groups or (p // link.ranks_per_node if p > link.ranks_per_node else 2)
+    if p % groups or groups < 2:
+        raise ConfigError(f"ab: {p} ranks do not split into {groups} groups")
+    runs = max(assumptions.run_steps, 1)
+    schedule = Schedule(o, runs)
+    phases = [schedule.phase(t) for t in range(runs)]
+    group_steps = phases.count("group")
+    full_steps = runs - group_steps
+    cycles = sum("sync" in schedule.transitions(t) for t in range(runs))
+    dense = profile.params - sum(layer.fan_in * layer.fan_out for layer in factorised)  # biases, dense layers...
+
+    def factors(cut: bool) -> tuple[int, int]:  # numbers in A and in B: at the assumed rank, or all of it
+        ranks = [assumed_rank(layer.fan_in, layer.fan_out, assumptions) if cut else min(layer.fan_in, layer.fan_out)
+                 for layer in factorised]
+        return (sum(max(layer.fan_in, layer.fan_out) * r for layer, r in zip(factorised, ranks)),
+                sum(min(layer.fan_in, layer.fan_out) * r for layer, r in zip(factorised, ranks)))
+
+    g = p // groups
+    # The first group phase trains the full-rank factors of the first factorisation; the
+    # others the cut ones. A group averages its trained factor (the larger one sets the pace).
+    first = min(schedule.sync_every, group_steps)
+    in_group = [FLOAT_BYTES * (max(factors(cut)) + dense) for cut in (False, True)]
+    at_sync = [FLOAT_BYTES * (sum(factors(cut)) + dense) for cut in (False, True)]
+    ddp_bytes = FLOAT_BYTES * profile.params  # a warm-up or full-rank step: ddp's allreduce
+    ddp_comm = link.allreduce(ddp_bytes, p, p)
+    # Re-factorisations: the first cut takes full SVDs (as does the first factorisation), the
+    # later ones the leading triplets; each checks its cut with two forward passes.
+    own = (max(cycles - 1, 0) * sum(layer.kernels["ab_leading"] for layer in factorised)
+           + 2 * sum(layer.kernels["ab_svd"] for layer in factorised) + cycles * 2 * profile.forward_seconds) / runs
+    comm = (first * link.allreduce(in_group[0], g, p) + (group_steps - first) * link.allreduce(in_group[1], g, p)
+            + full_steps * ddp_comm + min(cycles, 1) * link.allreduce(at_sync[0], p, p)
+            + max(cycles - 1, 0) * link.allreduce(at_sync[1], p, p)) / runs
+    sent = (first * wire("allreduce", in_group[0], g) + (group_steps - first) * wire("allreduce", in_group[1], g)
+            + full_steps * wire("allreduce", ddp_bytes, p) + min(cycles, 1) * wire("allreduce", at_sync[0], p)
+            + max(cycles - 1, 0) * wire("allreduce", at_sync[1], p)) / runs
+    hidden = full_steps * min(ddp_comm, profile.backward_seconds) / runs  # ddp's overlap in its steps
+    return Prediction("ab", p, profile.step_seconds, own, comm, hidden, sent)
+
+
+# The paper trains with AdamW and weight decay 0.1: decay shrinks the directions the gradient
+# does not sustain, which is what a cut removes.
+@register("ab", options=ABOptions, presets={"train.optimizer": "adamw", "train.weight_decay": 0.1},
+          cost=MethodCost(predict_ab, ab_kernels))
 class AB(Method):
     """`--method ab`: ABTraining driven by the built-in loop."""
 
-    options = ABOptions
-    # The paper trains with AdamW and weight decay 0.1: decay shrinks the directions the
-    # gradient does not sustain, which is what a cut removes.
-    train_defaults = {"optimizer": "adamw", "weight_decay": 0.1}
-
-    def check_world(self, world_size: int) -> None:
-        o = self.cfg.options
+    @classmethod
+    def check_world(cls, cfg: Config, world_size: int) -> None:
+        o = cfg.options
         check_groups(o, num_groups(o, world_size), world_size)
 
     def check_model(self, model: nn.Module) -> None:
-        if self.data is None:  # no input shape to try the model on: only the names in full_rank
-            factorize_model(copy.deepcopy(model), self.cfg.options.full_rank)
-            return
         example = torch.randn(2, *self.data.input_shape, generator=torch.Generator().manual_seed(0))
-        check_factorizable(model, self.cfg.options.full_rank, example)
+        check_factorizable(model, self.options.full_rank, example)
 
     def setup(self, model: nn.Module) -> None:
         self.model = model
         self.optimizer = make_optimizer(self.cfg, model.parameters())
-        self.trainer = ABTraining(model, self.optimizer, options=self.cfg.options,
+        self.trainer = ABTraining(model, self.optimizer, options=self.options,
                                   clip_grad_norm=self.cfg.train.clip_grad_norm)
 
-    def plan(self, total_steps: int) -> None:
-        self.trainer.plan(total_steps)
+    def set_total_steps(self, total_steps: int) -> None:
+        self.trainer.set_total_steps(total_steps)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         with self.trainer.step(x, y):

@@ -8,56 +8,64 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from hvd_lowcomm import runtime
+from hvd_lowcomm.comm import runtime
+from hvd_lowcomm.comm.traffic import meter
 from hvd_lowcomm.config import Config
-from hvd_lowcomm.traffic import meter
+from hvd_lowcomm.data import DatasetInfo, ShardedBatches
 
 
 class Method:
-    """Life cycle, driven by `hvd_lowcomm.train`:
+    """One training method as the built-in loop (hvd_lowcomm.loop) drives it.
 
-    1. `check_world(world_size)`, `check_model(model)`  before training, on every rank; raise
-       ConfigError if the rank layout or the model does not fit the method;
-    2. `setup(model)`             take the freshly built model, make the optimiser, make every
+    Made with the run's config and the dataset's description (`hvd_lowcomm.data.DatasetInfo`,
+    whose input shape and classes a method may need; None only where a test drives a method
+    without data), after `check_world` passed. The life cycle, in the order the framework calls
+    it on every rank:
+
+     1. `check_world(cfg, world_size)`  (class method) before anything is built; raise
+        ConfigError if the rank layout does not fit the method;
+     2. `check_model(model)`      raise ConfigError if the method cannot train `model`;
+     3. `setup(model)`            take the freshly built model, make the optimiser, make every
                                   rank start from the same state;
-    3. `train_step(x, y)`         one optimisation step on this rank's batch; returns the
-                                  local loss (a float); `start_epoch(epoch)` comes before
-                                  each epoch, `epochs()` says how many there are and
-                                  `batches(...)` how a split is sharded (default: over all
-                                  ranks, data.batch_size each);
-    4. `evaluate(batches)`        (correct, count, loss sum) over this rank's test shard;
-    5. `epoch_metrics()`          method-specific numbers for the epoch record (ranks, phase...);
-    6. `state_dict()` / `load_state_dict()`  everything needed to resume, held by the rank
-       `state_owner()` names (hvd_lowcomm.checkpoint); `local_state_dict()` what each rank
-       holds for itself beyond the global RNGs.
+     4. `batches(split, ...)`     this rank's batches of a split (default: sharded over all ranks);
+        `epochs()`                how many epochs the run has;
+     5. `set_total_steps(n)`      the run's length, once, before the first step (schedules
+                                  given as fractions of the run resolve here);
+     6. per epoch: `start_epoch(epoch)`; per step: `set_lr(lr)` then `train_step(x, y)`, which
+        returns the local loss; `agreement_group()` says where the loop's per-step checks run;
+     7. `evaluate(batches)`       (correct, count, loss sum) over this rank's test shard;
+        `epoch_metrics()`         method-specific numbers for the epoch record;
+     8. `state_dict()` / `load_state_dict()`  everything needed to resume, held by the rank
+        `state_owner()` names; `local_state_dict()` / `load_local_state_dict()` what each rank
+        holds for itself (hvd_lowcomm.checkpoint);
+     9. `summary_metrics()`       figures for the final summary; `final_state_dict()` the
+                                  trained model as one ordinary state dict (collective).
 
-    Every byte a method sends must go through `hvd_lowcomm.traffic.meter`.
+    What the framework knows of a method besides this object (options, presets, cost) is
+    registered with it (hvd_lowcomm.methods.register). Every byte a method sends goes through
+    `hvd_lowcomm.comm.traffic.meter`.
     """
 
-    name = "?"
-    options: Any = None  # dataclass type of this method's options, if it has any
+    name = "?"  # set by @register
     default_model = "mlp"  # the model trained when --model.name is not given
     # Whether every rank takes every step (so the loop may run a collective each step for
     # preemption and non-finite checks); False where some ranks idle while others train.
     lockstep = True
-    # Training options this method trains best with, applied where the user set none
-    # (e.g. {"optimizer": "adamw", "weight_decay": 0.1}).
-    train_defaults: dict[str, Any] = {}
     # Whether this method sends its gradients as comm.compression says (else that option is
     # refused for it rather than silently ignored).
     honours_compression = False
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, data: DatasetInfo | None = None) -> None:
         self.cfg = cfg
-        self.data: Any = None  # the dataset's hvd_lowcomm.data.DatasetInfo, set before check_model/setup
+        self.options: Any = cfg.options  # this method's options dataclass (None if it has none)
+        self.data = data
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         # Seconds of the run's steps spent in forward and backward passes (forward_backward).
-        self.phase_seconds: dict[str, float] = {"forward": 0.0, "backward": 0.0}
-        # Set when --method auto chose this method: the choice and why (for summary.json).
-        self.auto_choice: dict[str, str] = {}
+        self.pass_seconds: dict[str, float] = {"forward": 0.0, "backward": 0.0}
 
-    def check_world(self, world_size: int) -> None:
+    @classmethod
+    def check_world(cls, cfg: Config, world_size: int) -> None:
         """Raise ConfigError when this method cannot run on `world_size` ranks."""
 
     def check_model(self, model: torch.nn.Module) -> None:
@@ -66,7 +74,7 @@ class Method:
     def setup(self, model: torch.nn.Module) -> None:
         raise NotImplementedError
 
-    def plan(self, total_steps: int) -> None:
+    def set_total_steps(self, total_steps: int) -> None:
         """Called once before the first step with the number of steps the run will take."""
 
     def epochs(self) -> int:
@@ -74,8 +82,6 @@ class Method:
 
     def batches(self, split: Any, batch_size: int, shuffle: bool, device: torch.device) -> Any:
         """This rank's batches of `split` (an hvd_lowcomm.data.H5Split)."""
-        from hvd_lowcomm.data import ShardedBatches
-
         return ShardedBatches(split, batch_size, runtime.rank(), runtime.size(), seed=self.cfg.train.seed,
                               shuffle=shuffle, device=device)
 
@@ -101,8 +107,8 @@ class Method:
             middle = time.perf_counter()
             loss.backward()
             total += loss.item()
-            self.phase_seconds["forward"] += middle - start
-            self.phase_seconds["backward"] += time.perf_counter() - middle
+            self.pass_seconds["forward"] += middle - start
+            self.pass_seconds["backward"] += time.perf_counter() - middle
         return total
 
     def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int, float]:
@@ -182,9 +188,9 @@ def broadcast_model_and_optimizer(model: torch.nn.Module, optimizer: torch.optim
                                   root_rank: int = 0, group: runtime.Group | None = None) -> None:
     """Make every rank of `group` start from `root_rank`'s parameters and optimiser state."""
     with meter.in_phase("setup"):
-        runtime.broadcast_parameters(model.state_dict(), root_rank, group)
+        meter.broadcast_tensors(model.state_dict(), root_rank, group)
         state = optimizer.state_dict()["state"]
-        runtime.broadcast_parameters(
+        meter.broadcast_tensors(
             [(f"optimizer.{index}.{key}", value) for index, entry in sorted(state.items())
              for key, value in sorted(entry.items()) if torch.is_tensor(value)],
             root_rank, group)

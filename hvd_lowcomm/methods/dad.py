@@ -17,7 +17,7 @@ numbers, and every rank forms the pooled gradient [Δ_1; ...; Δ_p]ᵀ [A_1; ...
   loss over the pooled batch, also for unequal batch sizes. The exchange is one Horovod cycle
   (allgathers and allreduces submitted together).
 - rank-dAD replaces each rank's rows by k <= r factor rows: the top singular triplets of the
-  local gradient, computed the cheapest way for the layer's shapes (hvd_lowcomm.lowrank: exactly
+  local gradient, computed the cheapest way for the layer's shapes (hvd_lowcomm.methods.lowrank: exactly
   from few rows, by power iteration on the gradient autograd formed for a conv layer's many
   rows, or by structured power iteration); each rank sends its own k rows (Horovod's allgather
   takes a different count from each rank). Bias gradients, which factors do not carry, are
@@ -36,16 +36,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hvd_lowcomm import runtime
-from hvd_lowcomm.config import ConfigError, option
-from hvd_lowcomm.lowrank import cheapest_way, factors_from_rows, gradient_power_iteration
+from hvd_lowcomm.comm import runtime
+from hvd_lowcomm.comm.runtime import Group
+from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter, wire_bytes
+from hvd_lowcomm.config import Config, ConfigError, make_options, option
+from hvd_lowcomm.costmodel import Link, LayerSample, MethodCost, Prediction, Profile, RunAssumptions, wire
+from hvd_lowcomm.metrics import human_bytes
 from hvd_lowcomm.methods import register
 from hvd_lowcomm.methods.base import GradientExchange, wrap_optimizer
 from hvd_lowcomm.methods.ddp import DataParallel
-from hvd_lowcomm.runtime import Group
-from hvd_lowcomm.traffic import meter, wire_bytes
-
-FLOAT_BYTES = 4
+from hvd_lowcomm.methods.lowrank import cheapest_way, factors_from_rows, gradient_power_iteration
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,8 +118,6 @@ def sharing_is_cheaper(rows: int, d_in: int, d_out: int, params: int, extra_allr
 
 
 def format_plan(plans: list[LayerPlan]) -> str:
-    from hvd_lowcomm.metrics import human_bytes
-
     lines = [f"{'layer':<16} {'weight':<18} {'rows/step':>9} {'share':>11} {'allreduce':>11}  choice"]
     for lp in plans:
         lines.append(f"{lp.name:<16} {'x'.join(map(str, lp.weight_shape)):<18} {lp.rows:>9} "
@@ -138,18 +136,17 @@ class _Capture:
 
 
 class _DadExchange(GradientExchange):
-    """Mixed into the user's optimiser class by DadOptimizer."""
+    """Mixed into the user's optimiser class by DadOptimizer: captures every supported layer's
+    activations and deltas, plans per layer, and runs one exchange per step; what is shared and
+    how gradients come back from it is the `sharing` strategy's (ExactRows, FactorRows,
+    RecomputedDeltas)."""
 
-    def __init__(self, params: Any, model: nn.Module, rank: int | None, iterations: int, tol: float,
-                 plan: str, edad: bool, group: Group | None, seed: int) -> None:
+    def __init__(self, params: Any, model: nn.Module, sharing: "_Sharing", plan: str, group: Group | None,
+                 seed: int) -> None:
         super().__init__(params)
-        self._model, self._group = model, group
-        self._rank, self._iterations, self._tol = rank, iterations, tol
-        self._force_all, self._edad = plan == "all" or edad, edad
-        check_dad_model(model, edad)
+        self._model, self._group, self.sharing = model, group, sharing
+        self._force_all = plan == "all" or sharing.shares_every_layer
         self._layers = {name: m for name, m in model.named_modules() if supports(m)}
-        if edad:
-            self._edad_chain = edad_chain(model)
         self._captured = {name: _Capture() for name in self._layers}
         for name, module in self._layers.items():
             module.register_forward_hook(self._capture_hook(name))
@@ -159,9 +156,9 @@ class _DadExchange(GradientExchange):
         model.register_forward_pre_hook(self._count_samples)
         self._names = {p: n for n, p in model.named_parameters()}
         self.plan: dict[str, LayerPlan] = {}
-        self._frozen: set[str] = set()  # layers whose weight the user froze (seen at the plan)
+        self.frozen: set[str] = set()  # layers whose weight the user froze (seen at the plan)
         self.effective_ranks: dict[str, list[int]] = {name: [] for name in self._layers}
-        self._generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(seed)  # rank-dAD's random starts
 
     def _count_samples(self, module: nn.Module, inputs: tuple[Any, ...]) -> None:
         if torch.is_grad_enabled() and inputs and torch.is_tensor(inputs[0]):
@@ -199,67 +196,53 @@ class _DadExchange(GradientExchange):
         local_batch = sum(self._samples) or self._captured[used[0]].acts[0].shape[0]
         # The pooled gradient Σ_s (N_s/N) g_s is formed as (1/N) Σ_s N_s g_s: every rank scales
         # its deltas and gradients by its own N_s, and N = Σ N_s travels in the exchange itself,
-        # so the step needs no round of its own to agree on N (one per step, ~1 ms here).
+        # so the step needs no collective round of its own to agree on N.
         scale = float(local_batch)
         first_step = not self.plan
         if first_step:  # every layer's rows, to plan from their shapes and the pooled batch
             p = self._group.size if self._group is not None else runtime.size()
             with meter.in_phase("setup"):  # once per run (and again after a resume): not a step's traffic
                 (total_batch,) = meter.allreduce_ints([local_batch], "dad.plan_batch_size", self._group)
-            self._make_plan({n: self._local_rows(n, scale) for n in used}, local_batch, total_batch, p)
-        dad_layers = [n for n in used if self.plan[n].choice == "dad"]
+            self._make_plan({n: self.local_rows(n, scale) for n in used}, local_batch, total_batch, p)
+        shared_layers = [n for n in used if self.plan[n].choice == "dad"]
         if first_step:
-            self._stop_unused_weight_gradients(dad_layers)
+            self._stop_unused_weight_gradients(shared_layers)
         # Rows only where they are shared: a conv layer's im2col rows cost more than its
-        # allreduce saves (measured on cnn 16,32,32,64: 14.8 ms of a 34.9 ms step on 2 ranks);
-        # rank-dAD's factors of a conv layer come from its gradient instead (see _factor_source).
-        rows = {n: self._local_rows(n, scale) for n in dad_layers
-                if self._rank is None or self._factor_source(n) != "gradient"}
+        # allreduce saves; rank-dAD's factors of a conv layer come from its gradient instead.
+        rows = {n: self.local_rows(n, scale) for n in shared_layers if self.sharing.needs_rows(self, n)}
 
-        shared: list[tuple[str, torch.Tensor]] = []
-        reduced: list[tuple[str, torch.Tensor]] = []
-        if self._edad:
-            shared = self._edad_payload(rows)
-        elif self._rank is None:
-            shared = [(f"dad.{n}", torch.cat(rows[n], dim=1)) for n in dad_layers]
-        else:
-            shared = self._rank_dad_payload(rows, dad_layers, scale)
-        covered = {id(p) for n in dad_layers for p in self._layers[n].parameters(recurse=False)}
-        if self._rank is not None:  # factors carry no bias: allreduce autograd's (= scaled delta sums)
-            covered -= {id(self._layers[n].bias) for n in dad_layers if self._layers[n].bias is not None}
+        shared = self.sharing.payload(self, rows, shared_layers, scale)
+        covered = {id(p) for n in shared_layers for p in self._layers[n].parameters(recurse=False)}
+        if not self.sharing.carries_bias:  # allreduce autograd's bias gradient (= scaled delta sums)
+            covered -= {id(self._layers[n].bias) for n in shared_layers if self._layers[n].bias is not None}
         others = [p for group in self.param_groups for p in group["params"]
                   if id(p) not in covered and p.requires_grad]
-        reduced += [(f"allreduce.{self._names.get(p, id(p))}",
-                     (p.grad if p.grad is not None else torch.zeros_like(p)) * scale) for p in others]
+        reduced = [(f"allreduce.{self._names.get(p, id(p))}",
+                    (p.grad if p.grad is not None else torch.zeros_like(p)) * scale) for p in others]
         reduced.append(("dad.batch_size", torch.tensor([scale])))
 
         gathered, summed = meter.gather_and_reduce(shared, reduced, self._group, op="sum")
         total_batch = float(summed[-1])
-        results = dict(zip([n for n, _ in shared], gathered))
-        if self._edad:
-            self._apply_edad(results, total_batch)
-        else:
-            for n in dad_layers:
-                key = f"dad.{n}" if self._rank is None else f"rank-dad.{n}"
-                self._apply_rows(n, results[key], total_batch, with_bias=self._rank is None)
+        self.sharing.apply(self, dict(zip([n for n, _ in shared], gathered)), shared_layers, total_batch)
         for param, value in zip(others, summed):
             param.grad = value / total_batch
         self._clear_captures()
 
-    def _stop_unused_weight_gradients(self, dad_layers: list[str]) -> None:
+    def _stop_unused_weight_gradients(self, shared_layers: list[str]) -> None:
         """Autograd's local gradient of a weight whose pooled gradient is formed from rows is
         never used, and costs about half of the layer's backward pass: from the next step on,
         the weight does not require a gradient (its .grad is still set at every step, so the
         optimiser sees no difference). Kept where the output's gradient, which the rows need,
         would then not flow (no bias and an input that requires none: a first layer) and where
-        rank-dAD factors the gradient itself."""
-        for name in dad_layers:
+        the sharing takes the local gradient itself (rank-dAD on a conv layer)."""
+        for name in shared_layers:
             module, capture = self._layers[name], self._captured[name]
             flows = capture.input_requires_grad or (module.bias is not None and module.bias.requires_grad)
-            if flows and not (self._rank is not None and self._factor_source(name) == "gradient"):
+            if flows and not self.sharing.keeps_weight_gradient(self, name):
                 module.weight.requires_grad_(False)
 
-    def _local_rows(self, name: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def local_rows(self, name: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's [activations, deltas × scale] rows of layer `name`."""
         module, capture = self._layers[name], self._captured[name]
         if len(capture.deltas) != len(capture.acts):
             raise RuntimeError(f"dAD: layer {name} ran forward {len(capture.acts)} times but got "
@@ -270,28 +253,29 @@ class _DadExchange(GradientExchange):
         deltas = torch.cat([delta_rows(module, capture.deltas[i].float()) for i in range(len(capture.acts))]) * scale
         return acts, deltas
 
+    def local_row_count(self, name: str) -> int:
+        """Rows of layer `name` on this rank this step (without forming them)."""
+        d_out = fan_in_out(self._layers[name])[1]
+        return sum(delta.numel() for delta in self._captured[name].deltas.values()) // d_out
+
+    def layer(self, name: str) -> nn.Module:
+        return self._layers[name]
+
     def _make_plan(self, rows: dict[str, tuple[torch.Tensor, torch.Tensor]], local_batch: int,
                    total_batch: int, p: int) -> None:
         for name, (acts, _) in rows.items():
             module = self._layers[name]
             positions = acts.shape[0] // local_batch
-            if self._rank is None:
-                shared_rows, extra = positions * total_batch, 0
-            else:
-                shared_rows = p * self._rank
-                extra = module.bias.numel() if module.bias is not None else 0
+            shared_rows, extra = self.sharing.planned_rows(module, positions, total_batch, p)
             self.plan[name] = plan_layer(name, module, shared_rows, p, extra, force=self._force_all)
             if not module.weight.requires_grad:  # frozen by the user: no gradient to form for it
-                self._frozen.add(name)
-                if not self._edad:  # (edAD still needs its rows to recompute the deltas below it)
+                self.frozen.add(name)
+                if not self.sharing.shares_every_layer:  # (edAD still needs its rows for the deltas below)
                     self.plan[name] = replace(self.plan[name], choice="allreduce")
-        if runtime.rank() == 0:
-            from tqdm import tqdm
+        runtime.announce(f"{self.sharing.label} plan (wire bytes per rank per step):\n"
+                         f"{format_plan(list(self.plan.values()))}")
 
-            kind = "edAD" if self._edad else "dAD" if self._rank is None else f"rank-dAD (r={self._rank})"
-            tqdm.write(f"{kind} plan (wire bytes per rank per step):\n{format_plan(list(self.plan.values()))}")
-
-    def _apply_rows(self, name: str, pooled: torch.Tensor, total_batch: float, with_bias: bool) -> None:
+    def apply_rows(self, name: str, pooled: torch.Tensor, total_batch: float, with_bias: bool) -> None:
         """∇W = Δᵀ A over the pooled rows [A | Δ] (Δ scaled by each rank's batch: divided by
         the pooled batch here); ∇b = column sums of Δ."""
         module = self._layers[name]
@@ -301,53 +285,132 @@ class _DadExchange(GradientExchange):
         if with_bias and module.bias is not None and module.bias.requires_grad:
             module.bias.grad = deltas.sum(dim=0)
 
-    def _factor_source(self, name: str) -> str:
-        """Where rank-dAD takes a layer's factors from: "gradient", the local weight gradient
-        autograd formed, when iterating on it is cheapest (see hvd_lowcomm.lowrank), else "rows"."""
-        module, capture = self._layers[name], self._captured[name]
-        d_in, d_out = fan_in_out(module)
-        rows = sum(delta.numel() for delta in capture.deltas.values()) // d_out
-        way = cheapest_way(rows, d_in, d_out, self._rank, self._iterations)
-        return "gradient" if way == "gradient" and module.weight.grad is not None else "rows"
 
-    def _rank_dad_payload(self, rows: dict[str, tuple[torch.Tensor, torch.Tensor]], layers: list[str],
-                          scale: float) -> list[tuple[str, torch.Tensor]]:
+# ---------------------------------------------------------------------------------------------
+# what is shared: one strategy per mode
+
+Rows = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+class _Sharing:
+    """How one mode of dAD turns layers' rows into what ranks share, and what they share back
+    into gradients. The exchange (captures, plan, scaling, the one collective) is common."""
+
+    label = "dAD"
+    shares_every_layer = False  # share every supported layer whatever the plan's cost rule says
+    carries_bias = True         # the shared rows give the bias gradient too
+
+    def planned_rows(self, module: nn.Module, positions: int, total_batch: int, p: int) -> tuple[int, int]:
+        """Rows all ranks share per step for this layer, and numbers still allreduced beside them."""
+        return positions * total_batch, 0
+
+    def needs_rows(self, exchange: _DadExchange, name: str) -> bool:
+        return True
+
+    def keeps_weight_gradient(self, exchange: _DadExchange, name: str) -> bool:
+        """Whether autograd's local weight gradient is still needed (not skipped after the plan)."""
+        return False
+
+    def payload(self, exchange: _DadExchange, rows: Rows, layers: list[str], scale: float) -> list[tuple[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def apply(self, exchange: _DadExchange, results: dict[str, torch.Tensor], layers: list[str],
+              total_batch: float) -> None:
+        raise NotImplementedError
+
+
+class ExactRows(_Sharing):
+    """dAD: every rank shares its [activations | deltas] rows; ∇W = Δᵀ A over the pooled rows."""
+
+    def payload(self, exchange: _DadExchange, rows: Rows, layers: list[str], scale: float) -> list[tuple[str, torch.Tensor]]:
+        return [(f"dad.{n}", torch.cat(rows[n], dim=1)) for n in layers]
+
+    def apply(self, exchange: _DadExchange, results: dict[str, torch.Tensor], layers: list[str],
+              total_batch: float) -> None:
+        for n in layers:
+            exchange.apply_rows(n, results[f"dad.{n}"], total_batch, with_bias=True)
+
+
+class FactorRows(_Sharing):
+    """rank-dAD: every rank shares k <= rank factor rows of its local gradient (its top singular
+    triplets, hvd_lowcomm.methods.lowrank); biases are allreduced."""
+
+    carries_bias = False
+
+    def __init__(self, rank: int, iterations: int, tol: float) -> None:
+        self.rank, self.iterations, self.tol = rank, iterations, tol
+        self.label = f"rank-dAD (r={rank})"
+
+    def planned_rows(self, module: nn.Module, positions: int, total_batch: int, p: int) -> tuple[int, int]:
+        return p * self.rank, module.bias.numel() if module.bias is not None else 0
+
+    def from_gradient(self, exchange: _DadExchange, name: str) -> bool:
+        """Whether the factors come from the local weight gradient autograd formed (iterating on
+        it is cheapest: a conv layer's many rows) rather than from the rows."""
+        module = exchange.layer(name)
+        d_in, d_out = fan_in_out(module)
+        way = cheapest_way(exchange.local_row_count(name), d_in, d_out, self.rank, self.iterations)
+        return way == "gradient" and module.weight.grad is not None
+
+    def needs_rows(self, exchange: _DadExchange, name: str) -> bool:
+        return not self.from_gradient(exchange, name)
+
+    keeps_weight_gradient = from_gradient
+
+    def payload(self, exchange: _DadExchange, rows: Rows, layers: list[str], scale: float) -> list[tuple[str, torch.Tensor]]:
         def factors_of(name: str) -> tuple[torch.Tensor, torch.Tensor]:
             if name in rows:
-                return factors_from_rows(*rows[name], self._rank, self._iterations, self._tol, self._generator)
-            weight = self._layers[name].weight  # its gradient is Σ Δᵀ A over this rank's rows: Gᵀ
+                return factors_from_rows(*rows[name], self.rank, self.iterations, self.tol, exchange.generator)
+            weight = exchange.layer(name).weight  # its gradient is Σ Δᵀ A over this rank's rows: Gᵀ
             gradient = weight.grad.reshape(weight.shape[0], -1).T * scale
-            return gradient_power_iteration(gradient, self._rank, self._iterations, self._tol, self._generator)
+            return gradient_power_iteration(gradient, self.rank, self.iterations, self.tol, exchange.generator)
 
         # Each rank sends its own k rows (Horovod's allgather takes a different count from every
         # rank), so the ranks need not agree on k first; a rank with none sends one zero row.
         shared = []
         for n in layers:
             b_rows, c_rows = factors_of(n)
-            self.effective_ranks[n].append(b_rows.shape[0])
+            exchange.effective_ranks[n].append(b_rows.shape[0])
             payload = torch.cat([b_rows, c_rows], dim=1)
             shared.append((f"rank-dad.{n}", payload if len(payload) else payload.new_zeros(1, payload.shape[1])))
         return shared
 
-    # -- edAD ----------------------------------------------------------------------------------
-    def _edad_payload(self, rows: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        names = [n for n, _ in self._edad_chain]
+    def apply(self, exchange: _DadExchange, results: dict[str, torch.Tensor], layers: list[str],
+              total_batch: float) -> None:
+        for n in layers:
+            exchange.apply_rows(n, results[f"rank-dad.{n}"], total_batch, with_bias=False)
+
+
+class RecomputedDeltas(_Sharing):
+    """edAD: every layer's activations and the output layer's deltas are shared; each rank
+    recomputes the hidden deltas from them and the known weights (exact for the MLPs
+    `edad_chain` accepts)."""
+
+    label = "edAD"
+    shares_every_layer = True
+
+    def __init__(self, model: nn.Module) -> None:
+        self.chain = edad_chain(model)
+
+    def payload(self, exchange: _DadExchange, rows: Rows, layers: list[str], scale: float) -> list[tuple[str, torch.Tensor]]:
+        names = [n for n, _ in self.chain]
         shared = [(f"edad.acts.{n}", rows[n][0]) for n in names]
         shared.append((f"edad.delta.{names[-1]}", rows[names[-1]][1]))
         return shared
 
-    def _apply_edad(self, results: dict[str, torch.Tensor], total_batch: float) -> None:
-        names = [n for n, _ in self._edad_chain]
+    def apply(self, exchange: _DadExchange, results: dict[str, torch.Tensor], layers: list[str],
+              total_batch: float) -> None:
+        names = [n for n, _ in self.chain]
         delta = results[f"edad.delta.{names[-1]}"] / total_batch  # the chain below is linear in it
         for index in range(len(names) - 1, -1, -1):
-            name, module = names[index], self._layers[names[index]]
+            name, module = names[index], exchange.layer(names[index])
             acts = results[f"edad.acts.{name}"]
-            if name not in self._frozen:
+            if name not in exchange.frozen:
                 module.weight.grad = delta.T @ acts
             if module.bias is not None and module.bias.requires_grad:
                 module.bias.grad = delta.sum(dim=0)
             if index:
-                derivative = self._edad_chain[index - 1][1]
+                derivative = self.chain[index - 1][1]
                 delta = (delta @ module.weight.detach()) * derivative(acts)
 
 
@@ -390,44 +453,6 @@ def edad_chain(model: nn.Module) -> list[tuple[str, Any]]:
     return [(name, derivative) for name, derivative in chain]
 
 
-DAD_MODES = ("exact", "rank", "edad")
-
-
-def DadOptimizer(optimizer: torch.optim.Optimizer, model: nn.Module, mode: str = "exact", rank: int | None = None,
-                 iterations: int = 10, tol: float = 1e-3, plan: str = "auto", group: Group | None = None,
-                 seed: int = 0) -> torch.optim.Optimizer:
-    """Wrap `optimizer` so step() uses the pooled batch's gradient, built by (rank-/e)dAD.
-
-    mode "exact": dAD; "rank": rank-dAD with at most `rank` components per layer (a rank given
-    with the default mode means "rank"), `iterations` power iterations and tolerance `tol`;
-    "edad": edAD. plan "auto" shares rows only where that is cheaper than allreduce, "all"
-    wherever supported. Use it like Horovod's DistributedOptimizer: `loss.backward();
-    opt.step()` (or `opt.synchronize()` then `with opt.skip_synchronize(): opt.step()`). The
-    loss must be a mean over the local batch (dim 0 of each layer's input). From the second
-    step on, weights whose gradient comes from shared rows have requires_grad False (autograd's
-    local gradient of them would go unused); their .grad is still set at every step.
-    """
-    if mode == "exact" and rank is not None:
-        mode = "rank"
-    if mode not in DAD_MODES:
-        raise ConfigError(f"DadOptimizer mode must be one of {', '.join(DAD_MODES)}, got {mode!r}")
-    if mode == "rank" and rank is None:
-        raise ConfigError("DadOptimizer mode 'rank' needs rank=r, the most components per layer (e.g. rank=4)")
-    if mode != "rank" and rank is not None:
-        raise ConfigError(f"DadOptimizer mode {mode!r} is exact and takes no rank; use mode='rank' for rank-dAD")
-    if rank is not None and rank < 1:
-        raise ConfigError(f"rank-dAD rank must be >= 1, got {rank}")
-    if tol <= 0:
-        raise ConfigError(f"rank-dAD tolerance must be > 0, got {tol}")
-    if iterations < 1:
-        raise ConfigError(f"rank-dAD iterations must be >= 1, got {iterations}")
-    edad = mode == "edad"
-    return wrap_optimizer(optimizer, _DadExchange, model, rank, iterations, tol, plan, edad, group, seed)
-
-
-# ---------------------------------------------------------------------------------------------
-# the methods
-
 @dataclass
 class DadOptions:
     """Exact dAD: share activations and deltas instead of gradients."""
@@ -455,29 +480,169 @@ class RankDadOptions(DadOptions):
             raise ConfigError(f"rank-dad.tol must be > 0, got {self.tol}")
 
 
-@register("dad")
+DAD_MODES = ("exact", "rank", "edad")
+
+
+def DadOptimizer(optimizer: torch.optim.Optimizer, model: nn.Module, mode: str = "exact", rank: int | None = None,
+                 iterations: int = RankDadOptions.iterations, tol: float = RankDadOptions.tol,
+                 plan: str = DadOptions.plan, group: Group | None = None, seed: int = 0) -> torch.optim.Optimizer:
+    """Wrap `optimizer` so step() uses the pooled batch's gradient, built by (rank-/e)dAD.
+
+    mode "exact": dAD; "rank": rank-dAD with at most `rank` components per layer (a rank given
+    with the default mode means "rank"), `iterations` power iterations and tolerance `tol`;
+    "edad": edAD. plan "auto" shares rows only where that is cheaper than allreduce, "all"
+    wherever supported. Use it like Horovod's DistributedOptimizer: `loss.backward();
+    opt.step()` (or `opt.synchronize()` then `with opt.skip_synchronize(): opt.step()`). The
+    loss must be a mean over the local batch (dim 0 of each layer's input). From the second
+    step on, weights whose gradient comes from shared rows have requires_grad False (autograd's
+    local gradient of them would go unused); their .grad is still set at every step.
+    """
+    if mode == "exact" and rank is not None:
+        mode = "rank"
+    if mode not in DAD_MODES:
+        raise ConfigError(f"DadOptimizer mode must be one of {', '.join(DAD_MODES)}, got {mode!r}")
+    if mode == "rank" and rank is None:
+        raise ConfigError("DadOptimizer mode 'rank' needs rank=r, the most components per layer (e.g. rank=4)")
+    if mode != "rank" and rank is not None:
+        raise ConfigError(f"DadOptimizer mode {mode!r} is exact and takes no rank; use mode='rank' for rank-dAD")
+    options = make_options(RankDadOptions, "rank-dad", plan=plan, iterations=iterations, tol=tol,
+                           rank=RankDadOptions.rank if rank is None else rank)
+    check_dad_model(model, mode == "edad")
+    sharing = {"exact": ExactRows, "rank": lambda: FactorRows(options.rank, options.iterations, options.tol),
+               "edad": lambda: RecomputedDeltas(model)}[mode]()
+    return wrap_optimizer(optimizer, _DadExchange, model, sharing, options.plan, group, seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# the cost model's view (hvd_lowcomm.costmodel)
+
+def shared_layers(model: nn.Module, input_shape: tuple[int, ...], options: Any, cfg: Config) -> set[str]:
+    """The layers whose rows dAD can share (model facts for the cost model)."""
+    return {name for name, module in model.named_modules() if supports(module)}
+
+
+def dad_kernels(sample: LayerSample, options: Any, cfg: Config) -> dict[str, Any]:
+    """Forming this rank's rows of the layer (im2col for a conv) and the product of one rank's
+    rows, ∇W += Δᵀ A (every rank forms it for all p ranks' rows)."""
+    if not supports(sample.module):
+        return {}
+    generator = torch.Generator().manual_seed(0)
+    acts = torch.randn(sample.rows, sample.fan_in, generator=generator)
+    deltas = torch.randn(sample.rows, sample.fan_out, generator=generator)
+    return {"rows": lambda: (activation_rows(sample.module, sample.inputs), delta_rows(sample.module, sample.output)),
+            "dad_product": lambda: deltas.T @ acts}
+
+
+def rank_dad_kernels(sample: LayerSample, options: "RankDadOptions", cfg: Config) -> dict[str, Any]:
+    """The top triplets of one rank's gradient, the way rank-dAD takes them for these shapes,
+    and the product of one rank's k factor rows."""
+    if not supports(sample.module):
+        return {}
+    generator = torch.Generator().manual_seed(0)
+    acts = torch.randn(sample.rows, sample.fan_in, generator=generator)
+    deltas = torch.randn(sample.rows, sample.fan_out, generator=generator)
+    grad = torch.randn(sample.fan_out, sample.fan_in, generator=generator)
+    k = min(options.rank, sample.rows, sample.fan_in, sample.fan_out)
+    iterate = (options.rank, options.iterations, options.tol)
+    if _factors_from_gradient(sample.rows, sample.fan_in, sample.fan_out, options):
+        factors = lambda: gradient_power_iteration(grad.T, *iterate, generator)  # noqa: E731
+    else:
+        factors = lambda: factors_from_rows(acts, deltas, *iterate, generator)  # noqa: E731
+    return {"rank_factors": factors, "rank_product": lambda: deltas[:k].T @ acts[:k]}
+
+
+def _factors_from_gradient(rows: int, fan_in: int, fan_out: int, options: "RankDadOptions") -> bool:
+    return cheapest_way(rows, fan_in, fan_out, options.rank, options.iterations) == "gradient"
+
+
+def _predict_sharing(profile: Profile, p: int, link: Link, rank: "RankDadOptions | None") -> Prediction:
+    """dAD (rank None) or rank-dAD: per layer the same choice as the plan 'auto' (share rows, or
+    factors, where that sends fewer numbers than allreducing the gradient), then one allgather
+    and one allreduce. Autograd skips the local weight gradient of layers whose gradient is
+    formed from rows: the product of one rank's rows, taken off the measured backward pass."""
+    gathered = reduced = 0
+    own = skipped = 0.0
+    shareable = profile.facts.get("dad" if rank is None else "rank-dad", set())
+    for layer in profile.layers:
+        local_rows = profile.batch * layer.rows
+        width = local_rows if rank is None else min(rank.rank, local_rows, layer.fan_in, layer.fan_out)
+        planned = local_rows if rank is None else rank.rank  # the plan's rows per rank
+        extra = 0 if rank is None else layer.fan_out  # rank-dAD allreduces the bias
+        if layer.name in shareable and sharing_is_cheaper(p * planned, layer.fan_in, layer.fan_out, layer.params,
+                                                          extra):
+            gathered += width * (layer.fan_in + layer.fan_out)
+            reduced += extra
+            from_gradient = rank is not None and _factors_from_gradient(local_rows, layer.fan_in, layer.fan_out, rank)
+            if rank is None:
+                own += layer.kernels["rows"] + p * layer.kernels["dad_product"]
+            else:
+                own += (0.0 if from_gradient else layer.kernels["rows"]) + p * layer.kernels["rank_product"]
+                own += layer.kernels["rank_factors"]
+            if not from_gradient:
+                skipped += layer.kernels["dad_product"]
+        else:
+            reduced += layer.params
+    reduced += profile.other_params + 1  # + the pooled batch size, for the N_s/N scale
+    comm = link.allgather(FLOAT_BYTES * gathered, p, p) + link.allreduce(FLOAT_BYTES * reduced, p, p)
+    sent = wire("allgather", FLOAT_BYTES * gathered, p) + wire("allreduce", FLOAT_BYTES * reduced, p)
+    return Prediction("", p, profile.step_seconds, own - skipped, comm, 0.0, sent)
+
+
+def predict_dad(profile: Profile, p: int, link: Link, options: "DadOptions", cfg: Config,
+                assumptions: RunAssumptions) -> Prediction:
+    return _predict_sharing(profile, p, link, None)
+
+
+def predict_rank_dad(profile: Profile, p: int, link: Link, options: "RankDadOptions", cfg: Config,
+                     assumptions: RunAssumptions) -> Prediction:
+    return _predict_sharing(profile, p, link, options)
+
+
+def predict_edad(profile: Profile, p: int, link: Link, options: None, cfg: Config,
+                 assumptions: RunAssumptions) -> Prediction:
+    """edAD: every layer's activation rows and the output layer's delta rows, one allgather (and
+    the pooled batch size); each rank forms every layer's product of the pooled rows and
+    recomputes the hidden deltas over them (about one more such product per layer), where
+    autograd's local weight gradient (one rank's product) is skipped."""
+    if set(profile.facts.get("edad", set())) != {layer.name for layer in profile.layers}:
+        raise ConfigError("edad: exact only for MLPs of Linear layers")
+    gathered = sum(profile.batch * layer.rows * layer.fan_in for layer in profile.layers)
+    gathered += profile.batch * profile.layers[-1].rows * profile.layers[-1].fan_out
+    own = sum(layer.kernels["rows"] + (2 * p - 1) * layer.kernels["dad_product"] for layer in profile.layers)
+    comm = link.allgather(FLOAT_BYTES * gathered, p, p) + link.allreduce(FLOAT_BYTES, p, p)
+    sent = wire("allgather", FLOAT_BYTES * gathered, p) + wire("allreduce", FLOAT_BYTES, p)
+    return Prediction("", p, profile.step_seconds, own, comm, 0.0, sent)
+
+
+def edad_layers(model: nn.Module, input_shape: tuple[int, ...], options: Any, cfg: Config) -> set[str]:
+    """The Linear layers of an MLP edAD is exact for (none when it is not)."""
+    try:
+        return {name for name, _ in edad_chain(model)}
+    except ConfigError:
+        return set()
+
+
+@register("dad", options=DadOptions, cost=MethodCost(predict_dad, dad_kernels, shared_layers), drop_in=True)
 class DistributedAutoDiff(DataParallel):
     """Exact dAD: allgather [activations | deltas] per planned layer, allreduce the rest."""
 
     honours_compression = False  # rows and factors travel in fp32
-
-    options = DadOptions
     edad = False
 
     def check_model(self, model: nn.Module) -> None:
         check_dad_model(model, self.edad)
 
     def distribute(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
-        return DadOptimizer(optimizer, model, plan=self.cfg.options.plan, seed=self.cfg.train.seed)
+        return DadOptimizer(optimizer, model, plan=self.options.plan, seed=self.cfg.train.seed)
 
     def summary_metrics(self) -> dict[str, Any]:
         return {f"plan/{name}": lp.choice for name, lp in self.optimizer.plan.items()}
 
     def local_state_dict(self) -> dict[str, Any]:
-        return {"power_iteration_generator": self.optimizer._generator.get_state()}  # rank-dAD's random starts
+        return {"power_iteration_generator": self.optimizer.generator.get_state()}  # rank-dAD's random starts
 
     def load_local_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer._generator.set_state(state["power_iteration_generator"])
+        self.optimizer.generator.set_state(state["power_iteration_generator"])
 
     def epoch_metrics(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -493,32 +658,32 @@ class DistributedAutoDiff(DataParallel):
         return out
 
 
-@register("rank-dad")
+@register("rank-dad", options=RankDadOptions,
+          cost=MethodCost(predict_rank_dad, lambda *a: {**dad_kernels(*a), **rank_dad_kernels(*a)}, shared_layers),
+          drop_in=True)
 class RankDistributedAutoDiff(DistributedAutoDiff):
     """rank-dAD: each rank shares k <= r power-iteration factors per planned layer."""
 
-    options = RankDadOptions
-
     def distribute(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
-        o = self.cfg.options
+        o = self.options
         return DadOptimizer(optimizer, model, mode="rank", rank=o.rank, iterations=o.iterations, tol=o.tol, plan=o.plan,
                             seed=self.cfg.train.seed)
 
 
-@register("edad")
+@register("edad", cost=MethodCost(predict_edad, dad_kernels, edad_layers))
 class EfficientDistributedAutoDiff(DistributedAutoDiff):
     """edAD: share all activations and only the output delta; recompute hidden deltas (exact MLPs)."""
 
-    options = None
     edad = True
 
     def distribute(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
         return DadOptimizer(optimizer, model, mode="edad", seed=self.cfg.train.seed)
 
-    def check_world(self, world_size: int) -> None:
+    @classmethod
+    def check_world(cls, cfg: Config, world_size: int) -> None:
         # Hidden deltas are recomputed from the output delta and the shared activations of one
         # forward pass: several micro-batches (or bf16 activations) break that recomputation.
-        t = self.cfg.train
+        t = cfg.train
         if t.accumulate > 1 or t.amp != "none":
             raise ConfigError("edad does not support train.accumulate or train.amp (it recomputes hidden deltas "
                               "from one fp32 forward pass); use dad, which does, or leave them at 1 and none")

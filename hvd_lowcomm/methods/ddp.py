@@ -1,7 +1,8 @@
 """`ddp`: plain data parallelism, Horovod's DistributedOptimizer with every gradient allreduced.
 
-The baseline every other method is judged against. `--comm.compression fp16` halves the
-bytes on the wire (gradients are cast to fp16 for the allreduce and back afterwards).
+The baseline every other method is judged against. `ddp-fp16` (the same as `--method ddp
+--comm.compression fp16`) halves the bytes on the wire: gradients are cast to fp16 for the
+allreduce and back afterwards. `local` trains without any exchange: the compute floor.
 """
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ from typing import Any, Iterable
 
 import torch
 
-from hvd_lowcomm.methods import register
+from hvd_lowcomm.comm.runtime import Group
+from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
+from hvd_lowcomm.config import Config
+from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, RunAssumptions, wire
+from hvd_lowcomm.methods import register, register_variant
 from hvd_lowcomm.methods.base import (GradientExchange, Method, broadcast_model_and_optimizer, make_optimizer,
                                      wrap_optimizer)
-from hvd_lowcomm.runtime import Group
-from hvd_lowcomm.traffic import meter
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
@@ -53,7 +56,24 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     return dist
 
 
-@register("ddp")
+def predict_ddp(profile: Profile, p: int, link: Link, options: None, cfg: Config,
+                assumptions: RunAssumptions) -> Prediction:
+    """Every gradient allreduced over all ranks (in fp16 with comm.compression fp16), overlapping
+    the backward pass: Horovod starts each allreduce as its gradient appears."""
+    fp16 = cfg.comm.compression == "fp16"
+    nbytes = profile.params * (2 if fp16 else FLOAT_BYTES)
+    comm = link.allreduce(nbytes, p, p)
+    return Prediction("ddp", p, profile.step_seconds, profile.fp16_seconds if fp16 else 0.0, comm,
+                      min(comm, profile.backward_seconds), wire("allreduce", nbytes, p))
+
+
+def predict_local(profile: Profile, p: int, link: Link, options: None, cfg: Config,
+                  assumptions: RunAssumptions) -> Prediction:
+    """Nothing exchanged: the step is the compute alone."""
+    return Prediction("local", p, profile.step_seconds, 0.0, 0.0, 0.0, 0.0)
+
+
+@register("ddp", cost=MethodCost(predict_ddp), drop_in=True)
 class DataParallel(Method):
     """Every gradient averaged over all ranks at every step (Horovod allreduce)."""
 
@@ -85,7 +105,10 @@ class DataParallel(Method):
         return loss
 
 
-@register("local")
+register_variant("ddp-fp16", "ddp", {"comm.compression": "fp16"})
+
+
+@register("local", cost=MethodCost(predict_local))
 class LocalOnly(DataParallel):
     """No communication: every rank trains its own copy on its own shard (the compute floor).
 

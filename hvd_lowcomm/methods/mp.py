@@ -1,6 +1,6 @@
 """`mp`: conventional model parallelism, the baseline for SIL.
 
-The sequential model is cut into partitions held by groups of ranks (hvd_lowcomm.partition);
+The sequential model is cut into partitions held by groups of ranks (hvd_lowcomm.methods.partition);
 every step sends each batch's activations forward to the next group and their gradients back,
 and each group averages its partition's gradients among its own ranks (data parallel within a
 partition when groups have several ranks).
@@ -11,10 +11,16 @@ from typing import Any, Iterable
 
 import torch
 
+from hvd_lowcomm.comm import runtime
+from hvd_lowcomm.comm.runtime import group_layout
+from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
+from hvd_lowcomm.config import Config, ConfigError
+from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, RunAssumptions
 from hvd_lowcomm.methods import register
 from hvd_lowcomm.methods.base import Method, make_optimizer
-from hvd_lowcomm.partition import (Layout, PartitionOptions, describe, joined_state_dict, pipeline_evaluate,
-                                   pipeline_train_step)
+from hvd_lowcomm.methods.partition import (Cut, Layout, PartitionOptions, cut_points, default_cut, describe,
+                                           joined_state_dict, pipeline_evaluate, pipeline_train_step,
+                                           predict_partitioned)
 
 
 class Partitioned(Method):
@@ -25,40 +31,31 @@ class Partitioned(Method):
     # non-linearity between them): SIL's partitions do, mp's learn end to end.
     needs_deep_partitions = False
 
-    def check_world(self, world_size: int) -> None:
-        from hvd_lowcomm.config import ConfigError
-        from hvd_lowcomm.runtime import group_layout
-
-        t = self.cfg.train
+    @classmethod
+    def check_world(cls, cfg: Config, world_size: int) -> None:
+        t = cfg.train
         if t.clip_grad_norm:
-            raise ConfigError(f"{self.name} does not support train.clip_grad_norm: each partition holds only its "
-                              f"part of the gradient, so no rank knows its norm; leave it at 0 for {self.name}")
+            raise ConfigError(f"{cls.name} does not support train.clip_grad_norm: each partition holds only its "
+                              f"part of the gradient, so no rank knows its norm; leave it at 0 for {cls.name}")
         if t.accumulate > 1 or t.amp != "none":
-            raise ConfigError(f"{self.name} does not support train.accumulate or train.amp yet (its partitions "
-                              f"train by their own step functions); leave them at 1 and none for {self.name}")
-        group_layout(world_size, num_groups=self.cfg.options.partitions)
+            raise ConfigError(f"{cls.name} does not support train.accumulate or train.amp yet (its partitions "
+                              f"train by their own step functions); leave them at 1 and none for {cls.name}")
+        group_layout(world_size, num_groups=cfg.options.partitions)
 
     def check_model(self, model: torch.nn.Module) -> None:
-        from hvd_lowcomm.partition import cut_points
-
-        cut_points(model, self.cfg.options.partitions, self.cfg.options.cuts, self.needs_deep_partitions,
+        cut_points(model, self.options.partitions, self.options.cuts, self.needs_deep_partitions,
                    self.data.input_shape)
 
     def setup(self, model: torch.nn.Module) -> None:
-        from hvd_lowcomm import runtime
-
         self.layout = self.make_layout(model)
         self.model = self.layout.module
         self.optimizer = make_optimizer(self.cfg, self.model.parameters())  # replicas equal: Layout saw to it
-        if runtime.rank() == 0:
-            from tqdm import tqdm
-
-            tqdm.write(f"{self.name}: {describe(self.layout)}")
-            for warning in self.partition_warnings():
-                tqdm.write(f"warning: {warning}")
+        runtime.announce(f"{self.name}: {describe(self.layout)}")
+        for warning in self.partition_warnings():
+            runtime.announce(f"warning: {warning}")
 
     def make_layout(self, model: torch.nn.Module) -> Layout:
-        return Layout(model, self.cfg.options, self.data.input_shape, self.needs_deep_partitions)
+        return Layout(model, self.options, self.data.input_shape, self.needs_deep_partitions)
 
     def partition_warnings(self) -> list[str]:
         return []
@@ -73,14 +70,12 @@ class Partitioned(Method):
         return pipeline_evaluate(self.layout, batches)
 
     def epoch_metrics(self) -> dict[str, Any]:
-        from hvd_lowcomm.traffic import meter
-
         between = sum(t.payload_bytes for (phase, op, _), t in meter.by_kind.items() if phase == "train" and op == "send")
         within = sum(t.wire_bytes for (phase, op, group), t in meter.by_kind.items()
                      if phase == "train" and group.startswith("partition"))
         own = sum(p.numel() for p in self.model.parameters())
         return {"partition": self.layout.index, "between_partitions_bytes": between, "within_partition_wire_bytes": within,
-                "parameter_bytes": 4 * own, "parameter_fraction": own / self.layout.whole_model_parameters}
+                "parameter_bytes": FLOAT_BYTES * own, "parameter_fraction": own / self.layout.whole_model_parameters}
 
     def summary_metrics(self) -> dict[str, Any]:
         return {**self.epoch_metrics(), "partitions": self.layout.table}
@@ -91,11 +86,18 @@ class Partitioned(Method):
     final_state_dict = joined_state_dict
 
 
-@register("mp")
+def mp_cut(model: torch.nn.Module, input_shape: tuple[int, ...], options: PartitionOptions, cfg: Config) -> Cut | None:
+    return default_cut(model, input_shape, options, need_depth=False)
+
+
+def predict_mp(profile: Profile, p: int, link: Link, options: PartitionOptions, cfg: Config,
+               assumptions: RunAssumptions) -> Prediction:
+    return predict_partitioned(profile, p, link, options, "mp", exchanges_activations=True)
+
+
+@register("mp", options=PartitionOptions, cost=MethodCost(predict_mp, model_facts=mp_cut))
 class ModelParallel(Partitioned):
     """Model parallelism: activations forward and gradients back between partition groups every step."""
-
-    options = PartitionOptions
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         return pipeline_train_step(self.layout, self.optimizer, x, y)

@@ -1,6 +1,6 @@
 """`sil`: partitioned training with synthetic intermediate labels (Karadağ & Topaloğlu, arXiv 2403.11204).
 
-The sequential model is cut into K partitions held by K groups of ranks (hvd_lowcomm.partition).
+The sequential model is cut into K partitions held by K groups of ranks (hvd_lowcomm.methods.partition).
 For every cut a fixed code per class is drawn, S ∈ R^{classes × cut width}, S ~ κ·U(0, 1) (or
 κ·N(0, 1)) (at a C×H×W cut, which only an explicit `cuts` gives, one value per channel: the
 partition's per-channel means are matched to it), from one seed that rank 0 draws and broadcasts once; every rank regenerates the
@@ -21,7 +21,7 @@ parallelism does (activations forward, gradients back). Inference always uses th
 network: ŷ = argmax f_K(...f_1(x)), codes play no part.
 
 Every partition must be able to learn its map on its own: two weight layers with a
-non-linearity between them (hvd_lowcomm.partition.can_learn); the default cut guarantees it and
+non-linearity between them (hvd_lowcomm.methods.partition.can_learn); the default cut guarantees it and
 a model too shallow for it is refused. At every evaluation a partition that feeds a cut reports
 how well its outputs hit the codes (`code_accuracy`: the nearest code is the true class's) and
 their spread across samples against the codes' spread across classes (`cut_spread`); outputs
@@ -36,14 +36,18 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
-from hvd_lowcomm import runtime
-from hvd_lowcomm.config import ConfigError, option
+from hvd_lowcomm.comm import runtime
+from hvd_lowcomm.comm.traffic import meter
+from hvd_lowcomm.config import Config, ConfigError, option
+from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, RunAssumptions
 from hvd_lowcomm.methods import register
 from hvd_lowcomm.methods.mp import Partitioned
-from hvd_lowcomm.partition import (CONV_CUT_MEASURED, FORWARD, Layout, PartitionOptions, joined_state_dict,
-                                   pipeline_evaluate, pipeline_train_step, shallow_partitions)
-from hvd_lowcomm.traffic import meter
+from hvd_lowcomm.methods.partition import (CONV_CUT_MEASURED, FORWARD, Cut, Layout, PartitionOptions, default_cut,
+                                           joined_state_dict, pipeline_evaluate, pipeline_train_step,
+                                           predict_partitioned, shallow_partitions)
+from hvd_lowcomm.schedule import scheduled_lr
 
 
 @dataclass
@@ -250,35 +254,43 @@ def _cut_indices(model: torch.nn.Module, cuts: list[int | str]) -> list[int]:
 COLLAPSED_SPREAD = 0.02
 
 
-@register("sil")
+def sil_cut(model: torch.nn.Module, input_shape: tuple[int, ...], options: SILOptions, cfg: Config) -> Cut | None:
+    return default_cut(model, input_shape, options, need_depth=True)
+
+
+def predict_sil(profile: Profile, p: int, link: Link, options: SILOptions, cfg: Config,
+                assumptions: RunAssumptions) -> Prediction:
+    return predict_partitioned(profile, p, link, options, "sil", exchanges_activations=False)
+
+
+@register("sil", options=SILOptions, cost=MethodCost(predict_sil, model_facts=sil_cut))
 class SyntheticIntermediateLabels(Partitioned):
     """SIL: each partition learns on its own toward random class codes at the cuts."""
 
-    options = SILOptions
     needs_deep_partitions = True
 
     def partition_warnings(self) -> list[str]:
         spatial = [k for k in range(1, self.layout.count) if len(self.layout.shapes[k]) > 1]
-        conv = [f"sil.cuts {self.cfg.options.cuts} cut this model inside its convolutional part (cut {k}, a "
+        conv = [f"sil.cuts {self.options.cuts} cut this model inside its convolutional part (cut {k}, a "
                 f"{'x'.join(map(str, self.layout.shapes[k]))} activation; its codes are per-channel means): the "
                 f"joined network classifies no better than the convolutions before the cut do on their own "
                 f"({CONV_CUT_MEASURED}), so expect a large accuracy loss; mp, or a model with two or more fully "
                 f"connected layers after its convolutions, avoids it" for k in spatial]
-        return conv + [f"sil.cuts {self.cfg.options.cuts} leave partition {k} ({self.layout.table[k]['layers']}) without "
+        return conv + [f"sil.cuts {self.options.cuts} leave partition {k} ({self.layout.table[k]['layers']}) without "
                 f"two weight layers and a non-linearity between them: on its own it is an affine map, which cannot "
                 f"send each class onto its random code, so expect accuracy far below data-parallel training (leave "
                 f"sil.cuts empty for a cut that avoids this)"
                 for k in shallow_partitions(self.layout.table)]
 
     def make_layout(self, model: torch.nn.Module) -> Layout:
-        o = self.cfg.options
+        o = self.options
         self.sil = SIL(model, self.data.input_shape, self.data.num_classes, o.partitions, o.cuts, o.kappa,
                        o.code_distribution, o.noise, self.cfg.train.seed, from_codes=o.mode == "parallel")
         return self.sil.layout
 
     def setup(self, model: torch.nn.Module) -> None:
         super().setup(model)
-        o, k = self.cfg.options, self.layout.index
+        o, k = self.options, self.layout.index
         self.partition_epochs = o.epochs or [self.cfg.train.epochs] * o.partitions
         starts = [1] * o.partitions if o.mode == "parallel" else \
             [1 + sum(self.partition_epochs[:j]) for j in range(o.partitions)]
@@ -286,8 +298,8 @@ class SyntheticIntermediateLabels(Partitioned):
         self.starts = starts
         self.training_epochs = max(s + e - 1 for s, e in zip(starts, self.partition_epochs))
         self.lr_scale = (o.lr[k] / self.cfg.train.lr) if o.lr else 1.0
-        self.phase = "idle"
-        self.total_steps: int | None = None  # set by plan()
+        self.stage = "idle"
+        self.total_steps: int | None = None  # set by set_total_steps()
         self.stored_inputs: torch.Tensor | None = None
         self.train_split: Any = None
 
@@ -306,30 +318,30 @@ class SyntheticIntermediateLabels(Partitioned):
     lockstep = False  # in sequential mode some partitions idle while others train
 
     def epochs(self) -> int:
-        return self.training_epochs + self.cfg.options.recovery_epochs
+        return self.training_epochs + self.options.recovery_epochs
 
     def batches(self, split: Any, batch_size: int, shuffle: bool, device: torch.device) -> Any:
         if not shuffle:  # the test split: the joined network, batch by batch
             return super().batches(split, batch_size, shuffle, device)
         self.train_split = split
-        sizes = self.cfg.options.batch_size
+        sizes = self.options.batch_size
         return _SILBatches(self, super().batches(split, sizes[self.layout.index] if sizes else batch_size, True, device))
 
     def start_epoch(self, epoch: int) -> None:
         if epoch > self.training_epochs:
-            if self.phase != "recovery":  # not on resume: the checkpoint's phase is recovery already
+            if self.stage != "recovery":  # not on resume: the checkpoint's stage is recovery already
                 self.sil.start_recovery(self.optimizer)
-            self.phase = "recovery"
+            self.stage = "recovery"
         elif self.window[0] <= epoch <= self.window[1]:
-            self.phase = "train"
+            self.stage = "train"
         else:
-            self.phase = "idle"
-        if self.cfg.options.mode == "sequential":
+            self.stage = "idle"
+        if self.options.mode == "sequential":
             for cut in range(1, self.layout.count):
                 if epoch == self.starts[cut]:
                     self._hand_over(cut)
 
-    def plan(self, total_steps: int) -> None:
+    def set_total_steps(self, total_steps: int) -> None:
         # The loop's schedule spans training and recovery epochs together; recovery gets its
         # own, a fine-tuning cosine from recovery_lr × train.lr (the tail of the training
         # cosine would leave it a learning rate ~0).
@@ -337,16 +349,14 @@ class SyntheticIntermediateLabels(Partitioned):
         self.training_steps = round(total_steps * self.training_epochs / self.epochs())
 
     def set_lr(self, lr: float) -> None:
-        if self.cfg.options.recovery_epochs and self.total_steps:
-            from hvd_lowcomm.schedule import scheduled_lr
-
+        if self.options.recovery_epochs and self.total_steps:
             done, training = meter.step, self.training_steps
             lr = scheduled_lr(self.cfg, done, training) if done < training else \
-                self.cfg.options.recovery_lr * scheduled_lr(self.cfg, done - training, self.total_steps - training)
+                self.options.recovery_lr * scheduled_lr(self.cfg, done - training, self.total_steps - training)
         super().set_lr(lr * self.lr_scale)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        if self.phase == "recovery":
+        if self.stage == "recovery":
             return self.sil.recovery_step(self.optimizer, x, y)
         return self.sil.step(self.optimizer, x, y)
 
@@ -378,9 +388,7 @@ class SyntheticIntermediateLabels(Partitioned):
         counts = self.sil.evaluate(batches)
         d = self.sil.diagnostics
         leader = self.layout.group.rank_of(runtime.rank()) == 0
-        if leader and self.phase != "idle" and d.get("collapsed"):
-            from tqdm import tqdm
-
+        if leader and self.stage != "idle" and d.get("collapsed"):  # any partition's leader, not only rank 0
             tqdm.write(f"warning: SIL partition {self.layout.index} has collapsed: its outputs are about the same "
                        f"for every input (spread across samples {d['spread']:.3g}, size {d['size']:.3g}; nearest-code "
                        f"accuracy {100 * d['code_accuracy']:.1f}%); lower its learning rate (--sil.lr, "
@@ -388,17 +396,17 @@ class SyntheticIntermediateLabels(Partitioned):
         return counts
 
     def epoch_metrics(self) -> dict[str, Any]:
-        return {**super().epoch_metrics(), "sil_phase": self.phase, **self.diagnostics}
+        return {**super().epoch_metrics(), "sil_stage": self.stage, **self.diagnostics}
 
     def state_dict(self) -> dict[str, Any]:
-        # The codes follow from code_seed (recomputed in setup); the phase and, in sequential
+        # The codes follow from code_seed (recomputed in setup); the stage and, in sequential
         # mode, the inputs handed over by the previous partition are this partition's progress.
-        return {**super().state_dict(), "sil": {"phase": self.phase, "code_seed": self.code_seed,
+        return {**super().state_dict(), "sil": {"stage": self.stage, "code_seed": self.code_seed,
                                                 "stored_inputs": self.stored_inputs}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.phase, self.stored_inputs = state["sil"]["phase"], state["sil"]["stored_inputs"]
+        self.stage, self.stored_inputs = state["sil"]["stage"], state["sil"]["stored_inputs"]
         assert state["sil"]["code_seed"] == self.code_seed, "SIL codes differ from the checkpoint's"
 
     def local_state_dict(self) -> dict[str, Any]:
@@ -423,9 +431,9 @@ class _SILBatches:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         method = self.method
-        if method.phase == "idle":
+        if method.stage == "idle":
             return
-        if method.phase == "train" and method.stored_inputs is not None:
+        if method.stage == "train" and method.stored_inputs is not None:
             for indices in self.inner.batch_indices()[self.inner.start:]:
                 _, y = self.inner.split.read(indices)
                 yield method.stored_inputs[indices].to(self.inner.device), y.to(self.inner.device)

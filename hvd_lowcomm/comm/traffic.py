@@ -15,23 +15,28 @@ The meter keeps the records of the current step (for per-step logs and tests) an
 totals per (phase, op, group) and per tensor name, so its memory does not grow with the run.
 Phases separate what a method needs to train ("train") from evaluation, set-up and
 bookkeeping, so comparisons can quote training traffic alone.
+
+Horovod and mpi4py are imported inside the functions that use them: importing mpi4py's MPI
+module initialises MPI, and the command line reports a bad config before MPI starts.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
 import dataclasses
+import pickle
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from hvd_lowcomm.runtime import Group
+from hvd_lowcomm.comm.runtime import Group
 
+# Bytes of one number as the methods send them (fp32), for the cost model and byte counts.
+FLOAT_BYTES = 4
 
 # train: what the method needs to learn; eval: test-set evaluation; setup: initial broadcasts;
 # control: bookkeeping (summaries). Comparisons between methods quote "train".
@@ -191,7 +196,8 @@ class TrafficMeter:
                           group: Group | None = None, op: str = "sum") -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Allgathers and allreduces (op: sum, average or max) submitted together before any is
         waited for: Horovod negotiates them in one cycle, where an allgather call followed by an
-        allreduce call takes two (each ~1 ms here, as long as a small model's whole exchange)."""
+        allreduce call takes two, and every cycle is a round of coordination among all ranks
+        before any data moves (for a small model, as long as its whole exchange)."""
         import horovod.torch as hvd
 
         hvd_op = {"sum": hvd.Sum, "average": hvd.Average, "max": hvd.Max}[op]
@@ -220,6 +226,14 @@ class TrafficMeter:
         with self.waiting():
             return hvd.broadcast_(tensor, root_rank, name=name, process_set=_process_set(group))
 
+    def broadcast_tensors(self, tensors: dict[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
+                          root_rank: int, group: Group | None = None) -> None:
+        """In-place broadcast of named tensors from global rank `root_rank` within `group`
+        (Horovod's own broadcast_parameters works only on the global process set)."""
+        items = tensors.items() if isinstance(tensors, dict) else tensors
+        for name, tensor in items:
+            self.broadcast_(tensor, root_rank, name=f"broadcast.{name}", group=group)
+
     def allreduce_object_sum(self, values: list[float], name: str, group: Group | None = None) -> list[float]:
         """Sum a few scalars (counts, losses) over `group` in float64."""
         summed = self.allreduce(torch.tensor(values, dtype=torch.float64), name, group, average=False)
@@ -245,7 +259,8 @@ class TrafficMeter:
 
     def allreduce_ints(self, values: list[int], name: str, group: Group | None = None, op: str = "sum") -> list[int]:
         """Sum or max of a few integers over `group` (default: all ranks): one small MPI allreduce
-        of int64, no Horovod cycle (~0.5 ms here), so cheap enough for per-step control messages."""
+        of int64 that skips Horovod's negotiation cycle, so cheap enough for per-step control
+        messages."""
         from mpi4py import MPI
 
         local = np.array(values, dtype=np.int64)
@@ -296,8 +311,6 @@ class TrafficMeter:
 
 
 def _pickled_size(obj: Any) -> int:
-    import pickle
-
     return len(pickle.dumps(obj))
 
 

@@ -9,6 +9,7 @@ traffic meter.
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -17,11 +18,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hvd_lowcomm import runtime
+from hvd_lowcomm.comm import runtime
+from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
 from hvd_lowcomm.config import ConfigError, option
+from hvd_lowcomm.costmodel import Link, Prediction, Profile, wire
 from hvd_lowcomm.data import ShardedBatches
 from hvd_lowcomm.methods.base import exchange_gradients
-from hvd_lowcomm.traffic import meter
 
 FORWARD, BACKWARD, EVALUATE = 11, 12, 13  # message tags
 
@@ -241,7 +243,7 @@ class Layout:
         self.previous = runtime.rank() - self.group.size if self.index > 0 else None
         self.next = runtime.rank() + self.group.size if self.index < self.count - 1 else None
         with meter.in_phase("setup"):  # replicas of a partition start equal, whatever seeded the model
-            runtime.broadcast_parameters(self.module.state_dict(), self.group.ranks[0], self.group)
+            meter.broadcast_tensors(self.module.state_dict(), self.group.ranks[0], self.group)
 
     @property
     def first(self) -> bool:
@@ -335,3 +337,68 @@ def describe(layout: Layout) -> str:
               f"({p['parameter_share']:.1%} of the parameters): {p['layers']}" for p in layout.table]
     return "\n".join(lines)
 
+
+
+# ---------------------------------------------------------------------------------------------
+# the cost model's view (hvd_lowcomm.costmodel)
+
+@dataclass(frozen=True)
+class Cut:
+    """A model cut into partitions: the module index each one starts at (and the end), each
+    one's parameters, and the numbers per sample crossing each cut."""
+
+    bounds: list[int]
+    params: list[int]
+    widths: list[int]
+
+    def flop_shares(self, profile: Profile) -> list[float]:
+        """Each partition's share of the profiled weight layers' flops."""
+        total = sum(layer.flops for layer in profile.layers) or 1.0
+        return [sum(layer.flops for layer in profile.layers if a <= layer.module_index < b) / total
+                for a, b in zip(self.bounds[:-1], self.bounds[1:])]
+
+
+def default_cut(model: nn.Module, input_shape: tuple[int, ...], options: PartitionOptions,
+                need_depth: bool) -> Cut | None:
+    """Where the cut into options.partitions falls (None where it is refused), and what each
+    piece holds, for the cost model."""
+    if not isinstance(model, nn.Sequential):
+        return None
+    try:
+        bounds = cut_points(model, options.partitions, options.cuts, need_depth, input_shape)
+    except ConfigError:
+        return None
+    modules = list(model)
+    return Cut(bounds, [sum(p.numel() for m in modules[a:b] for p in m.parameters())
+                        for a, b in zip(bounds[:-1], bounds[1:])],
+               [math.prod(shape) for shape in activation_shapes(model, bounds, input_shape)[1:]])
+
+
+def predict_partitioned(profile: Profile, p: int, link: Link, options: PartitionOptions, method: str,
+                        exchanges_activations: bool) -> Prediction:
+    """The K groups average their partitions' gradients at the same time. SIL
+    (`exchanges_activations` False): each rank computes its partition alone. mp: the partitions
+    of a step run one after another (no pipelining) and activations and gradients cross every cut."""
+    cut = profile.facts.get(method)
+    k = options.partitions
+    if cut is None:
+        raise ConfigError(f"{method}: this model has no default cut into {k} partitions")
+    if p % k:
+        raise ConfigError(f"{method}: {p} ranks do not split into {k} partitions")
+    g = p // k
+    share, params = max(cut.flop_shares(profile)), max(cut.params)
+    # On separate links the largest partition's allreduce takes longest; on one shared medium
+    # all of their bytes cross it.
+    each = [link.allreduce(FLOAT_BYTES * n, g, g) for n in cut.params]
+    reduce = sum(each) if link.shared else max(each)
+    sent = wire("allreduce", FLOAT_BYTES * params, g)
+    if not exchanges_activations:
+        return Prediction(method, p, profile.step_seconds * share, 0.0, reduce, 0.0, sent)
+    width = max(cut.widths)
+    # Partners are g ranks apart: on different nodes once a group fills whole nodes. Forward
+    # then backward, each time the g ranks of one group send at once.
+    sends = 2 * link.send(FLOAT_BYTES * profile.batch * width, g, across_nodes=g >= link.ranks_per_node)
+    # A middle partition's ranks send both ways; with two partitions each rank sends one way.
+    directions = 2 if k > 2 else 1
+    return Prediction(method, p, profile.step_seconds, 0.0, reduce + sends, 0.0,
+                      sent + directions * FLOAT_BYTES * profile.batch * width)

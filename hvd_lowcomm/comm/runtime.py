@@ -17,10 +17,11 @@ import random
 import sys
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from hvd_lowcomm.config import ConfigError
 
@@ -80,7 +81,7 @@ def init(seed: int | None = None) -> Group:
 
 def world() -> Group:
     if _world is None:
-        raise RuntimeError("hvd_lowcomm.runtime.init() has not been called")
+        raise RuntimeError("hvd_lowcomm.comm.runtime.init() has not been called")
     return _world
 
 
@@ -156,18 +157,11 @@ def split_world(num_groups: int | None = None, group_size: int | None = None,
     return groups[my_index], groups
 
 
-def broadcast_parameters(tensors: dict[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
-                         root_rank: int, group: Group | None = None) -> None:
-    """In-place broadcast of named tensors from `root_rank` (a global rank) within `group`.
-
-    Horovod's own `broadcast_parameters` only works on the global process set. Goes through the
-    traffic meter like every other collective.
-    """
-    from hvd_lowcomm.traffic import meter
-
-    items = tensors.items() if isinstance(tensors, dict) else tensors
-    for name, tensor in items:
-        meter.broadcast_(tensor, root_rank, name=f"broadcast.{name}", group=group)
+def announce(text: str) -> None:
+    """Print `text` on global rank 0 only, above any progress bar (tqdm.write keeps the bar
+    intact); the one way the library speaks to the user while training."""
+    if rank() == 0:
+        tqdm.write(text)
 
 
 def _divisors(n: int) -> str:

@@ -34,11 +34,12 @@ i-th of W); when that bound could move the threshold above the kept edge, the fu
 """
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-from dataclasses import dataclass
 
 from hvd_lowcomm.config import ConfigError
 
@@ -305,8 +306,6 @@ def leading_svd(w: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor
 def unfactorized_copy(model: nn.Module) -> nn.Module:
     """A copy of `model` with every FactorizedLayer replaced by its dense layer holding the
     current W (A B when factorised): the ordinary model, loadable without hvd_lowcomm."""
-    import copy
-
     out = copy.deepcopy(model)
     for name, module in list(out.named_modules()):
         if isinstance(module, FactorizedLayer):

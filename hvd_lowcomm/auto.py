@@ -1,0 +1,82 @@
+"""`--method auto`: the cost model (hvd_lowcomm.costmodel) picks the method for this model,
+batch, rank count and network, before training starts; the run then trains with it.
+
+Candidates are the methods registered as drop-in (ddp, ddp-fp16, powersgd, dad, rank-dad: the
+same model and training, only the gradient exchange differs); SIL and AB change how the model
+trains, so they are a user's decision. Rank 0 times the model's forward, backward and optimiser
+step on its batch and, unless `auto.link` describes the network, every rank takes part in a
+short probe of the job's own network: allreduces of a few bytes (latency) and of
+`auto.probe_mb` (bandwidth). The choice, the predicted step of every candidate and why are
+printed before training; every rank trains with the method rank 0 chose.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hvd_lowcomm import costmodel
+from hvd_lowcomm.comm import runtime
+from hvd_lowcomm.comm.traffic import meter
+from hvd_lowcomm.config import Config
+from hvd_lowcomm.data import DatasetInfo
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What --method auto chose, and why (in the run's summary)."""
+
+    method: str
+    reason: str
+
+    def summary(self) -> dict[str, str]:
+        return {"auto_choice": self.method, "auto_reason": self.reason}
+
+
+def choose(cfg: Config, model: torch.nn.Module, data: DatasetInfo, world_size: int) -> Choice:
+    """Collective: the method the cost model predicts steps fastest here (the same on every rank)."""
+    o = cfg.auto
+    link = probe_link(o.probe_mb) if not o.link else \
+        costmodel.Link.parse(o.link, o.latency_us, ranks_per_node=o.ranks_per_node)
+    decision = None
+    if runtime.rank() == 0:
+        profile = costmodel.profile_model(model, data.input_shape, cfg.data.batch_size, cfg=cfg,
+                                          methods=costmodel.drop_in_methods())
+        if world_size == 1:
+            decision = ("ddp", "one rank: nothing to exchange", "")
+        else:
+            name, predictions, why = costmodel.choose(profile, world_size, link, cfg)
+            decision = (name, why, costmodel.format_predictions(predictions))
+    with meter.in_phase("setup"):
+        name, why, table = meter.broadcast_object(decision, "auto.decision")
+    runtime.announce(f"auto: chose {why}" + (f"\npredicted per step:\n{table}" if table else ""))
+    return Choice(name, why)
+
+
+def probe_link(probe_mb: float) -> costmodel.Link:
+    """This job's network as the cost model sees it, from timed allreduces over every rank: of
+    8 bytes (latency: 2⌈log2 p⌉ messages) and of probe_mb MB (bandwidth: 2(p-1)/p of it per
+    rank). The fastest of a few tries counts (the others met noise)."""
+    p = runtime.size()
+    if p == 1:
+        return costmodel.Link(bandwidth=float("inf"), latency=0.0)
+
+    def fastest(tensor: torch.Tensor, name: str) -> float:
+        times = []
+        for _ in range(5):
+            meter.barrier(f"{name}.barrier")
+            start = time.perf_counter()
+            meter.allreduce(tensor, name)
+            times.append(time.perf_counter() - start)
+        return min(times[1:])
+
+    with meter.in_phase("setup"):
+        small = fastest(torch.zeros(2), "auto.probe_latency")
+        large = fastest(torch.zeros(int(probe_mb * 1e6 / 4)), "auto.probe_bandwidth")
+        # Every rank uses rank 0's figures, so the choice is the same everywhere.
+        small, large = meter.broadcast_object((small, large), "auto.probe")
+    latency = small / (2 * math.ceil(math.log2(p)))
+    bandwidth = 2 * (p - 1) / p * probe_mb * 1e6 / max(large - small, 1e-9)
+    return costmodel.Link(bandwidth=bandwidth, latency=latency)

@@ -1,0 +1,141 @@
+"""The package's layout shows its layers: no module imports one above it or in a circle, and
+the package's own modules are imported at the top of a module, never inside a function."""
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from conftest import RANK
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "hvd_lowcomm"
+
+# Bottom to top; a module may import its own layer and those below. Within `methods`, the
+# registry (hvd_lowcomm.methods itself) imports no method: it finds them by name at run time.
+LAYERS = [
+    ("registry", ["hvd_lowcomm.methods"]),
+    ("foundation", ["hvd_lowcomm.config", "hvd_lowcomm.metrics", "hvd_lowcomm.schedule"]),
+    ("comm", ["hvd_lowcomm.comm", "hvd_lowcomm.comm.runtime", "hvd_lowcomm.comm.traffic"]),
+    ("data and models", ["hvd_lowcomm.data", "hvd_lowcomm.models"]),
+    ("cost model", ["hvd_lowcomm.costmodel"]),
+    ("methods", ["hvd_lowcomm.methods.*"]),
+    ("harness", ["hvd_lowcomm.checkpoint", "hvd_lowcomm.loop", "hvd_lowcomm.auto", "hvd_lowcomm.train",
+                 "hvd_lowcomm.plan", "hvd_lowcomm.jobs"]),
+    ("package", ["hvd_lowcomm"]),  # resolves its public names lazily, by string
+]
+# Imports that may stay inside functions: importing mpi4py's MPI module initialises MPI (a bad
+# config is reported before that), Horovod's loads the MPI library, and the rest are optional
+# or heavy dependencies of one feature.
+LAZY = {"mpi4py", "horovod.torch", "h5py", "matplotlib", "matplotlib.pyplot", "torchvision"}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> int:
+    for index, (_, members) in enumerate(LAYERS):
+        for member in members:
+            if module == member or (member.endswith(".*") and module.startswith(member[:-1])):
+                return index
+    raise AssertionError(f"{module} is in no layer of LAYERS: place it there")
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports(path: Path) -> tuple[set[str], list[tuple[int, str]]]:
+    """The package's modules `path` imports, and the imports it makes inside functions."""
+    tree = ast.parse(path.read_text())
+    own, inside = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            # `from hvd_lowcomm.comm import runtime` imports the module hvd_lowcomm.comm.runtime
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
+                     for a in node.names]
+        else:
+            continue
+        own.update(n for n in names if n in MODULES)
+    for function in ast.walk(tree):
+        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(function):
+                if isinstance(node, ast.Import):
+                    inside += [(node.lineno, a.name) for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    inside.append((node.lineno, node.module or "."))
+    return own, inside
+
+
+GRAPH = {name: imports(path)[0] - {name} for name, path in MODULES.items()}
+
+
+def upward(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """(importer, imported) pairs where the imported module sits in a higher layer."""
+    return {(module, other) for module, others in graph.items() for other in others
+            if layer_of(other) > layer_of(module)}
+
+
+def circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of `graph` (its modules in order, the first repeated), or None."""
+    done: set[str] = set()
+    active: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        if module in active:
+            return active[active.index(module):] + [module]
+        if module in done:
+            return None
+        active.append(module)
+        for other in sorted(graph.get(module, ())):
+            found = visit(other)
+            if found:
+                return found
+        active.pop()
+        done.add(module)
+        return None
+
+    return next((found for module in sorted(graph) if (found := visit(module))), None)
+
+
+def test_no_module_imports_one_above_it():
+    assert not upward(GRAPH), "imports from a higher layer: " + ", ".join(f"{a} -> {b}" for a, b in sorted(upward(GRAPH)))
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    assert circle(GRAPH) is None, f"import circle: {' -> '.join(circle(GRAPH))}"
+
+
+def test_the_checks_catch_an_upward_import_and_a_circle():
+    assert upward({"hvd_lowcomm.config": {"hvd_lowcomm.loop"}, "hvd_lowcomm.loop": {"hvd_lowcomm.config"}}) == \
+        {("hvd_lowcomm.config", "hvd_lowcomm.loop")}
+    assert circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert circle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_are_at_the_top_except_lazy_dependencies(module):
+    _, inside = imports(MODULES[module])
+    misplaced = [(line, name) for line, name in inside if name not in LAZY]
+    assert not misplaced, f"{module} imports inside functions: {misplaced}; import at the top of the module"
+
+
+@pytest.mark.skipif(RANK != 0, reason="one rank builds the wheel")
+def test_job_templates_ship_inside_the_wheel(tmp_path):
+    source = tmp_path / "source"  # a copy: building writes build/ beside the sources
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv", "data", "runs", "build", "benchmarks",
+                                                                "*.egg-info", "__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
+                    str(source)], check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("hvd_lowcomm-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    templates = {Path(n).name for n in names if n.startswith("hvd_lowcomm/templates/")}
+    assert {"slurm.sh.j2", "pbs.sh.j2", "_body.sh.j2", "_run.sh.j2"} <= templates, names
