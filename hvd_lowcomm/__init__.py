@@ -17,16 +17,16 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "init": "hvd_lowcomm.comm.runtime",                    # start MPI + Horovod (dynamic process sets)
-    "rank": "hvd_lowcomm.comm.runtime",                    # this process's global rank
-    "size": "hvd_lowcomm.comm.runtime",                    # the number of ranks
+    "init": "hvd_lowcomm.comm.runtime",                 # start MPI + Horovod (dynamic process sets)
+    "rank": "hvd_lowcomm.comm.runtime",                 # this process's global rank
+    "size": "hvd_lowcomm.comm.runtime",                 # the number of ranks
     "DistributedOptimizer": "hvd_lowcomm.methods.ddp",  # Horovod's, metered (fp32 / fp16)
     "PowerSGDOptimizer": "hvd_lowcomm.methods.powersgd",
     "PowerSGDState": "hvd_lowcomm.methods.powersgd",
-    "DadOptimizer": "hvd_lowcomm.methods.dad",        # mode="exact" | "rank" (rank=r) | "edad"
-    "ABTraining": "hvd_lowcomm.methods.ab",           # AB-training around the user's step
-    "SIL": "hvd_lowcomm.methods.sil",                 # synthetic intermediate labels, per partition
-    "meter": "hvd_lowcomm.comm.traffic",                    # the traffic meter: bytes per op/tensor
+    "DadOptimizer": "hvd_lowcomm.methods.dad",          # mode="exact" | "rank" (rank=r) | "edad"
+    "ABTraining": "hvd_lowcomm.methods.ab",             # AB-training around the user's step
+    "SIL": "hvd_lowcomm.methods.sil",                   # synthetic intermediate labels, per partition
+    "meter": "hvd_lowcomm.comm.traffic",                # the traffic meter: bytes per op/tensor
 }
 __all__ = list(_EXPORTS)
 

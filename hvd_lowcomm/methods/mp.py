@@ -15,12 +15,10 @@ from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.runtime import group_layout
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
 from hvd_lowcomm.config import Config, ConfigError
-from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, RunAssumptions
 from hvd_lowcomm.methods import register
 from hvd_lowcomm.methods.base import Method, make_optimizer
-from hvd_lowcomm.methods.partition import (Cut, Layout, PartitionOptions, cut_points, default_cut, describe,
-                                           joined_state_dict, pipeline_evaluate, pipeline_train_step,
-                                           predict_partitioned)
+from hvd_lowcomm.methods.partition import (Layout, PartitionOptions, cut_points, describe, joined_state_dict,
+                                           partitioned_cost, pipeline_evaluate, pipeline_train_step)
 
 
 class Partitioned(Method):
@@ -86,16 +84,7 @@ class Partitioned(Method):
     final_state_dict = joined_state_dict
 
 
-def mp_cut(model: torch.nn.Module, input_shape: tuple[int, ...], options: PartitionOptions, cfg: Config) -> Cut | None:
-    return default_cut(model, input_shape, options, need_depth=False)
-
-
-def predict_mp(profile: Profile, p: int, link: Link, options: PartitionOptions, cfg: Config,
-               assumptions: RunAssumptions) -> Prediction:
-    return predict_partitioned(profile, p, link, options, "mp", exchanges_activations=True)
-
-
-@register("mp", options=PartitionOptions, cost=MethodCost(predict_mp, model_facts=mp_cut))
+@register("mp", options=PartitionOptions, cost=partitioned_cost("mp", exchanges_activations=True, need_depth=False))
 class ModelParallel(Partitioned):
     """Model parallelism: activations forward and gradients back between partition groups every step."""
 

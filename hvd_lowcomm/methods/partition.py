@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
 from hvd_lowcomm.config import ConfigError, option
-from hvd_lowcomm.costmodel import Link, Prediction, Profile, wire
+from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, wire
 from hvd_lowcomm.data import ShardedBatches
 from hvd_lowcomm.methods.base import exchange_gradients
 
@@ -372,6 +372,18 @@ def default_cut(model: nn.Module, input_shape: tuple[int, ...], options: Partiti
     return Cut(bounds, [sum(p.numel() for m in modules[a:b] for p in m.parameters())
                         for a, b in zip(bounds[:-1], bounds[1:])],
                [math.prod(shape) for shape in activation_shapes(model, bounds, input_shape)[1:]])
+
+
+def partitioned_cost(method: str, exchanges_activations: bool, need_depth: bool) -> MethodCost:
+    """The cost of `method` (mp: activations and gradients cross the cuts at every step; SIL:
+    nothing crosses them), from the cut it would make (`need_depth`: SIL's rule)."""
+    def facts(model: nn.Module, input_shape: tuple[int, ...], options: PartitionOptions, cfg: Any) -> Cut | None:
+        return default_cut(model, input_shape, options, need_depth)
+
+    def predict(profile: Profile, p: int, link: Link, options: PartitionOptions, cfg: Any,
+                assumptions: Any) -> Prediction:
+        return predict_partitioned(profile, p, link, options, method, exchanges_activations)
+    return MethodCost(predict, model_facts=facts)
 
 
 def predict_partitioned(profile: Profile, p: int, link: Link, options: PartitionOptions, method: str,

@@ -40,13 +40,12 @@ from tqdm import tqdm
 
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.traffic import meter
-from hvd_lowcomm.config import Config, ConfigError, option
-from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, RunAssumptions
+from hvd_lowcomm.config import ConfigError, TrainConfig, make_options, option
 from hvd_lowcomm.methods import register
 from hvd_lowcomm.methods.mp import Partitioned
-from hvd_lowcomm.methods.partition import (CONV_CUT_MEASURED, FORWARD, Cut, Layout, PartitionOptions, default_cut,
-                                           joined_state_dict, pipeline_evaluate, pipeline_train_step,
-                                           predict_partitioned, shallow_partitions)
+from hvd_lowcomm.methods.partition import (CONV_CUT_MEASURED, FORWARD, Layout, PartitionOptions, joined_state_dict,
+                                           partitioned_cost, pipeline_evaluate, pipeline_train_step,
+                                           shallow_partitions)
 from hvd_lowcomm.schedule import scheduled_lr
 
 
@@ -116,13 +115,12 @@ class SIL:
     previous partition's real outputs) instead of the previous cut's codes.
     """
 
-    def __init__(self, model: torch.nn.Module, input_shape: tuple[int, ...], num_classes: int, partitions: int = 2,
-                 cuts: list[int | str] | None = None, kappa: float = 1.0, code_distribution: str = "uniform",
-                 noise: float = 0.3, seed: int = 42, from_codes: bool = True) -> None:
-        options = PartitionOptions(partitions=partitions, cuts=_cut_indices(model, cuts or []))
-        options.validate()
-        if kappa <= 0 or noise < 0:
-            raise ConfigError(f"SIL needs kappa > 0 and noise >= 0, got kappa {kappa}, noise {noise}")
+    def __init__(self, model: torch.nn.Module, input_shape: tuple[int, ...], num_classes: int,
+                 partitions: int = SILOptions.partitions, cuts: list[int | str] | None = None,
+                 kappa: float = SILOptions.kappa, code_distribution: str = SILOptions.code_distribution,
+                 noise: float = SILOptions.noise, seed: int = TrainConfig.seed, from_codes: bool = True) -> None:
+        options = make_options(SILOptions, "sil", partitions=partitions, cuts=_cut_indices(model, cuts or []),
+                               kappa=kappa, code_distribution=code_distribution, noise=noise)
         self.kappa, self.noise, self.from_codes = kappa, noise, from_codes
         self.layout = Layout(model, options, tuple(input_shape), need_depth=True)
         self.module = self.layout.module
@@ -254,16 +252,7 @@ def _cut_indices(model: torch.nn.Module, cuts: list[int | str]) -> list[int]:
 COLLAPSED_SPREAD = 0.02
 
 
-def sil_cut(model: torch.nn.Module, input_shape: tuple[int, ...], options: SILOptions, cfg: Config) -> Cut | None:
-    return default_cut(model, input_shape, options, need_depth=True)
-
-
-def predict_sil(profile: Profile, p: int, link: Link, options: SILOptions, cfg: Config,
-                assumptions: RunAssumptions) -> Prediction:
-    return predict_partitioned(profile, p, link, options, "sil", exchanges_activations=False)
-
-
-@register("sil", options=SILOptions, cost=MethodCost(predict_sil, model_facts=sil_cut))
+@register("sil", options=SILOptions, cost=partitioned_cost("sil", exchanges_activations=False, need_depth=True))
 class SyntheticIntermediateLabels(Partitioned):
     """SIL: each partition learns on its own toward random class codes at the cuts."""
 
