@@ -36,7 +36,7 @@ test-8: $(STAMP)
 	$(call PYTEST,8) -k at_scale
 
 # Each example script at NP ranks for a few steps (CI runs this: the README's API must work).
-EXAMPLE_METHODS = ddp ddp-fp16 powersgd dad rank-dad ab sil
+EXAMPLE_METHODS = ddp ddp-fp16 powersgd dad rank-dad ab sil diloco
 examples: $(STAMP)
 	$(MPIRUN) -np $(NP) $(PY) examples/plain_horovod.py --steps 6
 	set -e; for m in $(EXAMPLE_METHODS); do $(MPIRUN) -np $(NP) $(PY) examples/lowcomm.py --method $$m --steps 6; done

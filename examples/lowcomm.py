@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import hvd_lowcomm as hl
 from common import accuracy, arguments, batches, resnet18
 
-METHODS = ("ddp", "ddp-fp16", "powersgd", "dad", "rank-dad", "ab", "sil")
+METHODS = ("ddp", "ddp-fp16", "powersgd", "dad", "rank-dad", "ab", "sil", "diloco")
 args = arguments(__doc__, METHODS)
 hl.init()                                   # MPI + Horovod, instead of hvd.init()
 torch.manual_seed(0)                        # every rank builds the same initial model
@@ -32,6 +32,8 @@ elif args.method == "rank-dad":
     optimizer = hl.DadOptimizer(optimizer, model, mode="rank", rank=4)
 elif args.method == "ab":                   # factorises the model; groups of ranks train A or B
     ab = hl.ABTraining(model, optimizer, total_steps=args.steps)
+elif args.method == "diloco":               # groups train alone; an outer step joins them every H steps
+    diloco = hl.DiLoCo(model, optimizer, total_steps=args.steps, sync_every=3)
 elif args.method == "sil":                  # this rank keeps one partition of the Sequential
     # A ResNet has no fully connected layers to cut among, and SIL's default cut stays out of
     # convolutions (the README says why), so the cut is given: after stage 2 of 4.
@@ -48,6 +50,12 @@ for step, (x, y) in enumerate(batches(args, rank, size)):
             loss = F.cross_entropy(model(x), y)
             loss.backward()
         loss = loss.item()
+    elif args.method == "diloco":
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        diloco.step()                       # instead of optimizer.step()
+        loss = loss.item()
     else:
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x), y)
@@ -62,6 +70,8 @@ if args.method == "sil":
     correct, count, _ = sil.evaluate(test)  # the joined network; counts on the last partition
 elif args.method == "ab":
     correct, count = accuracy(ab.full_model(), test)   # the synced model as a plain network
+elif args.method == "diloco":
+    correct, count = accuracy(diloco.full_model(), test)   # after an outer step of what is pending
 else:
     correct, count = accuracy(model, test)
 with hl.meter.in_phase("eval"):             # not training traffic

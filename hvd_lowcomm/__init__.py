@@ -26,6 +26,7 @@ _EXPORTS = {
     "DadOptimizer": "hvd_lowcomm.methods.dad",          # mode="exact" | "rank" (rank=r) | "edad"
     "ABTraining": "hvd_lowcomm.methods.ab",             # AB-training around the user's step
     "SIL": "hvd_lowcomm.methods.sil",                   # synthetic intermediate labels, per partition
+    "DiLoCo": "hvd_lowcomm.methods.diloco",             # local SGD in groups with an outer optimiser
     "meter": "hvd_lowcomm.comm.traffic",                # the traffic meter: bytes per op/tensor
 }
 __all__ = list(_EXPORTS)

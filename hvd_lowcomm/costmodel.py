@@ -66,21 +66,26 @@ class Link:
             text += f", {self.ranks_per_node} ranks per node"
         return text + (", shared medium" if self.shared else "")
 
-    def beta(self, group: int) -> float:
-        return self.intra_bandwidth if group <= self.ranks_per_node else self.bandwidth
+    def beta(self, group: int, spans_nodes: bool | None = None) -> float:
+        """The bandwidth a ring over `group` ranks runs at: the network's once it leaves a node
+        (by default: when the group is larger than a node; `spans_nodes` says so for a group of
+        ranks picked across nodes, such as one rank per node)."""
+        spans = group > self.ranks_per_node if spans_nodes is None else spans_nodes
+        return self.bandwidth if spans else self.intra_bandwidth
 
-    def _time(self, messages: float, bytes_per_rank: float, group: int, ranks: int) -> float:
+    def _time(self, messages: float, bytes_per_rank: float, group: int, ranks: int,
+              spans_nodes: bool | None) -> float:
         if group <= 1:
             return 0.0
         if self.shared:  # every rank's bytes cross the one medium
             return messages * self.latency + ranks * bytes_per_rank / self.bandwidth
-        return messages * self.latency + bytes_per_rank / self.beta(group)
+        return messages * self.latency + bytes_per_rank / self.beta(group, spans_nodes)
 
-    def allreduce(self, nbytes: float, group: int, ranks: int) -> float:
-        return self._time(2 * _log2(group), 2 * (group - 1) / group * nbytes, group, ranks)
+    def allreduce(self, nbytes: float, group: int, ranks: int, spans_nodes: bool | None = None) -> float:
+        return self._time(2 * _log2(group), 2 * (group - 1) / group * nbytes, group, ranks, spans_nodes)
 
-    def allgather(self, nbytes_per_rank: float, group: int, ranks: int) -> float:
-        return self._time(_log2(group), (group - 1) * nbytes_per_rank, group, ranks)
+    def allgather(self, nbytes_per_rank: float, group: int, ranks: int, spans_nodes: bool | None = None) -> float:
+        return self._time(_log2(group), (group - 1) * nbytes_per_rank, group, ranks, spans_nodes)
 
     def send(self, nbytes: float, ranks: int, across_nodes: bool = True) -> float:
         if self.shared:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from hvd_lowcomm.config import Config
+from hvd_lowcomm.config import Config, ConfigError
 
 
 def scheduled_lr(cfg: Config, step: int, total_steps: int) -> float:
@@ -16,3 +16,14 @@ def scheduled_lr(cfg: Config, step: int, total_steps: int) -> float:
         return t.lr
     progress = (step - t.warmup_steps) / max(1, total_steps - t.warmup_steps)
     return t.lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def run_steps(value: float, total_steps: int | None, option: str) -> int:
+    """An option given in steps (>= 1, or 0) or as a fraction of the run's steps (< 1), so that
+    a default fits a run of any length; `option` names it in the error."""
+    if value >= 1 or value == 0:
+        return int(value)
+    if total_steps is None:
+        raise ConfigError(f"{option} = {value} is a fraction of the run, whose length is not known here: call "
+                          f"set_total_steps(total_steps) first (or pass total_steps) or give a number of steps")
+    return round(value * total_steps)

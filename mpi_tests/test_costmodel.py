@@ -98,6 +98,7 @@ EXACT = {
     "ab": (["--ab.groups", "2", "--ab.warmup", "0.1", "--ab.sync_every", "0.1", "--ab.full_rank_steps", "0.05",
             "--ab.rank_rule", "tau", "--ab.tau", "0.01", "--ab.max_output_error", "0"],  # the floor keeps all
            {"rank_share": 1.0}, 2e-3),
+    "diloco": (["--diloco.groups", "2"], {}, 1e-6),  # the model's default is a group per node
 }
 STEPS = 40
 

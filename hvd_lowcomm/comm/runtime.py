@@ -134,6 +134,17 @@ def group_layout(world_size: int, num_groups: int | None = None,
     return [tuple(range(start, start + group_size)) for start in range(0, world_size, group_size)]
 
 
+def default_group_count(requested: int, world_size: int) -> int:
+    """`requested` groups, or with 0 one group per node when the job spans several nodes (a
+    group's traffic then stays inside its node), else 2."""
+    if requested:
+        return requested
+    import horovod.torch as hvd
+
+    nodes = world_size // hvd.local_size()
+    return nodes if nodes > 1 else 2
+
+
 def split_world(num_groups: int | None = None, group_size: int | None = None,
                 label: str = "group") -> tuple[Group, list[Group]]:
     """Split the world into equal contiguous groups; collective, call on every rank.
@@ -141,11 +152,23 @@ def split_world(num_groups: int | None = None, group_size: int | None = None,
     Returns (this rank's group, all groups). Every rank registers every group's Horovod
     process set (Horovod requires that), but only members may use a group's collectives.
     """
+    return split(group_layout(world().size, num_groups, group_size), label)
+
+
+def split_by_position(num_groups: int, label: str = "column") -> tuple[Group, list[Group]]:
+    """The ranks at the same position in each of `num_groups` contiguous groups, as groups of
+    their own: rank i of every group with rank i of the others (with one group per node, each
+    such group spans the nodes once). Collective, call on every rank."""
+    rows = group_layout(world().size, num_groups=num_groups)
+    return split([tuple(row[i] for row in rows) for i in range(len(rows[0]))], label)
+
+
+def split(layout: list[tuple[int, ...]], label: str) -> tuple[Group, list[Group]]:
+    """Groups of the given ranks (each rank in exactly one); collective, call on every rank."""
     from mpi4py import MPI
     import horovod.torch as hvd
 
     w = world()
-    layout = group_layout(w.size, num_groups, group_size)
     my_index = next(i for i, ranks in enumerate(layout) if rank() in ranks)
     sub_comm = w.comm.Split(color=my_index, key=rank())
     groups = []

@@ -56,6 +56,7 @@ from hvd_lowcomm.methods.base import Method, broadcast_model_and_optimizer, exch
 from hvd_lowcomm.methods.factorized import (FACTORIZABLE, RANK_RULES, FactorizedLayer, choose_rank,
                                             dropped_fraction, factorize_model, leading_svd, noise_edge,
                                             unfactorized_copy)
+from hvd_lowcomm.schedule import run_steps
 
 SYNC_MODES = ("with-stale", "only-learned", "only-b", "full")
 COMM_SETUPS = ("groups", "individual")
@@ -124,8 +125,9 @@ class Schedule:
 
     def __init__(self, o: ABOptions, total_steps: int | None = None) -> None:
         self.warmup, self.sync_every, self.full_rank_steps, self.rebound_steps = (
-            steps(o.warmup, total_steps, "warmup"), max(1, steps(o.sync_every, total_steps, "sync_every")),
-            steps(o.full_rank_steps, total_steps, "full_rank_steps"), steps(o.rebound_steps, total_steps, "rebound_steps"))
+            run_steps(o.warmup, total_steps, "ab.warmup"), max(1, run_steps(o.sync_every, total_steps, "ab.sync_every")),
+            run_steps(o.full_rank_steps, total_steps, "ab.full_rank_steps"),
+            run_steps(o.rebound_steps, total_steps, "ab.rebound_steps"))
 
     def phase(self, t: int) -> str:
         if t < self.warmup:
@@ -148,16 +150,6 @@ class Schedule:
         if now == "group" and t > self.warmup and self.position(t) == 0:  # full_rank_steps == 0
             return ["sync", "refactorize"]
         return []
-
-
-def steps(value: float, total_steps: int | None, name: str) -> int:
-    """An option given in steps (>= 1, or 0) or as a fraction of the run's steps (< 1)."""
-    if value >= 1 or value == 0:
-        return int(value)
-    if total_steps is None:
-        raise ConfigError(f"ab.{name} = {value} is a fraction of the run, whose length is not known here: "
-                          f"call set_total_steps(total_steps) first (or give ABTraining total_steps) or give a number of steps")
-    return round(value * total_steps)
 
 
 class ABTraining:
@@ -518,12 +510,7 @@ class ABTraining:
 
 def num_groups(options: ABOptions, world_size: int) -> int:
     """The group count: as given, or one per node on several nodes, else 2."""
-    if options.groups:
-        return options.groups
-    import horovod.torch as hvd
-
-    nodes = world_size // hvd.local_size()
-    return nodes if nodes > 1 else 2
+    return runtime.default_group_count(options.groups, world_size)
 
 
 def check_groups(options: ABOptions, groups: int, world_size: int) -> None:

@@ -1,0 +1,440 @@
+"""`diloco`: DiLoCo-style local SGD (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication
+Training of Language Models"; Streaming DiLoCo, 2025), with the semantics of torchft's DiLoCo:
+the method a user whose nodes are joined by a slow link picks today.
+
+The world is split into G groups of contiguous ranks (one per node when the job spans nodes,
+else 2). Each group trains on its own: every step the gradients are averaged inside the group
+(data parallel over the node's own links) and the user's inner optimiser steps. Every
+H = `sync_every` inner steps the groups meet:
+
+    Δ = θ_global - θ_local          the pseudo-gradient of this group's last H steps
+    Δ̄ = mean of Δ over the groups
+    θ_global <- outer optimiser step with gradient Δ̄ (SGD, Nesterov momentum, lr outer_lr)
+    θ_local <- θ_global              on every rank; the inner optimiser's state is kept
+
+With outer_lr 1 and outer_momentum 0 this is plain periodic model averaging (local SGD).
+
+The exchange between groups is sharded: the ranks of a group hold the same θ_local, so rank i
+of every group averages only its 1/|group| slice of Δ with rank i of the other groups (its
+"column", one rank per group), steps its slice of θ_global, and the group allgathers the new
+slices: a rank sends model/|group| across the network per sync, not the whole model. Options:
+
+- compression fp16 (Δ in half precision) or int8 (per block of 256 numbers, absmax scaling to
+  8 bits; allgathered and averaged in fp32 on arrival; error feedback adds what rounding dropped
+  to the next pseudo-gradient, as Streaming DiLoCo's quantised outer gradients do);
+- fragments F (Streaming DiLoCo): the parameters in F contiguous parts of about equal size,
+  part f synced at inner steps f·H/F + k·H, so the network carries 1/F of the model at a time.
+
+Floating-point buffers (BatchNorm statistics) are averaged plainly with fragment 0. Evaluation
+and the final model use the model a sync of every fragment would give now (as AB-training's).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.nn as nn
+
+from hvd_lowcomm.comm import runtime
+from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
+from hvd_lowcomm.config import Config, ConfigError, make_options, option
+from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, RunAssumptions, wire
+from hvd_lowcomm.methods import register
+from hvd_lowcomm.methods.base import Method, broadcast_model_and_optimizer, exchange_gradients, make_optimizer
+from hvd_lowcomm.schedule import run_steps
+
+COMPRESSIONS = ("none", "fp16", "int8")
+BLOCK = 256  # numbers per int8 scale: one fp32 scale costs 1/64 of the block's bytes
+
+
+@dataclass
+class DiLoCoOptions:
+    """DiLoCo: groups train alone for sync_every steps; an outer Nesterov step on the averaged
+    pseudo-gradient joins them."""
+
+    groups: int = option(0, "groups of contiguous ranks training on their own (0: one per node on several "
+                            "nodes, else 2)")
+    # A fraction, like AB-training's schedule, so the default fits a run of any length: 5 % of
+    # a 10,000-step run is the paper's H = 500.
+    sync_every: float = option(0.05, "inner steps between outer steps, H (< 1: fraction of the run's steps)")
+    outer_lr: float = option(0.7, "outer learning rate (the paper's 0.7; 1 with momentum 0: plain averaging)")
+    outer_momentum: float = option(0.9, "outer momentum (the paper's 0.9)")
+    nesterov: bool = option(True, "Nesterov momentum for the outer step (the paper's)")
+    compression: str = option("none", "pseudo-gradients between groups: none (fp32), fp16, or int8 (per-block "
+                                      "scaling, error feedback)", choices=COMPRESSIONS)
+    fragments: int = option(1, "streaming: sync the model in this many parts at staggered steps (peak traffic "
+                               "between groups / fragments)")
+
+    def validate(self) -> None:
+        if self.groups < 0:
+            raise ConfigError(f"diloco.groups must be >= 0 (0: automatic), got {self.groups}")
+        if self.sync_every <= 0 or (self.sync_every > 1 and self.sync_every != int(self.sync_every)):
+            raise ConfigError(f"diloco.sync_every must be a whole number of steps or a fraction in (0, 1), got "
+                              f"{self.sync_every}")
+        if self.outer_lr <= 0:
+            raise ConfigError(f"diloco.outer_lr must be > 0, got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"diloco.outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.fragments < 1:
+            raise ConfigError(f"diloco.fragments must be >= 1, got {self.fragments}")
+
+
+# ---------------------------------------------------------------------------------------------
+# fragments, shards and the sync schedule (shared with the cost model)
+
+def fragment_bounds(sizes: list[int], fragments: int) -> list[int]:
+    """Tensor indices [0, b_1, ..., len(sizes)]: `fragments` contiguous runs of tensors holding
+    about equal numbers."""
+    if fragments > len(sizes):
+        raise ConfigError(f"diloco.fragments {fragments}, but the model has only {len(sizes)} trainable tensors: "
+                          f"use at most {len(sizes)} fragments")
+    cumulative = [0]
+    for n in sizes:
+        cumulative.append(cumulative[-1] + n)
+    bounds = [0]
+    for k in range(1, fragments):
+        target = cumulative[-1] * k / fragments
+        best = min(range(bounds[-1] + 1, len(sizes) - (fragments - k) + 1),
+                   key=lambda i: abs(cumulative[i] - target))
+        bounds.append(best)
+    return [*bounds, len(sizes)]
+
+
+def shard_length(numbers: int, group_size: int) -> int:
+    """Numbers in each rank's slice of a fragment (the last slices padded with zeros)."""
+    return -(-numbers // group_size)
+
+
+def sync_due(inner_step: int, fragment: int, every: int, fragments: int) -> bool:
+    """Whether `fragment` is synced after inner step `inner_step` (1-based): at f·H/F + k·H."""
+    offset = fragment * every // fragments
+    return inner_step >= max(offset, 1) and (inner_step - offset) % every == 0
+
+
+def compressed_bytes(numbers: int, compression: str) -> int:
+    """Bytes one rank contributes to the exchange of `numbers` pseudo-gradient numbers."""
+    if compression == "int8":
+        return numbers + FLOAT_BYTES * math.ceil(numbers / BLOCK)
+    return numbers * (2 if compression == "fp16" else FLOAT_BYTES)
+
+
+def quantise(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 values and one fp32 scale per block of BLOCK (absmax / 127)."""
+    blocks = math.ceil(len(values) / BLOCK)
+    padded = torch.zeros(blocks * BLOCK, dtype=values.dtype, device=values.device)
+    padded[: len(values)] = values
+    padded = padded.view(blocks, BLOCK)
+    scales = padded.abs().amax(dim=1) / 127
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    return torch.round(padded / scales[:, None]).clamp(-127, 127).to(torch.int8).view(-1), scales
+
+
+def dequantise(values: torch.Tensor, scales: torch.Tensor, numbers: int) -> torch.Tensor:
+    return (values.view(len(scales), BLOCK).float() * scales[:, None]).view(-1)[:numbers]
+
+
+# ---------------------------------------------------------------------------------------------
+# DiLoCo for any training loop
+
+class DiLoCo:
+    """DiLoCo for any training loop: the caller's optimiser is the inner one; `step()` replaces
+    its `optimizer.step()`.
+
+        model = Net()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        diloco = hvd_lowcomm.DiLoCo(model, opt, total_steps=epochs * len(loader))
+        for x, y in loader:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            diloco.step()              # gradients averaged in the group, opt.step(); every H: outer step
+        final = diloco.full_model()    # the model after a sync of every fragment (collective)
+
+    `step()` averages the gradients inside this rank's group, clips them (`clip_grad_norm`),
+    steps the inner optimiser and, on the steps the schedule says, runs the outer step of the
+    fragments due. `total_steps` lets a `sync_every` below 1 mean a fraction of the run; keyword
+    options are those of `DiLoCoOptions`. Every rank starts from rank 0's parameters and
+    optimiser state. Collective: every rank constructs it and takes every step.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, total_steps: int | None = None,
+                 options: DiLoCoOptions | None = None, clip_grad_norm: float = 0.0, **kwargs: Any) -> None:
+        o = options or make_options(DiLoCoOptions, "diloco", **kwargs)
+        o.validate()
+        self.options, self.model, self.optimizer, self.clip_grad_norm = o, model, optimizer, clip_grad_norm
+        groups = runtime.default_group_count(o.groups, runtime.size())
+        runtime.group_layout(runtime.size(), num_groups=groups)  # a clear error when they do not divide
+        self.group, self.all_groups = runtime.split_world(num_groups=groups, label="group")
+        self.column, _ = runtime.split_by_position(groups, label="column")
+        self.position = self.group.rank_of(runtime.rank())
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        bounds = fragment_bounds([p.numel() for _, p in named], o.fragments)
+        self.fragments = [named[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        self.buffers = [(name, b) for name, b in model.named_buffers() if b.is_floating_point()]
+        broadcast_model_and_optimizer(model, optimizer)
+        # This rank's slice of each fragment's global copy, as the outer optimiser's parameters.
+        self.global_slices = [nn.Parameter(self._local_slice(f)) for f in range(len(self.fragments))]
+        self.outer = torch.optim.SGD(self.global_slices, lr=o.outer_lr, momentum=o.outer_momentum,
+                                     nesterov=o.nesterov and o.outer_momentum > 0)
+        self.errors = [torch.zeros_like(s) for s in self.global_slices] if o.compression == "int8" else []
+        self.inner_steps = 0
+        self.since_sync = [0] * len(self.fragments)  # inner steps since each fragment's last sync
+        self.outer_steps = 0
+        self.synced_now = False  # whether the step just taken ended with an outer step
+        self.every: int | None = None
+        if total_steps is not None:
+            self.set_total_steps(total_steps)
+
+    def set_total_steps(self, total_steps: int) -> None:
+        """Fix H for a run of `total_steps` steps (resolves a fractional sync_every)."""
+        self.every = max(1, run_steps(self.options.sync_every, total_steps, "diloco.sync_every"))
+        runtime.announce(f"diloco: {len(self.all_groups)} groups of {self.group.size} rank(s); an outer step every "
+                         f"{self.every} inner steps ({len(self.fragments)} fragment(s), {self.options.compression} "
+                         f"exchange; outer lr {self.options.outer_lr}, momentum {self.options.outer_momentum})")
+
+    # -- one step ------------------------------------------------------------------------------
+    def step(self) -> None:
+        """After the caller's backward pass: the inner step, then the outer step of every
+        fragment due (see the class)."""
+        if self.every is None:  # steps only: a fraction needs set_total_steps()
+            self.every = max(1, run_steps(self.options.sync_every, None, "diloco.sync_every"))
+        exchange_gradients([(f"diloco.inner.{n}", p) for fragment in self.fragments for n, p in fragment], self.group)
+        if self.clip_grad_norm:
+            torch.nn.utils.clip_grad_norm_([p for fragment in self.fragments for _, p in fragment], self.clip_grad_norm)
+        self.optimizer.step()
+        self.inner_steps += 1
+        self.since_sync = [n + 1 for n in self.since_sync]
+        due = [f for f in range(len(self.fragments)) if sync_due(self.inner_steps, f, self.every, len(self.fragments))]
+        if due:
+            self._outer_step(due)
+            self.outer_steps += 1
+        self.synced_now = bool(due)
+
+    def agreement_group(self) -> runtime.Group | None:
+        """Where the loop's per-step checks run: the whole world right after an outer step (all
+        ranks met in it), else this rank's group (the groups run free)."""
+        return None if self.synced_now else self.group
+
+    # -- the outer step ------------------------------------------------------------------------
+    def _flat(self, fragment: int) -> torch.Tensor:
+        """The fragment's parameters as one vector, padded with zeros to a whole number of slices."""
+        flat = torch.cat([p.detach().reshape(-1) for _, p in self.fragments[fragment]])
+        length = shard_length(len(flat), self.group.size) * self.group.size
+        return torch.cat([flat, flat.new_zeros(length - len(flat))])
+
+    def _local_slice(self, fragment: int) -> torch.Tensor:
+        length = shard_length(sum(p.numel() for _, p in self.fragments[fragment]), self.group.size)
+        return self._flat(fragment)[self.position * length:(self.position + 1) * length].clone()
+
+    def _outer_step(self, due: list[int]) -> None:
+        """Average the due fragments' pseudo-gradient slices over the column, step their global
+        slices, and give every rank of the group the new global parameters."""
+        deltas = [self.global_slices[f].detach() - self._local_slice(f) for f in due]
+        averaged = self._average_over_groups(due, deltas)
+        self.outer.zero_grad(set_to_none=True)
+        for f, delta in zip(due, averaged):
+            self.global_slices[f].grad = delta
+        self.outer.step()
+        gathered = meter.allgather_many([(f"diloco.global.{f}", self.global_slices[f].detach()) for f in due],
+                                        self.group)
+        with torch.no_grad():
+            for f, flat in zip(due, gathered):
+                offset = 0
+                for _, p in self.fragments[f]:
+                    p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+                self.since_sync[f] = 0
+            if 0 in due and self.buffers:
+                averaged_buffers = meter.allreduce_many([(f"diloco.buffer.{n}", b) for n, b in self.buffers],
+                                                        self.column, op="average")
+                for (_, b), value in zip(self.buffers, averaged_buffers):
+                    b.copy_(value)
+
+    def _average_over_groups(self, due: list[int], deltas: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The mean over the column (this slice of every group) of each pseudo-gradient slice."""
+        compression = self.options.compression
+        if compression == "none":
+            return meter.allreduce_many([(f"diloco.outer.{f}", d) for f, d in zip(due, deltas)], self.column,
+                                        op="average")
+        if compression == "fp16":
+            halves = meter.allreduce_many([(f"diloco.outer.{f}", d.half()) for f, d in zip(due, deltas)],
+                                          self.column, op="average")
+            return [h.float() for h in halves]
+        sent = []  # int8: quantise with error feedback, allgather, dequantise every group's slice
+        for f, delta in zip(due, deltas):
+            corrected = delta + self.errors[f]
+            values, scales = quantise(corrected)
+            self.errors[f] = corrected - dequantise(values, scales, len(corrected))
+            sent += [(f"diloco.outer.{f}.int8", values), (f"diloco.outer.{f}.scales", scales)]
+        gathered = meter.allgather_many(sent, self.column)
+        groups = self.column.size
+        return [torch.stack([dequantise(v, s, len(d)) for v, s in zip(values.chunk(groups), scales.chunk(groups))])
+                .mean(dim=0) for d, values, scales in zip(deltas, gathered[0::2], gathered[1::2])]
+
+    # -- evaluation, the final model, checkpoints ---------------------------------------------
+    @contextlib.contextmanager
+    def synced(self) -> Iterator[nn.Module]:
+        """The model an outer step of every fragment with inner steps since its last sync would
+        give now (collective; its traffic counts in the current meter phase); the groups' own
+        state is restored afterwards."""
+        pending = [f for f, n in enumerate(self.since_sync) if n]
+        if not pending:
+            yield self.model
+            return
+        saved = (copy.deepcopy(self.model.state_dict()), [s.detach().clone() for s in self.global_slices],
+                 copy.deepcopy(self.outer.state_dict()), [e.clone() for e in self.errors], list(self.since_sync))
+        self._outer_step(pending)
+        try:
+            yield self.model
+        finally:
+            model_state, slices, outer_state, errors, since = saved
+            self.model.load_state_dict(model_state)
+            with torch.no_grad():
+                for s, value in zip(self.global_slices, slices):
+                    s.copy_(value)
+            self.outer.load_state_dict(outer_state)
+            self.errors, self.since_sync = errors, since
+
+    def full_model(self) -> nn.Module:
+        """The synced model, the same on every rank (collective; its traffic counts as eval)."""
+        with meter.in_phase("eval"), self.synced() as model:
+            return copy.deepcopy(model)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the ranks of one group share: model, inner optimiser, position in the cycle."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "diloco": {"inner_steps": self.inner_steps, "since_sync": list(self.since_sync),
+                           "outer_steps": self.outer_steps, "synced_now": self.synced_now}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        d = state["diloco"]
+        self.inner_steps, self.since_sync = d["inner_steps"], list(d["since_sync"])
+        self.outer_steps, self.synced_now = d["outer_steps"], d["synced_now"]
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """What is this rank's own: its slices of the global copy, their outer momentum, the
+        int8 error feedback."""
+        return {"global_slices": [s.detach().clone() for s in self.global_slices], "outer": self.outer.state_dict(),
+                "errors": [e.clone() for e in self.errors]}
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for s, value in zip(self.global_slices, state["global_slices"]):
+                s.copy_(value)
+        self.outer.load_state_dict(state["outer"])
+        self.errors = [e.clone() for e in state["errors"]]
+
+
+# ---------------------------------------------------------------------------------------------
+# the cost model's view (hvd_lowcomm.costmodel)
+
+def diloco_facts(model: nn.Module, input_shape: tuple[int, ...], options: DiLoCoOptions, cfg: Config
+                 ) -> dict[str, Any]:
+    """The numbers in each fragment and in the floating-point buffers."""
+    sizes = [p.numel() for p in model.parameters() if p.requires_grad]
+    bounds = fragment_bounds(sizes, options.fragments)
+    return {"fragments": [sum(sizes[a:b]) for a, b in zip(bounds[:-1], bounds[1:])],
+            "buffers": sum(b.numel() for b in model.buffers() if b.is_floating_point())}
+
+
+def predict_diloco(profile: Profile, p: int, link: Link, o: DiLoCoOptions, cfg: Config,
+                   assumptions: RunAssumptions) -> Prediction:
+    """The mean step over a run of assumptions.run_steps steps: every step the gradients are
+    allreduced inside the group (on the node's links when a group fits in a node); each
+    fragment's syncs average its slice over the column (one rank per group, across the network
+    once groups fill nodes), then the group allgathers the fragment."""
+    groups = o.groups or (p // link.ranks_per_node if p > link.ranks_per_node else 2)
+    if p % groups:
+        raise ConfigError(f"diloco: {p} ranks do not split into {groups} groups")
+    g, runs = p // groups, max(assumptions.run_steps, 1)
+    every = max(1, run_steps(o.sync_every, runs, "diloco.sync_every"))
+    facts = profile.facts["diloco"]
+    inner = FLOAT_BYTES * profile.params
+    comm = runs * link.allreduce(inner, g, p)
+    sent = runs * wire("allreduce", inner, g)
+    across = g >= link.ranks_per_node  # a column's ranks sit on different nodes once groups fill nodes
+    for f, numbers in enumerate(facts["fragments"]):
+        syncs = sum(sync_due(s, f, every, len(facts["fragments"])) for s in range(1, runs + 1))
+        length = shard_length(numbers, g)
+        exchange = compressed_bytes(length, o.compression)
+        op = "allgather" if o.compression == "int8" else "allreduce"
+        cost = link.allgather(exchange, groups, p, spans_nodes=across) if op == "allgather" else \
+            link.allreduce(exchange, groups, p, spans_nodes=across)
+        cost += link.allgather(FLOAT_BYTES * length, g, p)
+        nbytes = wire(op, exchange, groups) + wire("allgather", FLOAT_BYTES * length, g)
+        if f == 0 and facts["buffers"]:
+            cost += link.allreduce(FLOAT_BYTES * facts["buffers"], groups, p, spans_nodes=across)
+            nbytes += wire("allreduce", FLOAT_BYTES * facts["buffers"], groups)
+        comm, sent = comm + syncs * cost, sent + syncs * nbytes
+    return Prediction("diloco", p, profile.step_seconds, 0.0, comm / runs, 0.0, sent / runs)
+
+
+# ---------------------------------------------------------------------------------------------
+# the method
+
+@register("diloco", options=DiLoCoOptions, cost=MethodCost(predict_diloco, model_facts=diloco_facts))
+class DiLoCoMethod(Method):
+    """`--method diloco`: DiLoCo driven by the built-in loop."""
+
+    @classmethod
+    def check_world(cls, cfg: Config, world_size: int) -> None:
+        runtime.group_layout(world_size, num_groups=runtime.default_group_count(cfg.options.groups, world_size))
+
+    def check_model(self, model: nn.Module) -> None:
+        fragment_bounds([p.numel() for p in model.parameters() if p.requires_grad], self.options.fragments)
+
+    def setup(self, model: nn.Module) -> None:
+        self.model = model
+        self.optimizer = make_optimizer(self.cfg, model.parameters())
+        self.trainer = DiLoCo(model, self.optimizer, options=self.options, clip_grad_norm=self.cfg.train.clip_grad_norm)
+
+    def set_total_steps(self, total_steps: int) -> None:
+        self.trainer.set_total_steps(total_steps)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        self.optimizer.zero_grad()
+        loss = self.forward_backward(x, y)
+        self.trainer.step()
+        return loss
+
+    def agreement_group(self) -> runtime.Group | None:
+        return self.trainer.agreement_group()
+
+    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int, float]:
+        """Accuracy of the model a sync would give now."""
+        with self.trainer.synced():
+            return super().evaluate(batches)
+
+    def final_state_dict(self) -> dict[str, Any] | None:
+        model = self.trainer.full_model()  # collective
+        return model.state_dict() if runtime.rank() == 0 else None
+
+    def epoch_metrics(self) -> dict[str, Any]:
+        intra = sum(t.wire_bytes for (phase, _, group), t in meter.by_kind.items()
+                    if phase == "train" and group.startswith("group"))
+        inter = sum(t.wire_bytes for (phase, _, group), t in meter.by_kind.items()
+                    if phase in ("train", "control") and (group.startswith("column") or group == "world"))
+        return {"outer_steps": self.trainer.outer_steps, "sync_every": self.trainer.every,
+                "intra_group_wire_bytes": intra, "inter_group_wire_bytes": inter}
+
+    summary_metrics = epoch_metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.trainer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.trainer.load_state_dict(state)
+
+    def local_state_dict(self) -> dict[str, Any]:
+        return self.trainer.local_state_dict()
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        self.trainer.load_local_state_dict(state)
+
+    def state_owner(self) -> int:
+        return self.trainer.group.ranks[0]  # the ranks of a group hold the same model

@@ -1,0 +1,187 @@
+"""DiLoCo: inner steps in groups, the sharded outer step, fragments, compression, the CLI."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from conftest import RANK, SIZE, needs_ranks
+from hvd_lowcomm import config
+from hvd_lowcomm.config import ConfigError
+from hvd_lowcomm.methods.diloco import (BLOCK, DiLoCo, dequantise, fragment_bounds, quantise, shard_length,
+                                        sync_due)
+from hvd_lowcomm.train import main
+
+INNER_LR = 0.1
+
+
+def small_model() -> nn.Sequential:
+    torch.manual_seed(11)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(6, 5, generator=generator), torch.randint(0, 3, (6,), generator=generator)
+
+
+def reference(world_size: int, groups: int, steps: int, every: int, fragments: int, outer_lr: float,
+              outer_momentum: float, nesterov: bool) -> list[nn.Sequential]:
+    """Every group's model after `steps` steps, in one process: G copies trained with plain SGD
+    on the mean gradient of their ranks' batches; each fragment's outer step (torch's SGD on the
+    global copy, gradient = mean over groups of global - local) at its own steps."""
+    size = world_size // groups
+    models = [small_model() for _ in range(groups)]
+    global_model = small_model()
+    params = list(global_model.parameters())
+    bounds = fragment_bounds([p.numel() for p in params], fragments)
+    outer = torch.optim.SGD(params, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov and outer_momentum > 0)
+    for step in range(1, steps + 1):
+        for g, model in enumerate(models):
+            grads = []
+            for rank in range(g * size, (g + 1) * size):
+                model.zero_grad()
+                x, y = batch(rank, step)
+                F.cross_entropy(model(x), y).backward()
+                grads.append([p.grad.clone() for p in model.parameters()])
+            with torch.no_grad():
+                for i, p in enumerate(model.parameters()):
+                    p -= INNER_LR * torch.stack([gr[i] for gr in grads]).mean(0)
+        due = [f for f in range(fragments) if sync_due(step, f, every, fragments)]
+        if not due:
+            continue
+        outer.zero_grad(set_to_none=True)
+        for f in due:
+            for i in range(bounds[f], bounds[f + 1]):
+                params[i].grad = torch.stack([params[i].detach() - list(m.parameters())[i].detach()
+                                              for m in models]).mean(0)
+        outer.step()
+        with torch.no_grad():
+            for model in models:
+                for f in due:
+                    for i in range(bounds[f], bounds[f + 1]):
+                        list(model.parameters())[i].copy_(params[i])
+    return models
+
+
+def train(steps: int, **options) -> tuple[nn.Sequential, DiLoCo]:
+    model = small_model()
+    diloco = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=INNER_LR), **options)
+    for step in range(1, steps + 1):
+        diloco.optimizer.zero_grad()
+        x, y = batch(RANK, step)
+        F.cross_entropy(model(x), y).backward()
+        diloco.step()
+    return model, diloco
+
+
+CASES = [  # (fragments, outer_lr, outer_momentum, nesterov)
+    (1, 0.7, 0.9, True),    # the paper's outer optimiser
+    (1, 1.0, 0.0, False),   # plain periodic averaging
+    (2, 0.7, 0.9, True),    # streaming: two fragments at staggered steps
+    (3, 0.5, 0.5, False),   # heavy-ball momentum, three fragments
+]
+
+
+@needs_ranks(2)
+@pytest.mark.parametrize("fragments, outer_lr, outer_momentum, nesterov", CASES)
+def test_outer_steps_match_a_single_process_reference(world, fragments, outer_lr, outer_momentum, nesterov):
+    groups = 2 if SIZE % 2 == 0 else SIZE
+    model, diloco = train(11, groups=groups, sync_every=4, fragments=fragments, outer_lr=outer_lr,
+                          outer_momentum=outer_momentum, nesterov=nesterov)
+    expected = reference(SIZE, groups, 11, 4, fragments, outer_lr, outer_momentum, nesterov)[diloco.group.index]
+    for (name, got), want in zip(model.named_parameters(), expected.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+    assert diloco.outer_steps == sum(any(sync_due(s, f, 4, fragments) for f in range(fragments)) for s in range(1, 12))
+
+
+@needs_ranks(2)
+def test_groups_differ_between_syncs_and_agree_after_one(world):
+    model, diloco = train(3, groups=2 if SIZE % 2 == 0 else SIZE, sync_every=4)
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gathered = world.comm.allgather(flat)
+    mine = diloco.group.ranks
+    assert all(torch.equal(gathered[r], flat) for r in mine)  # a group holds one model
+    assert not torch.equal(gathered[0], gathered[-1])  # the groups ran free
+    diloco.optimizer.zero_grad()
+    F.cross_entropy(model(batch(RANK, 4)[0]), batch(RANK, 4)[1]).backward()
+    diloco.step()  # the fourth step: an outer step
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert all(torch.equal(other, flat) for other in world.comm.allgather(flat))
+    assert diloco.agreement_group() is None  # the world met in this step
+
+
+@needs_ranks(2)
+def test_the_exchange_between_groups_is_sharded_and_int8_sends_a_quarter(world, fresh_meter):
+    groups = 2 if SIZE % 2 == 0 else SIZE
+    _, plain = train(4, groups=groups, sync_every=4)
+    numbers = sum(p.numel() for p in small_model().parameters())
+    slice_numbers = shard_length(numbers, plain.group.size)
+    column = [t for (phase, op, group), t in fresh_meter.by_kind.items() if group.startswith("column")]
+    assert sum(t.payload_bytes for t in column) == 4 * slice_numbers  # one fp32 slice, once
+    fresh_meter.reset()
+    model, quantised = train(4, groups=groups, sync_every=4, compression="int8")
+    column = [t for (phase, op, group), t in fresh_meter.by_kind.items() if group.startswith("column")]
+    blocks = -(-slice_numbers // BLOCK)
+    assert sum(t.payload_bytes for t in column) == blocks * BLOCK + 4 * blocks  # int8 values + fp32 scales
+    assert quantised.errors[0].abs().max() > 0  # what rounding dropped waits for the next sync
+    reference_model, _ = train(4, groups=groups, sync_every=4)
+    for got, want in zip(model.parameters(), reference_model.parameters()):  # int8 is close to fp32's step
+        assert (got - want).abs().max() < 0.02 * want.abs().max() + 1e-3
+
+
+def test_int8_quantisation_errs_by_at_most_half_a_step_per_block():
+    values = torch.randn(3 * BLOCK + 17) * torch.linspace(0.01, 10, 3 * BLOCK + 17)
+    q, scales = quantise(values)
+    assert q.dtype == torch.int8 and len(scales) == 4
+    error = (dequantise(q, scales, len(values)) - values).abs()
+    steps = scales.repeat_interleave(BLOCK)[: len(values)]
+    assert bool((error <= steps / 2 + 1e-7).all())
+
+
+def test_fragments_hold_about_equal_numbers_and_sync_at_staggered_steps():
+    assert fragment_bounds([10, 10, 10, 10], 2) == [0, 2, 4]
+    assert fragment_bounds([100, 1, 1, 100], 2) == [0, 2, 4]
+    assert fragment_bounds([5, 5, 5], 3) == [0, 1, 2, 3]
+    with pytest.raises(ConfigError, match="only 2 trainable tensors"):
+        fragment_bounds([5, 5], 3)
+    assert [s for s in range(1, 25) if sync_due(s, 0, 8, 2)] == [8, 16, 24]
+    assert [s for s in range(1, 25) if sync_due(s, 1, 8, 2)] == [4, 12, 20]
+    assert [s for s in range(1, 13) if sync_due(s, 0, 4, 1)] == [4, 8, 12]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--diloco.sync_every", "1.5"], "diloco.sync_every must be a whole number of steps or a fraction"),
+    (["--diloco.outer_momentum", "1"], r"diloco.outer_momentum must be in \[0, 1\)"),
+    (["--diloco.fragments", "0"], "diloco.fragments must be >= 1"),
+    (["--diloco.compression", "int4"], "diloco.compression must be one of none, fp16, int8"),
+])
+def test_bad_options_are_refused(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        config.load(["--method", "diloco", *argv])
+
+
+def test_a_group_count_that_does_not_divide_the_ranks_stops_before_training(shared_tmp, capsys):
+    code = main(["--method", "diloco", "--diloco.groups", str(SIZE + 1), "--data.path", str(shared_tmp / "d.h5"),
+                 "--run.dir", str(shared_tmp / "runs")])
+    assert code == 2
+    if RANK == 0:
+        assert f"cannot split {SIZE} ranks into {SIZE + 1} equal groups" in capsys.readouterr().err
+
+
+@needs_ranks(2)
+def test_diloco_trains_from_the_command_line_and_keeps_its_traffic_between_groups_small(shared_tmp):
+    common = ["--train.epochs", "3", "--data.path", str(shared_tmp / "digits.h5"), "--run.dir", str(shared_tmp),
+              "--run.progress", "false"]
+    assert main(["--method", "diloco", "--run.name", "diloco", *common]) == 0
+    assert main(["--method", "ddp", "--run.name", "ddp", *common]) == 0
+    if RANK == 0:
+        diloco, ddp = (json.loads((shared_tmp / name / "summary.json").read_text()) for name in ("diloco", "ddp"))
+        assert diloco["outer_steps"] > 0 and diloco["final_test_acc"] > 0.7
+        # between groups: one slice per H steps against ddp's whole-model allreduce every step
+        assert diloco["inter_group_wire_bytes"] < 0.5 * ddp["train_wire_bytes"]
+        assert (shared_tmp / "diloco" / "model.pt").exists()
