@@ -584,3 +584,30 @@ def test_re_factorisations_after_a_cut_compute_only_the_leading_triplets_and_mor
         assert len(computed) > 1 and layer.rank > 6 + 8
     else:
         assert computed == [(6, False)] and layer.rank == 6
+
+
+@needs_ranks(2)
+def test_an_outer_step_at_the_sync_moves_every_weight_from_where_the_group_phase_began(world):
+    """With ab.outer_lr and ab.outer_momentum, a sync is DiLoCo's outer step on W = A B and the
+    dense parameters: pseudo-gradient (start - plain synced value), first Nesterov step
+    (1 + momentum) times it; lr 1 and momentum 0 leave the plain average."""
+    def run(*argv):
+        method = ab_method("--ab.warmup", "2", "--ab.sync_every", "3", "--ab.full_rank_steps", "1", *argv)
+        for step in range(5):  # warm-up 0-1, factorised at full rank at 2, group steps 2-4
+            method.train_step(*learnable_batch(step))
+            if step == 1:
+                start = dense(method.model)
+        with method.trainer.synced() as model:  # the sync the next step would take
+            synced = dense(model)
+        return start, synced
+
+    def dense(model):  # the weights (W, not its factors) and biases
+        return [p.detach().clone() for n, p in model.named_parameters() if not n.endswith((".A", ".B"))]
+
+    start, plain = run()
+    lr, momentum = 0.5, 0.9
+    same_start, outer = run("--ab.outer_lr", str(lr), "--ab.outer_momentum", str(momentum))
+    for s, s2, p, o in zip(start, same_start, plain, outer):
+        torch.testing.assert_close(s, s2)
+        torch.testing.assert_close(o, s - lr * (1 + momentum) * (s - p), rtol=1e-4, atol=1e-5)
+    assert any((o - p).abs().max() > 1e-4 for p, o in zip(plain, outer))  # the outer step did move them

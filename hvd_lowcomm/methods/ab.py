@@ -98,8 +98,18 @@ class ABOptions:
                                        "fraction of the run; the reference uses about a third of a cycle)")
     rebound_lr: float = option(1e-5, "LR right after a switch")
     reset_optimizer: bool = option(False, "drop the factors' optimiser moments at re-factorisation")
+    # DiLoCo's outer step at every sync: the change the groups made to every weight (W = A B)
+    # and dense parameter since the group phase began is a pseudo-gradient, and SGD with
+    # momentum steps the weights from where the phase began. lr 1 and momentum 0: the sync's
+    # plain average (the paper's AB-training).
+    outer_lr: float = option(1.0, "outer learning rate at a sync (1 with outer_momentum 0: the plain average)")
+    outer_momentum: float = option(0.0, "outer momentum at a sync, kept across cycles (DiLoCo: 0.9)")
+    outer_nesterov: bool = option(True, "Nesterov momentum for the outer step")
 
     def validate(self) -> None:
+        if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"ab.outer_lr must be > 0 and ab.outer_momentum in [0, 1), got {self.outer_lr} and "
+                              f"{self.outer_momentum}")
         if self.groups < 0:
             raise ConfigError(f"ab.groups must be >= 0 (0: automatic), got {self.groups}")
         if self.warmup < 0 or self.full_rank_steps < 0 or self.rebound_steps < 0:
@@ -203,6 +213,11 @@ class ABTraining:
         self.last_switch: int | None = None
         self.cuts: dict[str, dict[str, float]] = {}  # the latest re-factorisation, per layer
         self.undone_cuts = 0
+        # The outer step's weights (where the group phase began) and its optimiser, when on.
+        self.outer_weights = [nn.Parameter(t.detach().clone()) for t in self._outer_targets()]
+        self.outer = torch.optim.SGD(self.outer_weights, lr=o.outer_lr, momentum=o.outer_momentum,
+                                     nesterov=o.outer_nesterov and o.outer_momentum > 0) \
+            if o.outer_lr != 1 or o.outer_momentum else None
         self._set_trainable()
         if self.dense_attention:
             self._say(f"kept dense inside nn.MultiheadAttention (it reads their weights itself): "
@@ -262,6 +277,10 @@ class ABTraining:
             else:
                 self._factorize(x, y, truncate=True)
         phase = self.schedule.phase(self.global_step)
+        if self.outer is not None and phase == "group" and {"factorize-first", "refactorize"} & set(actions):
+            with torch.no_grad():  # where this group phase begins: the outer step's starting point
+                for start, value in zip(self.outer_weights, self._outer_targets()):
+                    start.copy_(value)
         if actions or phase != self.phase:
             self.last_switch = self.global_step
         if phase != self.phase:
@@ -411,6 +430,26 @@ class ABTraining:
             for _, layer in layers:
                 layer.densify()
         self._average_the_rest()
+        if self.outer is not None:
+            self._outer_step()
+
+    def _outer_targets(self) -> list[torch.Tensor]:
+        """What the outer step moves: every factorised layer's W (A B in the group phase, its
+        dense weight after a sync) and every other parameter."""
+        factor_ids = {id(t) for layer in self.layers.values() for t in (layer.A, layer.B, layer.layer.weight)}
+        return [*(layer.weight() for layer in self.layers.values()),
+                *(p for p in self.model.parameters() if id(p) not in factor_ids)]
+
+    def _outer_step(self) -> None:
+        """After a sync: pseudo-gradient = (where the phase began) - (the synced value), one
+        outer SGD step from where the phase began, its result the synced weights."""
+        self.outer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for start, synced in zip(self.outer_weights, self._outer_targets()):
+                start.grad = start - synced
+            self.outer.step()
+            for start, synced in zip(self.outer_weights, self._outer_targets()):
+                synced.copy_(start)
 
     def _average_the_rest(self) -> None:
         """Parameters outside the factors (1-D, full-rank layers) and float buffers (BatchNorm
@@ -430,13 +469,26 @@ class ABTraining:
             yield self.model
             return
         saved = copy.deepcopy(self.model.state_dict())
+        outer = copy.deepcopy(self._outer_state())
         self._sync()
         try:
             yield self.model
         finally:
             self.model.load_state_dict(saved)
+            self._load_outer_state(outer)
             for layer in self.layers.values():
                 layer.factorized = True
+
+    def _outer_state(self) -> dict[str, Any]:
+        return {"weights": [w.detach().clone() for w in self.outer_weights],
+                "optimizer": self.outer.state_dict() if self.outer is not None else None}
+
+    def _load_outer_state(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for weight, value in zip(self.outer_weights, state["weights"]):
+                weight.copy_(value)
+        if self.outer is not None:
+            self.outer.load_state_dict(state["optimizer"])
 
     def full_model(self) -> nn.Module:
         """The synchronised model as an ordinary module (factorised layers back to dense ones
@@ -490,7 +542,8 @@ class ABTraining:
                 "ab": {"step": self.global_step, "phase": self.phase, "last_switch": self.last_switch,
                        "factorized": {n: l.factorized for n, l in self.layers.items()},
                        "cuts": self.cuts, "undone_cuts": self.undone_cuts,
-                       "noise_edges": {n: l.noise_edge for n, l in self.layers.items()}}}
+                       "noise_edges": {n: l.noise_edge for n, l in self.layers.items()},
+                       "outer": self._outer_state()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         model_state = state["model"]
@@ -505,6 +558,8 @@ class ABTraining:
         self.cuts, self.undone_cuts = ab.get("cuts", {}), ab.get("undone_cuts", 0)
         for name, edge in ab.get("noise_edges", {}).items():
             self.layers[name].noise_edge = edge
+        if "outer" in ab:
+            self._load_outer_state(ab["outer"])
         self._set_trainable()
 
 
