@@ -5,9 +5,9 @@
 
 For every rank count, in one benchmarks.compare set with one group per `--ranks-per-group`
 ranks (2: np 4, 8, 16 give 2, 4 and 8 groups, each group standing for a node): ddp; diloco at
-its defaults; ab at its defaults; ab with DiLoCo's outer optimiser at its syncs (lr 0.7,
-Nesterov momentum 0.9); then diloco with the H at which its inter-group bytes per rank equal
-what ab's run sent (measured: ab's bytes on the world process set over its steps, against one
+its defaults and with the DiLoCo paper's outer optimiser (lr 0.7, Nesterov momentum 0.9); ab
+at its defaults and with that outer optimiser at its syncs; then diloco (defaults) with the H
+at which its inter-group bytes per rank come closest to what ab's run sent (measured: ab's bytes on the world process set over its steps, against one
 sharded outer exchange of the model). Writes each rank count's compare tables under np<N>/,
 and at the top results.md / results.csv (accuracy, Δ vs ddp, inter-group bytes × ddp, step
 time × ddp, time to 90 % of ddp) and accuracy_vs_inter_group_bytes.png (every method's final
@@ -27,8 +27,12 @@ from hvd_lowcomm.comm.traffic import FLOAT_BYTES, wire_bytes
 from hvd_lowcomm.methods.diloco import shard_length
 from hvd_lowcomm.metrics import human_bytes, write_csv
 
+# The DiLoCo paper's outer optimiser, on DiLoCo and on AB's syncs.
+DILOCO_PAPER = "diloco:outer_lr=0.7,outer_momentum=0.9"
 AB_OUTER = "ab:outer_lr=0.7,outer_momentum=0.9"
-FIRST = ["ddp", "diloco", "ab", AB_OUTER]
+FIRST = ["ddp", "diloco", DILOCO_PAPER, "ab", AB_OUTER]
+ROLES = {"diloco": "diloco (defaults: plain averaging)", DILOCO_PAPER: "diloco, the paper's outer Nesterov",
+         "ab": "ab (defaults: plain averaging)", AB_OUTER: "ab + the paper's outer Nesterov"}
 
 
 def equal_bytes_h(ab_summary: dict[str, Any], ranks: int, groups: int) -> int:
@@ -43,7 +47,8 @@ def run_count(np_: int, args: argparse.Namespace, common: list[str]) -> list[dic
     groups = np_ // args.ranks_per_group
     out = Path(args.out) / f"np{np_}"
     extra = ["--", "--ab.groups", str(groups), "--diloco.groups", str(groups)]
-    compare.main([*common, "--np", str(np_), "--methods", ",".join(FIRST), "--out", str(out), *extra])
+    reuse = ["--reuse"] if args.reuse else []
+    compare.main([*common, "--np", str(np_), "--methods", ",".join(FIRST), "--out", str(out), *reuse, *extra])
     ab = json.loads((out / "runs" / compare.run_name(np_, "ab") / "summary.json").read_text())
     h = equal_bytes_h(ab, np_, groups)
     equal = f"diloco:sync_every={h}"
@@ -54,8 +59,7 @@ def run_count(np_: int, args: argparse.Namespace, common: list[str]) -> list[dic
         rows = list(csv.DictReader(fh))
     for row in rows:
         row["groups"] = groups
-        row["role"] = {"diloco": "diloco (defaults)", "ab": "ab (defaults)", AB_OUTER: "ab + outer Nesterov",
-                       equal: f"diloco at ab's bytes (H={h})"}.get(row["method"], row["method"])
+        row["role"] = {**ROLES, equal: f"diloco at ab's bytes (H={h})"}.get(row["method"], row["method"])
     return rows
 
 
@@ -70,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--reuse", action="store_true", help="reuse finished runs under --out/np<N>/runs")
     args = parser.parse_args(argv)
     common = ["--data", args.data, "--model", args.model, "--hidden", args.hidden, "--epochs", str(args.epochs),
               "--batch-size", str(args.batch_size)]

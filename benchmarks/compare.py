@@ -54,8 +54,8 @@ AGREEMENT = 0.10  # measured and metered training bytes should agree within this
 STEP_PHASES = ("forward", "backward", "exchange", "other")  # as the trainer's summary splits a step
 # benchmarks/bare_horovod.py as a method name: ddp's training without hvd_lowcomm's machinery.
 BARE_HOROVOD = "horovod"
-# Every method, and the no-communication floor (--methods all).
-ALL_METHODS = "local,ddp,ddp-fp16,powersgd,dad,rank-dad,edad,ab,sil,mp"
+# Every registered method, the no-communication floor and ddp first (--methods all).
+ALL_METHODS = ",".join(["local", "ddp", *sorted(name for name in specs() if name not in ("local", "ddp"))])
 
 
 @dataclass(frozen=True)

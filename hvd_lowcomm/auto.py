@@ -20,8 +20,9 @@ import torch
 from hvd_lowcomm import costmodel
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.traffic import meter
-from hvd_lowcomm.config import Config
+from hvd_lowcomm.config import Config, ConfigError
 from hvd_lowcomm.data import DatasetInfo
+from hvd_lowcomm.metrics import human_bytes
 
 
 @dataclass(frozen=True)
@@ -43,16 +44,33 @@ def choose(cfg: Config, model: torch.nn.Module, data: DatasetInfo, world_size: i
     decision = None
     if runtime.rank() == 0:
         profile = costmodel.profile_model(model, data.input_shape, cfg.data.batch_size, cfg=cfg,
-                                          methods=costmodel.drop_in_methods())
+                                          methods=(*costmodel.drop_in_methods(), *OTHERS_SHOWN))
         if world_size == 1:
             decision = ("ddp", "one rank: nothing to exchange", "")
         else:
             name, predictions, why = costmodel.choose(profile, world_size, link, cfg)
-            decision = (name, why, costmodel.format_predictions(predictions))
+            decision = (name, why, costmodel.format_predictions(predictions) + _others(profile, world_size, link, cfg))
     with meter.in_phase("setup"):
         name, why, table = meter.broadcast_object(decision, "auto.decision")
     runtime.announce(f"auto: chose {why}" + (f"\npredicted per step:\n{table}" if table else ""))
     return Choice(name, why)
+
+
+# Shown beside the choice but never chosen: they change how the model trains (what it converges
+# to, at what accuracy), which only the user can weigh against the time they save.
+OTHERS_SHOWN = ("diloco", "ab")
+
+
+def _others(profile: costmodel.Profile, ranks: int, link: costmodel.Link, cfg: Config) -> str:
+    lines = []
+    for name in OTHERS_SHOWN:
+        try:
+            q = costmodel.predict(profile, name, ranks, link, cfg)
+        except ConfigError:  # this model or rank count does not suit it
+            continue
+        lines.append(f"{name:<10} {q.step * 1e3:>9.1f} ms per step, {human_bytes(q.bytes_per_rank)} sent per rank")
+    return ("\nnot chosen automatically (they change how the model trains; choose them yourself):\n"
+            + "\n".join(lines)) if lines else ""
 
 
 def probe_link(probe_mb: float) -> costmodel.Link:

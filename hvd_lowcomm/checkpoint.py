@@ -80,8 +80,6 @@ def save(run_dir: Path, method: Method, position: dict[str, Any], extra: dict[st
     """Write a checkpoint of this rank's part; collective over all ranks. Returns its directory."""
     from mpi4py import MPI
 
-
-
     comm, rank = MPI.COMM_WORLD, MPI.COMM_WORLD.Get_rank()
     root = run_dir / "checkpoints"
     # Named by rank 0's step: ranks of SIL's partitions may have taken different step counts.
@@ -201,8 +199,6 @@ def load(path: Path, method: Method) -> dict[str, Any]:
     """Restore this rank's state from checkpoint `path` (after `method.setup`); returns this
     rank's payload (position, extra...)."""
     from mpi4py import MPI
-
-
 
     rank = MPI.COMM_WORLD.Get_rank()
     own = torch.load(path / f"rank-{rank:05d}.pt", weights_only=False)

@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             train(cfg, prepared.method, prepared.info, prepared.model, prepared.resume_dir, prepared.resume_from,
                   preemption, prepared.notes)
+            with meter.in_phase("control"):  # no rank exits (and shuts Horovod down) while another still sends
+                meter.barrier("run.end")
     finally:
         preemption.restore()
     return 0
