@@ -1,7 +1,6 @@
 """DiLoCo: inner steps in groups, the sharded outer step, fragments, compression, the CLI."""
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest

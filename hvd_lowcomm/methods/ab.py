@@ -52,7 +52,8 @@ from hvd_lowcomm.config import Config, ConfigError, make_options, option
 from hvd_lowcomm.costmodel import (Link, LayerSample, MethodCost, Prediction, Profile, RunAssumptions, median_seconds,
                                    wire)
 from hvd_lowcomm.methods import register
-from hvd_lowcomm.methods.base import Method, broadcast_model_and_optimizer, exchange_gradients, make_optimizer
+from hvd_lowcomm.methods.base import (GroupTrainerMethod, broadcast_model_and_optimizer, exchange_gradients,
+                                      make_optimizer)
 from hvd_lowcomm.methods.factorized import (FACTORIZABLE, RANK_RULES, FactorizedLayer, choose_rank,
                                             dropped_fraction, factorize_model, leading_svd, noise_edge,
                                             unfactorized_copy)
@@ -701,7 +702,7 @@ def predict_ab(profile: Profile, p: int, link: Link, o: ABOptions, cfg: Config,
 # does not sustain, which is what a cut removes.
 @register("ab", options=ABOptions, presets={"train.optimizer": "adamw", "train.weight_decay": 0.1},
           cost=MethodCost(predict_ab, ab_kernels))
-class AB(Method):
+class AB(GroupTrainerMethod):
     """`--method ab`: ABTraining driven by the built-in loop."""
 
     @classmethod
@@ -719,22 +720,11 @@ class AB(Method):
         self.trainer = ABTraining(model, self.optimizer, options=self.options,
                                   clip_grad_norm=self.cfg.train.clip_grad_norm)
 
-    def set_total_steps(self, total_steps: int) -> None:
-        self.trainer.set_total_steps(total_steps)
-
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         with self.trainer.step(x, y):
             self.optimizer.zero_grad()
             loss = self.forward_backward(x, y)
         return loss
-
-    def agreement_group(self) -> runtime.Group | None:
-        return self.trainer.agreement_group()
-
-    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int, float]:
-        """Accuracy of the model a sync would give now."""
-        with self.trainer.synced():
-            return super().evaluate(batches)
 
     def final_state_dict(self) -> dict[str, Any] | None:
         with meter.in_phase("eval"), self.trainer.synced() as model:  # collective; only rank 0 copies
@@ -745,15 +735,6 @@ class AB(Method):
 
     def summary_metrics(self) -> dict[str, Any]:
         return self.trainer.summary_metrics()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.trainer.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.trainer.load_state_dict(state)
-
-    def state_owner(self) -> int:
-        return self.trainer.group.ranks[0]  # groups train different factors; ranks of a group agree
 
 
 def _ortho_sigma(model: nn.Module) -> None:

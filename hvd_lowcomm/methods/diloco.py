@@ -35,7 +35,7 @@ import contextlib
 import copy
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -45,7 +45,8 @@ from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
 from hvd_lowcomm.config import Config, ConfigError, make_options, option
 from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, RunAssumptions, wire
 from hvd_lowcomm.methods import register
-from hvd_lowcomm.methods.base import Method, broadcast_model_and_optimizer, exchange_gradients, make_optimizer
+from hvd_lowcomm.methods.base import (GroupTrainerMethod, broadcast_model_and_optimizer, exchange_gradients,
+                                      make_optimizer)
 from hvd_lowcomm.schedule import run_steps
 
 COMPRESSIONS = ("none", "fp16", "int8")
@@ -391,7 +392,7 @@ def predict_diloco(profile: Profile, p: int, link: Link, o: DiLoCoOptions, cfg: 
 # the method
 
 @register("diloco", options=DiLoCoOptions, cost=MethodCost(predict_diloco, model_facts=diloco_facts))
-class DiLoCoMethod(Method):
+class DiLoCoMethod(GroupTrainerMethod):
     """`--method diloco`: DiLoCo driven by the built-in loop."""
 
     @classmethod
@@ -406,22 +407,11 @@ class DiLoCoMethod(Method):
         self.optimizer = make_optimizer(self.cfg, model.parameters())
         self.trainer = DiLoCo(model, self.optimizer, options=self.options, clip_grad_norm=self.cfg.train.clip_grad_norm)
 
-    def set_total_steps(self, total_steps: int) -> None:
-        self.trainer.set_total_steps(total_steps)
-
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         self.optimizer.zero_grad()
         loss = self.forward_backward(x, y)
         self.trainer.step()
         return loss
-
-    def agreement_group(self) -> runtime.Group | None:
-        return self.trainer.agreement_group()
-
-    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int, float]:
-        """Accuracy of the model a sync would give now."""
-        with self.trainer.synced():
-            return super().evaluate(batches)
 
     def final_state_dict(self) -> dict[str, Any] | None:
         model = self.trainer.full_model()  # collective
@@ -437,17 +427,8 @@ class DiLoCoMethod(Method):
 
     summary_metrics = epoch_metrics
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.trainer.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.trainer.load_state_dict(state)
-
     def local_state_dict(self) -> dict[str, Any]:
         return self.trainer.local_state_dict()
 
     def load_local_state_dict(self, state: dict[str, Any]) -> None:
         self.trainer.load_local_state_dict(state)
-
-    def state_owner(self) -> int:
-        return self.trainer.group.ranks[0]  # the ranks of a group hold the same model
