@@ -9,8 +9,9 @@ its defaults and with the DiLoCo paper's outer optimiser (lr 0.7, Nesterov momen
 at its defaults and with that outer optimiser at its syncs; then diloco (defaults) with the H
 at which its inter-group bytes per rank come closest to what ab's run sent (measured: ab's bytes on the world process set over its steps, against one
 sharded outer exchange of the model). Writes each rank count's compare tables under np<N>/,
-and at the top results.md / results.csv (accuracy, Δ vs ddp, inter-group bytes × ddp, step
-time × ddp, time to 90 % of ddp) and accuracy_vs_inter_group_bytes.png (every method's final
+and at the top results.md / results.csv (accuracy, Δ vs ddp, inter-group bytes × ddp,
+compression (AB's parameters: the full model's over the low-rank one's at the end), step time
+× ddp, time to 90 % of ddp) and accuracy_vs_inter_group_bytes.png (every method's final
 accuracy against its inter-group bytes per rank per step: the Pareto picture).
 """
 from __future__ import annotations
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     write_csv(out / "results.csv", rows)
     header = ["np", "groups", "method", "test acc", "Δ acc vs ddp", "inter-group bytes/step", "inter-group × ddp",
-              "step × ddp", "time to 90 % of ddp"]
+              "compression", "step × ddp", "time to 90 % of ddp"]
     lines = [f"# AB-training vs DiLoCo: {args.model} {args.hidden} on {args.data}, {args.epochs} epochs, batch "
              f"{args.batch_size}/rank, one group per {args.ranks_per_group} ranks", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             row["np"], str(row["groups"]), row["role"], f"{100 * float(row['final_test_acc']):.2f} %",
             f"{float(row.get('acc_diff_to_ddp_points') or 'nan'):+.2f}", human_bytes(steps_bytes),
             f"{float(row.get('world_bytes_ratio_to_ddp') or 'nan'):.4f}",
+            f"{float(row['compression_ratio']):.2f}x" if row.get("compression_ratio") else "–",
             f"{float(row.get('step_time_ratio_to_ddp') or 'nan'):.2f}",
             f"{float(row.get('seconds_to_90pct_of_ddp') or 'nan'):.1f} s"]) + " |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
