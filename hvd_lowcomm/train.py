@@ -76,7 +76,7 @@ def preflight(cfg: Config, world: runtime.Group) -> Prepared | None:
     here, so the loop gets a concrete method."""
     rank = world.comm.Get_rank()
     error = None
-    info = model = resume = None
+    info = model = resume = method = None
     try:
         if cfg.method != AUTO:  # auto's candidates fit any rank count
             spec(cfg.method).method.check_world(cfg, world.size)
@@ -102,7 +102,8 @@ def preflight(cfg: Config, world: runtime.Group) -> Prepared | None:
                 data.verify(info.files[rank::world.size])
             model = models.build_model(cfg.model, info.input_shape, info.num_classes)
             if cfg.method != AUTO:
-                spec(cfg.method).method(cfg, info).check_model(model)
+                method = spec(cfg.method).method(cfg, info)
+                method.check_model(model)
         except ConfigError as err:
             error = str(err)
     with meter.in_phase("control"):
@@ -120,13 +121,13 @@ def preflight(cfg: Config, world: runtime.Group) -> Prepared | None:
         notes = choice.summary()
         cfg.method = choice.method
         config.apply_presets(cfg, spec(choice.method).presets)  # ddp-fp16: its compression
+        method = spec(cfg.method).method(cfg, info)
         try:
-            spec(cfg.method).method(cfg, info).check_model(model)
+            method.check_model(model)
         except ConfigError as err:  # the same model and choice everywhere: every rank stops alike
             if rank == 0:
                 print(f"error: {err}", file=sys.stderr, flush=True)
             return None
-    method = spec(cfg.method).method(cfg, info)
     with meter.in_phase("control"):
         run_dir, found = meter.broadcast_object(resume, "preflight.resume")
     return Prepared(method, info, model, Path(run_dir) if run_dir else None, Path(found) if found else None, notes)

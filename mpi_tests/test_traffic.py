@@ -73,3 +73,18 @@ def test_point_to_point_messages_are_recorded_on_both_sides(world, fresh_meter):
         (rec,) = fresh_meter.step_records
         assert (rec.op, rec.payload_bytes, rec.wire_bytes) == ("recv", 24, 0.0)
     world.comm.Barrier()
+
+
+def test_total_on_sums_the_wire_bytes_of_process_sets_by_label_prefix_and_phase(fresh_meter):
+    from types import SimpleNamespace
+
+    group = lambda label, size: SimpleNamespace(label=label, size=size)  # noqa: E731
+    fresh_meter.record("allreduce", "a", 100, group("group0", 2))      # wire 100
+    fresh_meter.record("allreduce", "b", 100, group("group1", 2))      # wire 100
+    fresh_meter.record("allreduce", "c", 300, group("column0", 4))     # wire 450
+    with fresh_meter.in_phase("control"):
+        fresh_meter.record("allreduce", "d", 40, group("column0", 4))  # wire 60
+    assert fresh_meter.total_on(("group",)) == 200
+    assert fresh_meter.total_on(("column", "world")) == 450
+    assert fresh_meter.total_on(("column",), ("train", "control")) == 510
+    assert fresh_meter.total_on(("partition",)) == 0

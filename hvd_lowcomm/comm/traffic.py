@@ -151,6 +151,12 @@ class TrafficMeter:
                    if (phase is None or ph == phase) and (group is None or g == group)
                    and (op is None or o == op))
 
+    def total_on(self, groups: tuple[str, ...], phases: tuple[str, ...] = ("train",)) -> float:
+        """Wire bytes in `phases` on the process sets whose label starts with one of `groups`
+        ("group" matches group0, group1, ...): a grouped method's intra- or inter-group traffic."""
+        return sum(t.wire_bytes for (phase, _, group), t in self.by_kind.items()
+                   if phase in phases and group.startswith(groups))
+
     def step_total(self, field: str = "wire_bytes") -> float:
         return sum(getattr(r, field) for r in self.step_records)
 

@@ -515,9 +515,8 @@ class ABTraining:
 
     def epoch_metrics(self) -> dict[str, Any]:
         rest, factors, at_rank_one = self._parameter_counts()
-        intra = sum(t.wire_bytes for (phase, _, group), t in meter.by_kind.items()
-                    if phase == "train" and group.startswith("group"))
-        inter = meter.total("train", group="world") + meter.total("control", group="world")
+        intra = meter.total_on(("group",))
+        inter = meter.total_on(("world",), ("train", "control"))  # every world collective, the loop's checks too
         return {"phase": self.phase, "role": self.role, "compression_ratio": self.compression_ratio(),
                 # the most any rank could give with the dense layers beside the factorised ones
                 "compression_bound": self.full_parameters / (rest + at_rank_one),

@@ -182,6 +182,7 @@ class DiLoCo:
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         bounds = fragment_bounds([p.numel() for _, p in named], o.fragments)
         self.fragments = [named[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        self.inner_named = [(f"diloco.inner.{name}", p) for name, p in named]  # what the group averages
         self.buffers = [(name, b) for name, b in model.named_buffers() if b.is_floating_point()]
         broadcast_model_and_optimizer(model, optimizer)
         # This rank's slice of each fragment's global copy, as the outer optimiser's parameters.
@@ -210,9 +211,9 @@ class DiLoCo:
         fragment due (see the class)."""
         if self.every is None:  # steps only: a fraction needs set_total_steps()
             self.every = max(1, run_steps(self.options.sync_every, None, "diloco.sync_every"))
-        exchange_gradients([(f"diloco.inner.{n}", p) for fragment in self.fragments for n, p in fragment], self.group)
+        exchange_gradients(self.inner_named, self.group)
         if self.clip_grad_norm:
-            torch.nn.utils.clip_grad_norm_([p for fragment in self.fragments for _, p in fragment], self.clip_grad_norm)
+            torch.nn.utils.clip_grad_norm_([p for _, p in self.inner_named], self.clip_grad_norm)
         self.optimizer.step()
         self.inner_steps += 1
         self.since_sync = [n + 1 for n in self.since_sync]
@@ -418,10 +419,8 @@ class DiLoCoMethod(GroupTrainerMethod):
         return model.state_dict() if runtime.rank() == 0 else None
 
     def epoch_metrics(self) -> dict[str, Any]:
-        intra = sum(t.wire_bytes for (phase, _, group), t in meter.by_kind.items()
-                    if phase == "train" and group.startswith("group"))
-        inter = sum(t.wire_bytes for (phase, _, group), t in meter.by_kind.items()
-                    if phase in ("train", "control") and (group.startswith("column") or group == "world"))
+        intra = meter.total_on(("group",))
+        inter = meter.total_on(("column", "world"), ("train", "control"))  # the loop's checks at outer steps too
         return {"outer_steps": self.trainer.outer_steps, "sync_every": self.trainer.every,
                 "intra_group_wire_bytes": intra, "inter_group_wire_bytes": inter}
 

@@ -69,8 +69,7 @@ class Partitioned(Method):
 
     def epoch_metrics(self) -> dict[str, Any]:
         between = sum(t.payload_bytes for (phase, op, _), t in meter.by_kind.items() if phase == "train" and op == "send")
-        within = sum(t.wire_bytes for (phase, op, group), t in meter.by_kind.items()
-                     if phase == "train" and group.startswith("partition"))
+        within = meter.total_on(("partition",))
         own = sum(p.numel() for p in self.model.parameters())
         return {"partition": self.layout.index, "between_partitions_bytes": between, "within_partition_wire_bytes": within,
                 "parameter_bytes": FLOAT_BYTES * own, "parameter_fraction": own / self.layout.whole_model_parameters}
