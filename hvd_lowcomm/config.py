@@ -76,11 +76,12 @@ class DataConfig:
                                 "turn off for huge datasets already checked with `python -m data_prep verify`")
     source: str = option("", "your own data instead of an HDF5 file: 'module:function' returning (train, test) "
                              "torch Datasets of (x, y) items, or (train, test, num_classes); each rank calls it")
+    seq_len: int = option(128, "text datasets: tokens per training window (the language model's context)")
     driver: str = option("default", "HDF5 driver for reads: default (independent POSIX reads per rank) or "
                                     "mpio (MPI-IO; needs h5py built with MPI)", choices=("default", "mpio"))
 
     def validate(self) -> None:
-        _positive(self, "batch_size", "test_batch_size")
+        _positive(self, "batch_size", "test_batch_size", "seq_len")
         if not self.path:
             raise ConfigError("data.path is empty: give the HDF5 file to train on (--data.path data/digits.h5)")
         if self.driver == "mpio":
@@ -96,21 +97,31 @@ class DataConfig:
 class ModelConfig:
     """Which network to train."""
 
-    name: str = option("", "model from hvd_lowcomm.models: mlp, cnn, sil6 (six fully connected layers), "
-                           "tv:<name> with the [vision] extra, or your own 'module:factory' called as "
+    name: str = option("", "model from hvd_lowcomm.models: mlp, cnn, sil6 (six fully connected layers), gpt (a "
+                           "language model, for text datasets), vit (a vision transformer), tv:<name> with the [vision] extra, or your own 'module:factory' called as "
                            "factory(input_shape, num_classes, **model.kwargs); empty: the method's default (sil6 "
                            "for sil and mp, mlp otherwise)")
     kwargs: dict = option({}, "keyword arguments for a 'module:factory' model, a YAML mapping (e.g. "
                               "'{depth: 4, width: 128}')")
     hidden: list[int] = option([], "hidden widths of the MLP, or channels of the CNN's conv blocks; empty: the "
                                    "model's default (mlp 256,128; cnn 32,64; sil6 256,256,256,256,256)")
-    dropout: float = option(0.0, "dropout probability after each hidden layer")
+    dropout: float = option(0.0, "dropout probability after each hidden layer (transformers: on embeddings, "
+                                 "attention and MLP outputs)")
+    layers: int = option(4, "transformer blocks of gpt and vit")
+    width: int = option(128, "gpt and vit: the residual stream's width (the MLP is four times as wide)")
+    heads: int = option(4, "gpt and vit: attention heads (a divisor of model.width)")
+    patch_size: int = option(4, "vit: side of the square image patches (a divisor of the image's height and width)")
+    pool: str = option("cls", "vit: classify from the class token or the mean of the patch tokens",
+                       choices=("cls", "mean"))
+    tie_weights: bool = option(False, "gpt: the output layer shares the token embedding's matrix (GPT-2); not with "
+                                      "sil or mp, whose partitions hold the two ends apart")
 
     def validate(self) -> None:
         if any(h <= 0 for h in self.hidden):
             raise ConfigError(f"model.hidden must be positive widths, got {self.hidden} (e.g. --model.hidden 128,64)")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        _positive(self, "layers", "width", "heads", "patch_size")
 
 
 @dataclass

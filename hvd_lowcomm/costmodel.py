@@ -45,6 +45,7 @@ from hvd_lowcomm.comm.traffic import wire_bytes
 from hvd_lowcomm.config import Config, ConfigError, apply_presets, default_config, rate_bits
 from hvd_lowcomm.metrics import human_bytes
 from hvd_lowcomm.methods import specs
+from hvd_lowcomm.task import example_input
 
 @dataclass(frozen=True)
 class Link:
@@ -228,7 +229,7 @@ def profile_model(model: nn.Module, input_shape: tuple[int, ...], batch: int, re
     seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # each weight layer's input and output
     hooks = [m.register_forward_hook(_rows_hook(rows, seen, name)) for name, m in model.named_modules()
              if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() >= 2]
-    x = torch.randn(batch, *input_shape)
+    x = example_input(model, batch, tuple(input_shape))
     with torch.no_grad():
         model(x)
     for hook in hooks:

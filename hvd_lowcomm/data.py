@@ -12,6 +12,20 @@ Images are stored as uint8; the loader returns float32 (x / 255 - mean[c]) / std
 per-channel mean and std of the whole training split (attributes, in [0, 1] units). Float
 features are returned as stored.
 
+A text dataset (written by `python -m data_prep text`, attribute kind "text") holds a token
+stream per split instead:
+
+    /                 attrs: format, kind = "text", num_classes (= the vocabulary size), vocab_size,
+                             tokenizer, bytes_per_token (text bytes per token, 1 for bytes),
+                             source, checksum, shard_index, num_shards
+    /train/tokens     uint8 (a vocabulary of at most 256) or uint16/int32 token ids [N]
+    /test/tokens      the held-out (validation) stream
+
+Its samples are windows of `seq_len` + 1 tokens: x the first seq_len, y the same shifted by
+one (the next token at every position). Evaluation reads the stream in consecutive windows;
+training reads one window fewer per shard, shifted every epoch by a random offset below
+seq_len (from seed and epoch, the same on every rank), so each epoch cuts the text elsewhere.
+
 A dataset is one such file, or a directory of S shard files `shard-00000-of-000S.h5` (data_prep
 --shards S), each a complete file holding a slice of both splits. The samples of all shards
 form one index space, shard after shard.
@@ -41,7 +55,8 @@ import h5py
 import numpy as np
 import torch
 
-from hvd_lowcomm.config import ConfigError, import_object
+from hvd_lowcomm.config import ConfigError, DataConfig, import_object
+from hvd_lowcomm.task import CLASSIFY, LANGUAGE_MODEL
 
 FORMAT = "hvd_lowcomm-h5/2"
 SPLITS = ("train", "test")
@@ -57,7 +72,7 @@ def checksum(f: h5py.File) -> str:
     """sha256 over every split's x and y bytes, in layout order, read chunk by chunk."""
     digest = hashlib.sha256()
     for split in SPLITS:
-        for key in ("x", "y"):
+        for key in f[split]:  # x and y, or tokens (in name order)
             ds = f[split][key]
             rows = max(1, (1 << 24) // max(1, ds.dtype.itemsize * math.prod(ds.shape[1:])))
             for start in range(0, ds.shape[0], rows):
@@ -78,6 +93,8 @@ class DatasetInfo:
     mean: tuple[float, ...] | None
     std: tuple[float, ...] | None
     datasets: Any = field(default=None, compare=False, repr=False)  # data.source: {"train": ..., "test": ...}
+    task: str = CLASSIFY           # or LANGUAGE_MODEL: a text dataset (num_classes is its vocabulary)
+    bytes_per_token: float = 1.0   # text: bytes of text per token of the held-out split (bits per byte)
 
     @property
     def num_train(self) -> int:
@@ -111,10 +128,12 @@ def shard_files(path: Path) -> list[Path]:
     return expected
 
 
-def _describe(path: Path) -> dict:
+def _describe(path: Path, seq_len: int) -> dict:
     """One file's layout, checked; everything `inspect` needs from it."""
     try:
         with h5py.File(path, "r") as f:
+            if f.attrs.get("kind") == "text":
+                return _describe_text(path, f, seq_len)
             missing = [f"/{s}/{k}" for s in SPLITS for k in ("x", "y") if f"{s}/{k}" not in f]
             missing += [f"attribute {a}" for a in ("format", "num_classes", "checksum") if a not in f.attrs]
             if missing:
@@ -142,16 +161,39 @@ def _describe(path: Path) -> dict:
                 stats = (tuple(float(v) for v in f.attrs["mean"]), tuple(float(v) for v in f.attrs["std"]))
             return {"num_classes": int(f.attrs["num_classes"]), "input_shape": tuple(int(d) for d in x.shape[1:]),
                     "train": int(x.shape[0]), "test": int(f["test/x"].shape[0]), "dtype": str(x.dtype),
-                    "source": str(f.attrs.get("source", "?")), "stats": stats,
+                    "source": str(f.attrs.get("source", "?")), "stats": stats, "task": CLASSIFY,
+                    "bytes_per_token": 1.0,
                     "shard": (int(f.attrs.get("shard_index", 0)), int(f.attrs.get("num_shards", 1)))}
     except OSError as err:
         raise DataError(f"cannot read {path} as HDF5 ({err}); the file may be truncated or "
                         f"corrupt: delete it and {_remake(path)}") from None
 
 
-def inspect(path: str | Path) -> DatasetInfo:
+def _describe_text(path: Path, f: h5py.File, seq_len: int) -> dict:
+    missing = [f"/{s}/tokens" for s in SPLITS if f"{s}/tokens" not in f]
+    missing += [f"attribute {a}" for a in ("format", "vocab_size", "checksum") if a not in f.attrs]
+    if missing:
+        raise DataError(f"{path} is not a complete hvd_lowcomm text dataset: missing {', '.join(missing)}; "
+                        f"recreate it with `python -m data_prep text <files> --out {path}`")
+    if str(f.attrs["format"]) != FORMAT:
+        raise DataError(f"{path} has format {f.attrs['format']!r}, this version reads {FORMAT!r}; "
+                        f"recreate it with `python -m data_prep text <files> --out {path}`")
+    counts = {split: int(f[f"{split}/tokens"].shape[0]) for split in SPLITS}
+    for split, count in counts.items():
+        if count < seq_len + 1:
+            raise DataError(f"{path}: the {split} split has {count} tokens, fewer than one window of data.seq_len "
+                            f"{seq_len} + 1: use a shorter --data.seq_len, more text, or fewer --shards")
+    return {"num_classes": int(f.attrs["vocab_size"]), "input_shape": (seq_len,),
+            "train": TokenSplit.windows(counts["train"], seq_len, training=True),
+            "test": TokenSplit.windows(counts["test"], seq_len, training=False),
+            "dtype": str(f["train/tokens"].dtype), "source": str(f.attrs.get("source", "?")), "stats": None,
+            "task": LANGUAGE_MODEL, "bytes_per_token": float(f.attrs.get("bytes_per_token", 1.0)),
+            "shard": (int(f.attrs.get("shard_index", 0)), int(f.attrs.get("num_shards", 1)))}
+
+
+def inspect(path: str | Path, seq_len: int = DataConfig.seq_len) -> DatasetInfo:
     """Check the layout of a dataset file or shard directory (not the checksums: that reads
-    everything, see `verify`) and describe it."""
+    everything, see `verify`) and describe it; a text dataset as windows of `seq_len` tokens."""
     path = Path(path)
     if path.is_dir():
         files = shard_files(path)
@@ -160,10 +202,10 @@ def inspect(path: str | Path) -> DatasetInfo:
     else:
         raise DataError(f"dataset {path} does not exist; create it with "
                         f"`python -m data_prep digits --out {path}` (or another source, see python -m data_prep --help)")
-    described = [_describe(f) for f in files]
+    described = [_describe(f, seq_len) for f in files]
     first = described[0]
     for index, (file, d) in enumerate(zip(files, described)):
-        for key in ("num_classes", "input_shape", "dtype", "stats"):
+        for key in ("num_classes", "input_shape", "dtype", "stats", "task"):
             if d[key] != first[key]:
                 raise DataError(f"{file}: {key} {d[key]} differs from {files[0].name}'s {first[key]}; "
                                 f"the shards come from different data_prep runs: {_remake(path)}")
@@ -175,7 +217,8 @@ def inspect(path: str | Path) -> DatasetInfo:
     return DatasetInfo(path=str(path), files=tuple(str(f) for f in files), num_classes=first["num_classes"],
                        input_shape=first["input_shape"], train_sizes=tuple(d["train"] for d in described),
                        test_sizes=tuple(d["test"] for d in described), source=first["source"],
-                       dtype=first["dtype"], mean=stats[0] if stats else None, std=stats[1] if stats else None)
+                       dtype=first["dtype"], mean=stats[0] if stats else None, std=stats[1] if stats else None,
+                       task=first["task"], bytes_per_token=first["bytes_per_token"])
 
 
 def verify(files: list[str] | tuple[str, ...]) -> None:
@@ -255,6 +298,59 @@ class H5Split:
             if self._scale is not None:
                 x = x.sub_(self._scale[0]).div_(self._scale[1])
         return x, y
+
+
+class TokenSplit:
+    """One split of a text dataset as windows of `seq_len` + 1 tokens (see the module
+    docstring), over all its shard files; read like H5Split: `read(indices)` gives x [B, seq_len]
+    and y [B, seq_len], both int64 token ids, y the next token at every position of x."""
+
+    def __init__(self, info: DatasetInfo, split: str, seq_len: int) -> None:
+        self.info, self.split, self.seq_len, self.path = info, split, seq_len, info.path
+        self.training = split == "train"
+        self.sizes = info.sizes(split)
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+        self._tokens: dict[int, np.ndarray | h5py.Dataset] = {}
+        self._shift = np.zeros(len(self.sizes), dtype=np.int64)
+
+    @staticmethod
+    def windows(tokens: int, seq_len: int, training: bool) -> int:
+        """Windows in a stream of `tokens`: consecutive ones, and in training one fewer (when
+        there are two) to leave room for the epoch's random shift."""
+        whole = (tokens - 1) // seq_len
+        return whole - 1 if training and whole >= 2 else whole
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def shard_range(self, shard: int) -> np.ndarray:
+        return np.arange(self.offsets[shard], self.offsets[shard + 1])
+
+    def start_epoch(self, seed: int, epoch: int) -> None:
+        """Training: shift every shard's windows by a random offset for this epoch (the same on
+        every rank); evaluation reads fixed windows."""
+        if not self.training:
+            return
+        for shard, count in enumerate(self.sizes):
+            slack = min(self._stream(shard).shape[0] - 1 - count * self.seq_len, self.seq_len - 1)
+            self._shift[shard] = np.random.default_rng([seed, epoch, shard, 7]).integers(0, slack + 1)
+
+    def _stream(self, shard: int) -> np.ndarray | h5py.Dataset:
+        if shard not in self._tokens:
+            tokens = h5py.File(self.info.files[shard], "r")[self.split]["tokens"]
+            self._tokens[shard] = _mapped(tokens, self.info.files[shard])
+        return self._tokens[shard]
+
+    def read(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        indices = np.asarray(indices, dtype=np.int64)
+        shards = np.searchsorted(self.offsets, indices, side="right") - 1
+        length = self.seq_len + 1
+        rows = np.empty((len(indices), length), dtype=np.int64)
+        for i, (index, shard) in enumerate(zip(indices, shards)):
+            start = (index - self.offsets[shard]) * self.seq_len + self._shift[shard]
+            rows[i] = self._stream(int(shard))[start:start + length]
+        window = torch.from_numpy(rows)
+        return window[:, :-1], window[:, 1:]
 
 
 SLAB_BYTES = 1 << 20
@@ -357,6 +453,8 @@ class ShardedBatches:
         return np.array_split(self.shard_indices(epoch), len(self))
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self.shuffle and hasattr(self.split, "start_epoch"):  # a text split's windows move each epoch
+            self.split.start_epoch(self.seed, self.epoch)
         for indices in self.batch_indices()[self.start:]:
             x, y = self.split.read(indices)
             yield x.to(self.device), y.to(self.device)
@@ -412,7 +510,10 @@ def from_source(source: str) -> DatasetInfo:
 
 
 def open_split(info: DatasetInfo, split: str, normalize: bool = True, driver: str = "default") -> Any:
-    """The reader of one split: the user's dataset (data.source) or the HDF5 files."""
+    """The reader of one split: the user's dataset (data.source), a text dataset's windows, or
+    the HDF5 files."""
     if info.datasets is not None:
         return DatasetSplit(info.datasets[split], info.path, split)
+    if info.task == LANGUAGE_MODEL:
+        return TokenSplit(info, split, info.input_shape[0])
     return H5Split(info, split, normalize, driver)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from hvd_lowcomm import checkpoint, data
+from hvd_lowcomm import checkpoint, data, task
 from hvd_lowcomm.checkpoint import Checkpointer, PreemptionSignal, TrainState
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.traffic import meter
@@ -65,7 +65,7 @@ def train(cfg: Config, method: Method, info: data.DatasetInfo, model: torch.nn.M
     shards = f", {len(info.files)} shard files" if len(info.files) > 1 else ""
     log.print(f"hvd_lowcomm: method {cfg.method} on {world.size} rank(s) ({device.type}); model "
               f"{cfg.model.name} ({parameters:,} parameters); data {info.path} "
-              f"({info.num_train} train / {info.num_test} test, {info.num_classes} classes{shards}); "
+              f"({info.num_train} train / {info.num_test} test {_samples(info)}{shards}); "
               f"{len(train_batches)} steps/epoch; run dir {run_dir}")
     unused = getattr(train_batches, "unused_fraction", lambda: 0.0)()
     if unused > 0.05:
@@ -102,7 +102,7 @@ def train(cfg: Config, method: Method, info: data.DatasetInfo, model: torch.nn.M
         if keeper.stopping:
             keeper.stop(epoch, result.next_batch, log)
             return None
-        record = {"epoch": epoch, "step": meter.step, **evaluate(method, test_batches, result.mean_loss),
+        record = {"epoch": epoch, "step": meter.step, **evaluate(method, test_batches, result.mean_loss, info),
                   "train_wire_bytes": meter.total("train") - wire_at_start,
                   "train_wire_bytes_total": meter.total("train"),
                   "seconds": time.perf_counter() - start, "data_wait_seconds": result.wait_seconds,
@@ -110,8 +110,8 @@ def train(cfg: Config, method: Method, info: data.DatasetInfo, model: torch.nn.M
         state.record = record
         state.best_acc = max(state.best_acc, record["test_acc"])
         log.epoch(record)
-        log.print(f"epoch {epoch:>3}/{epochs} | loss {record['train_loss']:.4f} | "
-                  f"test acc {100 * record['test_acc']:6.2f}% | sent {human_bytes(record['train_wire_bytes'])} "
+        log.print(f"epoch {epoch:>3}/{epochs} | loss {record['train_loss']:.4f} | {_quality(record)} | "
+                  f"sent {human_bytes(record['train_wire_bytes'])} "
                   f"({human_bytes(record['train_wire_bytes'] / max(result.steps, 1))}/step)")
         done = result.next_batch >= len(train_batches)
         state.epoch, state.batch = (epoch + 1, 0) if done else (epoch, result.next_batch)
@@ -123,10 +123,10 @@ def train(cfg: Config, method: Method, info: data.DatasetInfo, model: torch.nn.M
             break
         state.epoch, state.batch = epoch + 1, 0
     if "epoch" not in state.record:  # resumed a run that had nothing left to do: report where it stands
-        state.record = evaluate(method, test_batches, 0.0)
+        state.record = evaluate(method, test_batches, 0.0, info)
     keeper.save(state.epoch, state.batch)
 
-    summary, rows = summarize(cfg, method, state, time.perf_counter() - start, parameters, notes or {})
+    summary, rows = summarize(cfg, method, state, time.perf_counter() - start, parameters, notes or {}, info)
     final = method.final_state_dict()
     if final is not None:
         torch.save(final, run_dir / "model.pt")
@@ -196,18 +196,36 @@ def nonfinite(loss: float, model: torch.nn.Module) -> str | None:
     return None if math.isfinite(loss) else f"loss is {loss}"
 
 
-def evaluate(method: Method, test_batches: Any, local_train_loss: float) -> dict[str, float]:
-    """Test accuracy and loss over the whole test set, and the mean training loss over ranks."""
+def evaluate(method: Method, test_batches: Any, local_train_loss: float, info: data.DatasetInfo) -> dict[str, float]:
+    """Test accuracy and loss over the whole test set (per labelled position: sample, or token
+    of a language model, with its perplexity and bits per byte), and the mean training loss
+    over ranks."""
     with meter.in_phase("eval"):
         correct, count, test_loss = method.evaluate(test_batches)
         correct, count, test_loss, train_loss = meter.allreduce_object_sum(
             [correct, count, test_loss, local_train_loss], "eval.totals")
-    return {"train_loss": train_loss / runtime.size(), "test_loss": test_loss / count,
-            "test_acc": correct / count}
+    record = {"train_loss": train_loss / runtime.size(), "test_loss": test_loss / count, "test_acc": correct / count}
+    if info.task == task.LANGUAGE_MODEL:
+        record.update(task.language_model_figures(record["test_loss"], info.bytes_per_token))
+    return record
+
+
+def _samples(info: data.DatasetInfo) -> str:
+    if info.task == task.LANGUAGE_MODEL:
+        return f"windows of {info.input_shape[0]} tokens, vocabulary {info.num_classes}"
+    return f"samples, {info.num_classes} classes"
+
+
+def _quality(record: dict[str, Any]) -> str:
+    """How good the model is now, as its task measures it."""
+    if "perplexity" in record:
+        return (f"val loss {record['test_loss']:.4f} (ppl {record['perplexity']:.2f}, "
+                f"{record['bits_per_byte']:.3f} bits/byte)")
+    return f"test acc {100 * record['test_acc']:6.2f}%"
 
 
 def summarize(cfg: Config, method: Method, state: TrainState, elapsed: float, parameters: int,
-              notes: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+              notes: dict[str, Any], info: data.DatasetInfo) -> tuple[dict[str, Any], list[tuple[str, str]]]:
     """The run's summary record, and its rows for the table printed at the end."""
     last, step_seconds, wait_seconds = state.record, state.step_seconds, state.wait_seconds
     best_acc, skipped = state.best_acc, state.skipped
@@ -219,7 +237,8 @@ def summarize(cfg: Config, method: Method, state: TrainState, elapsed: float, pa
     steps = max(meter.step, 1)
     summary = {
         "method": cfg.method, "world_size": runtime.size(), "epochs": method.epochs(), "steps": meter.step,
-        "final_test_acc": last["test_acc"], "best_test_acc": best_acc, "seconds": elapsed,
+        "final_test_acc": last["test_acc"], "best_test_acc": best_acc, "final_test_loss": last["test_loss"],
+        "seconds": elapsed,
         "step_seconds_mean": step_seconds / steps, "parameters": parameters,
         "data_wait_fraction": wait_seconds / max(wait_seconds + step_seconds, 1e-12),
         "skipped_nonfinite_steps": skipped,
@@ -232,10 +251,16 @@ def summarize(cfg: Config, method: Method, state: TrainState, elapsed: float, pa
         # the rest (the method's own computation: power iteration, SVD, optimiser step...).
         **step_split(method, step_seconds, steps),
     }
+    if info.task == task.LANGUAGE_MODEL:
+        summary.update({"final_perplexity": last["perplexity"], "final_bits_per_byte": last["bits_per_byte"],
+                        "tokens_per_step_per_rank": cfg.data.batch_size * info.input_shape[0]})
     extra = {**method.summary_metrics(), **notes}
     summary.update(extra)
     rows = [("method", f"{cfg.method} on {runtime.size()} rank(s)"),
-            ("test accuracy", f"{100 * last['test_acc']:.2f}% (best {100 * best_acc:.2f}%)"),
+            ("test accuracy", f"{100 * last['test_acc']:.2f}% (best {100 * best_acc:.2f}%)")
+            if info.task != task.LANGUAGE_MODEL else
+            ("validation", f"{_quality(last)}, next-token accuracy {100 * last['test_acc']:.2f}%; "
+                           f"{summary['tokens_per_step_per_rank']:,} tokens per step per rank"),
             ("steps", f"{meter.step} in {elapsed:.1f} s ({1000 * step_seconds / steps:.1f} ms/step)"),
             ("step time (rank 0)", ", ".join(f"{name} {summary[f'step_ms_{name}']:.1f} ms"
                                              for name in ("forward", "backward", "exchange", "other"))),

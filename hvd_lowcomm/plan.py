@@ -70,8 +70,8 @@ def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dic
              for rate in args.links.split(",")]
     if min(ranks) < 2 or args.ranks_per_node < 1:
         raise ConfigError("--ranks needs counts of at least 2 and --ranks-per-node at least 1")
-    info = data.from_source(cfg.data.source) if cfg.data.source else data.inspect(cfg.data.path)
-    model = models.build_model(cfg.model, info.input_shape, info.num_classes)
+    info = data.from_source(cfg.data.source) if cfg.data.source else data.inspect(cfg.data.path, cfg.data.seq_len)
+    model = models.build_model(cfg.model, info.input_shape, info.num_classes, info.task)
     if args.run_steps < 1 or not 0 < args.ab_rank_share <= 1:
         raise ConfigError("--run-steps needs at least 1 step and --ab-rank-share a share in (0, 1]")
     assumptions = costmodel.RunAssumptions(run_steps=args.run_steps, rank_share=args.ab_rank_share)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from data_prep import BUNDLED, write_dataset
+from data_prep import BUNDLED, prepare_bundled
 from hvd_lowcomm import auto, checkpoint, config, data, models
 from hvd_lowcomm.checkpoint import PreemptionSignal
 from hvd_lowcomm.comm import runtime
@@ -84,8 +84,7 @@ def preflight(cfg: Config, world: runtime.Group) -> Prepared | None:
         path = Path(cfg.data.path)
         if rank == 0 and not cfg.data.source and not path.exists() and path.stem in BUNDLED:
             print(f"preparing {path} from the bundled '{path.stem}' dataset (first use)", flush=True)
-            train_arrays, test_arrays, classes, source = BUNDLED[path.stem]()
-            write_dataset(path, train_arrays, test_arrays, classes, source)
+            prepare_bundled(path.stem, path)
         if rank == 0:
             resume = tuple(str(p) if p else None for p in checkpoint.resolve(cfg, world.size))
     except (ConfigError, OSError, ValueError) as err:
@@ -94,13 +93,14 @@ def preflight(cfg: Config, world: runtime.Group) -> Prepared | None:
         meter.barrier("preflight.dataset")  # the bundled dataset, if rank 0 made it, is now in place
     if error is None:
         try:
-            info = data.from_source(cfg.data.source) if cfg.data.source else data.inspect(cfg.data.path)
+            info = data.from_source(cfg.data.source) if cfg.data.source else data.inspect(cfg.data.path,
+                                                                                          cfg.data.seq_len)
             if info.num_train < world.size:
                 raise data.DataError(f"{cfg.data.path} has {info.num_train} training samples, fewer than "
                                      f"the {world.size} ranks")
             if cfg.data.verify:  # each file checked once, by one rank
                 data.verify(info.files[rank::world.size])
-            model = models.build_model(cfg.model, info.input_shape, info.num_classes)
+            model = models.build_model(cfg.model, info.input_shape, info.num_classes, info.task)
             if cfg.method != AUTO:
                 method = spec(cfg.method).method(cfg, info)
                 method.check_model(model)

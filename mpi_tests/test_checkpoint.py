@@ -131,9 +131,9 @@ def _rank_pids(name):
 
 @pytest.fixture
 def digits_copy(tmp_path):
-    from data_prep import BUNDLED, write_dataset
+    from data_prep import prepare_bundled
 
-    write_dataset(tmp_path / "digits.h5", *BUNDLED["digits"]())
+    prepare_bundled("digits", tmp_path / "digits.h5")
     return tmp_path
 
 

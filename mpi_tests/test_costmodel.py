@@ -164,10 +164,10 @@ def test_method_auto_measures_the_network_when_not_told(shared_tmp):
 def test_the_planner_command_writes_its_tables(tmp_path, capsys):
     from hvd_lowcomm.plan import main as plan_main
 
-    from data_prep import BUNDLED, write_dataset
+    from data_prep import prepare_bundled
 
     data = tmp_path / "digits.h5"
-    write_dataset(data, *BUNDLED["digits"]())
+    prepare_bundled("digits", data)
     code = plan_main(["--ranks", "8,64", "--links", "1gbit,100gbit", "--tflops", "10", "--out", str(tmp_path / "plan"),
                       "--model.name", "sil6", "--data.path", str(data)])
     assert code == 0

@@ -20,9 +20,9 @@ PACKAGE = ROOT / "hvd_lowcomm"
 # registry (hvd_lowcomm.methods itself) imports no method: it finds them by name at run time.
 LAYERS = [
     ("registry", ["hvd_lowcomm.methods"]),
-    ("foundation", ["hvd_lowcomm.config", "hvd_lowcomm.metrics", "hvd_lowcomm.schedule"]),
+    ("foundation", ["hvd_lowcomm.config", "hvd_lowcomm.metrics", "hvd_lowcomm.schedule", "hvd_lowcomm.task"]),
     ("comm", ["hvd_lowcomm.comm", "hvd_lowcomm.comm.runtime", "hvd_lowcomm.comm.traffic"]),
-    ("data and models", ["hvd_lowcomm.data", "hvd_lowcomm.models"]),
+    ("data and models", ["hvd_lowcomm.data", "hvd_lowcomm.models", "hvd_lowcomm.models.*"]),
     ("cost model", ["hvd_lowcomm.costmodel"]),
     ("methods", ["hvd_lowcomm.methods.*"]),
     ("harness", ["hvd_lowcomm.checkpoint", "hvd_lowcomm.loop", "hvd_lowcomm.auto", "hvd_lowcomm.train",

@@ -46,6 +46,7 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.nn as nn
 
+from hvd_lowcomm import task
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
 from hvd_lowcomm.config import Config, ConfigError, make_options, option
@@ -329,7 +330,7 @@ class ABTraining:
             return
         with self._probing() as logits_of:
             dense_logits = logits_of(x, record=True)
-            labels = dense_logits.argmax(1) if y is None else y  # no labels: agreement with the dense model
+            labels = dense_logits.argmax(-1) if y is None else y  # no labels: agreement with the dense model
             energies = [layer.component_energy(spectrum) for layer, spectrum in zip(layers, spectra)]
             floor = o.max_output_error
             while True:
@@ -346,8 +347,8 @@ class ABTraining:
                 for layer, rank, spectrum in zip(layers, ranks, spectra):
                     layer.factorize(rank=int(rank), svd=spectrum)
                 cut_logits = logits_of(x)
-                correct = [int((dense_logits.argmax(1) == labels).sum()), int((cut_logits.argmax(1) == labels).sum()),
-                           len(labels)]
+                correct = [task.correct(dense_logits, labels), task.correct(cut_logits, labels),
+                           task.positions(labels)]
                 before, after, count = meter.allreduce_ints(correct, "ab.cut_check")
                 drop = (before - after) / count
                 if drop <= o.max_accuracy_drop or floor == 0.0:
@@ -710,7 +711,7 @@ class AB(GroupTrainerMethod):
         check_groups(o, num_groups(o, world_size), world_size)
 
     def check_model(self, model: nn.Module) -> None:
-        example = torch.randn(2, *self.data.input_shape, generator=torch.Generator().manual_seed(0))
+        example = task.example_input(model, 2, tuple(self.data.input_shape), torch.Generator().manual_seed(0))
         check_factorizable(model, self.options.full_rank, example)
 
     def setup(self, model: nn.Module) -> None:

@@ -6,8 +6,8 @@ import time
 from typing import Any, Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 
+from hvd_lowcomm import task
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.traffic import meter
 from hvd_lowcomm.config import Config
@@ -103,7 +103,7 @@ class Method:
                 continue
             start = time.perf_counter()
             with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=t.amp == "bf16"):
-                loss = F.cross_entropy(self.model(xs), ys) * (len(ys) / len(y))
+                loss = task.loss(self.model(xs), ys) * (len(ys) / len(y))
             middle = time.perf_counter()
             loss.backward()
             total += loss.item()
@@ -118,9 +118,9 @@ class Method:
         with torch.no_grad():
             for x, y in batches:
                 logits = self.model(x)
-                loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
-                correct += (logits.argmax(dim=1) == y).sum().item()
-                count += len(y)
+                loss_sum += task.loss(logits, y, reduction="sum").item()
+                correct += task.correct(logits, y)
+                count += task.positions(y)
         self.model.train()
         return correct, count, loss_sum
 

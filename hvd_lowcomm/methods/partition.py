@@ -16,14 +16,15 @@ from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from hvd_lowcomm import task
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
 from hvd_lowcomm.config import ConfigError, option
 from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, wire
 from hvd_lowcomm.data import ShardedBatches
 from hvd_lowcomm.methods.base import exchange_gradients
+from hvd_lowcomm.task import example_input
 
 FORWARD, BACKWARD, EVALUATE = 11, 12, 13  # message tags
 
@@ -98,15 +99,35 @@ def cut_points(model: nn.Module, partitions: int, cuts: list[int], need_depth: b
     if cuts:
         if len(cuts) != partitions - 1 or sorted(set(cuts)) != list(cuts) or cuts[0] < 1 or cuts[-1] >= len(modules):
             raise ConfigError(f"cuts {cuts} must be {partitions - 1} increasing module indices in 1..{len(modules) - 1}")
-        return [0, *cuts, len(modules)]
+        return _refuse_shared_parameters(modules, [0, *cuts, len(modules)])
+    return _refuse_shared_parameters(modules, _default_cut_points(modules, partitions, need_depth, input_shape,
+                                                                  task.label_dims(model)))
+
+
+def _refuse_shared_parameters(modules: list[nn.Module], bounds: list[int]) -> list[int]:
+    """`bounds`, unless a parameter belongs to two partitions (tied weights), which holding
+    partitions on different ranks would silently untie."""
+    owner: dict[int, int] = {}
+    for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        for module in modules[a:b]:
+            for p in module.parameters():
+                if owner.setdefault(id(p), k) != k:
+                    raise ConfigError(f"partitions {owner[id(p)]} and {k} share a parameter (tied weights, e.g. "
+                                      f"--model.tie_weights true): each partition lives on its own ranks, so the two "
+                                      f"copies would drift apart; untie them (--model.tie_weights false)")
+    return bounds
+
+
+def _default_cut_points(modules: list[nn.Module], partitions: int, need_depth: bool,
+                        input_shape: tuple[int, ...] | None, label_dims: int) -> list[int]:
     kinds = [_kinds(m) for m in modules]
     cumulative = list(itertools.accumulate((sum(p.numel() for p in m.parameters()) for m in modules), initial=0))
     block_starts = [c for c in range(1, len(modules)) if kinds[c].startswith("W")]
     deep = lambda a, b: _deep("".join(kinds[a:b]))  # noqa: E731
     weighted = lambda a, b: "W" in "".join(kinds[a:b])  # noqa: E731
     flat = [True] * len(modules)
-    if need_depth and input_shape is not None:
-        flat = [len(shape) == 1 for shape in _shapes_after_each(modules, input_shape)]
+    if need_depth and input_shape is not None:  # a vector per sample, or per token of a language model
+        flat = [len(shape) == 1 + label_dims for shape in _shapes_after_each(modules, input_shape)]
     for rule in (deep,) if need_depth else (deep, weighted):
         for positions in (block_starts, list(range(1, len(modules)))):
             bounds = _balanced_cut([c for c in positions if flat[c - 1]], partitions, rule, cumulative)
@@ -199,10 +220,10 @@ def _short(module: nn.Module) -> str:
 
 
 def _shapes_after_each(modules: list[nn.Module], input_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """Per-sample shape of the output of each module, from one dry run on two zero samples in
+    """Per-sample shape of the output of each module, from one dry run on two random samples in
     eval mode (BatchNorm1d refuses one sample in training mode); modes are restored."""
     modes = {m: m.training for root in modules for m in root.modules()}
-    shapes, x = [], torch.zeros(2, *input_shape)
+    shapes, x = [], example_input(nn.Sequential(*modules), 2, input_shape)
     try:
         with torch.no_grad():
             for module in modules:
@@ -277,7 +298,7 @@ def pipeline_train_step(layout: Layout, optimizer: torch.optim.Optimizer, x: tor
     out = layout.module(inputs)
     loss_value = 0.0
     if layout.last:
-        loss = F.cross_entropy(out, y)
+        loss = task.loss(out, y)
         loss.backward()
         loss_value = loss.item()
     else:
@@ -303,9 +324,9 @@ def pipeline_evaluate(layout: Layout, batches: Iterable[tuple[torch.Tensor, torc
                                                            EVALUATE, "eval.activations")
             out = layout.module(inputs)
             if layout.last:
-                loss_sum += F.cross_entropy(out, y, reduction="sum").item()
-                correct += (out.argmax(dim=1) == y).sum().item()
-                count += len(y)
+                loss_sum += task.loss(out, y, reduction="sum").item()
+                correct += task.correct(out, y)
+                count += task.positions(y)
             else:
                 meter.send(out, layout.next, "eval.activations", EVALUATE)
                 if observe is not None:

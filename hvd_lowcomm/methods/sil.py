@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from hvd_lowcomm import task
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.traffic import meter
 from hvd_lowcomm.config import ConfigError, TrainConfig, make_options, option
@@ -124,28 +125,32 @@ class SIL:
         self.kappa, self.noise, self.from_codes = kappa, noise, from_codes
         self.layout = Layout(model, options, tuple(input_shape), need_depth=True)
         self.module = self.layout.module
+        # A language model's label is a token at every position: each position's output is
+        # matched to the code of its own next token (codes per vocabulary entry).
+        self.label_dims = task.label_dims(model)
         code_seed = torch.tensor([np.random.default_rng(seed).integers(2**31 - 1)], dtype=torch.int64)
         with meter.in_phase("setup"):
             meter.broadcast_(code_seed, 0, "sil.code_seed")  # drawn once on rank 0, regenerated everywhere
         self.code_seed = int(code_seed.item())
-        self.codes = {cut: class_codes(self.code_seed, cut, num_classes, self.layout.shapes[cut][:1], kappa,
+        channels = slice(self.label_dims, self.label_dims + 1)
+        self.codes = {cut: class_codes(self.code_seed, cut, num_classes, self.layout.shapes[cut][channels], kappa,
                                        code_distribution) for cut in range(1, partitions)}
         self.generator = torch.Generator().manual_seed(self.code_seed + runtime.rank())
         self.diagnostics: dict[str, Any] = {}
 
     def _code_as_input(self, codes: torch.Tensor, cut: int) -> torch.Tensor:
-        """Codes (batch × channels) shaped as the activation at `cut`: spread over the
-        positions of a C×H×W cut (the per-channel means the previous partition learned)."""
-        shape = self.layout.shapes[cut]
-        return codes.reshape(*codes.shape, *[1] * (len(shape) - 1)).expand(-1, *shape)
+        """Codes (batch [× tokens] × channels) shaped as the activation at `cut`: spread over
+        the positions of a C×H×W cut (the per-channel means the previous partition learned)."""
+        spatial = self.layout.shapes[cut][self.label_dims + 1:]
+        return codes.reshape(*codes.shape, *[1] * len(spatial)).expand(*codes.shape, *spatial)
 
-    @staticmethod
-    def _as_code(out: torch.Tensor) -> torch.Tensor:
+    def _as_code(self, out: torch.Tensor) -> torch.Tensor:
         """A partition's output as it is compared with the codes: its per-channel mean over the
         positions of a C×H×W cut. Matching random codes position by position would ask every
         position, which sees only part of the input, to know the class: measured on animal
         silhouettes (cnn 16,32,32,64, 5 epochs) that reached 67%, the channel means 86%."""
-        return out.flatten(2).mean(2) if out.dim() > 2 else out
+        first_spatial = 2 + self.label_dims
+        return out.flatten(first_spatial).mean(first_spatial) if out.dim() > first_spatial else out
 
     @property
     def index(self) -> int:
@@ -170,7 +175,9 @@ class SIL:
             if self.noise:
                 inputs = inputs + self.noise * self.kappa * torch.randn(inputs.shape, generator=self.generator)
         out = self.module(inputs.to(x.device))
-        return F.cross_entropy(out, y) if self.layout.last else F.mse_loss(self._as_code(out), self.codes[k + 1][y].to(out.device))
+        if self.layout.last:
+            return task.loss(out, y)
+        return F.mse_loss(self._as_code(out), self.codes[k + 1][y].to(out.device))
 
     def step(self, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
         """One step of this partition: its loss, gradients averaged in its group, optimiser
@@ -211,7 +218,7 @@ class SIL:
 
         def observe(out: torch.Tensor, y: torch.Tensor) -> None:
             nonlocal hits, rows
-            out = self._as_code(out)
+            out, y = self._as_code(out).reshape(-1, codes.shape[1]), y.reshape(-1)  # a row per labelled position
             hits += (torch.cdist(out, codes).argmin(1) == y).sum().item()
             rows += len(y)
             if len(y) > 1:
@@ -258,8 +265,15 @@ class SyntheticIntermediateLabels(Partitioned):
 
     needs_deep_partitions = True
 
+    def check_model(self, model: torch.nn.Module) -> None:
+        super().check_model(model)
+        if self.options.mode == "sequential" and task.label_dims(model):
+            raise ConfigError("sil.mode sequential hands each training sample's activation over once, but a text "
+                              "dataset's training windows move every epoch (a random shift), so the stored "
+                              "activations would belong to other windows: use --sil.mode parallel for a language model")
+
     def partition_warnings(self) -> list[str]:
-        spatial = [k for k in range(1, self.layout.count) if len(self.layout.shapes[k]) > 1]
+        spatial = [k for k in range(1, self.layout.count) if len(self.layout.shapes[k]) > 1 + self.sil.label_dims]
         conv = [f"sil.cuts {self.options.cuts} cut this model inside its convolutional part (cut {k}, a "
                 f"{'x'.join(map(str, self.layout.shapes[k]))} activation; its codes are per-channel means): the "
                 f"joined network classifies no better than the convolutions before the cut do on their own "

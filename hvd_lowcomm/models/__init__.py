@@ -1,8 +1,10 @@
 """A small model zoo for CPU-size experiments, plus torchvision models with the [vision] extra.
 
-`build_model(cfg.model, input_shape, num_classes)`; every model is an `nn.Sequential` (so
+`build_model(cfg.model, input_shape, num_classes, task)`; every model is an `nn.Sequential` (so
 partitioning methods can cut it between layers) except torchvision ones. An empty
-`cfg.hidden` means the model's own default widths (DEFAULT_HIDDEN).
+`cfg.hidden` means the model's own default widths (DEFAULT_HIDDEN). Classifiers: mlp, cnn,
+sil6, vit; the language model gpt (hvd_lowcomm.models.transformer) trains on text datasets,
+where `input_shape` is (tokens per window,) and `num_classes` the vocabulary.
 """
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ from typing import Sequence
 
 import torch.nn as nn
 
+from hvd_lowcomm import task as tasks
 from hvd_lowcomm.config import ConfigError, ModelConfig, import_object
+from hvd_lowcomm.models.transformer import gpt, vit
 
 
 def mlp(input_shape: Sequence[int], num_classes: int, hidden: Sequence[int], dropout: float = 0.0) -> nn.Sequential:
@@ -61,16 +65,30 @@ ZOO = {"mlp": mlp, "cnn": cnn, "sil6": sil6}
 DEFAULT_HIDDEN = {"mlp": [256, 128], "cnn": [32, 64], "sil6": [256] * 5}
 
 
-def build_model(cfg: ModelConfig, input_shape: Sequence[int], num_classes: int) -> nn.Module:
+def build_model(cfg: ModelConfig, input_shape: Sequence[int], num_classes: int,
+                task: str = tasks.CLASSIFY) -> nn.Module:
+    """The model `cfg` names for data of `input_shape` and `num_classes` (for a language model,
+    `task` "lm": the window length and the vocabulary)."""
     if ":" in cfg.name and not cfg.name.startswith("tv:"):
         return _factory_model(cfg.name, tuple(input_shape), num_classes, cfg.kwargs)
     if cfg.kwargs:
         raise ConfigError(f"model.kwargs is for a 'module:factory' model; {cfg.name} takes --model.hidden and "
                           f"--model.dropout")
+    if (cfg.name == "gpt") != (task == tasks.LANGUAGE_MODEL):
+        raise ConfigError("gpt is a language model: it trains on a text dataset (python -m data_prep text ...)"
+                          if cfg.name == "gpt" else
+                          f"this is a text dataset, which trains a language model: use --model.name gpt "
+                          f"(model {cfg.name} classifies images or feature vectors)")
+    if cfg.name == "gpt":
+        return gpt(num_classes, int(input_shape[0]), cfg.layers, cfg.width, cfg.heads, cfg.dropout, cfg.tie_weights)
+    if cfg.name == "vit":
+        return vit(tuple(input_shape), num_classes, cfg.layers, cfg.width, cfg.heads, cfg.patch_size, cfg.pool,
+                   cfg.dropout)
     if cfg.name.startswith("tv:"):
         return _torchvision_model(cfg.name[3:], num_classes)
     if cfg.name not in ZOO:
-        raise ConfigError(f"unknown model {cfg.name!r}; available: {', '.join(ZOO)}, tv:<torchvision name>")
+        raise ConfigError(f"unknown model {cfg.name!r}; available: {', '.join([*ZOO, 'gpt', 'vit'])}, "
+                          f"tv:<torchvision name>")
     return ZOO[cfg.name](input_shape, num_classes, cfg.hidden or DEFAULT_HIDDEN[cfg.name], cfg.dropout)
 
 
