@@ -20,8 +20,11 @@ alone): each row then shows where its step goes (forward, backward, blocked in c
 the rest) and its distance to the floor, max(local's step time, bytes per step / link rate).
 
 Writes to --out: results.csv and results.md (accuracy, bytes per step from the traffic meter,
-step time and its phases, floor, peak memory, ratios to ddp fp32 at the same rank count),
-accuracy_vs_epoch.png, accuracy_vs_bytes.png, step_time.png, step_phases.png (stacked),
+step time and its phases, floor, peak memory, ratios to ddp fp32 at the same rank count; for a
+language model (a text dataset) validation loss, its difference to ddp's, perplexity, bits per
+byte and the time to come within 5 % of ddp's final loss instead of accuracy),
+accuracy_vs_epoch.png, accuracy_vs_bytes.png (loss_vs_* for a language model), step_time.png,
+step_phases.png (stacked),
 effective_rank.png when a method logs one,
 accuracy_vs_inter_group_bytes.png when a method trains in groups and compression.png when one
 factorises its model; the runs themselves under
@@ -52,6 +55,8 @@ from hvd_lowcomm.metrics import human_bytes, write_csv
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
 AGREEMENT = 0.10  # measured and metered training bytes should agree within this fraction
 STEP_PHASES = ("forward", "backward", "exchange", "other")  # as the trainer's summary splits a step
+# Language models: "reached ddp" means a validation loss within this fraction above ddp's final one.
+LM_TARGET = 0.05
 # benchmarks/bare_horovod.py as a method name: ddp's training without hvd_lowcomm's machinery.
 BARE_HOROVOD = "horovod"
 # Every registered method, the no-communication floor and ddp first (--methods all).
@@ -194,6 +199,15 @@ def tabulate(results: list[dict[str, Any]], wire_rate: float | None) -> list[dic
                         "measured_vs_meter": m["measured_train_bytes"] / metered - 1 if metered else float("nan"),
                         "link_utilisation": m["measured_train_bytes"] * 8 / (train_seconds * m["link_bits_per_s"])})
             row["agreement"] = "ok" if abs(row["measured_vs_meter"]) <= AGREEMENT else "DISAGREE"
+        if base is not None and "final_perplexity" in s:
+            # A language model's quality is its validation loss: how far from ddp's at equal
+            # steps, and when (wall clock) it first came within LM_TARGET of ddp's final loss.
+            target = (1 + LM_TARGET) * base["final_test_loss"]
+            reached = [float(e["seconds"]) for e in r["epochs"] if float(e["test_loss"]) <= target]
+            row.update({"final_test_loss": s["final_test_loss"], "perplexity": s["final_perplexity"],
+                        "bits_per_byte": s["final_bits_per_byte"],
+                        "loss_diff_to_ddp_pct": 100 * (s["final_test_loss"] / base["final_test_loss"] - 1),
+                        "seconds_to_ddp_loss": reached[0] if reached else float("nan")})
         if base is not None:
             # The SIL paper's headline: wall-clock time until the test accuracy first reaches 90 % of
             # conventional (data-parallel) training's final accuracy.
@@ -226,15 +240,23 @@ def world_bytes(summary: dict[str, Any]) -> float:
 def write_tables(rows: list[dict[str, Any]], out: Path, title: str, failed: list[str] = (),
                  wire_label: str | None = None) -> str:
     write_csv(out / "results.csv", rows)
-    header = ["np", "method", "test acc", "Δ acc vs ddp", "bytes/step", "× ddp bytes", "step ms", "× ddp time",
-              "time to 90 % of ddp", "peak RSS"]
+    language_model = any("perplexity" in row for row in rows)
+    quality = ["val loss", "Δ loss vs ddp", "ppl", "bits/byte"] if language_model else ["test acc", "Δ acc vs ddp"]
+    header = ["np", "method", *quality, "bytes/step", "× ddp bytes", "step ms", "× ddp time",
+              f"time to ddp's loss +{LM_TARGET:.0%}" if language_model else "time to 90 % of ddp", "peak RSS"]
     lines = [f"# {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
+        if language_model:
+            figures = [f"{row['final_test_loss']:.4f}", f"{row.get('loss_diff_to_ddp_pct', float('nan')):+.2f} %",
+                       f"{row['perplexity']:.2f}", f"{row['bits_per_byte']:.3f}"]
+            reached = row.get("seconds_to_ddp_loss", float("nan"))
+        else:
+            figures = [f"{100 * row['final_test_acc']:.2f} %", f"{row.get('acc_diff_to_ddp_points', float('nan')):+.2f}"]
+            reached = row.get("seconds_to_90pct_of_ddp", float("nan"))
         lines.append("| " + " | ".join([
-            str(row["np"]), row["method"], f"{100 * row['final_test_acc']:.2f} %",
-            f"{row.get('acc_diff_to_ddp_points', float('nan')):+.2f}", human_bytes(row["bytes_per_step"]),
+            str(row["np"]), row["method"], *figures, human_bytes(row["bytes_per_step"]),
             f"{row.get('bytes_ratio_to_ddp', float('nan')):.4f}", _step_ms(row),
-            f"{row.get('step_time_ratio_to_ddp', float('nan')):.2f}", f"{row.get('seconds_to_90pct_of_ddp', float('nan')):.1f} s",
+            f"{row.get('step_time_ratio_to_ddp', float('nan')):.2f}", f"{reached:.1f} s",
             f"{row['peak_rss_mb']:.0f} MB"]) + " |")
     lines += _table(
         "Where a step goes (rank 0, ms): forward and backward passes, blocked in communication, and the rest (the "
@@ -316,12 +338,18 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
         return [float(e[key]) for e in r["epochs"]]
 
     label = lambda r: f"{r['variant']} (np {r['np']})"  # noqa: E731
-    for name, xkey, xlabel in (("accuracy_vs_epoch", "epoch", "epoch"),
-                               ("accuracy_vs_bytes", "train_wire_bytes_total", "cumulative bytes sent per rank")):
+    # What the plots show of a run's quality: validation loss for a language model, else accuracy.
+    if any("final_perplexity" in r["summary"] for r in results):
+        quality, quality_label, quality_name = (lambda r: series(r, "test_loss")), "validation loss (nats/token)", "loss"
+    else:
+        quality, quality_label, quality_name = (lambda r: [100 * a for a in series(r, "test_acc")]), \
+            "test accuracy (%)", "accuracy"
+    for name, xkey, xlabel in ((f"{quality_name}_vs_epoch", "epoch", "epoch"),
+                               (f"{quality_name}_vs_bytes", "train_wire_bytes_total", "cumulative bytes sent per rank")):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for r in results:
-            ax.plot(series(r, xkey), [100 * a for a in series(r, "test_acc")], marker="o", label=label(r))
-        ax.set(xlabel=xlabel, ylabel="test accuracy (%)", xscale="log" if "bytes" in name else "linear")
+            ax.plot(series(r, xkey), quality(r), marker="o", label=label(r))
+        ax.set(xlabel=xlabel, ylabel=quality_label, xscale="log" if "bytes" in name else "linear")
         _finish(fig, ax, out / f"{name}.png")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -345,10 +373,10 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for r in results:
             key = "inter_group_wire_bytes" if "inter_group_wire_bytes" in r["epochs"][0] else "train_wire_bytes_total"
-            ax.plot(series(r, key), [100 * a for a in series(r, "test_acc")], marker="o", label=label(r))
+            ax.plot(series(r, key), quality(r), marker="o", label=label(r))
         ax.set(xlabel="cumulative inter-group bytes per rank (all bytes for methods without groups)",
-               ylabel="test accuracy (%)", xscale="log")
-        _finish(fig, ax, out / "accuracy_vs_inter_group_bytes.png")
+               ylabel=quality_label, xscale="log")
+        _finish(fig, ax, out / f"{quality_name}_vs_inter_group_bytes.png")
 
     compressed = [r for r in results if r["epochs"][0].get("compression_ratio") not in (None, "")]
     if compressed:
@@ -438,7 +466,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             results.append(result)
             s = result["summary"]
-            bar.write(f"{variant.label:>24} np {np_}: acc {100 * s['final_test_acc']:.2f} %, "
+            quality = f"val loss {s['final_test_loss']:.4f}" if "final_perplexity" in s else \
+                f"acc {100 * s['final_test_acc']:.2f} %"
+            bar.write(f"{variant.label:>24} np {np_}: {quality}, "
                       f"{human_bytes(s['train_wire_bytes_per_step'])}/step, {1000 * s['step_seconds_mean']:.1f} ms/step")
     if not results:
         raise SystemExit("compare: every run failed; see the logs above")

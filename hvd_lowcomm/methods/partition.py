@@ -125,9 +125,10 @@ def _default_cut_points(modules: list[nn.Module], partitions: int, need_depth: b
     block_starts = [c for c in range(1, len(modules)) if kinds[c].startswith("W")]
     deep = lambda a, b: _deep("".join(kinds[a:b]))  # noqa: E731
     weighted = lambda a, b: "W" in "".join(kinds[a:b])  # noqa: E731
-    flat = [True] * len(modules)
+    flat, shapes = [True] * len(modules), []
     if need_depth and input_shape is not None:  # a vector per sample, or per token of a language model
-        flat = [len(shape) == 1 + label_dims for shape in _shapes_after_each(modules, input_shape)]
+        shapes = _shapes_after_each(modules, input_shape)
+        flat = [len(shape) == 1 + label_dims for shape in shapes]
     for rule in (deep,) if need_depth else (deep, weighted):
         for positions in (block_starts, list(range(1, len(modules)))):
             bounds = _balanced_cut([c for c in positions if flat[c - 1]], partitions, rule, cumulative)
@@ -135,6 +136,8 @@ def _default_cut_points(modules: list[nn.Module], partitions: int, need_depth: b
                 return bounds
     weight_layers = "".join(kinds).count("W")
     if need_depth and not all(flat) and _balanced_cut(list(range(1, len(modules))), partitions, deep, cumulative):
+        if any(len(shape) == 2 and label_dims == 0 for shape in shapes):
+            return _refuse_between_token_blocks(partitions)
         return _refuse_inside_convolutions(partitions)
     if need_depth:
         return _refuse_shallow(partitions, weight_layers)
@@ -184,6 +187,15 @@ def _refuse_inside_convolutions(partitions: int) -> list[int]:
         f"no better than the convolutions before the cut do on their own ({CONV_CUT_MEASURED}). Use mp for this model, "
         f"a model with two or more fully connected layers after its convolutions (SIL then cuts among them), or "
         f"give --sil.cuts yourself to accept the accuracy loss")
+
+
+def _refuse_between_token_blocks(partitions: int) -> list[int]:
+    raise ConfigError(
+        f"SIL finds no cut into {partitions} partitions where a sample is one vector: between this model's blocks "
+        f"each image is a sequence of tokens (a vision transformer), and SIL's class codes are one vector per "
+        f"label. Matching a code at every token asks each token to know the image's class, and matching the "
+        f"tokens' mean is what lost 10 points at the cuts inside a conv net ({CONV_CUT_MEASURED}). Use mp (it cuts "
+        f"between blocks and trains end to end), or give --sil.cuts yourself to accept the accuracy risk")
 
 
 # Measured on animal silhouettes (benchmarks/results/sil-animals-cnn), the cut after the third
