@@ -11,7 +11,7 @@ PYTEST  = $(MPIRUN) --timeout 1500 -np $(1) $(PY) -m pytest -p no:cacheprovider 
 # (fresh clone, .venv deleted) or older than what the install depends on.
 STAMP   := .venv/.installed
 
-.PHONY: install demo test test-1 test-2 test-4 test-8 examples clean
+.PHONY: install demo test test-1 test-2 test-4 test-8 examples docs clean
 
 install:          ## MPI (if missing), .venv, torch, the package, horovod (cached wheel)
 	bash scripts/install.sh
@@ -41,5 +41,11 @@ examples: $(STAMP)
 	$(MPIRUN) -np $(NP) $(PY) examples/plain_horovod.py --steps 6
 	set -e; for m in $(EXAMPLE_METHODS); do $(MPIRUN) -np $(NP) $(PY) examples/lowcomm.py --method $$m --steps 6; done
 
+# The documentation site (Sphinx, furo theme) into docs/_build/html; warnings are errors, so a
+# broken reference or a docstring that does not parse fails the build (CI runs this).
+docs: $(STAMP)
+	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
+	@echo "docs: open docs/_build/html/index.html"
+
 clean:
-	rm -rf runs build *.egg-info
+	rm -rf runs build *.egg-info docs/_build

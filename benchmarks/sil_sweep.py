@@ -58,7 +58,7 @@ SWEEP: list[tuple[str, str, str]] = [
 ]
 DEFAULTS = {"kappa": "5.0", "lr": "0.001", "distribution": "uniform", "noise": "0.3", "mode": "parallel"}
 # At scale: g ranks per partition (ddp: p ranks) average their gradients over g times the batch;
-# the learning rate follows the README's rule for Adam, × √g against the run at np 2 (one rank
+# the learning rate follows the documented rule for Adam (docs/methods/sil.rst), × √g against the run at np 2 (one rank
 # per partition; ddp: × √(p/2)); sil runs at its defaults. (The linear rule, × g, made SIL's
 # first partition collapse at np 16: 62.7 % on digits, the rows labelled "linear rule".)
 SCALE = [(np_, method, round(0.001 * (np_ / 2) ** 0.5, 5)) for np_ in (8, 16) for method in ("ddp", "sil")]

@@ -36,7 +36,7 @@ elif args.method == "diloco":               # groups train alone; an outer step 
     diloco = hl.DiLoCo(model, optimizer, total_steps=args.steps, sync_every=3)
 elif args.method == "sil":                  # this rank keeps one partition of the Sequential
     # A ResNet has no fully connected layers to cut among, and SIL's default cut stays out of
-    # convolutions (the README says why), so the cut is given: after stage 2 of 4.
+    # convolutions (docs/methods/sil.rst says why), so the cut is given: after stage 2 of 4.
     sil = hl.SIL(model, input_shape=(3, 32, 32), num_classes=10, cuts=[7])
     optimizer = torch.optim.AdamW(sil.module.parameters(), lr=args.lr)
     rank, size = sil.data_rank, sil.data_replicas   # partners in other partitions read the same samples

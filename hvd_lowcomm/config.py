@@ -357,22 +357,45 @@ def build_parser(cfg: Config, prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--config", metavar="FILE", help="YAML file with sections data, model, train, ...")
     parser.add_argument("--method", default=None, choices=method_names(),
                         help=f"training method (default: {cfg.method})")
+    groups: dict[str, Any] = {}
+    for opt in describe_options(cfg):
+        if opt.section not in groups:
+            groups[opt.section] = parser.add_argument_group(f"{opt.section} options", opt.section_help)
+        help_text = opt.help + (f" {{{', '.join(opt.choices)}}}" if opt.choices else "")
+        groups[opt.section].add_argument(
+            f"--{opt.name}", *SHORT_FLAGS.get(opt.name, ()), dest=opt.name, default=None,
+            type=lambda text, _n=opt.name, _t=opt.type: _convert_argument(_n, _t, text),
+            metavar=opt.metavar, help=f"{help_text} (default: {opt.default})",
+        )
+    return parser
+
+
+@dataclass(frozen=True)
+class OptionDoc:
+    """One `--section.key` option as --help and the documentation's option reference show it."""
+    section: str                  # 'train', or a method's section ('ab')
+    section_help: str | None      # first line of the section dataclass's docstring
+    name: str                     # 'train.lr'
+    type: Any                     # the field's declared type (int, list[int], ...)
+    metavar: str                  # how --help names the type: INT, FLOAT[,...], YAML
+    default: str                  # the default as --help prints it
+    help: str                     # the field's help text ('' if it has none: a test forbids that)
+    choices: tuple[str, ...] | None
+
+
+def describe_options(cfg: Config | None = None) -> list[OptionDoc]:
+    """Every option of every section (base sections, then each method's), from the dataclass
+    fields that define them: the one source of --help and the generated option reference."""
+    cfg = cfg or default_config()
+    docs = []
     for name, section in cfg.sections().items():
-        group = parser.add_argument_group(f"{name} options", _first_line(type(section).__doc__))
         for f in dataclasses.fields(section):
             ftype = _field_type(section, f.name)
-            meta = f.metadata
-            help_text = meta.get("help", "")
-            if meta.get("choices"):
-                help_text += f" {{{', '.join(meta['choices'])}}}"
-            aliases = SHORT_FLAGS.get(f"{name}.{f.name}", ())
-            group.add_argument(
-                f"--{name}.{f.name}", *aliases, dest=f"{name}.{f.name}", default=None,
-                type=lambda text, _n=f"{name}.{f.name}", _t=ftype: _convert_argument(_n, _t, text),
-                metavar=_metavar(ftype),
-                help=f"{help_text} (default: {_show(getattr(section, f.name))})",
-            )
-    return parser
+            choices = f.metadata.get("choices")
+            docs.append(OptionDoc(name, _first_line(type(section).__doc__), f"{name}.{f.name}", ftype,
+                                  _metavar(ftype), _show(getattr(section, f.name)), f.metadata.get("help", ""),
+                                  tuple(map(str, choices)) if choices else None))
+    return docs
 
 
 # ---------------------------------------------------------------------------------------------

@@ -280,8 +280,7 @@ def summarize(cfg: Config, method: Method, state: TrainState, elapsed: float, pa
                                              for name in ("forward", "backward", "exchange", "other"))),
             ("lr schedule", f"{cfg.train.lr_schedule}, peak {cfg.train.lr:g}"),
             ("waiting for data (rank 0)", f"{100 * summary['data_wait_fraction']:.1f}% of step time"),
-            ("sent for training (rank 0)", f"{human_bytes(meter.total('train'))} on the wire, "
-                                           f"{human_bytes(meter.total('train', field='payload_bytes'))} payload"),
+            ("sent for training (rank 0)", f"{human_bytes(meter.total('train'))} on the wire"),
             ("sent per step", human_bytes(summary["train_wire_bytes_per_step"])),
             ("sent for eval/setup", f"{human_bytes(meter.total('eval'))} / {human_bytes(meter.total('setup'))}"),
             ("peak memory (max over ranks)", human_bytes(peak_rss_max))]
@@ -300,7 +299,7 @@ def step_split(method: Method, step_seconds: float, steps: int) -> dict[str, flo
 
 
 def _show_value(key: str, value: Any) -> str:
-    if isinstance(value, float) and "bytes" in key:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and "bytes" in key:
         return human_bytes(value)
     if isinstance(value, float):
         return f"{value:.4g}"

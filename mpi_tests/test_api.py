@@ -23,7 +23,7 @@ def test_every_exported_name_resolves_to_the_implementation():
 
 @pytest.mark.parametrize("wrapper", ["DistributedOptimizer", "PowerSGDOptimizer", "DadOptimizer"])
 def test_a_users_own_loop_switches_method_by_the_optimizer_line(world, fresh_meter, wrapper):
-    """The README's example: the same loop, one line changed; ranks end with the same model
+    """The front page's example (README.rst): the same loop, one line changed; ranks end with the same model
     and the bytes are metered."""
     hvd_lowcomm.init()
     torch.manual_seed(0)  # the same initial model everywhere
@@ -53,7 +53,7 @@ def learnable(step: int, n: int = 32, rank: int = RANK):
 
 @pytest.mark.skipif(SIZE % 2, reason="two AB groups need an even rank count")
 def test_ab_training_in_a_users_own_loop(world, fresh_meter):
-    """The README's AB example: the user's model and optimiser, one `with ab.step(x, y):` per
+    """The AB example (docs/library.rst): the user's model and optimiser, one `with ab.step(x, y):` per
     step; the user's LR is left as it was, groups train apart and the synced model is one."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3))

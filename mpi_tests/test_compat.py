@@ -1,4 +1,4 @@
-"""The compatibility matrix (README): each supported cell is checked here against a
+"""The compatibility matrix (docs/library.rst, "What works with what"): each supported cell is checked here against a
 single-process reference on the pooled batch; unsupported ones are refused before training."""
 from __future__ import annotations
 

@@ -277,13 +277,16 @@ def test_mp_gradients_equal_single_process_autograd(world, fresh_meter):
         torch.testing.assert_close(param.grad, expected, rtol=1e-5, atol=1e-6)
     sends = [r for r in fresh_meter.step_records if r.op == "send"]
     assert sends and all(r.name in ("mp.activations", "mp.gradients") for r in sends)
+    # the partition's own passes are timed (the summary's step split), on every rank
+    assert method.pass_seconds is method.layout.pass_seconds
+    assert method.pass_seconds["forward"] > 0 and method.pass_seconds["backward"] > 0
 
 
 @needs_ranks(2)
 @pytest.mark.parametrize("mode, epochs", [("parallel", 2), ("sequential", 5)])
 def test_sil_training_traffic_between_partitions(shared_tmp, mode, epochs):
     # sil6 by default; cut after its second layer, so the cut is 64 wide.
-    # lr by the README's rule for Adam: × √(ranks per partition) (SIZE / 2), from 2e-3 for one
+    # lr by the documented rule for Adam (docs/methods/sil.rst): × √(ranks per partition) (SIZE / 2), from 2e-3 for one
     argv = ["--method", "sil", "--sil.mode", mode, "--train.epochs", str(epochs), "--model.hidden", "64,64,32,32,32",
             "--train.lr", f"{0.002 * max(SIZE // 2, 1) ** 0.5:g}",
             "--sil.cuts", "5",
@@ -297,6 +300,8 @@ def test_sil_training_traffic_between_partitions(shared_tmp, mode, epochs):
         if mode == "parallel":
             assert len(epochs) == 2 and all(e["between_partitions_bytes"] == 0 for e in epochs)
             assert summary.get("train_send_world_wire_bytes", 0) == 0
+            # the step is split like every method's: this partition's own passes are measured
+            assert summary["step_ms_forward"] > 0 and summary["step_ms_backward"] > 0, summary
         else:  # the one transfer: outputs of the first partition for its share of the training set
             assert len(epochs) == 10  # 5 epochs per partition, one after the other
             rows_sent = len(range(0, 1438, SIZE // 2))
@@ -341,7 +346,7 @@ def test_sil_refuses_a_shallow_model_on_every_rank_before_training(shared_tmp, c
 @pytest.mark.parametrize("partitions", [2, 4])
 def test_sil_at_scale_each_partition_trains_data_parallel_and_keeps_its_accuracy(shared_tmp, partitions):
     hidden = "64,64,64,64,64,64,64"
-    # The README's rule for Adam: the learning rate grows with the square root of the ranks that
+    # The documented rule for Adam (docs/methods/sil.rst): the learning rate grows with the square root of the ranks that
     # average one partition's gradients (8 / K here; 1e-3 is the default for one).
     lr = f"{0.001 * (SIZE / partitions) ** 0.5:g}"
     argv = ["--method", "sil", "--sil.partitions", str(partitions), "--model.name", "mlp", "--model.hidden", hidden,

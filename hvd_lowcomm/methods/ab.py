@@ -166,7 +166,7 @@ class Schedule:
 
 class ABTraining:
     """AB-training for any training loop: factorises `model` in place, owns the groups and the
-    schedule, and takes one optimisation step per `with ab.step(x, y):` block.
+    schedule, and takes one optimisation step per `with ab.step(x, y):` block::
 
         model = Net()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)

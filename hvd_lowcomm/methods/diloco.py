@@ -151,7 +151,7 @@ def dequantise(values: torch.Tensor, scales: torch.Tensor, numbers: int) -> torc
 
 class DiLoCo:
     """DiLoCo for any training loop: the caller's optimiser is the inner one; `step()` replaces
-    its `optimizer.step()`.
+    its `optimizer.step()`::
 
         model = Net()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -47,6 +47,7 @@ class Partitioned(Method):
     def setup(self, model: torch.nn.Module) -> None:
         self.layout = self.make_layout(model)
         self.model = self.layout.module
+        self.pass_seconds = self.layout.pass_seconds  # the partition's own passes, as the loop reports them
         self.optimizer = make_optimizer(self.cfg, self.model.parameters())  # replicas equal: Layout saw to it
         runtime.announce(f"{self.name}: {describe(self.layout)}")
         for warning in self.partition_warnings():

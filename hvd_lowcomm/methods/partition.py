@@ -11,8 +11,10 @@ from __future__ import annotations
 import itertools
 import math
 import re
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn as nn
@@ -259,6 +261,9 @@ class Layout:
     def __init__(self, model: nn.Module, options: PartitionOptions, input_shape: tuple[int, ...],
                  need_depth: bool = False) -> None:
         self.boundaries = cut_points(model, options.partitions, options.cuts, need_depth, input_shape)
+        # Seconds in this partition's forward and backward passes (not waiting for a partner,
+        # which the meter counts as exchange): the step split every method's summary shows.
+        self.pass_seconds = {"forward": 0.0, "backward": 0.0}
         self.shapes = activation_shapes(model, self.boundaries, input_shape)
         self.table = partition_table(model, self.boundaries)
         self.count = options.partitions
@@ -291,6 +296,15 @@ class Layout:
         return ShardedBatches(split, batch_size, self.group.rank_of(runtime.rank()), self.group.size,
                               seed=seed, shuffle=shuffle, device=device)
 
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """Adds the block's wall time to pass_seconds[phase] ('forward' or 'backward')."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.pass_seconds[phase] += time.perf_counter() - start
+
     def receive(self, source: int, rows: int, shape: tuple[int, ...], tag: int, name: str) -> torch.Tensor:
         return meter.recv(torch.empty(rows, *shape), source, name, tag)
 
@@ -307,15 +321,19 @@ def pipeline_train_step(layout: Layout, optimizer: torch.optim.Optimizer, x: tor
     rows = len(y)
     inputs = x if layout.first else layout.receive(layout.previous, rows, layout.shapes[layout.index], FORWARD,
                                                    "mp.activations").requires_grad_()
-    out = layout.module(inputs)
+    with layout.timed("forward"):
+        out = layout.module(inputs)
+        loss = task.loss(out, y) if layout.last else None
     loss_value = 0.0
-    if layout.last:
-        loss = task.loss(out, y)
-        loss.backward()
+    if loss is not None:
+        with layout.timed("backward"):
+            loss.backward()
         loss_value = loss.item()
     else:
         meter.send(out.detach(), layout.next, "mp.activations", FORWARD)
-        out.backward(layout.receive(layout.next, rows, tuple(out.shape[1:]), BACKWARD, "mp.gradients"))
+        gradient = layout.receive(layout.next, rows, tuple(out.shape[1:]), BACKWARD, "mp.gradients")
+        with layout.timed("backward"):
+            out.backward(gradient)
     if not layout.first:
         meter.send(inputs.grad, layout.previous, "mp.gradients", BACKWARD)
     layout.average_gradients()

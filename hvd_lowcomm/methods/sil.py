@@ -97,7 +97,7 @@ def class_codes(seed: int, cut: int, classes: int, shape: tuple[int, ...], kappa
 
 
 class SIL:
-    """SIL for a user's own `nn.Sequential` model and training loop.
+    """SIL for a user's own `nn.Sequential` model and training loop::
 
         sil = hvd_lowcomm.SIL(model, input_shape=(1, 28, 28), num_classes=10)   # cut, codes
         opt = torch.optim.Adam(sil.module.parameters(), lr=1e-3)               # this rank's part
@@ -183,8 +183,10 @@ class SIL:
         """One step of this partition: its loss, gradients averaged in its group, optimiser
         step; returns the local loss."""
         optimizer.zero_grad()
-        loss = self.loss(x, y)
-        loss.backward()
+        with self.layout.timed("forward"):
+            loss = self.loss(x, y)
+        with self.layout.timed("backward"):
+            loss.backward()
         self.layout.average_gradients()
         optimizer.step()
         return loss.item()

@@ -1,0 +1,68 @@
+"""The documentation cannot drift from the code where it is generated or checked: every option
+has help text and appears in the generated reference, every method's options have a page, the
+API reference covers the package root, and the README's links into the docs resolve."""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import hvd_lowcomm
+from hvd_lowcomm.config import build_parser, default_config, describe_options
+from hvd_lowcomm.methods import option_sections
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+sys.path.insert(0, str(DOCS / "_ext"))
+from hvd_options import option_table  # noqa: E402  (the Sphinx directive's renderer)
+
+
+def test_every_option_has_help_text():
+    missing = [opt.name for opt in describe_options() if len(opt.help.strip()) < 8]
+    assert not missing, f"options without help text (add help= to their option(...)): {missing}"
+
+
+def test_generated_reference_lists_every_option_with_its_default():
+    options = describe_options()
+    table = "\n".join(option_table(options))
+    for opt in options:
+        row = table[table.index(f"``--{opt.name}``"):]
+        assert row.split("\n")[2].strip() == f"- ``{opt.default}``", opt.name
+    assert table.count("   * - ``--") == len(options)
+
+
+def test_help_and_reference_come_from_one_source():
+    cfg = default_config()
+    text = build_parser(cfg, "prog").format_help()
+    for opt in describe_options(cfg):
+        assert f"--{opt.name}" in text
+        assert opt.help.split()[0] in text
+
+
+def test_every_method_section_has_a_page_with_its_options():
+    directives = {}
+    for page in (DOCS / "methods").glob("*.rst"):
+        for match in re.finditer(r"^\.\. hvd-options:: (.+)$", page.read_text(), re.M):
+            directives.update({section: page.name for section in match.group(1).split()})
+    missing = sorted(set(option_sections()) - set(directives))
+    assert not missing, f"method option sections with no docs/methods page: {missing}"
+    assert re.search(r"^\.\. hvd-options::\s*$", (DOCS / "configuration.rst").read_text(), re.M), \
+        "configuration.rst must hold the whole generated reference"
+
+
+def test_api_reference_covers_the_package_root():
+    api = (DOCS / "api.rst").read_text()
+    missing = [name for name in hvd_lowcomm.__all__ if f"hvd_lowcomm.{name}\n" not in api]
+    assert not missing, f"package-root names missing from docs/api.rst: {missing}"
+
+
+def test_readme_links_into_the_docs_resolve():
+    readme = (ROOT / "README.rst").read_text()
+    links = re.findall(r"<(docs/[^>#]+)(?:#[^>]*)?>`_", readme)
+    assert len(links) >= 8, "README.rst is the front page: it should link into the docs"
+    broken = [link for link in links if not (ROOT / link).is_file()]
+    assert not broken, f"README.rst links to missing docs pages: {broken}"
+    pages = {p.relative_to(ROOT).as_posix() for p in DOCS.rglob("*.rst")}
+    index = (DOCS / "index.rst").read_text() + (DOCS / "methods" / "index.rst").read_text()
+    orphans = [p for p in pages if Path(p).stem not in index and not p.endswith("index.rst")]
+    assert not orphans, f"docs pages in no toctree: {orphans}"
