@@ -10,6 +10,7 @@ from pathlib import Path
 from data_prep import sources, text
 from data_prep.writer import write_dataset, write_text_dataset
 from hvd_lowcomm.data import DataError, inspect, verify as verify_files
+from hvd_lowcomm.task import LANGUAGE_MODEL
 
 DOWNLOADABLE = ("cifar10", "cifar100", "mnist", "fashion-mnist", "emnist")
 
@@ -169,6 +170,11 @@ def verify(path: str) -> int:
     except DataError as err:
         print(f"data_prep: error: {err}", file=sys.stderr)
         return 1
+    if info.task == LANGUAGE_MODEL:
+        print(f"{path}: ok ({len(info.files)} file(s); text, vocabulary {info.num_classes}, "
+              f"{info.bytes_per_token:.2f} bytes/token; {info.num_train:,} training and {info.num_test:,} validation "
+              f"windows of {info.input_shape[0]} tokens; source {info.source})")
+        return 0
     stats = f", mean {_fmt(info.mean)} std {_fmt(info.std)}" if info.mean else ""
     print(f"{path}: ok ({len(info.files)} file(s); {info.num_train} train, {info.num_test} test, "
           f"{info.dtype} shape {info.input_shape}, {info.num_classes} classes{stats}; source {info.source})")
