@@ -102,8 +102,7 @@ def cut_points(model: nn.Module, partitions: int, cuts: list[int], need_depth: b
         if len(cuts) != partitions - 1 or sorted(set(cuts)) != list(cuts) or cuts[0] < 1 or cuts[-1] >= len(modules):
             raise ConfigError(f"cuts {cuts} must be {partitions - 1} increasing module indices in 1..{len(modules) - 1}")
         return _refuse_shared_parameters(modules, [0, *cuts, len(modules)])
-    return _refuse_shared_parameters(modules, _default_cut_points(modules, partitions, need_depth, input_shape,
-                                                                  task.label_dims(model)))
+    return _refuse_shared_parameters(modules, _default_cut_points(modules, partitions, need_depth, input_shape))
 
 
 def _refuse_shared_parameters(modules: list[nn.Module], bounds: list[int]) -> list[int]:
@@ -121,16 +120,16 @@ def _refuse_shared_parameters(modules: list[nn.Module], bounds: list[int]) -> li
 
 
 def _default_cut_points(modules: list[nn.Module], partitions: int, need_depth: bool,
-                        input_shape: tuple[int, ...] | None, label_dims: int) -> list[int]:
+                        input_shape: tuple[int, ...] | None) -> list[int]:
     kinds = [_kinds(m) for m in modules]
     cumulative = list(itertools.accumulate((sum(p.numel() for p in m.parameters()) for m in modules), initial=0))
     block_starts = [c for c in range(1, len(modules)) if kinds[c].startswith("W")]
     deep = lambda a, b: _deep("".join(kinds[a:b]))  # noqa: E731
     weighted = lambda a, b: "W" in "".join(kinds[a:b])  # noqa: E731
     flat, shapes = [True] * len(modules), []
-    if need_depth and input_shape is not None:  # a vector per sample, or per token of a language model
+    if need_depth and input_shape is not None:  # a vector per sample
         shapes = _shapes_after_each(modules, input_shape)
-        flat = [len(shape) == 1 + label_dims for shape in shapes]
+        flat = [len(shape) == 1 for shape in shapes]
     for rule in (deep,) if need_depth else (deep, weighted):
         for positions in (block_starts, list(range(1, len(modules)))):
             bounds = _balanced_cut([c for c in positions if flat[c - 1]], partitions, rule, cumulative)
@@ -138,7 +137,7 @@ def _default_cut_points(modules: list[nn.Module], partitions: int, need_depth: b
                 return bounds
     weight_layers = "".join(kinds).count("W")
     if need_depth and not all(flat) and _balanced_cut(list(range(1, len(modules))), partitions, deep, cumulative):
-        if any(len(shape) == 2 and label_dims == 0 for shape in shapes):
+        if any(len(shape) == 2 for shape in shapes):
             return _refuse_between_token_blocks(partitions)
         return _refuse_inside_convolutions(partitions)
     if need_depth:
