@@ -80,8 +80,7 @@ def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dic
     if args.tflops:
         profile = profile.at_flop_rate(args.tflops * 1e12)
     methods = [m for m in costmodel.predicted_methods() if _applies(profile, m, cfg, assumptions)]
-    hidden = ",".join(map(str, cfg.model.hidden)) or "default widths"
-    lines = [f"# Predicted step time: {cfg.model.name} {hidden}, {profile.params:,} parameters, batch "
+    lines = [f"# Predicted step time: {_describe_model(cfg)}, {profile.params:,} parameters, batch "
              f"{cfg.data.batch_size} per rank, compute {profile.step_seconds * 1e3:.2f} ms per step at {device}; "
              f"latency {args.latency_us:g} µs, {args.ranks_per_node} rank(s) per node", ""]
     rows: list[dict[str, Any]] = []
@@ -111,6 +110,15 @@ def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dic
                          f"{bandwidth * 8 / 1e9:.3g} Gbit/s")
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines), rows
+
+
+def _describe_model(cfg: config.Config) -> str:
+    m = cfg.model
+    if m.name == "gpt":
+        return f"gpt {m.layers} layers x {m.width} ({m.heads} heads), windows of {cfg.data.seq_len} tokens"
+    if m.name == "vit":
+        return f"vit {m.layers} layers x {m.width} ({m.heads} heads), patches of {m.patch_size}"
+    return f"{m.name} {','.join(map(str, m.hidden)) or 'default widths'}"
 
 
 def _applies(profile: costmodel.Profile, method: str, cfg: config.Config,

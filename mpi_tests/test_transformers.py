@@ -216,3 +216,15 @@ def test_every_method_trains_a_gpt_at_its_defaults_or_refuses_before_training(co
         assert summary["final_test_loss"] < 4.0, summary
         assert summary["final_perplexity"] == pytest.approx(math.exp(summary["final_test_loss"]))
         assert summary["tokens_per_step_per_rank"] == 8 * 16
+
+
+def test_the_cost_model_predicts_no_sil_for_a_language_model_and_mp_by_its_tokens():
+    from hvd_lowcomm.costmodel import Link, predict, profile_model
+
+    model = gpt(vocab_size=40, context=8, layers=2, width=16, heads=2)
+    profile = profile_model(model, (8,), 4, repeats=1)
+    assert profile.facts["sil"] is None  # refused, as sil refuses to train it
+    with pytest.raises(ConfigError, match="sil: cannot train this model"):
+        predict(profile, "sil", 4, Link(1e9))
+    # mp sends each cut's activations, batch x tokens x width floats, forward and back
+    assert profile.facts["mp"].widths == [8 * 16]

@@ -424,10 +424,17 @@ def default_cut(model: nn.Module, input_shape: tuple[int, ...], options: Partiti
                [math.prod(shape) for shape in activation_shapes(model, bounds, input_shape)[1:]])
 
 
-def partitioned_cost(method: str, exchanges_activations: bool, need_depth: bool) -> MethodCost:
+def partitioned_cost(method: str, exchanges_activations: bool, need_depth: bool,
+                     refuse: Callable[[nn.Module], None] | None = None) -> MethodCost:
     """The cost of `method` (mp: activations and gradients cross the cuts at every step; SIL:
-    nothing crosses them), from the cut it would make (`need_depth`: SIL's rule)."""
+    nothing crosses them), from the cut it would make (`need_depth`: SIL's rule); `refuse(model)`
+    raises ConfigError for a model the method will not train whatever the cut (no prediction)."""
     def facts(model: nn.Module, input_shape: tuple[int, ...], options: PartitionOptions, cfg: Any) -> Cut | None:
+        try:
+            if refuse is not None:
+                refuse(model)
+        except ConfigError:
+            return None
         return default_cut(model, input_shape, options, need_depth)
 
     def predict(profile: Profile, p: int, link: Link, options: PartitionOptions, cfg: Any,
@@ -444,7 +451,8 @@ def predict_partitioned(profile: Profile, p: int, link: Link, options: Partition
     cut = profile.facts.get(method)
     k = options.partitions
     if cut is None:
-        raise ConfigError(f"{method}: this model has no default cut into {k} partitions")
+        raise ConfigError(f"{method}: cannot train this model (no default cut into {k} partitions, or a model "
+                          f"it refuses, e.g. sil and a language model)")
     if p % k:
         raise ConfigError(f"{method}: {p} ranks do not split into {k} partitions")
     g = p // k

@@ -277,7 +277,8 @@ def _cut_indices(model: torch.nn.Module, cuts: list[int | str]) -> list[int]:
 COLLAPSED_SPREAD = 0.02
 
 
-@register("sil", options=SILOptions, cost=partitioned_cost("sil", exchanges_activations=False, need_depth=True))
+@register("sil", options=SILOptions,
+          cost=partitioned_cost("sil", exchanges_activations=False, need_depth=True, refuse=refuse_language_models))
 class SyntheticIntermediateLabels(Partitioned):
     """SIL: each partition learns on its own toward random class codes at the cuts."""
 
