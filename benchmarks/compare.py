@@ -339,12 +339,16 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
 
     label = lambda r: f"{r['variant']} (np {r['np']})"  # noqa: E731
     # What the plots show of a run's quality: validation loss for a language model, else accuracy.
+    # Over time: a language model's run is often a fraction of an epoch (--train.max_steps), so
+    # its evaluations are placed by training step.
     if any("final_perplexity" in r["summary"] for r in results):
         quality, quality_label, quality_name = (lambda r: series(r, "test_loss")), "validation loss (nats/token)", "loss"
+        over_time = ("loss_vs_step", "step", "training step")
     else:
         quality, quality_label, quality_name = (lambda r: [100 * a for a in series(r, "test_acc")]), \
             "test accuracy (%)", "accuracy"
-    for name, xkey, xlabel in ((f"{quality_name}_vs_epoch", "epoch", "epoch"),
+        over_time = ("accuracy_vs_epoch", "epoch", "epoch")
+    for name, xkey, xlabel in (over_time,
                                (f"{quality_name}_vs_bytes", "train_wire_bytes_total", "cumulative bytes sent per rank")):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for r in results:
