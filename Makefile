@@ -42,9 +42,10 @@ examples: $(STAMP)
 	set -e; for m in $(EXAMPLE_METHODS); do $(MPIRUN) -np $(NP) $(PY) examples/lowcomm.py --method $$m --steps 6; done
 
 # The documentation site (Sphinx, furo theme) into docs/_build/html; warnings are errors, so a
-# broken reference or a docstring that does not parse fails the build (CI runs this).
+# broken reference or a docstring that does not parse fails the build (CI runs this); -E: the
+# option reference is generated from the code, so every build reads the sources afresh.
 docs: $(STAMP)
-	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
+	$(PY) -m sphinx -E -W --keep-going -q -b html docs docs/_build/html
 	@echo "docs: open docs/_build/html/index.html"
 
 clean:

@@ -67,7 +67,8 @@ class DataConfig:
     """Where the samples come from and how many each rank takes per step."""
 
     path: str = option("data/digits.h5", "HDF5 dataset file or shard directory written by `python -m "
-                       "data_prep`; a missing file named after a bundled dataset (digits.h5, mnist5k.h5) "
+                       "data_prep`; a missing file named after a bundled dataset (digits.h5, mnist5k.h5, "
+                       "shakespeare.h5) "
                        "is prepared on first use")
     batch_size: int = option(32, "training samples per rank per step")
     test_batch_size: int = option(512, "samples per rank per evaluation batch")

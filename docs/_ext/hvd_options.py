@@ -7,6 +7,8 @@ section is listed, each under its own heading; with section names ('train', 'ab'
 """
 from __future__ import annotations
 
+import re
+
 from docutils import nodes
 from docutils.statemachine import StringList
 from sphinx.util.docutils import SphinxDirective
@@ -16,8 +18,10 @@ from hvd_lowcomm.config import describe_options
 
 
 def _cell(text: str) -> str:
-    """Table cell text: literal markup never spans a cell, so escape stray backquotes."""
-    return text.replace("*", r"\*") if text else "\\"
+    """Table cell text: help strings quote code in single backquotes, as docstrings do; here
+    they become literals (reST would read them as titles), and a bare * is not emphasis."""
+    text = re.sub(r"(?<!`)`([^`]+)`(?!`)", r"``\1``", text.replace("*", r"\*"))
+    return text or "\\"
 
 
 def option_table(options: list) -> list[str]:
