@@ -72,7 +72,12 @@ class Link:
         (by default: when the group is larger than a node; `spans_nodes` says so for a group of
         ranks picked across nodes, such as one rank per node)."""
         spans = group > self.ranks_per_node if spans_nodes is None else spans_nodes
-        return self.bandwidth if spans else self.intra_bandwidth
+        if not spans:
+            return self.intra_bandwidth
+        # A ring over several nodes also passes between the ranks inside each node (unless it
+        # takes one rank per node), so the slower of the two links sets its pace.
+        one_per_node = self.ranks_per_node == 1 or spans_nodes is True
+        return self.bandwidth if one_per_node else min(self.bandwidth, self.intra_bandwidth)
 
     def _time(self, messages: float, bytes_per_rank: float, group: int, ranks: int,
               spans_nodes: bool | None) -> float:
