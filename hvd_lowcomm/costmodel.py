@@ -364,12 +364,13 @@ def drop_in_methods() -> tuple[str, ...]:
     return tuple(name for name, spec in specs().items() if spec.drop_in and spec.cost is not None)
 
 
-def break_even(profile: Profile, method: str, ranks: int, latency: float, cfg: Config | None = None,
-               ranks_per_node: int = 1, assumptions: RunAssumptions = RunAssumptions()) -> float:
-    """The bandwidth (bytes/s) below which `method` steps faster than ddp: inf when it is faster
-    at every bandwidth from 100 Mbit/s to 10 Tbit/s, 0 when it is faster at none."""
+def break_even(profile: Profile, method: str, ranks: int, network: Link, cfg: Config | None = None,
+               assumptions: RunAssumptions = RunAssumptions()) -> float:
+    """The network bandwidth (bytes/s) below which `method` steps faster than ddp, the rest of
+    `network` (latency, nodes, their own links) as given: inf when it is faster at every bandwidth
+    from 100 Mbit/s to 10 Tbit/s, 0 when it is faster at none."""
     def gain(bandwidth: float) -> float:
-        link = Link(bandwidth, latency, ranks_per_node)
+        link = replace(network, bandwidth=bandwidth)
         return predict(profile, "ddp", ranks, link, cfg, assumptions).step - \
             predict(profile, method, ranks, link, cfg, assumptions).step
 

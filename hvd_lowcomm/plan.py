@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated network rates between nodes (default: %(default)s)")
     parser.add_argument("--latency-us", type=float, default=2.0, help="message latency (default: %(default)s)")
     parser.add_argument("--ranks-per-node", type=int, default=1, help="ranks sharing a node (default: %(default)s)")
+    parser.add_argument("--node-link", default="160gbit",
+                        help="rate between the ranks of one node (PCIe or shared memory: the default, "
+                             "20 GB/s; NVLink nodes: 2400gbit or more) (default: %(default)s)")
     parser.add_argument("--tflops", type=float, default=0.0,
                         help="compute at this achieved rate, TFLOP/s (default: as timed on this machine)")
     parser.add_argument("--run-steps", type=int, default=10_000,
@@ -66,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
 def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dict[str, Any]]]:
     cfg = config.load(train_argv, prog="python -m hvd_lowcomm.plan")
     ranks = [int(r) for r in args.ranks.split(",")]
-    links = [(rate, costmodel.Link.parse(rate, args.latency_us, ranks_per_node=args.ranks_per_node))
+    node_link = config.rate_bits(args.node_link) / 8
+    links = [(rate, costmodel.Link.parse(rate, args.latency_us, ranks_per_node=args.ranks_per_node,
+                                         intra_bandwidth=node_link))
              for rate in args.links.split(",")]
     if min(ranks) < 2 or args.ranks_per_node < 1:
         raise ConfigError("--ranks needs counts of at least 2 and --ranks-per-node at least 1")
@@ -82,7 +87,8 @@ def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dic
     methods = [m for m in costmodel.predicted_methods() if _applies(profile, m, cfg, assumptions)]
     lines = [f"# Predicted step time: {_describe_model(cfg)}, {profile.params:,} parameters, batch "
              f"{cfg.data.batch_size} per rank, compute {profile.step_seconds * 1e3:.2f} ms per step at {device}; "
-             f"latency {args.latency_us:g} µs, {args.ranks_per_node} rank(s) per node", ""]
+             f"latency {args.latency_us:g} µs, {args.ranks_per_node} rank(s) per node"
+             + (f" linked at {args.node_link}" if args.ranks_per_node > 1 else ""), ""]
     rows: list[dict[str, Any]] = []
     for rate, link in links:
         lines += [f"## {rate}", "", "| method | " + " | ".join(f"{p} ranks: ms (× ddp)" for p in ranks) + " |",
@@ -104,8 +110,7 @@ def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dic
     for method in (m for m in methods if m != "ddp"):
         cells = []
         for p in ranks:
-            bandwidth = costmodel.break_even(profile, method, p, args.latency_us * 1e-6, cfg, args.ranks_per_node,
-                                             assumptions)
+            bandwidth = costmodel.break_even(profile, method, p, links[0][1], cfg, assumptions)
             cells.append("never" if bandwidth == 0 else "always" if math.isinf(bandwidth) else
                          f"{bandwidth * 8 / 1e9:.3g} Gbit/s")
         lines.append(f"| {method} | " + " | ".join(cells) + " |")

@@ -90,7 +90,7 @@ def test_the_planner_picks_ddp_on_a_fast_network_and_a_compressing_method_on_a_s
     name, predictions, why = costmodel.choose(profile, 8, Link.parse("100mbit", latency_us=1))
     assert name in ("powersgd", "rank-dad", "dad") and "ddp would take" in why
     assert predictions[0].step <= predictions[-1].step
-    assert costmodel.break_even(profile, name, 8, 1e-6) > 100e6 / 8
+    assert costmodel.break_even(profile, name, 8, Link(1e9, 1e-6)) > 100e6 / 8
 
 
 # Options under which a method's traffic does not depend on what it learns (so the prediction
@@ -183,3 +183,14 @@ def test_the_planner_command_writes_its_tables(tmp_path, capsys):
     assert len(rows) == 1 + 2 * 2 * len(costmodel.predicted_methods())  # sil6 is an MLP every method trains
     assert plan_main(["--links", "fast", "--data.path", str(data)]) == 2
     assert "use a rate such as 1gbit" in capsys.readouterr().err
+
+    def ddp_ms(node_link: str) -> float:  # ddp on 16 ranks, 4 per node, a 400 Gbit/s network
+        out = tmp_path / node_link
+        assert plan_main(["--ranks", "16", "--links", "400gbit", "--ranks-per-node", "4", "--node-link", node_link,
+                          "--tflops", "10", "--out", str(out), "--model.name", "sil6", "--data.path", str(data)]) == 0
+        rows = (out / "predicted.csv").read_text().splitlines()
+        return next(float(r.split(",")[3]) for r in rows if ",ddp," in r)
+
+    # nodes whose own links are slower than the network pace the ring; faster ones do not
+    slow, fast, faster = ddp_ms("40gbit"), ddp_ms("4000gbit"), ddp_ms("40000gbit")
+    assert slow > 2 * fast and fast == pytest.approx(faster, rel=0.25)  # compute is timed on each run
