@@ -38,6 +38,7 @@ import argparse
 import csv
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -185,6 +186,12 @@ def tabulate(results: list[dict[str, Any]], wire_rate: float | None) -> list[dic
         if floor is not None:
             row["floor_ms"] = max(1000 * floor["step_seconds_mean"], 0.0 if wire_rate is None else row["wire_ms"])
             row["step_time_ratio_to_floor"] = row["step_ms"] / row["floor_ms"]
+        # Methods that train in groups say what crossed between them, also with one-rank groups
+        # (np 2), where the world set carries all their traffic.
+        row["in_groups"] = "inter_group_wire_bytes" in s
+        kept = sorted(v for k, v in s.items() if k.startswith("rank/"))  # AB: each factorised layer's rank
+        if kept:
+            row["ranks_kept"] = f"{kept[0]:g}–{kept[-1]:g} (median {statistics.median(kept):g})"
         last_epoch = r["epochs"][-1]
         for key in ("compression_ratio", "compression_bound", "low_rank_parameters", "parameter_fraction",
                     "parameter_bytes", "between_partitions_bytes"):
@@ -269,15 +276,16 @@ def write_tables(rows: list[dict[str, Any]], out: Path, title: str, failed: list
           f"{row['step_ms']:.1f}", _ms(row["wire_ms"]), _ms(row.get("floor_ms")),
           "–" if "step_time_ratio_to_floor" not in row else f"{row['step_time_ratio_to_floor']:.2f}"]
          for row in rows])
-    grouped = [row for row in rows if row["world_bytes_total"] < row["train_bytes_total"]]
+    grouped = [row for row in rows if row.get("in_groups") or row["world_bytes_total"] < row["train_bytes_total"]]
     lines += _table(
         "Methods that train in groups: traffic on the world process set (inter-group, the network traffic when a "
         "group is a node) against all training traffic, per rank over the run.",
         ["np", "method", "all traffic", "inter-group", "inter-group × ddp", "compression (A+B)", "bound",
-         "parameters at the end"],
+         "parameters at the end", "ranks kept"],
         [[row["np"], row["method"], human_bytes(row["train_bytes_total"]), human_bytes(row["world_bytes_total"]),
           f"{row.get('world_bytes_ratio_to_ddp', float('nan')):.4f}", _times(row.get("compression_ratio")),
-          _times(row.get("compression_bound")), f"{row.get('low_rank_parameters', float('nan')):,.0f}"]
+          _times(row.get("compression_bound")), f"{row['low_rank_parameters']:,.0f}" if "low_rank_parameters" in row else "–",
+          row.get("ranks_kept", "–")]
          for row in grouped])
     lines += _table(
         "Partitioned methods (figures of rank 0, which holds the first partition): bytes sent between partition "

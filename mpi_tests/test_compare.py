@@ -118,3 +118,23 @@ def test_repeated_runs_are_kept_apart_and_their_range_is_tabled(tmp_path):
     assert (tmp_path / "runs" / "np2-ddp-r2" / "summary.json").exists()
     table = (tmp_path / "results.md").read_text()
     assert re.search(r"\| 2 \| ddp \|.*\| \d+\.\d \(\d+\.\d–\d+\.\d\) \|", table), table
+
+
+def test_a_group_method_on_one_rank_groups_is_tabled_with_its_compression_and_ranks(tmp_path):
+    # At np 2 every AB group is one rank: all its traffic is on the world set, yet it trains in groups.
+    from benchmarks.compare import tabulate, write_tables
+
+    def run(variant, extra):
+        summary = {"final_test_acc": 0.9, "best_test_acc": 0.9, "train_wire_bytes_per_step": 100.0,
+                   "train_wire_bytes": 1000.0, "train_world_wire_bytes": 1000.0, "step_seconds_mean": 0.01,
+                   "peak_rss_bytes_max_rank": 1e8, "steps": 10, **extra}
+        epoch = {"epoch": 1, "seconds": 1.0, "test_acc": 0.9, "compression_ratio": extra.get("compression", "")}
+        return {"variant": variant, "np": 2, "summary": summary, "epochs": [epoch], "measured": None}
+
+    ab = {"inter_group_wire_bytes": 400.0, "train_wire_bytes": 400.0, "compression": 5.0,
+          "rank/1.attn.q": 15, "rank/1.mlp.0": 5, "rank/2.mlp.2": 2}
+    rows = tabulate([run("ddp", {}), run("ab", ab)], wire_rate=None)
+    table = write_tables(rows, tmp_path, "t")
+    line = next(row for row in table.splitlines() if row.startswith("| 2 | ab | 400 B |"))
+    assert "| 0.4000 | 5.00x |" in line and line.endswith("| – | 2–15 (median 5) |"), line
+    assert not any(row.startswith("| 2 | ddp | 1000 B |") for row in table.splitlines())  # ddp trains in no groups
