@@ -284,8 +284,8 @@ def write_tables(rows: list[dict[str, Any]], out: Path, title: str, failed: list
          "parameters at the end", "ranks kept"],
         [[row["np"], row["method"], human_bytes(row["train_bytes_total"]), human_bytes(row["world_bytes_total"]),
           f"{row.get('world_bytes_ratio_to_ddp', float('nan')):.4f}", _times(row.get("compression_ratio")),
-          _times(row.get("compression_bound")), f"{row['low_rank_parameters']:,.0f}" if "low_rank_parameters" in row else "–",
-          row.get("ranks_kept", "–")]
+          _times(row.get("compression_bound")),
+          f"{row['low_rank_parameters']:,.0f}" if "low_rank_parameters" in row else "–", row.get("ranks_kept", "–")]
          for row in grouped])
     lines += _table(
         "Partitioned methods (figures of rank 0, which holds the first partition): bytes sent between partition "

@@ -430,11 +430,11 @@ def partitioned_cost(method: str, exchanges_activations: bool, need_depth: bool,
     nothing crosses them), from the cut it would make (`need_depth`: SIL's rule); `refuse(model)`
     raises ConfigError for a model the method will not train whatever the cut (no prediction)."""
     def facts(model: nn.Module, input_shape: tuple[int, ...], options: PartitionOptions, cfg: Any) -> Cut | None:
-        try:
-            if refuse is not None:
+        if refuse is not None:
+            try:
                 refuse(model)
-        except ConfigError:
-            return None
+            except ConfigError:
+                return None
         return default_cut(model, input_shape, options, need_depth)
 
     def predict(profile: Profile, p: int, link: Link, options: PartitionOptions, cfg: Any,
