@@ -79,7 +79,8 @@ def _profile(cfg: config.Config, profiles: dict[str, costmodel.Profile]) -> cost
     if key not in profiles:
         info = data.inspect(cfg.data.path, cfg.data.seq_len)
         model = models.build_model(cfg.model, info.input_shape, info.num_classes, info.task)
-        profiles[key] = costmodel.profile_model(model, info.input_shape, cfg.data.batch_size, repeats=1, cfg=cfg)
+        profiles[key] = costmodel.profile_model(model, info.input_shape, cfg.data.batch_size, repeats=1, cfg=cfg,
+                                                vocabulary=info.vocabulary)
     return profiles[key]
 
 

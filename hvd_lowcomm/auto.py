@@ -44,7 +44,8 @@ def choose(cfg: Config, model: torch.nn.Module, data: DatasetInfo, world_size: i
     decision = None
     if runtime.rank() == 0:
         profile = costmodel.profile_model(model, data.input_shape, cfg.data.batch_size, cfg=cfg,
-                                          methods=(*costmodel.drop_in_methods(), *OTHERS_SHOWN))
+                                          methods=(*costmodel.drop_in_methods(), *OTHERS_SHOWN),
+                                          vocabulary=data.vocabulary)
         if world_size == 1:
             decision = ("ddp", "one rank: nothing to exchange", "")
         else:

@@ -35,14 +35,18 @@ def option(default: Any, help: str, choices: tuple | None = None) -> Any:
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
-def make_options(cls: type, prefix: str, **kwargs: Any) -> Any:
-    """An options dataclass from keyword arguments (a library user's), validated, with a clear
-    error for a misspelt name; `prefix` names the options in messages ('ab', 'powersgd')."""
+def make_options(cls: type, prefix: str, options: Any = None, **kwargs: Any) -> Any:
+    """The options a library user asked for: `options` (an instance of `cls`, default: the
+    defaults) with any keyword arguments set on a copy of it, checked the same way whichever
+    door they came through (choices and `validate()`), with a clear error for a misspelt
+    name; `prefix` names the options in messages ('ab', 'powersgd')."""
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise ConfigError(f"unknown {prefix} option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    options = cls(**kwargs)
+    if options is not None and not isinstance(options, cls):
+        raise ConfigError(f"{prefix}: options= must be a {cls.__name__}, got {type(options).__name__}")
+    options = dataclasses.replace(options, **kwargs) if options is not None else cls(**kwargs)
     _check_choices(prefix, options)
     if hasattr(options, "validate"):
         options.validate()
@@ -99,9 +103,11 @@ class ModelConfig:
     """Which network to train."""
 
     name: str = option("", "model from hvd_lowcomm.models: mlp, cnn, sil6 (six fully connected layers), gpt (a "
-                           "language model, for text datasets), vit (a vision transformer), tv:<name> with the [vision] extra, or your own 'module:factory' called as "
-                           "factory(input_shape, num_classes, **model.kwargs); empty: the method's default (sil6 "
-                           "for sil and mp, mlp otherwise)")
+                           "language model, for text datasets), vit (a vision transformer), tv:NAME (torchvision, "
+                           "the [vision] extra), hf:PATH (a Hugging Face model from a local config.json or "
+                           "pretrained directory, the [hf] extra: a causal LM on text, an image classifier on "
+                           "images), or your own 'module:factory' called as factory(input_shape, num_classes, "
+                           "**model.kwargs); empty: the method's default (sil6 for sil and mp, mlp otherwise)")
     kwargs: dict = option({}, "keyword arguments for a 'module:factory' model, a YAML mapping (e.g. "
                               "'{depth: 4, width: 128}')")
     hidden: list[int] = option([], "hidden widths of the MLP, or channels of the CNN's conv blocks; empty: the "
@@ -192,6 +198,9 @@ class AutoConfig:
             raise ConfigError("auto.latency_us must be >= 0, auto.ranks_per_node >= 1 and auto.probe_mb > 0")
 
 
+LOGGERS = ("tensorboard", "wandb")  # run.loggers (hvd_lowcomm.trackers)
+
+
 @dataclass
 class RunConfig:
     """Where results go and how much is shown while training."""
@@ -208,9 +217,15 @@ class RunConfig:
     resume: str = option("", "continue a run: 'auto' (the run run.dir/run.name from its newest usable "
                              "checkpoint, or from scratch if it has none), or a run / checkpoint directory; "
                              "also --resume")
+    loggers: list[str] = option([], "also log step, epoch and summary records to: tensorboard (event files in the "
+                                    "run dir), wandb (offline unless WANDB_MODE is set); a resumed run continues "
+                                    "the same tracker run; needs the [trackers] extra")
 
     def validate(self) -> None:
         _positive(self, "log_every", "keep_checkpoints")
+        unknown = [name for name in self.loggers if name not in LOGGERS]
+        if unknown:
+            raise ConfigError(f"run.loggers: unknown logger(s) {', '.join(unknown)}; choose from {', '.join(LOGGERS)}")
         for name in ("checkpoint_every", "eval_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"run.{name} must be >= 0, got {getattr(self, name)}")

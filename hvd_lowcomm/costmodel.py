@@ -41,11 +41,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hvd_lowcomm import task
 from hvd_lowcomm.comm.traffic import wire_bytes
 from hvd_lowcomm.config import Config, ConfigError, apply_presets, default_config, rate_bits
 from hvd_lowcomm.metrics import human_bytes
 from hvd_lowcomm.methods import specs
-from hvd_lowcomm.task import example_input
+from hvd_lowcomm.models.layer_kinds import kind_of
 
 @dataclass(frozen=True)
 class Link:
@@ -217,9 +218,11 @@ def wire(op: str, nbytes_per_rank: float, group: int) -> float:
 
 
 def profile_model(model: nn.Module, input_shape: tuple[int, ...], batch: int, repeats: int = 5,
-                  cfg: Config | None = None, methods: tuple[str, ...] | None = None) -> Profile:
+                  cfg: Config | None = None, methods: tuple[str, ...] | None = None,
+                  vocabulary: int | None = None) -> Profile:
     """Layer shapes from one forward pass, the median of `repeats` timed steps (forward,
-    backward, Adam step) of a copy of `model` on random data of `batch` samples, and, for every
+    backward, Adam step) of a copy of `model` on random data of `batch` samples (token ids
+    below `vocabulary` for a text dataset's model: DatasetInfo.vocabulary), and, for every
     method with a cost (or those in `methods`), its kernels per layer and its facts of the
     model, with the options of `cfg` (the defaults if None)."""
     cfg = cfg or default_config()
@@ -234,7 +237,7 @@ def profile_model(model: nn.Module, input_shape: tuple[int, ...], batch: int, re
     seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # each weight layer's input and output
     hooks = [m.register_forward_hook(_rows_hook(rows, seen, name)) for name, m in model.named_modules()
              if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() >= 2]
-    x = example_input(model, batch, tuple(input_shape))
+    x = task.example_input(batch, tuple(input_shape), vocabulary)
     with torch.no_grad():
         model(x)
     for hook in hooks:
@@ -243,7 +246,8 @@ def profile_model(model: nn.Module, input_shape: tuple[int, ...], batch: int, re
     for name, module in model.named_modules():
         if name not in rows:
             continue
-        fan_in, fan_out = module.weight[0].numel(), module.weight.shape[0]
+        kind = kind_of(module)
+        fan_out, fan_in = kind.shape(module) if kind else (module.weight.shape[0], module.weight[0].numel())
         params = [p for p in module.parameters(recurse=False)]
         counted.update(id(p) for p in params)
         index = next((i for i, child in enumerate(children) if any(m is module for m in child.modules())), -1)
@@ -293,13 +297,13 @@ def _rows_hook(rows: dict[str, int], seen: dict[str, tuple[torch.Tensor, torch.T
 
 def _time_steps(model: nn.Module, x: torch.Tensor, repeats: int) -> tuple[float, float, float]:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-6)
-    out = model(x)
+    out = task.logits(model(x))
     y = torch.zeros(len(x), dtype=torch.long) if out.dim() == 2 else None
     steps, forwards, backwards = [], [], []
     for _ in range(repeats + 2):  # two warm-up steps
         start = time.perf_counter()
         optimizer.zero_grad()
-        out = model(x)
+        out = task.logits(model(x))
         loss = F.cross_entropy(out, y) if y is not None else out.float().pow(2).mean()
         middle = time.perf_counter()
         loss.backward()

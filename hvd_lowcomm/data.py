@@ -107,6 +107,11 @@ class DatasetInfo:
     def sizes(self, split: str) -> tuple[int, ...]:
         return self.train_sizes if split == "train" else self.test_sizes
 
+    @property
+    def vocabulary(self) -> int | None:
+        """Token ids a language model must embed (None for classification data)."""
+        return self.num_classes if self.task == LANGUAGE_MODEL else None
+
 
 def _remake(path: Path) -> str:
     return f"recreate it with `python -m data_prep <source> --out {path}` (see `python -m data_prep --help`)"
@@ -465,11 +470,13 @@ class ShardedBatches:
 
 class DatasetSplit:
     """A torch Dataset (items (x, y)) behind the interface ShardedBatches reads: one "shard"
-    holding every sample, read by index."""
+    holding every sample, read by index. Features become float32 and labels int64; token
+    windows (a language model's, `tokens`) stay int64 ids."""
 
-    def __init__(self, dataset: Any, name: str, split: str) -> None:
+    def __init__(self, dataset: Any, name: str, split: str, tokens: bool = False) -> None:
         self.dataset, self.path, self.split = dataset, name, split
         self.sizes = (len(dataset),)
+        self.input_dtype = torch.int64 if tokens else torch.float32
 
     def __len__(self) -> int:
         return self.sizes[0]
@@ -479,15 +486,17 @@ class DatasetSplit:
 
     def read(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         items = [self.dataset[int(i)] for i in indices]
-        x = torch.stack([torch.as_tensor(item[0], dtype=torch.float32) for item in items])
-        y = torch.as_tensor([int(item[1]) for item in items], dtype=torch.int64)
+        x = torch.stack([torch.as_tensor(item[0], dtype=self.input_dtype) for item in items])
+        y = torch.stack([torch.as_tensor(item[1], dtype=torch.int64) for item in items])
         return x, y
 
 
 def from_source(source: str) -> DatasetInfo:
     """Call a user's `module:function` returning (train, test) torch Datasets of (x, y) items,
-    or (train, test, num_classes); describe them like an HDF5 dataset. The datasets travel in
-    `info.datasets`; `open_split` reads them."""
+    or (train, test, num_classes); describe them like an HDF5 dataset. Items whose x is a
+    window of integer token ids and y the same shape (the next token at every position) are a
+    language model's: the third element, the vocabulary, is then required. The datasets travel
+    in `info.datasets`; `open_split` reads them."""
     load = import_object(source, "data.source")
     result = load()
     if not isinstance(result, tuple) or len(result) not in (2, 3):
@@ -497,7 +506,14 @@ def from_source(source: str) -> DatasetInfo:
     for name, dataset in (("train", train), ("test", test)):
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__") or len(dataset) == 0:
             raise DataError(f"data.source {source}(): the {name} set must be a non-empty map-style Dataset")
-    x, _ = train[0]
+    x, y = (torch.as_tensor(v) for v in train[0])
+    if not x.is_floating_point() and x.dim() >= 1 and y.shape == x.shape:  # token windows
+        if len(result) != 3:
+            raise DataError(f"data.source {source}() returns token windows (integer x, y of the same shape): "
+                            f"return (train, test, vocabulary_size) so the model's embedding can be checked")
+        return DatasetInfo(path=f"source {source}", files=(), num_classes=int(result[2]), input_shape=tuple(x.shape),
+                           train_sizes=(len(train),), test_sizes=(len(test),), source=source, dtype="int64",
+                           mean=None, std=None, datasets={"train": train, "test": test}, task=LANGUAGE_MODEL)
     if len(result) == 3:
         num_classes = int(result[2])
     else:  # from the labels: .targets where the dataset has them (torchvision's do), else every item
@@ -513,7 +529,7 @@ def open_split(info: DatasetInfo, split: str, normalize: bool = True, driver: st
     """The reader of one split: the user's dataset (data.source), a text dataset's windows, or
     the HDF5 files."""
     if info.datasets is not None:
-        return DatasetSplit(info.datasets[split], info.path, split)
+        return DatasetSplit(info.datasets[split], info.path, split, tokens=info.task == LANGUAGE_MODEL)
     if info.task == LANGUAGE_MODEL:
         return TokenSplit(info, split, info.input_shape[0])
     return H5Split(info, split, normalize, driver)

@@ -53,7 +53,7 @@ def train(cfg: Config, method: Method, info: data.DatasetInfo, model: torch.nn.M
     else:
         run_dir = resume_dir
     log = RunLogger(run_dir if rank == 0 else None, cfg.run.progress, continuing=resume_dir is not None)
-    log.write_config(cfg.to_dict())
+    log.write_config(cfg.to_dict(), cfg.run.loggers)
 
     model = model.to(device)
     parameters = _count_parameters(model)  # the whole model; partitioned methods keep a part per rank
@@ -158,11 +158,13 @@ def train_epoch(cfg: Config, method: Method, batches: Any, epoch: int, first_bat
         waited += time.perf_counter() - ready  # reading and decoding this batch
         if meter.step >= total_steps:
             break
-        method.set_lr(scheduled_lr(cfg, meter.step, total_steps))
+        lr = scheduled_lr(cfg, meter.step, total_steps)
+        method.set_lr(lr)
         before = copy.deepcopy(method.state_dict()) if cfg.train.skip_nonfinite else None
         t0 = time.perf_counter()
         loss = method.train_step(x, y)
-        seconds += time.perf_counter() - t0
+        step_seconds = time.perf_counter() - t0
+        seconds += step_seconds
         where = nonfinite(loss, method.model)
         batch += 1
         if keeper.agree(where is not None):
@@ -177,8 +179,9 @@ def train_epoch(cfg: Config, method: Method, batches: Any, epoch: int, first_bat
         else:
             loss_sum, steps = loss_sum + loss, steps + 1
         step_bytes = meter.step_total()
-        if meter.step % cfg.run.log_every == 0:
-            log.log("step", {"step": meter.step, "epoch": epoch, "loss": loss, "wire_bytes": step_bytes})
+        if meter.step % cfg.run.log_every == 0 and log.active:
+            log.log("step", {"step": meter.step, "epoch": epoch, "loss": loss, "wire_bytes": step_bytes,
+                             **step_figures(method.model, x, y, lr, step_seconds)})
         if hasattr(bar, "set_postfix"):
             bar.set_postfix(loss=f"{loss:.4f}", sent=human_bytes(step_bytes), refresh=False)
         meter.next_step()
@@ -190,6 +193,23 @@ def train_epoch(cfg: Config, method: Method, batches: Any, epoch: int, first_bat
         keeper.periodic(epoch, batch)
         ready = time.perf_counter()
     return EpochResult(loss_sum / max(steps, 1), seconds, waited, steps, batch)
+
+
+def step_figures(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float,
+                 step_seconds: float) -> dict[str, float]:
+    """What a step record says beside the loss, as rank 0 sees it: the learning rate, the norm
+    of the gradient the optimiser stepped with (pooled over the ranks that share it), the
+    step's time, throughput over all ranks (tokens for a language model's windows, else
+    samples; every rank takes a batch of the same size), and peak memory (CUDA memory on a GPU,
+    the process's resident memory on the CPU)."""
+    grads = [p.grad.detach().float().pow(2).sum() for p in model.parameters() if p.grad is not None]
+    positions = "tokens" if y.dim() > 1 else "samples"
+    peak = torch.cuda.max_memory_allocated(x.device) if x.device.type == "cuda" else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"lr": lr, "grad_norm": float(torch.stack(grads).sum().sqrt()) if grads else 0.0,
+            "step_seconds": step_seconds,
+            f"{positions}_per_second": y.numel() * runtime.size() / max(step_seconds, 1e-9),
+            "peak_memory_bytes": peak}
 
 
 def nonfinite(loss: float, model: torch.nn.Module) -> str | None:

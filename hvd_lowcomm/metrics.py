@@ -5,6 +5,7 @@
     runs/<name>/epochs.csv      one row per epoch (rewritten each epoch: columns may grow)
     runs/<name>/summary.json    the final summary
     runs/<name>/model.pt        the trained model, one ordinary state dict (torch.load)
+    runs/<name>/tensorboard/    with --run.loggers tensorboard (and wandb/ with wandb: hvd_lowcomm.trackers)
     runs/<name>/<group>.png     epoch columns named "<group>/<series>" plotted together
                                 (e.g. effective_rank/<layer>, one line per layer)
 """
@@ -18,6 +19,8 @@ from typing import Any, Iterable, Iterator, TypeVar
 
 import yaml
 from tqdm import tqdm
+
+from hvd_lowcomm.trackers import Tracker, open_trackers
 
 T = TypeVar("T")
 
@@ -56,6 +59,7 @@ class RunLogger:
         self.run_dir = run_dir
         self.show_progress = progress and run_dir is not None
         self.epoch_rows: list[dict[str, Any]] = []
+        self.trackers: list[Tracker] = []
         self._jsonl = None
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=continuing)
@@ -79,9 +83,11 @@ class RunLogger:
     def active(self) -> bool:
         return self.run_dir is not None
 
-    def write_config(self, config: dict[str, Any]) -> None:
+    def write_config(self, config: dict[str, Any], loggers: list[str] = ()) -> None:
+        """The resolved configuration into the run dir, and the trackers `loggers` names opened."""
         if self.run_dir is not None:
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+            self.trackers = open_trackers(list(loggers), self.run_dir, config)
 
     def print(self, text: str) -> None:
         if self.active:
@@ -90,6 +96,9 @@ class RunLogger:
     def log(self, kind: str, record: dict[str, Any]) -> None:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({"type": kind, "time": round(time.time(), 3), **record}) + "\n")
+        if kind in ("step", "epoch", "summary"):
+            for tracker in self.trackers:
+                tracker.log(kind, record, int(record.get("step", record.get("steps", 0))))
 
     def epoch(self, record: dict[str, Any]) -> None:
         if not self.active:
@@ -123,6 +132,9 @@ class RunLogger:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
 
 
 def plot_series_groups(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:

@@ -80,7 +80,8 @@ def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dic
     if args.run_steps < 1 or not 0 < args.ab_rank_share <= 1:
         raise ConfigError("--run-steps needs at least 1 step and --ab-rank-share a share in (0, 1]")
     assumptions = costmodel.RunAssumptions(run_steps=args.run_steps, rank_share=args.ab_rank_share)
-    profile = costmodel.profile_model(model, info.input_shape, cfg.data.batch_size, cfg=cfg)
+    profile = costmodel.profile_model(model, info.input_shape, cfg.data.batch_size, cfg=cfg,
+                                       vocabulary=info.vocabulary)
     device = f"{args.tflops:g} TFLOP/s" if args.tflops else f"this machine ({profile.flop_rate / 1e9:.1f} GFLOP/s)"
     if args.tflops:
         profile = profile.at_flop_rate(args.tflops * 1e12)

@@ -18,6 +18,20 @@ def scheduled_lr(cfg: Config, step: int, total_steps: int) -> float:
     return t.lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
+# What a method driven by the built-in loop passes as `total_steps` to a library trainer: the
+# loop calls set_total_steps() with the run's length before the first step.
+SET_LATER = -1
+
+
+def require_run_length(options: object, names: tuple[str, ...], total_steps: int | None, prefix: str) -> None:
+    """Refuse, at construction, options given as fractions of a run whose length is unknown."""
+    fractions = [n for n in names if 0 < getattr(options, n) < 1]
+    if total_steps is None and fractions:
+        raise ConfigError(f"{prefix}.{fractions[0]} = {getattr(options, fractions[0])} is a fraction of the run, "
+                          f"whose length is not given: pass total_steps=... (the run's steps) or give "
+                          f"{fractions[0]} as a number of steps")
+
+
 def run_steps(value: float, total_steps: int | None, option: str) -> int:
     """An option given in steps (>= 1, or 0) or as a fraction of the run's steps (< 1), so that
     a default fits a run of any length; `option` names it in the error."""

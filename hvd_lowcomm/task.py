@@ -9,6 +9,8 @@ unchanged: logits [B, C] with labels [B], or [B, T, V] with labels [B, T].
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,22 +41,26 @@ def language_model_figures(loss_per_token: float, bytes_per_token: float) -> dic
             "bits_per_byte": loss_per_token / math.log(2) / bytes_per_token}
 
 
-def example_input(model: torch.nn.Module, batch: int, input_shape: tuple[int, ...],
+def logits(output: Any) -> torch.Tensor:
+    """The logits in what a model returned: a tensor; a Hugging Face `ModelOutput`, a mapping
+    or any object with `logits`; or a tuple/list whose first element is a tensor (the logits,
+    as models called without labels return them)."""
+    if torch.is_tensor(output):
+        return output
+    found = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+    if torch.is_tensor(found):
+        return found
+    if isinstance(output, (tuple, list)) and output and torch.is_tensor(output[0]):
+        return output[0]
+    raise TypeError(f"the model returned {type(output).__name__}, which holds no logits: hvd_lowcomm reads a "
+                    f"tensor, an object or mapping with 'logits' (a Hugging Face ModelOutput), or a tuple whose "
+                    f"first element is the logits")
+
+
+def example_input(batch: int, input_shape: tuple[int, ...], vocabulary: int | None = None,
                   generator: torch.Generator | None = None) -> torch.Tensor:
-    """A random batch `model` accepts: token ids below its vocabulary for a model that reads
-    tokens (its first module has `vocab_size`), else standard normal values."""
-    vocab = _vocabulary(model)
-    if vocab is not None:
-        return torch.randint(0, vocab, (batch, *input_shape), generator=generator)
+    """A random batch shaped like the dataset's samples: token ids below `vocabulary` for a text
+    dataset (a DatasetInfo's `vocabulary`), else standard normal values."""
+    if vocabulary is not None:
+        return torch.randint(0, vocabulary, (batch, *input_shape), generator=generator)
     return torch.randn(batch, *input_shape, generator=generator)
-
-
-def _vocabulary(model: torch.nn.Module) -> int | None:
-    first = next(iter(model.children()), model)
-    return getattr(first, "vocab_size", getattr(model, "vocab_size", None))
-
-
-def label_dims(model: torch.nn.Module) -> int:
-    """Dimensions of one sample's label for `model`: 1 (a class at every position) for a model
-    that reads tokens (the zoo's language model), else 0 (a class per sample)."""
-    return 0 if _vocabulary(model) is None else 1

@@ -32,6 +32,11 @@ from hvd_lowcomm.methods.base import Method
 
 
 def main(argv: list[str] | None = None) -> int:
+    problem = runtime.launcher_problem()
+    if problem:  # before anything starts: torchrun's processes are not one MPI job
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         cfg = config.load(argv)
     except ConfigError as err:

@@ -20,7 +20,8 @@ PACKAGE = ROOT / "hvd_lowcomm"
 # registry (hvd_lowcomm.methods itself) imports no method: it finds them by name at run time.
 LAYERS = [
     ("registry", ["hvd_lowcomm.methods"]),
-    ("foundation", ["hvd_lowcomm.config", "hvd_lowcomm.metrics", "hvd_lowcomm.schedule", "hvd_lowcomm.task"]),
+    ("foundation", ["hvd_lowcomm.config", "hvd_lowcomm.metrics", "hvd_lowcomm.schedule", "hvd_lowcomm.task",
+                    "hvd_lowcomm.trackers"]),
     ("comm", ["hvd_lowcomm.comm", "hvd_lowcomm.comm.runtime", "hvd_lowcomm.comm.traffic"]),
     ("data and models", ["hvd_lowcomm.data", "hvd_lowcomm.models", "hvd_lowcomm.models.*"]),
     ("cost model", ["hvd_lowcomm.costmodel"]),
@@ -32,7 +33,8 @@ LAYERS = [
 # Imports that may stay inside functions: importing mpi4py's MPI module initialises MPI (a bad
 # config is reported before that), Horovod's loads the MPI library, and the rest are optional
 # or heavy dependencies of one feature.
-LAZY = {"mpi4py", "horovod.torch", "h5py", "matplotlib", "matplotlib.pyplot", "torchvision"}
+LAZY = {"mpi4py", "horovod.torch", "h5py", "matplotlib", "matplotlib.pyplot", "torchvision", "transformers",
+        "torch.utils.tensorboard", "wandb"}
 
 
 def module_name(path: Path) -> str:

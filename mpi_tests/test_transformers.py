@@ -222,7 +222,7 @@ def test_the_cost_model_predicts_no_sil_for_a_language_model_and_mp_by_its_token
     from hvd_lowcomm.costmodel import Link, predict, profile_model
 
     model = gpt(vocab_size=40, context=8, layers=2, width=16, heads=2)
-    profile = profile_model(model, (8,), 4, repeats=1)
+    profile = profile_model(model, (8,), 4, repeats=1, vocabulary=40)
     assert profile.facts["sil"] is None  # refused, as sil refuses to train it
     with pytest.raises(ConfigError, match="sil: cannot train this model"):
         predict(profile, "sil", 4, Link(1e9))

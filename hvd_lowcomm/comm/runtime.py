@@ -61,10 +61,33 @@ _world: Group | None = None
 _process_sets: dict[tuple[int, ...], Any] = {}
 
 
+# Variables an MPI launcher (mpirun/mpiexec of Open MPI, MPICH, Intel MPI) or Slurm's srun sets
+# in every process it starts; torchrun sets RANK/WORLD_SIZE/LOCAL_RANK and TORCHELASTIC_RUN_ID.
+MPI_LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID",
+                          "MPI_LOCALNRANKS", "HYDRA_CONTROL_FD")
+
+
+def launcher_problem(environ: dict[str, str] | None = None) -> str | None:
+    """Why this process cannot join an MPI job (started by torchrun: each process would be a
+    one-rank job of its own and train alone), or None."""
+    env = os.environ if environ is None else environ
+    started_by_torchrun = "TORCHELASTIC_RUN_ID" in env or {"RANK", "WORLD_SIZE", "LOCAL_RANK"} <= set(env)
+    if not started_by_torchrun or any(v in env for v in MPI_LAUNCHER_VARIABLES) or env.get("WORLD_SIZE", "1") == "1":
+        return None
+    n = env["WORLD_SIZE"]
+    return (f"this process was started by torchrun (RANK={env.get('RANK', '?')}, WORLD_SIZE={n}), which does not "
+            f"start an MPI job: each process would train alone as rank 0 of 1. hvd_lowcomm runs on MPI; launch "
+            f"the same command with `mpirun -np {n} python ...` (Open MPI as root: add --allow-run-as-root), or "
+            f"`srun -n {n} python ...` under Slurm")
+
+
 def init(seed: int | None = None) -> Group:
     """Start MPI + Horovod (idempotent), bind the device, seed everything; return the world group."""
     global _world
     if _world is None:
+        problem = launcher_problem()
+        if problem:
+            raise ConfigError(problem)
         from mpi4py import MPI
         import horovod.torch as hvd
 
@@ -100,6 +123,14 @@ def device(choice: str = "auto") -> torch.device:
         raise ConfigError("train.device cuda, but this rank sees no CUDA GPU (torch.cuda.is_available() is "
                           "False): use --train.device auto or cpu, or a CUDA build of torch on a GPU node")
     if choice != "cpu" and torch.cuda.is_available():
+        import horovod.torch as hvd
+
+        if not hvd.nccl_built():
+            raise ConfigError(f"train.device {choice} puts tensors on the GPU, but this Horovod was built without GPU "
+                              f"operations (hvd.nccl_built() is false: built where nvcc was not on PATH), so its first "
+                              f"collective would fail. Rebuild it with the CUDA toolkit loaded (module load cuda; "
+                              f".venv/bin/pip uninstall -y horovod && make install), or train on the CPU with "
+                              f"--train.device cpu")
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
@@ -55,10 +56,11 @@ from hvd_lowcomm.costmodel import (Link, LayerSample, MethodCost, Prediction, Pr
 from hvd_lowcomm.methods import register
 from hvd_lowcomm.methods.base import (GroupTrainerMethod, broadcast_model_and_optimizer, exchange_gradients,
                                       make_optimizer)
-from hvd_lowcomm.methods.factorized import (FACTORIZABLE, RANK_RULES, FactorizedLayer, choose_rank,
+from hvd_lowcomm.methods.factorized import (RANK_RULES, FactorizedLayer, choose_rank,
                                             dropped_fraction, factorize_model, leading_svd, noise_edge,
                                             unfactorized_copy)
-from hvd_lowcomm.schedule import run_steps
+from hvd_lowcomm.models.layer_kinds import kind_of
+from hvd_lowcomm.schedule import SET_LATER, require_run_length, run_steps
 
 SYNC_MODES = ("with-stale", "only-learned", "only-b", "full")
 COMM_SETUPS = ("groups", "individual")
@@ -191,16 +193,16 @@ class ABTraining:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, total_steps: int | None = None,
                  options: ABOptions | None = None, clip_grad_norm: float = 0.0, **kwargs: Any) -> None:
-        o = options or make_options(ABOptions, "ab", **kwargs)
-        o.validate()
+        o = make_options(ABOptions, "ab", options, **kwargs)
+        require_run_length(o, ("warmup", "sync_every", "full_rank_steps", "rebound_steps"), total_steps, "ab")
         self.options, self.model, self.optimizer, self.clip_grad_norm = o, model, optimizer, clip_grad_norm
         groups = num_groups(o, runtime.size())
         check_groups(o, groups, runtime.size())
         if o.init == "ortho-sigma":
             _ortho_sigma(model)
         # Frozen layers stay dense: their factors would otherwise be trained by the groups.
-        frozen = [name for name, m in model.named_modules() if isinstance(m, FACTORIZABLE) and not m.weight.requires_grad]
-        self.layers, self.dense_attention = factorize_model(model, [*o.full_rank, *frozen])
+        frozen = [name for name, m in model.named_modules() if kind_of(m) is not None and not m.weight.requires_grad]
+        self.layers, self.kept_dense = factorize_model(model, o.full_rank, frozen)
         _add_factors_to_optimizer(optimizer, self.layers.values())
         self.full_parameters = sum(p.numel() for n, p in model.named_parameters() if not n.endswith((".A", ".B")))
         self.group, self.all_groups = runtime.split_world(num_groups=groups, label="group")
@@ -221,10 +223,10 @@ class ABTraining:
                                      nesterov=o.outer_nesterov and o.outer_momentum > 0) \
             if o.outer_lr != 1 or o.outer_momentum else None
         self._set_trainable()
-        if self.dense_attention:
-            self._say(f"kept dense inside nn.MultiheadAttention (it reads their weights itself): "
-                      f"{', '.join(self.dense_attention)}")
-        if total_steps is not None:
+        kinds = Counter(layer.kind.name for layer in self.layers.values())
+        self._say(f"factorises {len(self.layers)} layers ({', '.join(f'{n} {k}' for k, n in kinds.items())}); kept "
+                  f"dense: {'; '.join(f'{name} ({why})' for name, why in self.kept_dense.items()) or 'none'}")
+        if total_steps not in (None, SET_LATER):
             self.set_total_steps(total_steps)
 
     def set_total_steps(self, total_steps: int) -> None:
@@ -315,7 +317,7 @@ class ABTraining:
         batch (the floor halves until the cut costs at most max_accuracy_drop)."""
         o = self.options
         layers = list(self.layers.values())
-        old = [{"A": layer.A.shape, "B": layer.B.shape} for layer in layers]
+        old = [{"A": layer.A, "B": layer.B} for layer in layers]
         # After a cut, only the leading triplets near the last rank (layer.rank is the full one
         # before any cut). W is identical on every rank here, and so is every spectrum and
         # every decision taken on it.
@@ -379,7 +381,7 @@ class ABTraining:
                 hooks.extend(layer.register_forward_hook(lambda m, inputs, out: m.record_inputs(inputs[0]))
                              for layer in self.layers.values())
             try:
-                return self.model(x)
+                return task.logits(self.model(x))
             finally:
                 for hook in hooks:
                     hook.remove()
@@ -394,19 +396,22 @@ class ABTraining:
             for layer in self.layers.values():
                 layer.inputs = None
 
-    def _fit_optimizer_state(self, layer: FactorizedLayer, old: dict[str, torch.Size]) -> None:
-        """Slice or zero-pad the factors' moments to their new rank (or drop them)."""
+    def _fit_optimizer_state(self, layer: FactorizedLayer, old: dict[str, nn.Parameter]) -> None:
+        """The optimiser follows a re-factorisation: a factor whose rank changed is a new
+        Parameter (FactorizedLayer._set_factor), which takes the old one's place in its
+        parameter group, with the old moments sliced or zero-padded to the new rank (or dropped:
+        reset_optimizer)."""
         for name in ("A", "B"):
-            param = getattr(layer, name)
-            state = self.optimizer.state.get(param)
-            if not state:
+            param, before = getattr(layer, name), old[name]
+            if param is not before:
+                for group in self.optimizer.param_groups:
+                    group["params"] = [param if p is before else p for p in group["params"]]
+            state = self.optimizer.state.pop(before, None)
+            if not state or self.options.reset_optimizer:
                 continue
-            if self.options.reset_optimizer:
-                del self.optimizer.state[param]
-                continue
-            for key, value in state.items():
-                if torch.is_tensor(value) and value.shape == old[name]:
-                    state[key] = _resize(value, param.shape)
+            self.optimizer.state[param] = {key: _resize(value, param.shape)
+                                           if torch.is_tensor(value) and value.shape == before.shape else value
+                                           for key, value in state.items()}
 
     def _sync(self) -> None:
         """Combine the groups' factors by sync mode, W = A B, average everything else."""
@@ -586,10 +591,10 @@ def check_factorizable(model: nn.Module, full_rank: list[str], example: torch.Te
     trial.eval()
     try:
         with torch.no_grad():
-            expected = model(example)
+            expected = task.logits(model(example))
             for layer in layers.values():
                 layer.factorize(rank=min(layer.tall_shape))
-            got = trial(example)
+            got = task.logits(trial(example))
     except Exception as err:  # noqa: BLE001 - any failure here is the model not fitting AB
         raise ConfigError(f"AB-training cannot factorise this model: with {', '.join(layers)} as A B, its "
                           f"forward fails ({type(err).__name__}: {err}); name the layer that is used in "
@@ -711,13 +716,14 @@ class AB(GroupTrainerMethod):
         check_groups(o, num_groups(o, world_size), world_size)
 
     def check_model(self, model: nn.Module) -> None:
-        example = task.example_input(model, 2, tuple(self.data.input_shape), torch.Generator().manual_seed(0))
+        example = task.example_input(2, tuple(self.data.input_shape), self.data.vocabulary,
+                                     torch.Generator().manual_seed(0))
         check_factorizable(model, self.options.full_rank, example)
 
     def setup(self, model: nn.Module) -> None:
         self.model = model
         self.optimizer = make_optimizer(self.cfg, model.parameters())
-        self.trainer = ABTraining(model, self.optimizer, options=self.options,
+        self.trainer = ABTraining(model, self.optimizer, SET_LATER, options=self.options,
                                   clip_grad_norm=self.cfg.train.clip_grad_norm)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -742,7 +748,7 @@ def _ortho_sigma(model: nn.Module) -> None:
     (the reference's ortho-sigma init); the same on every rank, as the seed is."""
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, FACTORIZABLE):
+            if kind_of(module) is not None:
                 w = module.weight
                 matrix = w.reshape(w.shape[0], -1)
                 u, _, vh = torch.linalg.svd(matrix, full_matrices=False)

@@ -103,7 +103,7 @@ class Method:
                 continue
             start = time.perf_counter()
             with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=t.amp == "bf16"):
-                loss = task.loss(self.model(xs), ys) * (len(ys) / len(y))
+                loss = task.loss(task.logits(self.model(xs)), ys) * (len(ys) / len(y))
             middle = time.perf_counter()
             loss.backward()
             total += loss.item()
@@ -117,7 +117,7 @@ class Method:
         correct, count, loss_sum = 0, 0, 0.0
         with torch.no_grad():
             for x, y in batches:
-                logits = self.model(x)
+                logits = task.logits(self.model(x))
                 loss_sum += task.loss(logits, y, reduction="sum").item()
                 correct += task.correct(logits, y)
                 count += task.positions(y)

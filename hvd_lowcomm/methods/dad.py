@@ -29,13 +29,11 @@ numbers, and every rank forms the pooled gradient [Δ_1; ...; Δ_p]ᵀ [A_1; ...
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.runtime import Group
@@ -47,44 +45,56 @@ from hvd_lowcomm.methods import register
 from hvd_lowcomm.methods.base import GradientExchange, wrap_optimizer
 from hvd_lowcomm.methods.ddp import DataParallel
 from hvd_lowcomm.methods.lowrank import cheapest_way, factors_from_rows, gradient_power_iteration
+from hvd_lowcomm.models.layer_kinds import is_tied, kind_of, shared_weights
 
 
 # ---------------------------------------------------------------------------------------------
 # layers as rows
 
 def supports(module: nn.Module) -> bool:
-    if isinstance(module, nn.Linear):
-        return True
-    return isinstance(module, nn.Conv2d) and module.groups == 1 and module.padding_mode == "zeros"
+    """Whether the layer's gradient is Δᵀ A over rows (hvd_lowcomm.models.layer_kinds)."""
+    kind = kind_of(module)
+    return kind is not None and kind.has_rows(module)
 
 
 def row_layers(model: nn.Module) -> dict[str, nn.Module]:
     """The layers whose gradient dAD forms from rows: supported ones whose weight no other
     module uses (a tied weight's gradient also has the other use's part, which the rows lack;
     such a layer is allreduced)."""
-    uses = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
-    return {name: m for name, m in model.named_modules() if supports(m) and uses[id(m.weight)] == 1}
+    shared = shared_weights(model)
+    return {name: m for name, m in model.named_modules() if supports(m) and not is_tied(m, shared)}
+
+
+def left_to_allreduce(model: nn.Module) -> dict[str, str]:
+    """Layers with a weight matrix that dAD allreduces whatever the plan, and why."""
+    shared, why = shared_weights(model), {}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() < 2 or not name:
+            continue
+        kind = kind_of(module)
+        if kind is None:
+            why[name] = f"{type(module).__name__}: not a layer kind dAD forms from rows"
+        elif not kind.has_rows(module):
+            why[name] = f"{type(module).__name__}: no exact rows (grouped, strided-padding or non-2-D conv)"
+        elif is_tied(module, shared):
+            why[name] = "weight tied to another module's"
+    return why
 
 
 def activation_rows(module: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
     """The layer's input as rows × fan_in (im2col patches for Conv2d)."""
-    if isinstance(module, nn.Conv2d):
-        patches = F.unfold(inputs, module.kernel_size, dilation=module.dilation,
-                           padding=module.padding, stride=module.stride)  # N × C_in·kh·kw × L
-        return patches.transpose(1, 2).reshape(-1, patches.shape[1])
-    return inputs.reshape(-1, inputs.shape[-1])
+    return kind_of(module).input_rows(module, inputs)
 
 
 def delta_rows(module: nn.Module, grad_output: torch.Tensor) -> torch.Tensor:
     """∂L/∂(layer output) as rows × fan_out, rows ordered as in activation_rows."""
-    if isinstance(module, nn.Conv2d):  # N × C_out × H × W  ->  (N·H·W) × C_out
-        return grad_output.flatten(2).transpose(1, 2).reshape(-1, grad_output.shape[1])
-    return grad_output.reshape(-1, grad_output.shape[-1])
+    return kind_of(module).output_rows(module, grad_output)
 
 
 def fan_in_out(module: nn.Module) -> tuple[int, int]:
-    weight = module.weight
-    return weight[0].numel(), weight.shape[0]
+    d_out, d_in = kind_of(module).shape(module)
+    return d_in, d_out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,11 +136,15 @@ def sharing_is_cheaper(rows: int, d_in: int, d_out: int, params: int, extra_allr
     return rows * (d_in + d_out) + 2 * extra_allreduce < 2 * params
 
 
-def format_plan(plans: list[LayerPlan]) -> str:
-    lines = [f"{'layer':<16} {'weight':<18} {'rows/step':>9} {'share':>11} {'allreduce':>11}  choice"]
+def format_plan(plans: list[LayerPlan], left: dict[str, str] | None = None) -> str:
+    """The plan as a table, and the layers with a weight matrix left to allreduce (`left`:
+    name -> why), so that no layer's treatment goes unsaid."""
+    width = max([16, *(len(lp.name) for lp in plans)])
+    lines = [f"{'layer':<{width}} {'weight':<18} {'rows/step':>9} {'share':>11} {'allreduce':>11}  choice"]
     for lp in plans:
-        lines.append(f"{lp.name:<16} {'x'.join(map(str, lp.weight_shape)):<18} {lp.rows:>9} "
+        lines.append(f"{lp.name:<{width}} {'x'.join(map(str, lp.weight_shape)):<18} {lp.rows:>9} "
                      f"{human_bytes(lp.shared_wire_bytes):>11} {human_bytes(lp.allreduce_wire_bytes):>11}  {lp.choice}")
+    lines += [f"{name:<{width}} allreduce: {why}" for name, why in (left or {}).items()]
     return "\n".join(lines)
 
 
@@ -162,16 +176,18 @@ class _DadExchange(GradientExchange):
         # Samples of this rank's batch: every forward pass of the model counts its batch once
         # (micro-batches add up; a layer used twice in one pass does not count twice).
         self._samples: list[int] = []
-        model.register_forward_pre_hook(self._count_samples)
+        model.register_forward_pre_hook(self._count_samples, with_kwargs=True)
         self._names = {p: n for n, p in model.named_parameters()}
         self.plan: dict[str, LayerPlan] = {}
         self.frozen: set[str] = set()  # layers whose weight the user froze (seen at the plan)
         self.effective_ranks: dict[str, list[int]] = {name: [] for name in self._layers}
         self.generator = torch.Generator().manual_seed(seed)  # rank-dAD's random starts
 
-    def _count_samples(self, module: nn.Module, inputs: tuple[Any, ...]) -> None:
-        if torch.is_grad_enabled() and inputs and torch.is_tensor(inputs[0]):
-            self._samples.append(inputs[0].shape[0])
+    def _count_samples(self, module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        # The first tensor argument: model(x), or model(input_ids=x, labels=x) as HF users call it.
+        first = next((v for v in (*inputs, *kwargs.values()) if torch.is_tensor(v)), None)
+        if torch.is_grad_enabled() and first is not None:
+            self._samples.append(first.shape[0])
 
     def _capture_hook(self, name: str):
         capture = self._captured[name]
@@ -200,7 +216,7 @@ class _DadExchange(GradientExchange):
     def _exchange(self) -> None:
         """Replace every local gradient by the pooled batch's, sharing rows where planned."""
         used = [n for n, c in self._captured.items() if c.acts]
-        if not used:
+        if not used and not self._samples:
             raise RuntimeError("dAD optimizer: no forward pass with gradients was seen before step()")
         local_batch = sum(self._samples) or self._captured[used[0]].acts[0].shape[0]
         # The pooled gradient Σ_s (N_s/N) g_s is formed as (1/N) Σ_s N_s g_s: every rank scales
@@ -281,8 +297,10 @@ class _DadExchange(GradientExchange):
                 self.frozen.add(name)
                 if not self.sharing.shares_every_layer:  # (edAD still needs its rows for the deltas below)
                     self.plan[name] = replace(self.plan[name], choice="allreduce")
+        left = {name: why for name, why in left_to_allreduce(self._model).items() if name not in self.plan}
+        left.update({name: "not used with a gradient this step" for name in self._layers if name not in self.plan})
         runtime.announce(f"{self.sharing.label} plan (wire bytes per rank per step):\n"
-                         f"{format_plan(list(self.plan.values()))}")
+                         f"{format_plan(list(self.plan.values()), left)}")
 
     def apply_rows(self, name: str, pooled: torch.Tensor, total_batch: float, with_bias: bool) -> None:
         """∇W = Δᵀ A over the pooled rows [A | Δ] (Δ scaled by each rank's batch: divided by
@@ -290,7 +308,7 @@ class _DadExchange(GradientExchange):
         module = self._layers[name]
         d_in, _ = fan_in_out(module)
         acts, deltas = pooled[:, :d_in], pooled[:, d_in:] / total_batch
-        module.weight.grad = (deltas.T @ acts).reshape(module.weight.shape)
+        module.weight.grad = kind_of(module).from_matrix(module, deltas.T @ acts)
         if with_bias and module.bias is not None and module.bias.requires_grad:
             module.bias.grad = deltas.sum(dim=0)
 
@@ -370,8 +388,8 @@ class FactorRows(_Sharing):
         def factors_of(name: str) -> tuple[torch.Tensor, torch.Tensor]:
             if name in rows:
                 return factors_from_rows(*rows[name], self.rank, self.iterations, self.tol, exchange.generator)
-            weight = exchange.layer(name).weight  # its gradient is Σ Δᵀ A over this rank's rows: Gᵀ
-            gradient = weight.grad.reshape(weight.shape[0], -1).T * scale
+            module = exchange.layer(name)  # its weight's gradient is Σ Δᵀ A over this rank's rows: Gᵀ
+            gradient = kind_of(module).matrix(module, module.weight.grad).T * scale
             return gradient_power_iteration(gradient, self.rank, self.iterations, self.tol, exchange.generator)
 
         # Each rank sends its own k rows (Horovod's allgather takes a different count from every
@@ -425,8 +443,8 @@ class RecomputedDeltas(_Sharing):
 
 def check_dad_model(model: nn.Module, edad: bool) -> None:
     if not any(supports(m) for m in model.modules()):
-        raise ConfigError("dAD needs at least one Linear or Conv2d (groups=1) layer; this model has none: "
-                          "use --method ddp")
+        raise ConfigError("dAD needs at least one layer it can form from rows (Linear, Hugging Face Conv1D, "
+                          "Conv2d with groups=1); this model has none: use --method ddp")
     if edad:
         edad_chain(model)
 

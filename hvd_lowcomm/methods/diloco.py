@@ -47,7 +47,7 @@ from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, RunAssu
 from hvd_lowcomm.methods import register
 from hvd_lowcomm.methods.base import (GroupTrainerMethod, broadcast_model_and_optimizer, exchange_gradients,
                                       make_optimizer)
-from hvd_lowcomm.schedule import run_steps
+from hvd_lowcomm.schedule import SET_LATER, require_run_length, run_steps
 
 COMPRESSIONS = ("none", "fp16", "int8")
 BLOCK = 256  # numbers per int8 scale: one fp32 scale costs 1/64 of the block's bytes
@@ -171,8 +171,8 @@ class DiLoCo:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, total_steps: int | None = None,
                  options: DiLoCoOptions | None = None, clip_grad_norm: float = 0.0, **kwargs: Any) -> None:
-        o = options or make_options(DiLoCoOptions, "diloco", **kwargs)
-        o.validate()
+        o = make_options(DiLoCoOptions, "diloco", options, **kwargs)
+        require_run_length(o, ("sync_every",), total_steps, "diloco")
         self.options, self.model, self.optimizer, self.clip_grad_norm = o, model, optimizer, clip_grad_norm
         groups = runtime.default_group_count(o.groups, runtime.size())
         runtime.group_layout(runtime.size(), num_groups=groups)  # a clear error when they do not divide
@@ -195,7 +195,7 @@ class DiLoCo:
         self.outer_steps = 0
         self.synced_now = False  # whether the step just taken ended with an outer step
         self.every: int | None = None
-        if total_steps is not None:
+        if total_steps not in (None, SET_LATER):
             self.set_total_steps(total_steps)
 
     def set_total_steps(self, total_steps: int) -> None:
@@ -406,7 +406,8 @@ class DiLoCoMethod(GroupTrainerMethod):
     def setup(self, model: nn.Module) -> None:
         self.model = model
         self.optimizer = make_optimizer(self.cfg, model.parameters())
-        self.trainer = DiLoCo(model, self.optimizer, options=self.options, clip_grad_norm=self.cfg.train.clip_grad_norm)
+        self.trainer = DiLoCo(model, self.optimizer, SET_LATER, options=self.options,
+                             clip_grad_norm=self.cfg.train.clip_grad_norm)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         self.optimizer.zero_grad()

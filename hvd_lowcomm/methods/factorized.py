@@ -1,8 +1,9 @@
 """Layers whose weight is either dense (W) or a product of low-rank factors (A B), for AB-training.
 
-A Linear or ConvNd weight is viewed as a 2-D matrix (a conv kernel C_out × C_in/groups × k… as
-C_out × C_in/groups·k…, the reference implementation's reshape), transposed if needed so that
-it is tall (rows >= columns), and split by SVD: W = U Σ Vᵀ, A = U √Σ (rows × r), B = √Σ Vᵀ
+A weight layer of a registered kind (hvd_lowcomm.models.layer_kinds: Linear, Hugging Face's
+Conv1D, ConvNd) is viewed as its d_out × d_in matrix (a conv kernel C_out × C_in/groups × k… as
+C_out × C_in/groups·k…, the reference implementation's reshape; a Conv1D's stored d_in × d_out
+weight transposed), transposed if needed so that it is tall (rows >= columns), and split by SVD: W = U Σ Vᵀ, A = U √Σ (rows × r), B = √Σ Vᵀ
 (r × columns), so W = A B.
 
 How many singular values to keep (`choose_rank`):
@@ -42,8 +43,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hvd_lowcomm.config import ConfigError
+from hvd_lowcomm.models.layer_kinds import is_tied, kind_of, shared_weights
 
-FACTORIZABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 RANK_RULES = ("noise", "tau")
 # A randomized spectrum is taken only while it is this small a share of the full one: beyond
 # it the power iterations cost about what the SVD does and the leading triplets blur.
@@ -81,15 +82,17 @@ class Spectrum:
 
 
 class FactorizedLayer(nn.Module):
-    """Wraps a Linear or ConvNd. In dense mode it is the original layer; after `factorize` its
-    forward uses W = A B until `densify` writes A B back into the dense weight."""
+    """Wraps a weight layer of a registered kind. In dense mode it is the original layer; after
+    `factorize` its forward uses W = A B until `densify` writes A B back into the dense weight."""
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
-        if not isinstance(layer, FACTORIZABLE):
-            raise ConfigError(f"AB-training factorises Linear and Conv1d/2d/3d layers, not {type(layer).__name__}")
+        self.kind = kind_of(layer)
+        if self.kind is None:
+            raise ConfigError(f"AB-training factorises Linear, Hugging Face Conv1D and Conv1d/2d/3d layers, not "
+                              f"{type(layer).__name__}")
         self.layer = layer
-        rows, cols = layer.weight.shape[0], layer.weight[0].numel()
+        rows, cols = self.kind.shape(layer)
         self.transposed = rows < cols  # factorise the tall orientation
         self.tall_shape = (cols, rows) if self.transposed else (rows, cols)
         self.A = nn.Parameter(layer.weight.new_zeros(0, 0))
@@ -113,12 +116,12 @@ class FactorizedLayer(nn.Module):
 
     def tall_matrix(self, weight: torch.Tensor | None = None) -> torch.Tensor:
         """The weight as the tall 2-D matrix that is factorised."""
-        w = (self.layer.weight if weight is None else weight).detach().reshape(self.layer.weight.shape[0], -1)
+        w = self.kind.matrix(self.layer, (self.layer.weight if weight is None else weight).detach())
         return w.T if self.transposed else w
 
     def weight_from_tall(self, tall: torch.Tensor) -> torch.Tensor:
-        """Inverse of tall_matrix: back to the layer's own weight shape."""
-        return (tall.T if self.transposed else tall).reshape(self.layer.weight.shape)
+        """Inverse of tall_matrix: back to the layer's own weight layout."""
+        return self.kind.from_matrix(self.layer, tall.T if self.transposed else tall)
 
     def svd(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Full SVD of the tall matrix with a canonical sign (each left singular vector's largest
@@ -163,10 +166,21 @@ class FactorizedLayer(nn.Module):
         u, s, vh = (svd.u, svd.s, svd.vh) if isinstance(svd, Spectrum) else svd if svd is not None else self.svd()
         r = max(1, min(rank, len(s)))
         root = s[:r].sqrt()
-        self.A.data = (u[:, :r] * root).contiguous()
-        self.B.data = (root[:, None] * vh[:r]).contiguous()
+        self._set_factor("A", (u[:, :r] * root).contiguous())
+        self._set_factor("B", (root[:, None] * vh[:r]).contiguous())
         self.factorized = True
         return r
+
+    def _set_factor(self, name: str, value: torch.Tensor) -> None:
+        """The factor's new value; at a new rank, a new Parameter. (Changing a parameter's shape
+        in place breaks the next backward pass whenever a graph of the old shape is still alive,
+        as a training loop's last `loss` keeps it: autograd caches a leaf's shape in its
+        gradient accumulator. The owner swaps the new Parameter into its optimiser.)"""
+        old = getattr(self, name)
+        if old.shape == value.shape:
+            old.data = value
+        else:
+            setattr(self, name, nn.Parameter(value, requires_grad=old.requires_grad))
 
     def densify(self) -> None:
         """W = A B into the dense weight; forward uses W again."""
@@ -179,31 +193,22 @@ class FactorizedLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layer = self.layer
-        if isinstance(layer, nn.Linear) and self.factorized:
+        if self.kind.linear and self.factorized:
             # Through the factors, never forming W: batch·r·(rows + cols) operations instead of
             # rows·cols·r (y = x Wᵀ, with W = A B, or Wᵀ = A B when transposed).
             hidden = x @ self.A if self.transposed else F.linear(x, self.B)
             out = hidden @ self.B if self.transposed else F.linear(hidden, self.A)
             return out if layer.bias is None else out + layer.bias
-        weight = self.weight()
-        if isinstance(layer, nn.Linear):
-            return F.linear(x, weight, layer.bias)
-        return layer._conv_forward(x, weight, layer.bias)  # stride, padding (any mode), dilation, groups
+        return self.kind.forward(layer, x, self.weight())
 
     # -- recording inputs for the output-space floor ---------------------------------------------
     def record_inputs(self, x: torch.Tensor, max_rows: int = 4096) -> None:
         """Keep rows of this layer's input as the matrix its tall weight multiplies: features
-        of a Linear, unfolded patches of a Conv2d with groups=1. Other convolutions record
-        nothing, and their floor falls back to the weight's own energy."""
-        layer = self.layer
-        if isinstance(layer, nn.Linear):
-            rows = x.detach().reshape(-1, x.shape[-1])
-        elif isinstance(layer, nn.Conv2d) and layer.groups == 1 and layer.padding_mode == "zeros" \
-                and not isinstance(layer.padding, str):
-            patches = F.unfold(x.detach(), layer.kernel_size, layer.dilation, layer.padding, layer.stride)
-            rows = patches.transpose(1, 2).reshape(-1, patches.shape[1])
-        else:
+        of a Linear or Conv1D, unfolded patches of a Conv2d with groups=1. Other convolutions
+        record nothing, and their floor falls back to the weight's own energy."""
+        if not self.kind.has_rows(self.layer):
             return
+        rows = self.kind.input_rows(self.layer, x.detach())
         if len(rows) > max_rows:  # an even sample keeps the cost of the floor small
             rows = rows[torch.linspace(0, len(rows) - 1, max_rows).long()]
         self.inputs = rows
@@ -245,22 +250,30 @@ def dropped_fraction(energy: torch.Tensor, rank: int) -> float:
     return float((energy[rank:].sum().clamp_min(0) / energy.sum().clamp_min(1e-30)).sqrt())
 
 
-def factorize_model(model: nn.Module, full_rank: list[str]) -> tuple[dict[str, FactorizedLayer], list[str]]:
-    """Replace every Linear/ConvNd except those named in `full_rank` by a FactorizedLayer (still
-    dense until factorised). "first" and "last" name the first and last such layer in module
-    order (the reference keeps the first conv and the classifier head dense). Layers inside a
-    module that reads its children's weights itself (nn.MultiheadAttention uses out_proj.weight
-    without calling out_proj) stay dense. Returns the factorised layers and the names of the
-    layers left dense for that reason."""
-    candidates, inside_attention = [], []
+def factorize_model(model: nn.Module, full_rank: list[str], frozen: list[str] = ()
+                    ) -> tuple[dict[str, FactorizedLayer], dict[str, str]]:
+    """Replace every weight layer of a registered kind except those named in `full_rank` by a
+    FactorizedLayer (still dense until factorised). "first" and "last" name the first and last
+    such layer in module order (the reference keeps the first conv and the classifier head
+    dense). Also kept dense: layers inside a module that reads its children's weights itself
+    (nn.MultiheadAttention uses out_proj.weight without calling out_proj), and layers whose
+    weight is tied to another module's (GPT-2's head shares the token embedding: factors of one
+    use would untie them). Returns the factorised layers, and the layers kept dense for those
+    reasons, those in `full_rank` and the `frozen` ones, each with its reason."""
+    candidates, kept = [], {}
+    inside_attention: set[str] = set()
+    shared = shared_weights(model)
     for name, module in model.named_modules():
         if isinstance(module, nn.MultiheadAttention):
-            inside_attention += [f"{name}.{child}" if name else child for child, _ in module.named_modules() if child]
-        elif isinstance(module, FACTORIZABLE) and name not in inside_attention:
+            inside_attention.update(f"{name}.{child}" if name else child for child, _ in module.named_modules() if child)
+        elif kind_of(module) is not None and name not in inside_attention:
             candidates.append(name)
     if not candidates:
-        raise ConfigError("AB-training needs Linear or Conv1d/2d/3d layers to factorise; this model has none"
-                          + (" outside nn.MultiheadAttention" if inside_attention else ""))
+        raise ConfigError("AB-training needs Linear, Hugging Face Conv1D or Conv1d/2d/3d layers to factorise; this "
+                          "model has none" + (" outside nn.MultiheadAttention" if inside_attention else ""))
+    for name in sorted(inside_attention):
+        if isinstance(model.get_submodule(name), nn.Linear):
+            kept[name] = "inside nn.MultiheadAttention, which reads its weight itself"
     keep = set()
     for name in full_rank:
         if name in ("first", "last"):
@@ -268,20 +281,26 @@ def factorize_model(model: nn.Module, full_rank: list[str]) -> tuple[dict[str, F
         elif name in candidates:
             keep.add(name)
         else:
-            raise ConfigError(f"ab.full_rank names layer {name!r}, which is not a Linear/ConvNd of this model "
+            raise ConfigError(f"ab.full_rank names layer {name!r}, which is not a weight layer of this model "
                               f"(its layers: {', '.join(candidates)}; or use first, last)")
     factorized = {}
     for name in candidates:
-        if name in keep:
+        module = model.get_submodule(name)
+        if name in keep or name in frozen:
+            kept[name] = "ab.full_rank" if name in keep else "frozen by the user"
+            continue
+        if is_tied(module, shared):
+            kept[name] = "weight tied to another module's"
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        factorized[name] = FactorizedLayer(getattr(parent, child))
+        factorized[name] = FactorizedLayer(module)
         setattr(parent, child, factorized[name])
     if not factorized:
-        raise ConfigError(f"every factorisable layer ({', '.join(candidates)}) is in ab.full_rank; "
-                          "nothing is left to train as A and B: use a deeper model or a shorter ab.full_rank")
-    return factorized, [n for n in inside_attention if isinstance(model.get_submodule(n), nn.Linear)]
+        raise ConfigError("nothing is left to train as A and B: " + "; ".join(f"{n} is kept dense ({kept[n]})"
+                                                                             for n in candidates)
+                          + ": use a deeper model or a shorter ab.full_rank")
+    return factorized, kept
 
 
 def _canonical_signs(u: torch.Tensor, s: torch.Tensor, vh: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -232,11 +232,17 @@ def _short(module: nn.Module) -> str:
     return type(module).__name__
 
 
+def token_vocabulary(first: nn.Module) -> int | None:
+    """The vocabulary of a zoo language model (nn.Sequential whose first module embeds tokens
+    and says how many), None for a model that reads features."""
+    return getattr(first, "vocab_size", None)
+
+
 def _shapes_after_each(modules: list[nn.Module], input_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     """Per-sample shape of the output of each module, from one dry run on two random samples in
     eval mode (BatchNorm1d refuses one sample in training mode); modes are restored."""
     modes = {m: m.training for root in modules for m in root.modules()}
-    shapes, x = [], example_input(nn.Sequential(*modules), 2, input_shape)
+    shapes, x = [], example_input(2, input_shape, token_vocabulary(modules[0]))
     try:
         with torch.no_grad():
             for module in modules:

@@ -73,10 +73,7 @@ class PowerSGDState:
     """
 
     def __init__(self, options: PowerSGDOptions | None = None, seed: int = 0, **kwargs: Any) -> None:
-        if options is not None and kwargs:
-            raise TypeError("PowerSGDState takes options or keyword options, not both")
-        self.options = options or make_options(PowerSGDOptions, "powersgd", **kwargs)
-        self.options.validate()
+        self.options = make_options(PowerSGDOptions, "powersgd", options, **kwargs)
         self.seed = seed
         self.iter = 0
         self.errors: dict[str, torch.Tensor] = {}

@@ -46,7 +46,7 @@ from hvd_lowcomm.methods import register
 from hvd_lowcomm.methods.mp import Partitioned
 from hvd_lowcomm.methods.partition import (CONV_CUT_MEASURED, FORWARD, Layout, PartitionOptions, joined_state_dict,
                                            partitioned_cost, pipeline_evaluate, pipeline_train_step,
-                                           shallow_partitions)
+                                           shallow_partitions, token_vocabulary)
 from hvd_lowcomm.schedule import scheduled_lr
 
 
@@ -108,7 +108,7 @@ def refuse_language_models(model: torch.nn.Module) -> None:
     the next token's code (MSE) drives each position's output to the mean of the codes of the
     plausible next tokens, which the last partition, trained on single codes, decodes as one of
     them with confidence; the joined network is then worse than guessing."""
-    if task.label_dims(model):
+    if isinstance(model, torch.nn.Sequential) and len(model) and token_vocabulary(model[0]) is not None:
         raise ConfigError(
             f"sil cannot train a language model: its partitions learn toward one random code per label, and a "
             f"position whose next token is uncertain learns the average of several codes, which the last partition "

@@ -1,20 +1,25 @@
-"""A small model zoo for CPU-size experiments, plus torchvision models with the [vision] extra.
+"""Model families, one registry: a small zoo for CPU-size experiments, torchvision models with
+the [vision] extra, Hugging Face models from local files with the [hf] extra.
 
-`build_model(cfg.model, input_shape, num_classes, task)`; every model is an `nn.Sequential` (so
-partitioning methods can cut it between layers) except torchvision ones. An empty
-`cfg.hidden` means the model's own default widths (DEFAULT_HIDDEN). Classifiers: mlp, cnn,
-sil6, vit; the language model gpt (hvd_lowcomm.models.transformer) trains on text datasets,
-where `input_shape` is (tokens per window,) and `num_classes` the vocabulary.
+`build_model(cfg.model, input_shape, num_classes, task)` finds the family --model.name names
+(`FAMILIES`; `register_family` adds one) and builds it for the dataset. Zoo models are
+`nn.Sequential` (so partitioning methods can cut them between layers); an empty `cfg.hidden`
+means the model's own default widths (DEFAULT_HIDDEN). Classifiers: mlp, cnn, sil6, vit,
+tv:NAME; language models: gpt (hvd_lowcomm.models.transformer) and hf:PATH
+(hvd_lowcomm.models.huggingface), trained on text datasets, where `input_shape` is (tokens per
+window,) and `num_classes` the vocabulary.
 """
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch.nn as nn
 
 from hvd_lowcomm import task as tasks
 from hvd_lowcomm.config import ConfigError, ModelConfig, import_object
+from hvd_lowcomm.models import huggingface
 from hvd_lowcomm.models.transformer import gpt, vit
 
 
@@ -61,35 +66,80 @@ def sil6(input_shape: Sequence[int], num_classes: int, hidden: Sequence[int], dr
     return mlp(input_shape, num_classes, hidden, dropout)
 
 
-ZOO = {"mlp": mlp, "cnn": cnn, "sil6": sil6}
+@dataclass(frozen=True)
+class ModelFamily:
+    """A name (or a `prefix:` with a path or name after it) that --model.name accepts: how to
+    build it for a dataset, and which task it trains."""
+
+    name: str
+    build: Callable[[ModelConfig, str, tuple[int, ...], int, str], nn.Module]  # (cfg, argument, shape, classes, task)
+    tasks: tuple[str, ...]
+    help: str
+    prefix: bool = False   # "hf:PATH": the rest of the name is the argument
+
+
+FAMILIES: dict[str, ModelFamily] = {}
 DEFAULT_HIDDEN = {"mlp": [256, 128], "cnn": [32, 64], "sil6": [256] * 5}
+
+
+def register_family(family: ModelFamily) -> None:
+    FAMILIES[family.name] = family
+
+
+def _zoo(factory: Callable[..., nn.Module], name: str) -> Callable[..., nn.Module]:
+    def build(cfg: ModelConfig, _: str, shape: tuple[int, ...], classes: int, task: str) -> nn.Module:
+        return factory(shape, classes, cfg.hidden or DEFAULT_HIDDEN[name], cfg.dropout)
+    return build
+
+
+CLASSIFIERS, LANGUAGE_MODELS, ANY = (tasks.CLASSIFY,), (tasks.LANGUAGE_MODEL,), (tasks.CLASSIFY, tasks.LANGUAGE_MODEL)
+for _family in (
+    ModelFamily("mlp", _zoo(mlp, "mlp"), CLASSIFIERS, "an MLP (model.hidden widths)"),
+    ModelFamily("cnn", _zoo(cnn, "cnn"), CLASSIFIERS, "a small CNN for images (model.hidden channels)"),
+    ModelFamily("sil6", _zoo(sil6, "sil6"), CLASSIFIERS, "the SIL paper's six fully connected layers"),
+    ModelFamily("gpt", lambda c, _, shape, classes, t: gpt(classes, int(shape[0]), c.layers, c.width, c.heads,
+                                                           c.dropout, c.tie_weights),
+                LANGUAGE_MODELS, "a decoder-only language model for text datasets"),
+    ModelFamily("vit", lambda c, _, shape, classes, t: vit(shape, classes, c.layers, c.width, c.heads,
+                                                           c.patch_size, c.pool, c.dropout),
+                CLASSIFIERS, "a vision transformer"),
+    ModelFamily("tv", lambda c, name, shape, classes, t: _torchvision_model(name, classes), CLASSIFIERS,
+                "tv:NAME, a torchvision model (the [vision] extra)", prefix=True),
+    ModelFamily("hf", lambda c, path, shape, classes, t: huggingface.build(path, shape, classes, t), ANY,
+                "hf:PATH, a Hugging Face model from a local config.json or pretrained directory (the [hf] "
+                "extra)", prefix=True),
+):
+    register_family(_family)
+
+
+def family_of(name: str) -> tuple[ModelFamily | None, str]:
+    """(the registered family, its argument) of a --model.name; (None, name) for 'module:factory'."""
+    head, colon, rest = name.partition(":")
+    family = FAMILIES.get(head)
+    if family is not None and family.prefix == bool(colon):
+        return family, rest
+    return None, name
 
 
 def build_model(cfg: ModelConfig, input_shape: Sequence[int], num_classes: int,
                 task: str = tasks.CLASSIFY) -> nn.Module:
     """The model `cfg` names for data of `input_shape` and `num_classes` (for a language model,
     `task` "lm": the window length and the vocabulary)."""
-    if ":" in cfg.name and not cfg.name.startswith("tv:"):
+    family, argument = family_of(cfg.name)
+    if family is None and ":" in cfg.name:
         return _factory_model(cfg.name, tuple(input_shape), num_classes, cfg.kwargs)
+    if family is None:
+        raise ConfigError(f"unknown model {cfg.name!r}; available: "
+                          f"{', '.join(f.name + (':...' if f.prefix else '') for f in FAMILIES.values())}, "
+                          f"or your own 'module:factory'")
     if cfg.kwargs:
-        raise ConfigError(f"model.kwargs is for a 'module:factory' model; {cfg.name} takes --model.hidden and "
-                          f"--model.dropout")
-    if (cfg.name == "gpt") != (task == tasks.LANGUAGE_MODEL):
-        raise ConfigError("gpt is a language model: it trains on a text dataset (python -m data_prep text ...)"
-                          if cfg.name == "gpt" else
-                          f"this is a text dataset, which trains a language model: use --model.name gpt "
-                          f"(model {cfg.name} classifies images or feature vectors)")
-    if cfg.name == "gpt":
-        return gpt(num_classes, int(input_shape[0]), cfg.layers, cfg.width, cfg.heads, cfg.dropout, cfg.tie_weights)
-    if cfg.name == "vit":
-        return vit(tuple(input_shape), num_classes, cfg.layers, cfg.width, cfg.heads, cfg.patch_size, cfg.pool,
-                   cfg.dropout)
-    if cfg.name.startswith("tv:"):
-        return _torchvision_model(cfg.name[3:], num_classes)
-    if cfg.name not in ZOO:
-        raise ConfigError(f"unknown model {cfg.name!r}; available: {', '.join([*ZOO, 'gpt', 'vit'])}, "
-                          f"tv:<torchvision name>")
-    return ZOO[cfg.name](input_shape, num_classes, cfg.hidden or DEFAULT_HIDDEN[cfg.name], cfg.dropout)
+        raise ConfigError(f"model.kwargs is for a 'module:factory' model; {cfg.name} does not take it")
+    if task not in family.tasks:
+        raise ConfigError(f"{cfg.name} is a language model: it trains on a text dataset (python -m data_prep text ...)"
+                          if task == tasks.CLASSIFY else
+                          f"this is a text dataset, which trains a language model: use --model.name gpt or "
+                          f"hf:PATH (model {cfg.name} classifies images or feature vectors)")
+    return family.build(cfg, argument, tuple(input_shape), num_classes, task)
 
 
 def _factory_model(name: str, input_shape: tuple[int, ...], num_classes: int, kwargs: dict) -> nn.Module:

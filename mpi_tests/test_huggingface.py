@@ -1,0 +1,159 @@
+"""Hugging Face models (GPT-2: Conv1D projections and a tied head; Llama: nn.Linear) in a
+user's own loop written as HF users write it: `model(input_ids=x, labels=x).loss`, models built
+from small configs with random weights (no download)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+import hvd_lowcomm as hl
+from conftest import RANK, SIZE
+from hvd_lowcomm.config import ConfigError
+from hvd_lowcomm.methods.ab import ABTraining
+from hvd_lowcomm.methods.dad import DadOptimizer
+from hvd_lowcomm.methods.factorized import factorize_model
+from hvd_lowcomm.methods.diloco import DiLoCo
+from hvd_lowcomm.methods.sil import SIL
+
+VOCAB, SEQ, BATCH = 64, 8, 2  # short windows: dAD's rows are then cheaper than the gradients
+
+
+def gpt2() -> torch.nn.Module:
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+def llama() -> torch.nn.Module:
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+                                        bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+
+MODELS = {"gpt2": gpt2, "llama": llama}
+
+
+def build(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)  # the same weights on every rank
+    return MODELS[name]()
+
+
+def global_batch(step: int) -> torch.Tensor:
+    """Every rank's windows of this step, rows [rank * BATCH, (rank + 1) * BATCH) being this
+    rank's: counting up from a random token (all but the first token are predictable)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    start = torch.randint(0, VOCAB, (SIZE * BATCH, 1), generator=g)
+    return (start + torch.arange(SEQ)) % VOCAB
+
+
+def local(batch: torch.Tensor) -> torch.Tensor:
+    return batch[RANK * BATCH:(RANK + 1) * BATCH]
+
+
+def hf_loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=x, labels=x).loss
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("wrap", ["ddp", "dad"])
+def test_exact_wrappers_give_the_single_process_gradient_of_the_pooled_batch(name, wrap):
+    model = build(name)
+    reference = copy.deepcopy(model)
+    batch = global_batch(0)
+    hf_loss(reference, batch).backward()  # one process, every rank's windows: the pooled gradient
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = hl.DistributedOptimizer(opt, model.named_parameters()) if wrap == "ddp" else DadOptimizer(opt, model)
+    hf_loss(model, local(batch)).backward()
+    opt.synchronize()
+    for (pname, p), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
+        error = float((p.grad - ref.grad).norm() / ref.grad.norm().clamp_min(1e-12))
+        assert error <= 1e-4, (RANK, pname, error)
+
+
+def test_dad_shares_rows_of_gpt2_conv1d_layers_and_allreduces_the_tied_head(capsys):
+    model = build("gpt2")
+    opt = DadOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    hf_loss(model, local(global_batch(0))).backward()
+    opt.step()
+    conv1d = [n for n in opt.plan if n.startswith("transformer.h.")]
+    assert len(conv1d) == 8 and all(opt.plan[n].choice == "dad" for n in conv1d), opt.plan
+    assert "lm_head" not in opt.plan  # tied to transformer.wte: allreduced, and said so
+    if RANK == 0:
+        printed = capsys.readouterr().out
+        assert "lm_head" in printed and "weight tied to another module's" in printed
+        assert "transformer.wte" in printed and "Embedding" in printed
+
+
+def train(name: str, method: str, steps: int = 40) -> tuple[list[float], torch.nn.Module, object]:
+    """A user's loop, changed on the optimiser line (or a few lines for AB and DiLoCo)."""
+    model = build(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ab = diloco = None
+    if method == "ddp":
+        opt = hl.DistributedOptimizer(opt, model.named_parameters())
+    elif method == "powersgd":
+        opt = hl.PowerSGDOptimizer(opt, model.named_parameters())
+    elif method == "dad":
+        opt = DadOptimizer(opt, model)
+    elif method == "rank-dad":
+        opt = DadOptimizer(opt, model, mode="rank", rank=4)
+    elif method == "ab":
+        ab = ABTraining(model, opt, total_steps=steps)
+    else:
+        diloco = DiLoCo(model, opt, total_steps=steps, sync_every=3)
+    losses = []
+    for step in range(steps):
+        x = local(global_batch(step))
+        with (ab.step(x) if ab else torch.enable_grad()):  # no labels: the cut guard agrees with the dense model
+            opt.zero_grad()
+            loss = hf_loss(model, x)
+            loss.backward()
+        if diloco:
+            diloco.step()
+        elif not ab:
+            opt.step()
+        losses.append(loss.item())
+    return losses, model, ab or diloco
+
+
+@pytest.mark.skipif(SIZE != 2, reason="the wrappers' run on HF models is checked at np 2")
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("method", ["ddp", "powersgd", "dad", "rank-dad", "ab", "diloco"])
+def test_every_wrapper_lowers_the_loss_of_a_hugging_face_model(name, method):
+    losses, _, _ = train(name, method)
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < 0.7 * first, (method, name, losses)
+
+
+@pytest.mark.skipif(SIZE != 2, reason="AB on HF models is checked at np 2")
+@pytest.mark.parametrize("name", MODELS)
+def test_ab_factorises_the_projections_and_its_full_model_loads_into_a_fresh_hf_model(name):
+    losses, model, ab = train(name, "ab", steps=12)
+    kinds = {layer.kind.name for layer in ab.layers.values()}
+    assert kinds == ({"Conv1D"} if name == "gpt2" else {"Linear"}), kinds
+    assert len(ab.layers) == 2 * (4 if name == "gpt2" else 7) - 1  # every projection but the first
+    assert "lm_head" not in ab.layers
+    first = "transformer.h.0.attn.c_attn" if name == "gpt2" else "model.layers.0.self_attn.q_proj"
+    assert ab.kept_dense == {first: "ab.full_rank", "lm_head": "ab.full_rank"}
+    assert min(layer.rank for layer in ab.layers.values()) < 32  # the cuts kept less than full rank
+    full = ab.full_model()
+    fresh = build(name)
+    fresh.load_state_dict(full.state_dict(), strict=True)
+    x = global_batch(99)
+    with torch.no_grad():
+        assert torch.allclose(fresh(x).logits, full(x).logits, atol=1e-5)
+    if name == "gpt2":  # still tied in the user's class
+        assert fresh.lm_head.weight.data_ptr() == fresh.transformer.wte.weight.data_ptr()
+
+
+def test_ab_keeps_a_tied_head_dense_even_when_full_rank_does_not_name_it():
+    layers, kept = factorize_model(build("gpt2"), full_rank=[])
+    assert kept == {"lm_head": "weight tied to another module's"} and len(layers) == 8
+
+
+def test_sil_refuses_a_hugging_face_model_with_its_reason():
+    with pytest.raises(ConfigError, match="nn.Sequential"):
+        SIL(build("gpt2"), input_shape=(SEQ,), num_classes=VOCAB)
