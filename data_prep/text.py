@@ -11,7 +11,8 @@ file or a directory holding one (a Hugging Face model's own).
 
 Everything streams: documents are read one at a time, tokenized, and their tokens appended to
 spill files beside the output, which the writer copies into HDF5 block by block, so a corpus
-larger than memory converts in bounded memory (a document itself is held whole).
+larger than memory converts in bounded memory (a document itself is held whole). nanoGPT's
+token files are read the same way, a block at a time.
 """
 from __future__ import annotations
 
@@ -193,9 +194,25 @@ def token_dtype(vocab_size: int) -> np.dtype:
 # ---------------------------------------------------------------------------------------------
 # streams
 
+class TokenFile:
+    """Raw token ids in a file (no header), read a slice at a time with plain reads: a stream
+    of any length in bounded memory (a memory map would leave every page it read resident)."""
+
+    def __init__(self, path: Path, dtype: np.dtype) -> None:
+        self.path, self.dtype = Path(path), np.dtype(dtype)
+
+    def __len__(self) -> int:
+        return self.path.stat().st_size // self.dtype.itemsize
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        start, stop, step = rows.indices(len(self))
+        if step != 1:
+            raise IndexError("TokenFile reads contiguous slices")
+        return np.fromfile(self.path, dtype=self.dtype, count=max(0, stop - start), offset=start * self.dtype.itemsize)
+
+
 class SpilledStream:
-    """Token ids appended to a raw file as they come, read back memory-mapped: a stream of
-    any length in bounded memory."""
+    """Token ids appended to a raw file as they come, read back as a TokenFile."""
 
     def __init__(self, path: Path, dtype: np.dtype) -> None:
         self.path, self.dtype, self.tokens, self.text_bytes = path, dtype, 0, 0
@@ -206,9 +223,9 @@ class SpilledStream:
         self.tokens += len(tokens)
         self.text_bytes += text_bytes
 
-    def array(self) -> np.ndarray:
+    def array(self) -> TokenFile:
         self._fh.close()
-        return np.memmap(self.path, dtype=self.dtype, mode="r") if self.tokens else np.zeros(0, self.dtype)
+        return TokenFile(self.path, self.dtype)
 
 
 @contextmanager
@@ -237,17 +254,17 @@ def tokenize_documents(docs: Iterable[bytes], validation_fraction: float, tokeni
     return count
 
 
-def token_file(path: str, dtype: str) -> np.ndarray:
-    """A nanoGPT-style token file (raw ids, no header) memory-mapped, never read whole."""
+def token_file(path: str, dtype: str) -> TokenFile:
+    """A nanoGPT-style token file (raw ids, no header), read a slice at a time, never whole."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"{path} does not exist (nanoGPT's prepare.py writes train.bin and val.bin)")
     size, item = Path(path).stat().st_size, np.dtype(dtype).itemsize
     if size % item:
         raise ValueError(f"{path} is {size} bytes, not a whole number of {dtype} ids: is --dtype right?")
-    return np.memmap(path, dtype=dtype, mode="r")
+    return TokenFile(Path(path), np.dtype(dtype))
 
 
-def largest_id(tokens: np.ndarray, block: int = 1 << 24) -> int:
+def largest_id(tokens: TokenFile, block: int = 1 << 24) -> int:
     """The largest id in a stream, read block by block."""
     return max((int(tokens[i:i + block].max()) for i in range(0, len(tokens), block)), default=-1)
 

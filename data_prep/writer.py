@@ -165,7 +165,8 @@ def write_text_dataset(path: str | Path, train: np.ndarray, test: np.ndarray, vo
                        tokenizer: str = "bytes", bytes_per_token: float = 1.0, shards: int = 1) -> list[Path]:
     """Write token streams (train and held-out) as a text dataset (hvd_lowcomm.data's layout):
     with `shards` > 1 each stream is cut into that many consecutive pieces, one per file.
-    The streams may be memory-mapped files: they are checked and copied block by block."""
+    The streams may be files read a slice at a time (data_prep.text.TokenFile): they are
+    checked and copied block by block."""
     if shards < 1:
         raise ValueError(f"--shards must be >= 1, got {shards}")
     dtype = np.uint8 if vocab_size <= 1 << 8 else np.uint16 if vocab_size <= 1 << 16 else np.int32

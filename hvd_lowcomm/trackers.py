@@ -62,7 +62,7 @@ class WandB(Tracker):
                               f"({err})") from None
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "hvd_lowcomm"), name=run_dir.name,
                               dir=str(run_dir), config=config, id=ids.get("wandb"), resume="allow",
-                              mode=os.environ.get("WANDB_MODE", "offline"))
+                              mode=os.environ.get("WANDB_MODE", "offline"), settings=wandb.Settings(quiet=True))
         ids["wandb"] = self.run.id
 
     def log(self, kind: str, record: dict[str, Any], step: int) -> None:

@@ -106,3 +106,35 @@ def test_sil_in_a_users_own_loop_sends_nothing_between_partitions(world, fresh_m
         assert (correct, count) == (0, 0) and sil.diagnostics["code_accuracy"] > 0.7
     with pytest.raises(ValueError, match="SIL cut 'fc9' is not a child of the model"):
         hvd_lowcomm.SIL(model, (6,), 3, cuts=["fc9"])
+
+
+def test_library_options_come_through_one_door_checked_the_same_way():
+    from hvd_lowcomm.config import ConfigError
+    from hvd_lowcomm.methods.ab import ABTraining
+    from hvd_lowcomm.methods.diloco import DiLoCo, DiLoCoOptions
+    from hvd_lowcomm.methods.powersgd import PowerSGDOptions, PowerSGDState
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match="diloco.compression must be one of none, fp16, int8; got 'int4'"):
+        DiLoCo(model, opt, total_steps=10, options=DiLoCoOptions(compression="int4"))
+    with pytest.raises(ConfigError, match="diloco.fragments must be >= 1"):
+        DiLoCo(model, opt, total_steps=10, options=DiLoCoOptions(), fragments=0)
+    with pytest.raises(ConfigError, match="diloco.sync_every = 0.05 is a fraction of the run.*pass total_steps"):
+        DiLoCo(model, opt)  # the default H is 5 % of a run whose length it was not told
+    with pytest.raises(ConfigError, match="ab.warmup = 0.1 is a fraction of the run"):
+        ABTraining(model, opt)
+    state = PowerSGDState(options=PowerSGDOptions(rank=3), start_iter=7)  # options= and a keyword merge
+    assert (state.options.rank, state.options.start_iter) == (3, 7)
+    with pytest.raises(ConfigError, match="unknown powersgd option"):
+        PowerSGDState(options=PowerSGDOptions(), rnak=2)
+
+
+@pytest.mark.skipif(SIZE < 2, reason="groups of the world")
+def test_options_and_a_keyword_both_reach_a_group_trainer():
+    from hvd_lowcomm.methods.diloco import DiLoCo, DiLoCoOptions
+
+    model = nn.Linear(4, 2)
+    diloco = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), options=DiLoCoOptions(compression="fp16"),
+                    sync_every=2)
+    assert (diloco.options.compression, diloco.options.sync_every) == ("fp16", 2)

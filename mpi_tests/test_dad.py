@@ -205,7 +205,7 @@ def test_bad_rank_dad_options_are_rejected(options, message):
 
 def test_a_model_without_supported_layers_is_rejected():
     model = nn.Sequential(nn.BatchNorm1d(4))
-    with pytest.raises(ConfigError, match="needs at least one Linear or Conv2d"):
+    with pytest.raises(ConfigError, match="needs at least one layer it can form from rows"):
         DadOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
 
 

@@ -4,6 +4,8 @@ from small configs with random weights (no download)."""
 from __future__ import annotations
 
 import copy
+import json
+import math
 
 import pytest
 import torch
@@ -157,3 +159,100 @@ def test_ab_keeps_a_tied_head_dense_even_when_full_rank_does_not_name_it():
 def test_sil_refuses_a_hugging_face_model_with_its_reason():
     with pytest.raises(ConfigError, match="nn.Sequential"):
         SIL(build("gpt2"), input_shape=(SEQ,), num_classes=VOCAB)
+
+
+# ---------------------------------------------------------------------------------------------
+# the command line: --model.name hf:PATH
+
+TRAINS = ("ddp", "ddp-fp16", "powersgd", "dad", "rank-dad", "ab", "diloco")
+REFUSES = {"edad": "edAD is exact only for nn.Sequential MLPs", "sil": "nn.Sequential", "mp": "nn.Sequential"}
+
+
+@pytest.fixture(scope="module")
+def hf_files(tmp_path_factory):
+    """Small GPT-2 and Llama configs as JSON, and a byte-level text dataset (vocabulary 256)."""
+    from hvd_lowcomm.comm import runtime
+    from data_prep.__main__ import main as data_prep_main
+
+    root = None
+    if RANK == 0:
+        root = tmp_path_factory.mktemp("hf")
+        GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=2, n_head=2).to_json_file(root / "gpt2.json")
+        LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=2, max_position_embeddings=64).to_json_file(root / "llama.json")
+        LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                    max_position_embeddings=64).to_json_file(root / "small-vocab.json")
+        (root / "corpus.txt").write_text("To be, or not to be, that is the question. " * 400)
+        assert data_prep_main(["text", str(root / "corpus.txt"), "--out", str(root / "text.h5")]) == 0
+    return runtime.world().comm.bcast(root, root=0)
+
+
+def cli(files, run: str, *argv: str) -> int:
+    from hvd_lowcomm.train import main
+
+    return main(["--data.path", str(files / "text.h5"), "--data.seq_len", "16", "--data.batch_size", "4",
+                 "--train.epochs", "1", "--train.max_steps", "3", "--run.dir", str(files / "runs"), "--run.name", run,
+                 "--run.progress", "false", *argv])
+
+
+@pytest.mark.skipif(SIZE != 2, reason="the command line on HF models is checked at np 2")
+@pytest.mark.parametrize("config", ["gpt2", "llama"])
+@pytest.mark.parametrize("method", [*TRAINS, *REFUSES])
+def test_the_cli_trains_a_hugging_face_config_with_every_method_or_refuses_before_training(
+        hf_files, config, method, capsys):
+    run = f"{config}-{method}"
+    code = cli(hf_files, run, "--model.name", f"hf:{hf_files / f'{config}.json'}", "--method", method)
+    if method in TRAINS:
+        assert code == 0
+        if RANK == 0:
+            summary = json.loads((hf_files / "runs" / run / "summary.json").read_text())
+            assert summary["steps"] == 3 and math.isfinite(summary["final_test_loss"])
+    else:
+        assert code == 2 and not (hf_files / "runs" / run).exists()  # nothing trained, no run directory
+        if RANK == 0:
+            assert REFUSES[method] in capsys.readouterr().err
+
+
+def test_a_model_that_cannot_embed_the_dataset_s_tokens_is_refused_before_training(hf_files, capsys):
+    assert cli(hf_files, "small-vocab", "--model.name", f"hf:{hf_files / 'small-vocab.json'}") == 2
+    if RANK == 0:
+        assert "embeds 100 token ids, but the dataset's vocabulary has 256" in capsys.readouterr().err
+    assert cli(hf_files, "long", "--model.name", f"hf:{hf_files / 'gpt2.json'}", "--data.seq_len", "128") == 2
+    if RANK == 0:
+        assert "takes at most 64 positions" in capsys.readouterr().err
+
+
+def test_a_saved_pretrained_directory_loads_its_weights(hf_files):
+    from hvd_lowcomm.config import ModelConfig
+    from hvd_lowcomm.models import build_model
+
+    directory = hf_files / "pretrained"
+    if RANK == 0:
+        torch.manual_seed(3)
+        GPT2LMHeadModel(GPT2Config.from_json_file(hf_files / "gpt2.json")).save_pretrained(directory)
+    hl.meter.barrier("test.saved")
+    model = build_model(ModelConfig(name=f"hf:{directory}"), (16,), 256, "lm")
+    saved = GPT2LMHeadModel.from_pretrained(directory)
+    for (name, mine), (_, theirs) in zip(model.state_dict().items(), saved.state_dict().items()):
+        assert torch.equal(mine, theirs), name
+
+
+def test_tensorboard_records_are_read_back_and_a_resumed_run_keeps_its_tracker_run(hf_files):
+    argv = ["--model.name", f"hf:{hf_files / 'gpt2.json'}", "--run.loggers", "tensorboard,wandb", "--run.log_every", "1"]
+    assert cli(hf_files, "tracked", *argv) == 0
+    if RANK == 0:
+        ids = json.loads((hf_files / "runs" / "tracked" / "trackers.json").read_text())
+    assert cli(hf_files, "tracked", *argv, "--train.max_steps", "5", "--resume", "auto") == 0
+    if RANK != 0:
+        return
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(hf_files / "runs" / "tracked" / "tensorboard"))
+    events.Reload()
+    steps = [e.step for e in events.Scalars("step/loss")]
+    assert steps == [0, 1, 2, 3, 4], steps  # the first run's three steps, then the resumed run's two
+    assert {"step/lr", "step/grad_norm", "step/tokens_per_second", "step/peak_memory_bytes", "epoch/test_loss",
+            "summary/final_test_loss"} <= set(events.Tags()["scalars"])
+    assert all(e.value > 0 for e in events.Scalars("step/grad_norm"))
+    assert json.loads((hf_files / "runs" / "tracked" / "trackers.json").read_text()) == ids  # same W&B run
+    assert len(list((hf_files / "runs" / "tracked" / "wandb").glob(f"offline-run-*-{ids['wandb']}"))) == 2

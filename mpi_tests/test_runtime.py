@@ -92,3 +92,23 @@ def test_a_killed_rank_ends_the_whole_job_nonzero(tmp_path):
     proc, seconds = run_on_two_ranks(tmp_path, "os.kill(os.getpid(), signal.SIGKILL)")
     assert proc.returncode != 0
     assert seconds < 60
+
+
+TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "job", "MASTER_ADDR": "127.0.0.1"}
+
+
+def test_torchrun_s_variables_without_an_mpi_launcher_are_a_launcher_problem():
+    assert "mpirun -np 2" in runtime.launcher_problem(TORCHRUN)
+    assert runtime.launcher_problem({**TORCHRUN, "OMPI_COMM_WORLD_SIZE": "2"}) is None  # mpirun started it
+    assert runtime.launcher_problem({**TORCHRUN, "SLURM_PROCID": "0"}) is None  # srun started it
+    assert runtime.launcher_problem({**TORCHRUN, "WORLD_SIZE": "1"}) is None  # one process is one rank anyway
+    assert runtime.launcher_problem({}) is None
+
+
+@only_from_the_1_rank_suite
+def test_the_cli_started_by_torchrun_stops_before_training_with_the_mpirun_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "hvd_lowcomm.train", "--run.dir", str(tmp_path)],
+                          capture_output=True, text=True, env={**clean_env(), **TORCHRUN}, timeout=120)
+    assert proc.returncode == 2
+    assert "started by torchrun (RANK=0, WORLD_SIZE=2)" in proc.stderr and "mpirun -np 2 python" in proc.stderr
+    assert not list(tmp_path.iterdir())  # no run directory: nothing trained
