@@ -124,6 +124,8 @@ def _describe_model(cfg: config.Config) -> str:
         return f"gpt {m.layers} layers x {m.width} ({m.heads} heads), windows of {cfg.data.seq_len} tokens"
     if m.name == "vit":
         return f"vit {m.layers} layers x {m.width} ({m.heads} heads), patches of {m.patch_size}"
+    if ":" in m.name:  # hf:PATH, tv:NAME, module:factory: the name says what it is
+        return m.name
     return f"{m.name} {','.join(map(str, m.hidden)) or 'default widths'}"
 
 

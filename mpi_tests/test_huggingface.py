@@ -164,7 +164,7 @@ def test_sil_refuses_a_hugging_face_model_with_its_reason():
 # ---------------------------------------------------------------------------------------------
 # the command line: --model.name hf:PATH
 
-TRAINS = ("ddp", "ddp-fp16", "powersgd", "dad", "rank-dad", "ab", "diloco")
+TRAINS = ("ddp", "ddp-fp16", "powersgd", "dad", "rank-dad", "ab", "diloco", "auto")
 REFUSES = {"edad": "edAD is exact only for nn.Sequential MLPs", "sil": "nn.Sequential", "mp": "nn.Sequential"}
 
 

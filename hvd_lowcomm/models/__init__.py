@@ -130,8 +130,8 @@ def build_model(cfg: ModelConfig, input_shape: Sequence[int], num_classes: int,
         return _factory_model(cfg.name, tuple(input_shape), num_classes, cfg.kwargs)
     if family is None:
         raise ConfigError(f"unknown model {cfg.name!r}; available: "
-                          f"{', '.join(f.name + (':...' if f.prefix else '') for f in FAMILIES.values())}, "
-                          f"or your own 'module:factory'")
+                          + "; ".join(f"{f.name + (':...' if f.prefix else '')} ({f.help})" for f in FAMILIES.values())
+                          + "; or your own 'module:factory'")
     if cfg.kwargs:
         raise ConfigError(f"model.kwargs is for a 'module:factory' model; {cfg.name} does not take it")
     if task not in family.tasks:
