@@ -14,6 +14,7 @@ the same tracker run instead of starting another. Each tracker needs the [tracke
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -77,7 +78,16 @@ class WandB(Tracker):
 
 
 TRACKERS = {"tensorboard": TensorBoard, "wandb": WandB}
-assert set(TRACKERS) == set(LOGGERS)
+PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # what each needs installed
+assert set(TRACKERS) == set(LOGGERS) == set(PACKAGES)
+
+
+def check_installed(names: list[str]) -> None:
+    """Refuse, before training, a logger whose package is not installed."""
+    missing = [name for name in names if importlib.util.find_spec(PACKAGES[name]) is None]
+    if missing:
+        raise ConfigError(f"run.loggers {', '.join(missing)} needs the {', '.join(PACKAGES[n] for n in missing)} "
+                          f"package: pip install 'hvd_lowcomm[trackers]', or drop it from run.loggers")
 
 
 def open_trackers(names: list[str], run_dir: Path, config: dict[str, Any]) -> list[Tracker]:

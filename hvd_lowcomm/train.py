@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from data_prep import BUNDLED, prepare_bundled
-from hvd_lowcomm import auto, checkpoint, config, data, models
+from hvd_lowcomm import auto, checkpoint, config, data, models, trackers
 from hvd_lowcomm.checkpoint import PreemptionSignal
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.traffic import meter
@@ -86,6 +86,7 @@ def preflight(cfg: Config, world: runtime.Group) -> Prepared | None:
         if cfg.method != AUTO:  # auto's candidates fit any rank count
             spec(cfg.method).method.check_world(cfg, world.size)
         runtime.device(cfg.train.device)  # a GPU asked for and not there
+        trackers.check_installed(cfg.run.loggers)
         path = Path(cfg.data.path)
         if rank == 0 and not cfg.data.source and not path.exists() and path.stem in BUNDLED:
             print(f"preparing {path} from the bundled '{path.stem}' dataset (first use)", flush=True)

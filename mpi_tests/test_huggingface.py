@@ -256,3 +256,29 @@ def test_tensorboard_records_are_read_back_and_a_resumed_run_keeps_its_tracker_r
     assert all(e.value > 0 for e in events.Scalars("step/grad_norm"))
     assert json.loads((hf_files / "runs" / "tracked" / "trackers.json").read_text()) == ids  # same W&B run
     assert len(list((hf_files / "runs" / "tracked" / "wandb").glob(f"offline-run-*-{ids['wandb']}"))) == 2
+
+
+@pytest.mark.skipif(SIZE != 2, reason="the command line on HF models is checked at np 2")
+def test_an_hf_image_classifier_config_trains_on_an_image_dataset(hf_files, shared_tmp):
+    from transformers import ViTConfig
+
+    from hvd_lowcomm.train import main
+
+    config = hf_files / "vit.json"
+    if RANK == 0:
+        ViTConfig(image_size=8, patch_size=4, num_channels=1, hidden_size=32, num_hidden_layers=2,
+                  num_attention_heads=2, intermediate_size=64).to_json_file(config)
+    hl.meter.barrier("test.vit")
+    argv = ["--model.name", f"hf:{config}", "--data.path", str(shared_tmp / "digits.h5"), "--train.epochs", "3",
+            "--train.lr", "0.003", "--run.dir", str(shared_tmp), "--run.name", "vit", "--run.progress", "false"]
+    assert main([*argv, "--method", "dad"]) == 0
+    if RANK == 0:
+        summary = json.loads((shared_tmp / "vit" / "summary.json").read_text())
+        assert summary["final_test_acc"] > 0.5, summary  # ten classes: chance is 0.1
+    wrong_size = hf_files / "vit16.json"
+    if RANK == 0:
+        ViTConfig(image_size=16, patch_size=4, num_channels=1).to_json_file(wrong_size)
+    hl.meter.barrier("test.vit16")
+    refused = ["--model.name", f"hf:{wrong_size}", "--data.path", str(shared_tmp / "digits.h5"),
+               "--run.dir", str(shared_tmp), "--run.name", "vit16", "--run.progress", "false"]
+    assert main(refused) == 2 and not (shared_tmp / "vit16").exists()
