@@ -5,7 +5,7 @@
 For each size (MB) it writes a .jsonl corpus and nanoGPT-style uint16 token files of that
 size into a scratch directory, converts each in a child process (`data_prep text ... --column
 text` with the byte tokenizer, `data_prep tokens ...`), and records the child's peak resident
-memory (ru_maxrss) and wall time. Streaming means the peak stays flat while the corpus grows:
+memory (VmHWM) and wall time. Streaming means the peak stays flat while the corpus grows:
 the bound is one document plus one copy block (data_prep.writer.BLOCK_BYTES, 64 MiB), not the
 corpus. Writes results.md and results.csv to --out.
 """
@@ -25,8 +25,10 @@ import numpy as np
 from data_prep.writer import BLOCK_BYTES
 from hvd_lowcomm.metrics import human_bytes, write_csv
 
-CHILD = ("import resource, sys; from data_prep.__main__ import main; code = main(sys.argv[1:]); "
-         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(code)")
+# The child's own peak: VmHWM (kB) of its address space. Not ru_maxrss, which Linux carries over
+# from the parent at fork/exec (this script's own arrays would show up in it).
+CHILD = ("import re, sys; from data_prep.__main__ import main; code = main(sys.argv[1:]); "
+         "print(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1)); sys.exit(code)")
 
 
 def convert(argv: list[str]) -> tuple[int, float]:
