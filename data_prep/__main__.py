@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from data_prep import sources, text
-from data_prep.writer import write_dataset, write_text_dataset
+from data_prep.writer import write_dataset
 from hvd_lowcomm.data import DataError, inspect, verify as verify_files
 from hvd_lowcomm.task import LANGUAGE_MODEL
 
