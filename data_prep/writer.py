@@ -161,6 +161,11 @@ def write_atomically(path: Path, shards: int, write_shard: Callable[[h5py.File, 
             tmp.unlink()
 
 
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The type a text dataset stores its ids in: the smallest that holds the vocabulary."""
+    return np.dtype(np.uint8 if vocab_size <= 1 << 8 else np.uint16 if vocab_size <= 1 << 16 else np.int32)
+
+
 def write_text_dataset(path: str | Path, train: np.ndarray, test: np.ndarray, vocab_size: int, source: str,
                        tokenizer: str = "bytes", bytes_per_token: float = 1.0, shards: int = 1) -> list[Path]:
     """Write token streams (train and held-out) as a text dataset (hvd_lowcomm.data's layout):
@@ -169,27 +174,25 @@ def write_text_dataset(path: str | Path, train: np.ndarray, test: np.ndarray, vo
     checked and copied block by block."""
     if shards < 1:
         raise ValueError(f"--shards must be >= 1, got {shards}")
-    dtype = np.uint8 if vocab_size <= 1 << 8 else np.uint16 if vocab_size <= 1 << 16 else np.int32
+    dtype = token_dtype(vocab_size)
     block = max(1, BLOCK_BYTES // 8)
     pieces = {}
     for split, tokens in (("train", train), ("test", test)):
         if len(tokens) < 2 * shards:
             raise ValueError(f"the {split} split has {len(tokens)} tokens: too little text for {shards} shard(s)")
-        for start in range(0, len(tokens), block):
-            part = np.asarray(tokens[start:start + block])
-            if part.min() < 0 or part.max() >= vocab_size:
-                raise ValueError(f"{split}: token ids must be in [0, {vocab_size}), found {part.min()}..{part.max()} "
-                                 f"(is the vocabulary size right?)")
         bounds = np.linspace(0, len(tokens), shards + 1).round().astype(int)
         pieces[split] = [(tokens, int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
 
     def write_shard(f: h5py.File, index: int) -> None:
-        for split in SPLITS:
+        for split in SPLITS:  # one pass over each stream: checked as it is copied (a bad id leaves no file)
             tokens, begin, end = pieces[split][index]
             ds = f.create_group(split).create_dataset("tokens", shape=(end - begin,), dtype=dtype)
             for start in range(begin, end, block):
-                stop = min(end, start + block)
-                ds[start - begin:stop - begin] = np.asarray(tokens[start:stop]).astype(dtype)
+                part = np.asarray(tokens[start:min(end, start + block)])
+                if part.min() < 0 or part.max() >= vocab_size:
+                    raise ValueError(f"{split}: token ids must be in [0, {vocab_size}), found {part.min()}.."
+                                     f"{part.max()} (is the vocabulary size right?)")
+                ds[start - begin:start - begin + len(part)] = part.astype(dtype)
         f.attrs.update({"format": FORMAT, "kind": "text", "num_classes": int(vocab_size), "vocab_size": int(vocab_size),
                         "tokenizer": tokenizer, "bytes_per_token": float(bytes_per_token), "source": source})
     return write_atomically(Path(path), shards, write_shard)

@@ -35,11 +35,8 @@ class Tracker:
 
 class TensorBoard(Tracker):
     def __init__(self, run_dir: Path, config: dict[str, Any], ids: dict[str, str]) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as err:
-            raise ConfigError(f"run.loggers tensorboard needs the tensorboard package: pip install "
-                              f"'hvd_lowcomm[trackers]' ({err})") from None
+        from torch.utils.tensorboard import SummaryWriter
+
         self.writer = SummaryWriter(str(run_dir / "tensorboard"))
         if "tensorboard" not in ids:  # the configuration once, as text
             self.writer.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```", 0)
@@ -56,11 +53,8 @@ class TensorBoard(Tracker):
 
 class WandB(Tracker):
     def __init__(self, run_dir: Path, config: dict[str, Any], ids: dict[str, str]) -> None:
-        try:
-            import wandb
-        except ImportError as err:
-            raise ConfigError(f"run.loggers wandb needs the wandb package: pip install 'hvd_lowcomm[trackers]' "
-                              f"({err})") from None
+        import wandb
+
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "hvd_lowcomm"), name=run_dir.name,
                               dir=str(run_dir), config=config, id=ids.get("wandb"), resume="allow",
                               mode=os.environ.get("WANDB_MODE", "offline"), settings=wandb.Settings(quiet=True))
@@ -92,6 +86,7 @@ def check_installed(names: list[str]) -> None:
 
 def open_trackers(names: list[str], run_dir: Path, config: dict[str, Any]) -> list[Tracker]:
     """The trackers named, continuing the runs recorded in run_dir (a resumed run)."""
+    check_installed(names)
     path = run_dir / IDS_FILE
     ids: dict[str, str] = json.loads(path.read_text()) if path.is_file() else {}
     trackers = [TRACKERS[name](run_dir, config, ids) for name in names]

@@ -76,7 +76,7 @@ def left_to_allreduce(model: nn.Module) -> dict[str, str]:
         if kind is None:
             why[name] = f"{type(module).__name__}: not a layer kind dAD forms from rows"
         elif not kind.has_rows(module):
-            why[name] = f"{type(module).__name__}: no exact rows (grouped, strided-padding or non-2-D conv)"
+            why[name] = f"{type(module).__name__}: no exact rows (not a Conv2d, or groups > 1, padding given as a string or not zeros)"
         elif is_tied(module, shared):
             why[name] = "weight tied to another module's"
     return why
@@ -179,6 +179,7 @@ class _DadExchange(GradientExchange):
         model.register_forward_pre_hook(self._count_samples, with_kwargs=True)
         self._names = {p: n for n, p in model.named_parameters()}
         self.plan: dict[str, LayerPlan] = {}
+        self.planned = False  # the plan is made once, at the first step (it may be empty)
         self.frozen: set[str] = set()  # layers whose weight the user froze (seen at the plan)
         self.effective_ranks: dict[str, list[int]] = {name: [] for name in self._layers}
         self.generator = torch.Generator().manual_seed(seed)  # rank-dAD's random starts
@@ -223,7 +224,7 @@ class _DadExchange(GradientExchange):
         # its deltas and gradients by its own N_s, and N = Σ N_s travels in the exchange itself,
         # so the step needs no collective round of its own to agree on N.
         scale = float(local_batch)
-        first_step = not self.plan
+        first_step = not self.planned
         if first_step:  # every layer's rows, to plan from their shapes and the pooled batch
             p = self._group.size if self._group is not None else runtime.size()
             with meter.in_phase("setup"):  # once per run (and again after a resume): not a step's traffic
@@ -299,6 +300,7 @@ class _DadExchange(GradientExchange):
                     self.plan[name] = replace(self.plan[name], choice="allreduce")
         left = {name: why for name, why in left_to_allreduce(self._model).items() if name not in self.plan}
         left.update({name: "not used with a gradient this step" for name in self._layers if name not in self.plan})
+        self.planned = True
         runtime.announce(f"{self.sharing.label} plan (wire bytes per rank per step):\n"
                          f"{format_plan(list(self.plan.values()), left)}")
 
