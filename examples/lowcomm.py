@@ -29,7 +29,7 @@ elif args.method == "powersgd":
 elif args.method == "dad":
     optimizer = hl.DadOptimizer(optimizer, model)
 elif args.method == "rank-dad":
-    optimizer = hl.DadOptimizer(optimizer, model, mode="rank", rank=4)
+    optimizer = hl.DadOptimizer(optimizer, model, mode="rank")  # adaptive rank per layer
 elif args.method == "ab":                   # factorises the model; groups of ranks train A or B
     ab = hl.ABTraining(model, optimizer, total_steps=args.steps)
 elif args.method == "diloco":               # groups train alone; an outer step joins them every H steps

@@ -151,6 +151,46 @@ def test_rank_dad_takes_a_conv_layer_s_factors_from_its_gradient_and_stays_exact
     assert opt.effective_ranks["0"] == [4] and opt.effective_ranks["2"] == [5]
 
 
+def test_adaptive_rank_dad_is_exact_at_a_tight_target_and_keeps_the_fewest_components_at_a_loose_one(world):
+    x, y, local, n = unequal_batches(world.size, world.comm.Get_rank(), (6,), 3)
+    opt, grads = pooled_and_distributed_grads(world, mlp(), x, y, local, mode="rank", error_target=1e-9,
+                                              iterations=300, tol=1e-9, plan="all")
+    for name, got, want in grads:
+        assert relative_error(got, want) <= 1e-4, name
+    model = mlp()
+    local_grads = copy.deepcopy(model)
+    F.cross_entropy(local_grads(x[local]), y[local]).backward()
+    opt, _ = pooled_and_distributed_grads(world, model, x, y, local, mode="rank", error_target=0.5, plan="all")
+    for name in ("1", "3", "5"):
+        energies = torch.linalg.svdvals(local_grads.get_submodule(name).weight.grad).pow(2)
+        missed = 1 - energies.cumsum(0) / energies.sum()
+        k = opt.effective_ranks[name][-1]
+        assert missed[k - 1] <= 0.5 + 1e-6 and (k == 1 or missed[k - 2] > 0.5), (name, k, missed)
+
+
+def test_rank_dad_error_feedback_carries_what_the_factors_dropped(world):
+    """Σ_t applied_t + Σ_s (N_s/N) e_s = Σ_t pooled_t: nothing is lost, only delayed."""
+    x, y, local, n = unequal_batches(world.size, world.comm.Get_rank(), (6,), 3)
+    model = mlp()
+    reference = copy.deepcopy(model)
+    F.cross_entropy(reference(x), y).backward()
+    opt = DadOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, rank=1, error_feedback=True, plan="all")
+    applied = {name: torch.zeros_like(model.get_submodule(name).weight) for name in ("1", "3", "5")}
+    for _ in range(3):
+        opt.zero_grad()
+        F.cross_entropy(model(x[local]), y[local]).backward()
+        opt.step()
+        for name in applied:
+            applied[name] += model.get_submodule(name).weight.grad
+    total = float(world.comm.allreduce(n))
+    for name, summed in applied.items():
+        assert opt.sharing.from_gradient(opt, name)  # error feedback needs the local gradient itself
+        mean_error = torch.from_numpy(world.comm.allreduce((n / total * opt.sharing.errors[name]).T.numpy()))
+        want = 3 * reference.get_submodule(name).weight.grad
+        assert relative_error(summed + mean_error, want) <= 1e-4, name
+        assert relative_error(summed, want) > 1e-3, name  # rank 1 alone did drop something
+
+
 @pytest.mark.parametrize("way", WAYS)
 def test_every_way_to_rank_dad_s_factors_is_within_5_percent_of_the_truncated_svd(way):
     generator = torch.Generator().manual_seed(RANK)
@@ -191,10 +231,10 @@ def test_edad_refuses_models_where_it_would_not_be_exact():
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"rank": 0}, "rank must be >= 1, got 0"),
+    ({"rank": -1}, "rank must be >= 0 \\(0: adaptive\\), got -1"),
     ({"rank": 4, "tol": 0.0}, "rank-dad.tol must be > 0, got 0.0"),
-    ({"mode": "rank"}, "mode 'rank' needs rank=r"),
-    ({"mode": "edad", "rank": 4}, "mode 'edad' is exact and takes no rank"),
+    ({"mode": "rank", "error_target": 1.0}, "error_target must be between 0 and 1"),
+    ({"mode": "edad", "rank": 4}, "mode 'edad' is exact and takes no rank options"),
     ({"mode": "fast"}, "mode must be one of exact, rank, edad, got 'fast'"),
 ])
 def test_bad_rank_dad_options_are_rejected(options, message):

@@ -1,4 +1,5 @@
-"""PowerSGD: exact at or above the true rank, error feedback, bytes per compressed layer."""
+"""PowerSGD: exact at or above the true rank, error feedback, bytes per compressed layer, and the
+adaptive rank (grows to meet its error target, shrinks to what holds the energy, agreed by all)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,8 @@ import torch
 
 from conftest import RANK
 from hvd_lowcomm.config import ConfigError
-from hvd_lowcomm.methods.powersgd import PowerSGDOptimizer, PowerSGDState, compresses
+from hvd_lowcomm.methods.adaptive_rank import PROBES, next_rank, probe_residual, probes, smallest_rank_within
+from hvd_lowcomm.methods.powersgd import PowerSGDOptimizer, PowerSGDState, compresses, highest_rank
 from hvd_lowcomm.train import main
 
 N_OUT, N_IN = 10, 12
@@ -101,9 +103,110 @@ def test_the_min_compression_rate_rule_decides_which_layers_are_compressed():
     assert compresses(1, 50, options) == (False, 1)       # rank capped at min(n, m) = 1: 102 >= 50
 
 
-def test_bad_options_are_rejected():
-    with pytest.raises(ConfigError, match="powersgd.rank must be >= 1, got 0"):
-        PowerSGDState(rank=0)
+@pytest.mark.parametrize("options, message", [
+    ({"rank": -1}, "powersgd.rank must be >= 0"),
+    ({"error_target": 0.0}, "error_target must be between 0 and 1"),
+    ({"min_rank": 4, "max_rank": 2}, "min_rank <= max_rank"),
+    ({"adapt_every": 0}, "adapt_every must be >= 1"),
+])
+def test_bad_options_are_rejected(options, message):
+    with pytest.raises(ConfigError, match=message):
+        PowerSGDState(**options)
+
+
+def test_the_adaptive_rank_is_bounded_where_compression_stops_paying():
+    options = PowerSGDState(min_compression_rate=2.0, max_rank=64).options
+    assert options.adaptive and compresses(100, 100, options) == (True, 1)  # starts at min_rank
+    assert highest_rank(100, 100, options) == 24     # (100+100)*24*2 = 9600 < 10000 <= 200*25*2
+    assert highest_rank(1000, 1000, options) == 64   # max_rank
+    assert highest_rank(100, 100, PowerSGDState(rank=3).options) == 3  # a fixed rank stays put
+
+
+def test_probes_estimate_the_energy_a_basis_misses():
+    generator = torch.Generator().manual_seed(3)
+    m = torch.randn(60, 8, generator=generator) @ torch.randn(8, 50, generator=generator)
+    basis = torch.linalg.svd(m, full_matrices=False).U[:, :3]
+    truth = float((m - basis @ (basis.T @ m)).pow(2).sum())
+    estimates = [probe_residual(basis, m @ probes(50, generator, m)) for _ in range(400)]
+    assert abs(np.mean(estimates) / truth - 1) < 0.05     # unbiased: the mean of 400 within 5 %
+    assert np.std(estimates) / truth < 2 / PROBES ** 0.5  # and one estimate is not wild
+
+
+def test_next_rank_doubles_on_a_miss_shrinks_with_a_margin_and_keeps_within_its_bounds():
+    energies = torch.tensor([50.0, 30.0, 10.0, 5.0])  # 95 kept at rank 4
+    # a shrink keeps within half the target: 0.25 (two leave out 20 %), 0.15 (three leave out 10 %)
+    assert next_rank(4, energies, missed=5.0, error_target=0.5, lowest=1, highest=32) == 2
+    assert next_rank(4, energies, missed=5.0, error_target=0.3, lowest=1, highest=32) == 3
+    assert next_rank(4, energies, missed=5.0, error_target=0.5, lowest=3, highest=32) == 3
+    assert next_rank(4, energies, missed=5.0, error_target=0.04, lowest=1, highest=32) == 8  # missed 5 % > 4 %
+    assert next_rank(4, energies, missed=5.0, error_target=0.04, lowest=1, highest=6) == 6
+    assert next_rank(4, energies, missed=5.0, error_target=0.08, lowest=1, highest=32) == 4  # met, no room to shrink
+    assert smallest_rank_within(energies, 100.0, 0.5) == 1 and smallest_rank_within(energies, 200.0, 0.5) == 4
+
+
+def rank_r_grads(true_rank, step, n=40, m=48):
+    """Rank r's gradient A_r Bᵀ with B shared: the mean over ranks has rank `true_rank`."""
+    b = torch.randn(m, true_rank, generator=torch.Generator().manual_seed(7))
+    return lambda r: torch.randn(n, true_rank, generator=torch.Generator().manual_seed(100 * step + r)) @ b.T
+
+
+def adaptive_run(world, fresh_meter, grads_of_step, steps, **state):
+    """An adaptive-rank PowerSGD on a Linear(48 -> 40) whose gradients are set by hand."""
+    layer = torch.nn.Linear(48, 40)
+    opt = PowerSGDOptimizer(torch.optim.SGD(layer.parameters(), lr=0.1), layer.named_parameters(),
+                            PowerSGDState(**{"start_iter": 0, "adapt_every": 3, **state}))
+    history = []
+    for step in range(steps):
+        layer.weight.grad = grads_of_step(step)(world.comm.Get_rank()).clone()
+        layer.bias.grad = torch.zeros(40)
+        fresh_meter.next_step()
+        opt.synchronize()
+        history.append((opt.powersgd.ranks["weight"], {r.name: r.payload_bytes for r in fresh_meter.step_records}))
+    return opt, history
+
+
+def test_the_adaptive_rank_grows_to_the_gradient_s_rank_and_then_keeps_its_energy(world, fresh_meter):
+    opt, history = adaptive_run(world, fresh_meter, lambda step: rank_r_grads(6, step), steps=12, error_target=0.02)
+    ranks = [rank for rank, _ in history]
+    # doubling, measured again at once after each change: 1 -> 2 -> 4 -> 8, then down to the
+    # components the rank-6 mean has (a sixth may hold under the margin's 1 %)
+    assert ranks[:3] == [2, 4, 8] and ranks[3] in (5, 6) and set(ranks[3:]) == {ranks[3]}, ranks
+    assert opt.powersgd.kept_energy["weight"] > 0.98
+    assert world.comm.allgather(ranks) == [ranks] * world.size  # every rank agreed at every step
+    # probes ride with P only on measuring steps: step 4 measures (after the change at step 3), 5 not
+    assert history[4][1]["powersgd.P.weight"] == 40 * (ranks[4] + PROBES) * 4
+    assert history[4][1]["powersgd.ranks"] == 8  # one int64: the agreement
+    assert history[5][1]["powersgd.P.weight"] == 40 * ranks[5] * 4 and "powersgd.ranks" not in history[5][1]
+
+
+def test_the_adaptive_rank_shrinks_to_what_holds_the_energy(world, fresh_meter):
+    opt, history = adaptive_run(world, fresh_meter, lambda step: rank_r_grads(1, step), steps=4, min_rank=6,
+                                max_rank=16, error_target=0.2)
+    assert [rank for rank, _ in history] == [6] * 4  # starts at min_rank and stays: shrinking stops there
+    opt, history = adaptive_run(world, fresh_meter, lambda step: rank_r_grads(1, step), steps=4, rank=0,
+                                error_target=0.2)
+    assert [rank for rank, _ in history] == [1, 1, 1, 1]
+    state = opt.powersgd
+    state.ranks["weight"], state.next_measurement = 8, state.iter  # as if it had grown to 8
+    layer_grad = rank_r_grads(1, 9)(world.comm.Get_rank())
+    next(iter(opt.param_groups[0]["params"])).grad = layer_grad.clone()
+    opt.synchronize()
+    assert state.ranks["weight"] == 1 and state.kept_energy["weight"] > 0.99
+
+
+def test_a_fixed_rank_is_measured_but_never_changed(world, fresh_meter):
+    opt, history = adaptive_run(world, fresh_meter, lambda step: rank_r_grads(6, step), steps=4, rank=2,
+                                error_target=0.02)
+    assert [rank for rank, _ in history] == [2, 2, 2, 2]
+    assert 0.2 < opt.powersgd.kept_energy["weight"] < 0.9  # rank 2 of a rank-6 mean: clearly not all of it
+
+
+def test_the_adaptive_rank_survives_a_checkpoint(world, fresh_meter):
+    opt, _ = adaptive_run(world, fresh_meter, lambda step: rank_r_grads(6, step), steps=5, error_target=0.02)
+    restored = PowerSGDState(error_target=0.02)
+    restored.load_state_dict(opt.powersgd.state_dict())
+    assert restored.ranks == opt.powersgd.ranks and restored.next_measurement == opt.powersgd.next_measurement
+    assert restored.kept_energy == opt.powersgd.kept_energy
 
 
 def test_training_with_powersgd_compresses_and_learns(shared_tmp):

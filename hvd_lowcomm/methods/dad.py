@@ -44,7 +44,8 @@ from hvd_lowcomm.metrics import human_bytes
 from hvd_lowcomm.methods import register
 from hvd_lowcomm.methods.base import GradientExchange, wrap_optimizer
 from hvd_lowcomm.methods.ddp import DataParallel
-from hvd_lowcomm.methods.lowrank import cheapest_way, factors_from_rows, gradient_power_iteration
+from hvd_lowcomm.methods.adaptive_rank import smallest_rank_within
+from hvd_lowcomm.methods.lowrank import cheapest_way, factors_from_rows, gradient_power_iteration, missed_energy
 from hvd_lowcomm.models.layer_kinds import is_tied, kind_of, shared_weights
 
 
@@ -361,44 +362,81 @@ class ExactRows(_Sharing):
 
 
 class FactorRows(_Sharing):
-    """rank-dAD: every rank shares k <= rank factor rows of its local gradient (its top singular
-    triplets, hvd_lowcomm.methods.lowrank); biases are allreduced."""
+    """rank-dAD: every rank shares k factor rows of its local gradient (its top singular
+    triplets, hvd_lowcomm.methods.lowrank); biases are allreduced.
+
+    Adaptive (rank 0, the default): k is each layer's own, the fewest components that leave out
+    at most `error_target` of the local gradient's energy (hvd_lowcomm.methods.adaptive_rank), at
+    most `max_rank`. Components are iterated for twice the layer's last k (the spectrum moves
+    slowly from step to step), so a layer that needs more grows by doubling. A fixed rank
+    keeps that many (as far as the gradient has them). With `error_feedback` what a rank's
+    factors leave out of its gradient is added to its next one (the factors then come from the
+    gradient itself, G + e)."""
 
     carries_bias = False
 
-    def __init__(self, rank: int, iterations: int, tol: float) -> None:
-        self.rank, self.iterations, self.tol = rank, iterations, tol
-        self.label = f"rank-dAD (r={rank})"
+    def __init__(self, options: "RankDadOptions") -> None:
+        self.options = options
+        self.iterations, self.tol = options.iterations, options.tol
+        self.adaptive, self.error_feedback = options.rank == 0, options.error_feedback
+        self.label = f"rank-dAD (r={options.rank})" if not self.adaptive else \
+            f"rank-dAD (adaptive: at most {options.error_target:g} of each gradient's energy left out, " \
+            f"r <= {options.max_rank})"
+        self.last_rank: dict[str, int] = {}        # k each layer kept at its last step
+        self.errors: dict[str, torch.Tensor] = {}  # error feedback: what the factors left out
 
     def planned_rows(self, module: nn.Module, positions: int, total_batch: int, p: int) -> tuple[int, int]:
-        return p * self.rank, module.bias.numel() if module.bias is not None else 0
+        return p * planned_rank(self.options), module.bias.numel() if module.bias is not None else 0
+
+    def iterated_rank(self, name: str) -> int:
+        """Components to compute for layer `name` this step."""
+        if not self.adaptive:
+            return self.options.rank
+        return min(self.options.max_rank, 2 * self.last_rank.get(name, PLANNED_ADAPTIVE_RANK // 2))
 
     def from_gradient(self, exchange: _DadExchange, name: str) -> bool:
         """Whether the factors come from the local weight gradient autograd formed (iterating on
-        it is cheapest: a conv layer's many rows) rather than from the rows."""
+        it is cheapest: a conv layer's many rows; or error feedback needs G itself) rather than
+        from the rows."""
         module = exchange.layer(name)
         d_in, d_out = fan_in_out(module)
-        way = cheapest_way(exchange.local_row_count(name), d_in, d_out, self.rank, self.iterations)
-        return way == "gradient" and module.weight.grad is not None
+        way = cheapest_way(exchange.local_row_count(name), d_in, d_out, self.iterated_rank(name), self.iterations)
+        return (way == "gradient" or self.error_feedback) and module.weight.grad is not None
 
     def needs_rows(self, exchange: _DadExchange, name: str) -> bool:
         return not self.from_gradient(exchange, name)
 
-    keeps_weight_gradient = from_gradient
+    def keeps_weight_gradient(self, exchange: _DadExchange, name: str) -> bool:
+        return self.error_feedback or self.from_gradient(exchange, name)
 
-    def payload(self, exchange: _DadExchange, rows: Rows, layers: list[str], scale: float) -> list[tuple[str, torch.Tensor]]:
-        def factors_of(name: str) -> tuple[torch.Tensor, torch.Tensor]:
-            if name in rows:
-                return factors_from_rows(*rows[name], self.rank, self.iterations, self.tol, exchange.generator)
+    def factors_of(self, exchange: _DadExchange, name: str, rows: Rows, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's k factor rows (σ_i b_i, c_i) of layer `name`'s local gradient."""
+        iterate = (self.iterated_rank(name), self.iterations, self.tol, exchange.generator)
+        if name in rows:
+            b_rows, c_rows = factors_from_rows(*rows[name], *iterate)
+            if self.adaptive:
+                energy = float(b_rows.pow(2).sum()) + missed_energy(*rows[name], (b_rows, c_rows), exchange.generator)
+        else:
             module = exchange.layer(name)  # its weight's gradient is Σ Δᵀ A over this rank's rows: Gᵀ
             gradient = kind_of(module).matrix(module, module.weight.grad).T * scale
-            return gradient_power_iteration(gradient, self.rank, self.iterations, self.tol, exchange.generator)
+            if self.error_feedback and name in self.errors:
+                gradient += self.errors[name] * scale
+            b_rows, c_rows = gradient_power_iteration(gradient, *iterate)
+            energy = float(gradient.pow(2).sum())
+        if self.adaptive:
+            k = smallest_rank_within(b_rows.pow(2).sum(1), energy, self.options.error_target)
+            b_rows, c_rows = b_rows[:k], c_rows[:k]
+        if self.error_feedback and name not in rows:
+            self.errors[name] = (gradient - b_rows.T @ c_rows) / scale
+        self.last_rank[name] = max(1, b_rows.shape[0])
+        return b_rows, c_rows
 
+    def payload(self, exchange: _DadExchange, rows: Rows, layers: list[str], scale: float) -> list[tuple[str, torch.Tensor]]:
         # Each rank sends its own k rows (Horovod's allgather takes a different count from every
         # rank), so the ranks need not agree on k first; a rank with none sends one zero row.
         shared = []
         for n in layers:
-            b_rows, c_rows = factors_of(n)
+            b_rows, c_rows = self.factors_of(exchange, n, rows, scale)
             exchange.effective_ranks[n].append(b_rows.shape[0])
             payload = torch.cat([b_rows, c_rows], dim=1)
             shared.append((f"rank-dad.{n}", payload if len(payload) else payload.new_zeros(1, payload.shape[1])))
@@ -494,15 +532,27 @@ class DadOptions:
 class RankDadOptions(DadOptions):
     """rank-dAD: share the top singular triplets of each layer's local gradient as factor rows."""
 
-    rank: int = option(8, "most components per layer")
+    # A fixed rank is right for few layers: the 4-layer GPT lost 9.1 % of its loss at 8 and
+    # 1.2 % at 32, where MLPs kept DDP's accuracy at 4.
+    rank: int = option(0, "components per layer; 0: adaptive, each layer keeps the fewest that leave out at "
+                          "most error_target of its local gradient's energy, at most max_rank")
+    error_target: float = option(0.5, "adaptive rank: the largest share of a layer's local gradient energy its "
+                                      "factors may leave out")
+    max_rank: int = option(32, "adaptive rank: the most components per layer")
+    error_feedback: bool = option(False, "add what a rank's factors left out of its gradient to its next one "
+                                         "(factors then come from the gradient autograd forms)")
     iterations: int = option(10, "most power iterations where the triplets are iterated for (few rows give "
                                  "them exactly, without iterating)")
     tol: float = option(1e-3, "stop iterating when the subspace moves less than this; drop components "
                               "with sigma <= tol * sigma_1")
 
     def validate(self) -> None:
-        if self.rank < 1:
-            raise ConfigError(f"rank-dad.rank must be >= 1, got {self.rank}")
+        if self.rank < 0:
+            raise ConfigError(f"rank-dad.rank must be >= 0 (0: adaptive), got {self.rank}")
+        if not 0 < self.error_target < 1:
+            raise ConfigError(f"rank-dad.error_target must be between 0 and 1, got {self.error_target}")
+        if self.max_rank < 1:
+            raise ConfigError(f"rank-dad.max_rank must be >= 1, got {self.max_rank}")
         if self.iterations < 1:
             raise ConfigError(f"rank-dad.iterations must be >= 1, got {self.iterations}")
         if self.tol <= 0:
@@ -510,36 +560,43 @@ class RankDadOptions(DadOptions):
 
 
 DAD_MODES = ("exact", "rank", "edad")
+# The k the plan and the cost model assume for an adaptive rank (they cannot know it before
+# training): about the median rank-dAD kept on the benchmarks' transformers.
+PLANNED_ADAPTIVE_RANK = 8
 
 
-def DadOptimizer(optimizer: torch.optim.Optimizer, model: nn.Module, mode: str = "exact", rank: int | None = None,
-                 iterations: int = RankDadOptions.iterations, tol: float = RankDadOptions.tol,
-                 plan: str = DadOptions.plan, group: Group | None = None, seed: int = 0) -> torch.optim.Optimizer:
+def planned_rank(options: "RankDadOptions") -> int:
+    """The k per rank the plan and the cost model assume: the fixed rank, or
+    PLANNED_ADAPTIVE_RANK (at most max_rank) when adaptive."""
+    return options.rank or min(options.max_rank, PLANNED_ADAPTIVE_RANK)
+
+
+def DadOptimizer(optimizer: torch.optim.Optimizer, model: nn.Module, mode: str = "exact", plan: str = DadOptions.plan,
+                 group: Group | None = None, seed: int = 0, options: "RankDadOptions | None" = None,
+                 **rank_options: Any) -> torch.optim.Optimizer:
     """Wrap `optimizer` so step() uses the pooled batch's gradient, built by (rank-/e)dAD.
 
-    mode "exact": dAD; "rank": rank-dAD with at most `rank` components per layer (a rank given
-    with the default mode means "rank"), `iterations` power iterations and tolerance `tol`;
-    "edad": edAD. plan "auto" shares rows only where that is cheaper than allreduce, "all"
-    wherever supported. Use it like Horovod's DistributedOptimizer: `loss.backward();
+    mode "exact": dAD; "rank": rank-dAD, by default with each layer's rank adaptive; its
+    options are RankDadOptions' (`options=`, or keywords: rank=r for a fixed rank, error_target,
+    max_rank, error_feedback, iterations, tol; any of them given with the default mode means
+    "rank"); "edad": edAD. plan "auto" shares rows only where that is cheaper than allreduce,
+    "all" wherever supported. Use it like Horovod's DistributedOptimizer: `loss.backward();
     opt.step()` (or `opt.synchronize()` then `with opt.skip_synchronize(): opt.step()`). The
     loss must be a mean over the local batch (dim 0 of each layer's input). From the second
     step on, weights whose gradient comes from shared rows have requires_grad False (autograd's
     local gradient of them would go unused); their .grad is still set at every step.
     """
-    if mode == "exact" and rank is not None:
+    if mode == "exact" and (rank_options or options is not None):
         mode = "rank"
     if mode not in DAD_MODES:
         raise ConfigError(f"DadOptimizer mode must be one of {', '.join(DAD_MODES)}, got {mode!r}")
-    if mode == "rank" and rank is None:
-        raise ConfigError("DadOptimizer mode 'rank' needs rank=r, the most components per layer (e.g. rank=4)")
-    if mode != "rank" and rank is not None:
-        raise ConfigError(f"DadOptimizer mode {mode!r} is exact and takes no rank; use mode='rank' for rank-dAD")
-    options = make_options(RankDadOptions, "rank-dad", plan=plan, iterations=iterations, tol=tol,
-                           rank=RankDadOptions.rank if rank is None else rank)
+    if mode != "rank" and (rank_options or options is not None):
+        raise ConfigError(f"DadOptimizer mode {mode!r} is exact and takes no rank options; use mode='rank' for "
+                          f"rank-dAD")
+    rank_dad = make_options(RankDadOptions, "rank-dad", options, plan=plan, **rank_options)
     check_dad_model(model, mode == "edad")
-    sharing = {"exact": ExactRows, "rank": lambda: FactorRows(options.rank, options.iterations, options.tol),
-               "edad": lambda: RecomputedDeltas(model)}[mode]()
-    return wrap_optimizer(optimizer, _DadExchange, model, sharing, options.plan, group, seed)
+    sharing = {"exact": ExactRows, "rank": lambda: FactorRows(rank_dad), "edad": lambda: RecomputedDeltas(model)}[mode]()
+    return wrap_optimizer(optimizer, _DadExchange, model, sharing, rank_dad.plan, group, seed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -571,8 +628,9 @@ def rank_dad_kernels(sample: LayerSample, options: "RankDadOptions", cfg: Config
     acts = torch.randn(sample.rows, sample.fan_in, generator=generator)
     deltas = torch.randn(sample.rows, sample.fan_out, generator=generator)
     grad = torch.randn(sample.fan_out, sample.fan_in, generator=generator)
-    k = min(options.rank, sample.rows, sample.fan_in, sample.fan_out)
-    iterate = (options.rank, options.iterations, options.tol)
+    rank = planned_rank(options)
+    k = min(rank, sample.rows, sample.fan_in, sample.fan_out)
+    iterate = (rank, options.iterations, options.tol)
     if _factors_from_gradient(sample.rows, sample.fan_in, sample.fan_out, options):
         factors = lambda: gradient_power_iteration(grad.T, *iterate, generator)  # noqa: E731
     else:
@@ -581,7 +639,8 @@ def rank_dad_kernels(sample: LayerSample, options: "RankDadOptions", cfg: Config
 
 
 def _factors_from_gradient(rows: int, fan_in: int, fan_out: int, options: "RankDadOptions") -> bool:
-    return cheapest_way(rows, fan_in, fan_out, options.rank, options.iterations) == "gradient"
+    return options.error_feedback or \
+        cheapest_way(rows, fan_in, fan_out, planned_rank(options), options.iterations) == "gradient"
 
 
 def _predict_sharing(profile: Profile, p: int, link: Link, rank: "RankDadOptions | None") -> Prediction:
@@ -594,8 +653,8 @@ def _predict_sharing(profile: Profile, p: int, link: Link, rank: "RankDadOptions
     shareable = profile.facts.get("dad" if rank is None else "rank-dad", set())
     for layer in profile.layers:
         local_rows = profile.batch * layer.rows
-        width = local_rows if rank is None else min(rank.rank, local_rows, layer.fan_in, layer.fan_out)
-        planned = local_rows if rank is None else rank.rank  # the plan's rows per rank
+        planned = local_rows if rank is None else planned_rank(rank)  # the plan's rows per rank
+        width = local_rows if rank is None else min(planned, local_rows, layer.fan_in, layer.fan_out)
         extra = 0 if rank is None else layer.fan_out  # rank-dAD allreduces the bias
         if layer.name in shareable and sharing_is_cheaper(p * planned, layer.fan_in, layer.fan_out, layer.params,
                                                           extra):
@@ -694,9 +753,7 @@ class RankDistributedAutoDiff(DistributedAutoDiff):
     """rank-dAD: each rank shares k <= r power-iteration factors per planned layer."""
 
     def distribute(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
-        o = self.options
-        return DadOptimizer(optimizer, model, mode="rank", rank=o.rank, iterations=o.iterations, tol=o.tol, plan=o.plan,
-                            seed=self.cfg.train.seed)
+        return DadOptimizer(optimizer, model, mode="rank", options=self.options, seed=self.cfg.train.seed)
 
 
 @register("edad", cost=MethodCost(predict_edad, dad_kernels, edad_layers))

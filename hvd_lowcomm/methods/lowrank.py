@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch
 
+from hvd_lowcomm.methods.adaptive_rank import probes
+
 # Extra columns iterated beside the `rank` wanted: the subspace's top directions converge at
 # (sigma_{width+1} / sigma_i)^2 per iteration instead of (sigma_{rank+1} / sigma_i)^2.
 OVERSAMPLE = 4
@@ -87,6 +89,16 @@ def gradient_power_iteration(gradient: torch.Tensor, rank: int, iterations: int,
     return _block_power_iteration(lambda q: gradient @ (gradient.T @ q), lambda q: gradient.T @ q,
                                   tuple(gradient.shape), min(gradient.shape), rank, iterations, tol, generator,
                                   gradient)
+
+
+def missed_energy(acts: torch.Tensor, deltas: torch.Tensor, factors: Factors,
+                  generator: torch.Generator | None = None) -> float:
+    """Estimate of ‖G - B̃ C̃ᵀ‖², the energy of G = actsᵀ deltas that `factors` (B̃ᵀ, C̃ᵀ) miss,
+    with random probes and without forming G: E ‖(G - B̃ C̃ᵀ) S‖² = ‖G - B̃ C̃ᵀ‖²
+    (hvd_lowcomm.methods.adaptive_rank); exactly 0 when the factors hold all of G."""
+    b_rows, c_rows = factors
+    s = probes(deltas.shape[1], generator, deltas)
+    return float((acts.T @ (deltas @ s) - b_rows.T @ (c_rows @ s)).pow(2).sum())
 
 
 def _block_power_iteration(gram_times: Callable[[torch.Tensor], torch.Tensor],

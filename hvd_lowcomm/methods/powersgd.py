@@ -3,15 +3,24 @@ semantics of PyTorch's DDP communication hook (torch/distributed/algorithms/ddp_
 powerSGD_hook.py), as a Horovod-style optimizer wrapper.
 
 Each step, once `start_iter` steps of plain allreduce are done:
-1. Split the gradients: a tensor viewed as an n × m matrix (n = its first dimension) with
-   r' = min(n, m, rank) is compressed if (n + m)·r'·min_compression_rate < n·m; the rest
+1. Split the gradients: a tensor viewed as an n × m matrix (n = its first dimension) is
+   compressed if (n + m)·r·min_compression_rate < n·m at its smallest rank r; the rest
    (biases, small layers) is allreduced (averaged) as is.
 2. Error feedback: M <- M + e, what compression dropped on this rank at earlier steps.
 3. Q: the previous step's Q (warm start), else a random matrix drawn from the same seed on
    every rank; orthogonalise.
 4. P = M Q; allreduce P (sum); orthogonalise P.
 5. Q = Mᵀ P; allreduce Q (sum); divide by the number of ranks.
-6. M̂ = P Qᵀ, the same rank-r' approximation of the mean gradient on every rank; e <- M - M̂.
+6. M̂ = P Qᵀ, the same rank-r approximation of the mean gradient on every rank; e <- M - M̂.
+
+Adaptive rank (the default, `rank 0`): every `adapt_every` steps a few random probe columns S
+ride with step 4 (M [Q | S] in the same allreduce), which estimates the energy of the mean M̄
+that P Qᵀ misses, ‖(I - P Pᵀ) M̄‖², beside the energy it keeps, ‖Q‖² (hvd_lowcomm.methods.
+adaptive_rank). A matrix whose approximation misses more than `error_target` of its energy
+doubles its rank; one whose leading components alone would meet half the target shrinks to
+them; every rank agrees on the new ranks with one small allreduce (max), and Q keeps its
+leading directions (warm start) across the change. With error feedback M̄ includes what earlier
+steps dropped, so a rank too small for a layer shows up as missed energy that grows.
 
 Difference from the hook, without effect on the update: error feedback is kept for compressed
 matrices only. The hook also stores (local - mean) for uncompressed tensors, which averages to
@@ -20,6 +29,7 @@ zero over ranks and so never changes the allreduced result.
 from __future__ import annotations
 
 from dataclasses import dataclass
+import math
 from typing import Any, Iterable
 
 import torch
@@ -30,6 +40,7 @@ from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
 from hvd_lowcomm.config import Config, ConfigError, make_options, option
 from hvd_lowcomm.costmodel import Link, LayerSample, MethodCost, Prediction, Profile, RunAssumptions, wire
 from hvd_lowcomm.methods import register
+from hvd_lowcomm.methods.adaptive_rank import next_rank, probe_residual, probes
 from hvd_lowcomm.methods.base import GradientExchange, wrap_optimizer
 from hvd_lowcomm.methods.ddp import DataParallel
 
@@ -38,18 +49,38 @@ from hvd_lowcomm.methods.ddp import DataParallel
 class PowerSGDOptions:
     """PowerSGD (Vogels et al. 2019): rank-r P Qᵀ approximations of gradients, error feedback."""
 
-    # PyTorch's hook defaults to rank 1 (1-4 typical); 2 kept this project's MLPs within a
-    # point of DDP's accuracy where 1 did not.
-    rank: int = option(2, "columns of P and Q per compressed matrix")
+    # A fixed rank is right for few layers (PyTorch's hook defaults to 1; this project's MLPs
+    # kept DDP's accuracy at 2 while a 4-layer transformer lost 12.8 % of its loss at 2 and
+    # 2.2 % at 8), so by default each matrix's rank follows error_target.
+    rank: int = option(0, "columns of P and Q per compressed matrix; 0: adaptive, each matrix's rank follows "
+                          "error_target between min_rank and max_rank")
+    error_target: float = option(0.5, "adaptive rank: the largest share of a compressed matrix's energy (its "
+                                      "error-fed mean over ranks) that P Qᵀ may leave out")
+    min_rank: int = option(1, "adaptive rank: the smallest rank (and where every matrix starts)")
+    max_rank: int = option(64, "adaptive rank: the largest rank (also capped where compression stops paying, "
+                               "see min_compression_rate)")
+    adapt_every: int = option(10, "steps between measurements of each matrix's missed energy (random probe "
+                                  "columns ride with P on those steps; also measured at a fixed rank, for the "
+                                  "metrics)")
     # PyTorch: 1000 (its docs suggest ~10 % of training); runs here are hundreds of steps.
     start_iter: int = option(10, "steps of plain allreduce before compression starts")
     min_compression_rate: float = option(2.0, "compress a matrix only if (n+m)*rank*rate < n*m")
     error_feedback: bool = option(True, "add back what compression dropped at earlier steps")
     warm_start: bool = option(True, "reuse the previous step's Q")
 
+    @property
+    def adaptive(self) -> bool:
+        return self.rank == 0
+
     def validate(self) -> None:
-        if self.rank < 1:
-            raise ConfigError(f"powersgd.rank must be >= 1, got {self.rank}")
+        if self.rank < 0:
+            raise ConfigError(f"powersgd.rank must be >= 0 (0: adaptive), got {self.rank}")
+        if not 0 < self.error_target < 1:
+            raise ConfigError(f"powersgd.error_target must be between 0 and 1, got {self.error_target}")
+        if not 1 <= self.min_rank <= self.max_rank:
+            raise ConfigError(f"powersgd needs 1 <= min_rank <= max_rank, got {self.min_rank} and {self.max_rank}")
+        if self.adapt_every < 1:
+            raise ConfigError(f"powersgd.adapt_every must be >= 1, got {self.adapt_every}")
         if self.start_iter < 0:
             raise ConfigError(f"powersgd.start_iter must be >= 0, got {self.start_iter}")
         if self.min_compression_rate <= 0:
@@ -57,19 +88,46 @@ class PowerSGDOptions:
 
 
 def compresses(n: int, m: int, options: PowerSGDOptions) -> tuple[bool, int]:
-    """Whether an n × m gradient is compressed, and at which rank r' = min(n, m, rank)."""
-    rank = min(n, m, options.rank)
+    """Whether an n × m gradient is compressed, and at which rank it starts: r' = min(n, m,
+    rank), or min_rank when the rank is adaptive."""
+    rank = min(n, m, options.min_rank if options.adaptive else options.rank)
     return (n + m) * rank * options.min_compression_rate < n * m, rank
+
+
+# What the cost model assumes an adaptive rank settles at (it cannot know before training):
+# the median rank adaptive PowerSGD kept on the benchmarks' transformers (see docs/methods/
+# powersgd.rst), within each matrix's bounds.
+PLANNED_ADAPTIVE_RANK = 8
+
+
+def planned_rank(n: int, m: int, options: PowerSGDOptions) -> int:
+    """The rank the cost model predicts an n × m matrix with: the fixed rank, or
+    PLANNED_ADAPTIVE_RANK within the matrix's bounds."""
+    if not options.adaptive:
+        return compresses(n, m, options)[1]
+    return max(min(options.min_rank, n, m), min(PLANNED_ADAPTIVE_RANK, highest_rank(n, m, options)))
+
+
+def highest_rank(n: int, m: int, options: PowerSGDOptions) -> int:
+    """The largest rank an n × m matrix may grow to: max_rank, and below where (n+m)·r·rate
+    reaches n·m (the compression would stop paying); the fixed rank when it is not adaptive."""
+    if not options.adaptive:
+        return compresses(n, m, options)[1]
+    paying = math.ceil(n * m / ((n + m) * options.min_compression_rate)) - 1
+    return max(options.min_rank, min(options.max_rank, paying, n, m))
 
 
 class PowerSGDState:
     """Everything PowerSGD carries from step to step (checkpoint it with `state_dict`), with its
     hyper-parameters, `options` (a PowerSGDOptions: every knob's default and meaning is there):
 
+        state = PowerSGDState()                         # adaptive rank per matrix (the default)
         state = PowerSGDState(rank=2, start_iter=0)     # keywords of PowerSGDOptions
         state = PowerSGDState(options, seed=7)          # or the options themselves
 
-    `seed` seeds the random Q, identically on every rank.
+    `seed` seeds the random Q and probes, identically on every rank. `ranks` holds each
+    compressed matrix's current rank, `kept_energy` the share of its energy P Qᵀ kept at its
+    last measurement.
     """
 
     def __init__(self, options: PowerSGDOptions | None = None, seed: int = 0, **kwargs: Any) -> None:
@@ -78,6 +136,11 @@ class PowerSGDState:
         self.iter = 0
         self.errors: dict[str, torch.Tensor] = {}
         self.qs: dict[str, torch.Tensor] = {}
+        self.ranks: dict[str, int] = {}
+        self.kept_energy: dict[str, float] = {}
+        # An adaptive rank is measured at the first compressed step; a fixed one (for the
+        # metrics only) a period later.
+        self.next_measurement = self.options.start_iter + (0 if self.options.adaptive else self.options.adapt_every)
         self.numel_before = 0   # gradient numbers per compressed step, before / after compression
         self.numel_after = 0
 
@@ -85,10 +148,13 @@ class PowerSGDState:
         return self.numel_before / self.numel_after if self.numel_after else 1.0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"iter": self.iter, "errors": dict(self.errors), "qs": dict(self.qs)}
+        return {"iter": self.iter, "errors": dict(self.errors), "qs": dict(self.qs), "ranks": dict(self.ranks),
+                "kept_energy": dict(self.kept_energy), "next_measurement": self.next_measurement}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.iter, self.errors, self.qs = state["iter"], dict(state["errors"]), dict(state["qs"])
+        self.ranks, self.kept_energy = dict(state.get("ranks", {})), dict(state.get("kept_energy", {}))
+        self.next_measurement = state.get("next_measurement", self.iter)
 
 
 def orthogonalise(matrix: torch.Tensor) -> torch.Tensor:
@@ -107,9 +173,9 @@ class _PowerSGDExchange(GradientExchange):
         self._group = group
 
     def _exchange(self) -> None:
-        state = self.powersgd
+        state, options = self.powersgd, self.powersgd.options
         grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in self._named}
-        if state.iter < state.options.start_iter:
+        if state.iter < options.start_iter:
             self._assign(grads, self._average([(f"allreduce.{n}", g) for n, g in grads.items()]))
             state.iter += 1
             return
@@ -117,49 +183,90 @@ class _PowerSGDExchange(GradientExchange):
         matrices, plain, ranks = {}, {}, {}
         for name, grad in grads.items():
             n = grad.shape[0] if grad.dim() else 1
-            compress, rank = compresses(n, grad.numel() // n, state.options)
+            compress, first_rank = compresses(n, grad.numel() // n, options)
             state.numel_before += grad.numel()
             if compress:
-                matrices[name], ranks[name] = grad.reshape(n, -1), rank
-                state.numel_after += (n + grad.numel() // n) * rank
+                matrices[name] = grad.reshape(n, -1)
+                ranks[name] = state.ranks.setdefault(name, first_rank)
+                state.numel_after += (n + grad.numel() // n) * ranks[name]
             else:
                 plain[name] = grad
                 state.numel_after += grad.numel()
-        if state.options.error_feedback:  # M = gradient + error, built in the error buffer (no new n×m tensor)
+        if options.error_feedback:  # M = gradient + error, built in the error buffer (no new n×m tensor)
             for name, m in matrices.items():
                 error = state.errors.get(name)
                 matrices[name] = error.add_(m) if error is not None and error.shape == m.shape else m.clone()
 
-        qs = {name: self._start_q(name, m.shape[1], ranks[name], m) for name, m in matrices.items()}
+        measuring = bool(matrices) and state.iter >= state.next_measurement
+        generator = torch.Generator().manual_seed(state.seed * 1_000_003 + state.iter)
+        qs = {name: self._start_q(name, m.shape[1], ranks[name], m, generator) for name, m in matrices.items()}
+        if measuring:  # the probes ride in the P round: M [Q | S]
+            qs = {name: torch.cat([q, probes(q.shape[0], generator, q)], 1) for name, q in qs.items()}
         size = self._group.size if self._group is not None else runtime.size()
         # The uncompressed gradients travel with the P round (summed, then averaged here): one
         # Horovod cycle fewer per step than an allreduce of their own.
         summed = meter.allreduce_many([*((f"powersgd.P.{n}", m @ qs[n]) for n, m in matrices.items()),
                                        *((f"allreduce.{n}", g) for n, g in plain.items())], self._group, op="sum")
-        ps = {n: orthogonalise(p) for n, p in zip(matrices, summed)}
+        ps = {n: orthogonalise(p[:, :ranks[n]]) for n, p in zip(matrices, summed)}
+        probed = {n: p[:, ranks[n]:] / size for n, p in zip(matrices, summed)}  # M̄ S
         averaged = {n: value / size for n, value in zip(plain, summed[len(matrices):])}
         # Qᵀ = Pᵀ M rather than Q = Mᵀ P: the same numbers, but M is read along its rows (the
         # order it is stored in, instead of a strided transpose), and the result is contiguous,
         # as Horovod wants it.
         summed_qs = meter.allreduce_many([(f"powersgd.Q.{n}", ps[n].T @ m) for n, m in matrices.items()],
                                          self._group, op="sum")
-        approximations = {}
+        approximations, new_qs = {}, {}
         for (name, m), q_t in zip(matrices.items(), summed_qs):
             q = q_t.T / size
             approximations[name] = ps[name] @ q.T
-            if state.options.error_feedback:
+            if options.error_feedback:
                 state.errors[name] = m.sub_(approximations[name])  # M is this step's buffer
-            if state.options.warm_start:
-                state.qs[name] = q
+            new_qs[name] = q
+        if measuring:
+            new_qs = self._measure(new_qs, ps, probed, matrices)
+        if options.warm_start:
+            state.qs.update(new_qs)
         self._assign(grads, {**averaged, **approximations})
         state.iter += 1
 
-    def _start_q(self, name: str, m: int, rank: int, like: torch.Tensor) -> torch.Tensor:
+    def _measure(self, qs: dict[str, torch.Tensor], ps: dict[str, torch.Tensor], probed: dict[str, torch.Tensor],
+                 matrices: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each matrix's kept energy and, when adaptive, its next rank (agreed by one small
+        allreduce of the ranks, max: every rank computes from the same allreduced numbers, but
+        an MPI reduction need not give every rank the same last bit).
+        Returns the Qs to warm-start from: their leading directions first, so that a shrink
+        keeps the strongest ones."""
+        state, options = self.powersgd, self.powersgd.options
+        proposed, sorted_qs = {}, {}
+        for name, q in qs.items():
+            u, sigma, _ = torch.linalg.svd(q, full_matrices=False)  # Q = U Σ Vᵀ: kept energies σ²
+            energies, missed = sigma.pow(2), probe_residual(ps[name], probed[name])
+            kept = float(energies.sum())
+            state.kept_energy[name] = kept / (kept + missed) if kept + missed > 0 else 1.0
+            sorted_qs[name] = u * sigma
+            n, m = matrices[name].shape
+            proposed[name] = next_rank(state.ranks[name], energies, missed, options.error_target,
+                                       min(options.min_rank, n, m), highest_rank(n, m, options)) \
+                if options.adaptive else state.ranks[name]
+        changed = False
+        if options.adaptive:
+            agreed = meter.allreduce_ints(list(proposed.values()), "powersgd.ranks", self._group, op="max")
+            for name, rank in zip(proposed, agreed):
+                changed |= rank != state.ranks[name]
+                state.ranks[name] = rank
+        # Measure again at once after a change (a doubling may not be enough), else adapt_every on.
+        state.next_measurement = state.iter + (1 if changed else options.adapt_every)
+        return sorted_qs
+
+    def _start_q(self, name: str, m: int, rank: int, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """The warm-start Q (its first `rank` columns, topped up with random ones after a rank
+        grew), else a random one; orthonormal."""
         state = self.powersgd
-        if state.options.warm_start and name in state.qs and state.qs[name].shape == (m, rank):
-            return orthogonalise(state.qs[name])
-        generator = torch.Generator().manual_seed(state.seed * 1_000_003 + state.iter)
-        return orthogonalise(torch.randn(m, rank, generator=generator, dtype=like.dtype).to(like.device))
+        warm = state.qs.get(name) if state.options.warm_start else None
+        if warm is None or warm.shape[0] != m:
+            warm = like.new_zeros(m, 0)
+        fresh = torch.randn(m, rank - min(rank, warm.shape[1]), generator=generator, dtype=like.dtype).to(like.device)
+        return orthogonalise(torch.cat([warm[:, :rank], fresh], 1))
 
     def _average(self, named: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         results = meter.allreduce_many(named, self._group, op="average")
@@ -188,7 +295,7 @@ def powersgd_kernels(sample: LayerSample, options: PowerSGDOptions, cfg: Config)
     generator = torch.Generator().manual_seed(0)
     grad = torch.randn(sample.fan_out, sample.fan_in, generator=generator)
     error = torch.randn(sample.fan_out, sample.fan_in, generator=generator)
-    q = torch.randn(sample.fan_in, min(sample.fan_out, sample.fan_in, options.rank), generator=generator)
+    q = torch.randn(sample.fan_in, planned_rank(sample.fan_out, sample.fan_in, options), generator=generator)
 
     def cycle() -> None:
         m = error.add_(grad)
@@ -200,12 +307,13 @@ def powersgd_kernels(sample: LayerSample, options: PowerSGDOptions, cfg: Config)
 def predict_powersgd(profile: Profile, p: int, link: Link, options: PowerSGDOptions, cfg: Config,
                      assumptions: RunAssumptions) -> Prediction:
     """A compressed step (after start_iter): P with the uncompressed gradients in one allreduce,
-    then Q; each compressed layer's cycle as the method's own work; nothing overlaps backward."""
+    then Q; each compressed layer's cycle as the method's own work; nothing overlaps backward.
+    An adaptive rank is assumed to settle at planned_rank."""
     compressed_p = compressed_q = plain = 0
     own = 0.0
     for layer in profile.layers:
         n, m = layer.fan_out, layer.fan_in
-        compress, r = compresses(n, m, options)
+        compress, r = compresses(n, m, options)[0], planned_rank(n, m, options)
         if compress:
             compressed_p, compressed_q = compressed_p + n * r, compressed_q + m * r
             plain += layer.params - n * m
@@ -230,7 +338,12 @@ class PowerSGD(DataParallel):
         return PowerSGDOptimizer(optimizer, model.named_parameters(), state)
 
     def epoch_metrics(self) -> dict[str, Any]:
-        return {"powersgd_compression_rate": self.optimizer.powersgd.compression_rate()}
+        """The compression rate so far, and each compressed matrix's current rank and kept
+        energy at its last measurement (effective_rank/<parameter>, kept_energy/<parameter>)."""
+        state = self.optimizer.powersgd
+        return {"powersgd_compression_rate": state.compression_rate(),
+                **{f"effective_rank/{name}": rank for name, rank in state.ranks.items()},
+                **{f"kept_energy/{name}": kept for name, kept in state.kept_energy.items()}}
 
     summary_metrics = epoch_metrics
 
