@@ -2,8 +2,11 @@
 batch, rank count and network, before training starts; the run then trains with it.
 
 Candidates are the methods registered as drop-in (ddp, ddp-fp16, powersgd, dad, rank-dad: the
-same model and training, only the gradient exchange differs); SIL and AB change how the model
-trains, so they are a user's decision. Rank 0 times the model's forward, backward and optimiser
+same model and training, only the gradient exchange differs) that keep quality by construction:
+exact (ddp, ddp-fp16's rounding, dad) or compressing to an error target (powersgd and rank-dad
+at their default adaptive rank; a fixed `rank` takes them out, as it trades quality without a
+bound). The printed choice says what quality risk remains. SIL, AB and DiLoCo change how the
+model trains, so they are a user's decision. Rank 0 times the model's forward, backward and optimiser
 step on its batch and, unless `auto.link` describes the network, every rank takes part in a
 short probe of the job's own network: allreduces of a few bytes (latency) and of
 `auto.probe_mb` (bandwidth). The choice, the predicted step of every candidate and why are
@@ -44,7 +47,7 @@ def choose(cfg: Config, model: torch.nn.Module, data: DatasetInfo, world_size: i
     decision = None
     if runtime.rank() == 0:
         profile = costmodel.profile_model(model, data.input_shape, cfg.data.batch_size, cfg=cfg,
-                                          methods=(*costmodel.drop_in_methods(), *OTHERS_SHOWN),
+                                          methods=(*costmodel.quality_keeping_methods(cfg), *OTHERS_SHOWN),
                                           vocabulary=data.vocabulary)
         if world_size == 1:
             decision = ("ddp", "one rank: nothing to exchange", "")
@@ -63,6 +66,9 @@ OTHERS_SHOWN = ("diloco", "ab")
 
 
 def _others(profile: costmodel.Profile, ranks: int, link: costmodel.Link, cfg: Config) -> str:
+    unbounded = [m for m in costmodel.drop_in_methods() if m not in costmodel.quality_keeping_methods(cfg)]
+    left_out = (f"\nleft out: {', '.join(unbounded)} (a fixed rank compresses without an error target; "
+                f"rank 0, the default, adapts it)") if unbounded else ""
     lines = []
     for name in OTHERS_SHOWN:
         try:
@@ -70,8 +76,8 @@ def _others(profile: costmodel.Profile, ranks: int, link: costmodel.Link, cfg: C
         except ConfigError:  # this model or rank count does not suit it
             continue
         lines.append(f"{name:<10} {q.step * 1e3:>9.1f} ms per step, {human_bytes(q.bytes_per_rank)} sent per rank")
-    return ("\nnot chosen automatically (they change how the model trains; choose them yourself):\n"
-            + "\n".join(lines)) if lines else ""
+    return left_out + (("\nnot chosen automatically (they change how the model trains; choose them yourself):\n"
+                        + "\n".join(lines)) if lines else "")
 
 
 def probe_link(probe_mb: float) -> costmodel.Link:

@@ -204,11 +204,16 @@ class MethodCost:
     model_facts(model, input_shape, options, cfg) -> anything
         what the method needs to know of the model (where it cuts it...), kept in
         profile.facts[method name].
+    quality(options, cfg) -> str | None
+        what its result may lose against ddp's with these options: "" when nothing (the same
+        gradient), a sentence when a compression is held to an error target, None when it is
+        not (a fixed rank: `--method auto` does not choose it). Not given: None.
     """
 
     predict: Callable[..., "Prediction"]
     layer_kernels: Callable[..., dict[str, Any]] | None = None
     model_facts: Callable[..., Any] | None = None
+    quality: Callable[..., str | None] | None = None
 
 
 def wire(op: str, nbytes_per_rank: float, group: int) -> float:
@@ -350,12 +355,17 @@ def predict(profile: Profile, method: str, ranks: int, link: Link, cfg: Config |
     spec = specs().get(method)
     if spec is None or spec.cost is None:
         raise ConfigError(f"the cost model predicts {', '.join(predicted_methods())}; not {method!r}")
+    cfg = _with_presets(spec, cfg)
+    prediction = spec.cost.predict(profile, ranks, link, cfg.method_options.get(spec.section), cfg, assumptions)
+    return replace(prediction, method=method, ranks=ranks)
+
+
+def _with_presets(spec: Any, cfg: Config | None) -> Config:
+    """cfg (the defaults if None) with the presets the method's name implies (a copy if any)."""
     if spec.presets:
         cfg = copy.deepcopy(cfg or default_config())
         apply_presets(cfg, spec.presets)
-    cfg = cfg or default_config()
-    prediction = spec.cost.predict(profile, ranks, link, cfg.method_options.get(spec.section), cfg, assumptions)
-    return replace(prediction, method=method, ranks=ranks)
+    return cfg or default_config()
 
 
 def predicted_methods() -> list[str]:
@@ -364,8 +374,24 @@ def predicted_methods() -> list[str]:
 
 
 def drop_in_methods() -> tuple[str, ...]:
-    """The methods `--method auto` chooses among: same model, same training, only the exchange differs."""
+    """The methods `--method auto` may choose among: same model, same training, only the exchange differs."""
     return tuple(name for name, spec in specs().items() if spec.drop_in and spec.cost is not None)
+
+
+def quality_risk(method: str, cfg: Config | None = None) -> str | None:
+    """What `method` with cfg's options may lose against ddp (MethodCost.quality): "" nothing,
+    a sentence for an error-targeted compression, None for one without a target."""
+    spec = specs()[method]
+    cfg = _with_presets(spec, cfg)
+    if spec.cost is None or spec.cost.quality is None:
+        return None
+    return spec.cost.quality(cfg.method_options.get(spec.section), cfg)
+
+
+def quality_keeping_methods(cfg: Config | None = None) -> tuple[str, ...]:
+    """The drop-in methods whose result is ddp's, or held to an error target: what `--method
+    auto` chooses among (a compression without a target would trade quality silently)."""
+    return tuple(m for m in drop_in_methods() if quality_risk(m, cfg) is not None)
 
 
 def break_even(profile: Profile, method: str, ranks: int, network: Link, cfg: Config | None = None,
@@ -396,10 +422,11 @@ MIN_GAIN = 0.05
 
 def choose(profile: Profile, ranks: int, link: Link, cfg: Config | None = None,
            candidates: tuple[str, ...] | None = None) -> tuple[str, list[Prediction], str]:
-    """The candidate (default: every drop-in method) with the shortest predicted step (ddp
-    unless another is MIN_GAIN faster), every prediction, and why."""
+    """The candidate (default: every drop-in method that keeps quality) with the shortest
+    predicted step (ddp unless another is MIN_GAIN faster), every prediction, and why (with what
+    quality risk remains)."""
     if candidates is None:
-        candidates = drop_in_methods()
+        candidates = quality_keeping_methods(cfg)
     predictions = sorted((predict(profile, m, ranks, link, cfg) for m in candidates), key=lambda q: q.step)
     best, ddp = predictions[0], next((q for q in predictions if q.method == "ddp"), None)
     if ddp is not None and best.step > (1 - MIN_GAIN) * ddp.step:
@@ -414,6 +441,8 @@ def choose(profile: Profile, ranks: int, link: Link, cfg: Config | None = None,
         if runner is not None:
             why += f"; the next best, {runner.method}, {runner.step * 1e3:.1f} ms (a method is chosen over " \
                    f"ddp only when {MIN_GAIN:.0%} faster)"
+    risk = quality_risk(best.method, cfg)
+    why += f". Quality: {risk or 'the same gradient as ddp'}"
     return best.method, predictions, why
 
 

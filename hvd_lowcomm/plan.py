@@ -10,8 +10,9 @@ by what a device reaching that rate would take (the rate the weight layers reach
 device's peak). AB-training's step is the mean over a run of --run-steps steps with cuts that
 keep --ab-rank-share of each factorised layer's smaller side (both unknown before training).
 Prints, and with --out writes (predicted.md, predicted.csv), one table per link
-(step ms per method and rank count, × ddp) and the break-even bandwidth of each method: the
-bandwidth below which it steps faster than ddp.
+(step ms per method and rank count, × ddp), the break-even bandwidth of each method (the
+bandwidth below which it steps faster than ddp) and what each may lose against ddp's quality
+(exact, held to an error target, or unbounded: what `--method auto` chooses among).
 """
 from __future__ import annotations
 
@@ -115,7 +116,20 @@ def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dic
             cells.append("never" if bandwidth == 0 else "always" if math.isinf(bandwidth) else
                          f"{bandwidth * 8 / 1e9:.3g} Gbit/s")
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    lines += ["", "## Quality against ddp (`--method auto` chooses only among the first two kinds)", "",
+              "| method | quality |", "|---|---|"]
+    lines += [f"| {method} | {_quality(method, cfg)} |" for method in methods]
     return "\n".join(lines), rows
+
+
+def _quality(method: str, cfg: config.Config) -> str:
+    """What the method's result may lose against ddp's, as `--method auto` sees it."""
+    if method not in costmodel.drop_in_methods():
+        return "not a drop-in gradient exchange: your choice, never auto's"
+    risk = costmodel.quality_risk(method, cfg)
+    if risk is None:
+        return "compresses without an error target (a fixed rank): auto leaves it out"
+    return f"bounded: {risk}" if risk else "exact: the same gradient as ddp"
 
 
 def _describe_model(cfg: config.Config) -> str:

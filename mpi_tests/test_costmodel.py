@@ -98,7 +98,9 @@ def test_the_planner_picks_ddp_on_a_fast_network_and_a_compressing_method_on_a_s
 # can be exact), the assumptions that then hold, and the tolerance: AB sends a few integers to
 # check its cuts beside what the model counts.
 EXACT = {
-    "powersgd": (["--powersgd.start_iter", "0"], {}, 1e-6),
+    # a fixed rank (an adaptive one follows what is learned), measured at steps 0, 10, 20, 30 of
+    # 40: the probes' average per step is exact
+    "powersgd": (["--powersgd.rank", "2", "--powersgd.start_iter", "0", "--powersgd.adapt_every", "10"], {}, 1e-6),
     # 4 of the 8-row gradients' components, none dropped as rounding noise: k is 4 on every rank
     "rank-dad": (["--rank-dad.rank", "4", "--rank-dad.tol", "1e-9"], {}, 1e-6),
     "ab": (["--ab.groups", "2", "--ab.warmup", "0.1", "--ab.sync_every", "0.1", "--ab.full_rank_steps", "0.05",
@@ -130,9 +132,20 @@ def test_predicted_bytes_per_step_are_what_the_busiest_rank_sends(world, fresh_m
     assert sent == pytest.approx(predicted.bytes_per_rank, rel=tolerance), (sent, predicted.bytes_per_rank)
 
 
-def test_every_registered_method_has_a_cost_and_every_drop_in_one_is_a_candidate_of_auto():
+def test_every_registered_method_has_a_cost_and_auto_chooses_only_among_drop_ins_that_keep_quality():
     assert set(costmodel.predicted_methods()) == set(specs())  # a new method cannot skip the test above
     assert set(costmodel.drop_in_methods()) == {"ddp", "ddp-fp16", "powersgd", "dad", "rank-dad"}
+    # at the defaults every drop-in is exact or adaptive with an error target
+    assert set(costmodel.quality_keeping_methods()) == set(costmodel.drop_in_methods())
+    assert costmodel.quality_risk("ddp") == costmodel.quality_risk("dad") == ""
+    assert "fp16" in costmodel.quality_risk("ddp-fp16") and "50%" in costmodel.quality_risk("powersgd")
+    # a fixed rank has no error target: auto leaves it out, and says so
+    fixed = config.load(["--powersgd.rank", "2", "--rank-dad.rank", "8"])
+    assert set(costmodel.quality_keeping_methods(fixed)) == {"ddp", "ddp-fp16", "dad"}
+    profile = profile_model(mlp((784,), 10, [1024, 1024]), (784,), 32, repeats=1)
+    name, predictions, why = costmodel.choose(profile, 8, Link.parse("100mbit", latency_us=1), fixed)
+    assert name == "dad" and {q.method for q in predictions} == {"ddp", "ddp-fp16", "dad"}
+    assert why.endswith("Quality: the same gradient as ddp")
 
 
 @needs_ranks(2)

@@ -10,8 +10,10 @@ layer) in its simplest form:
     k = min { k : 1 - (σ_1² + ... + σ_k²) / ‖G‖² <= error_target }
 
 PowerSGD sees only the components inside its current subspace; it also estimates the energy
-outside it with a few random probes (`probe_residual`), grows when the target is missed and
-shrinks, with a margin, when fewer components would meet it (`next_rank`).
+outside it with a few random probes (`probe_residual`), grows when more than an allowance is
+missed and shrinks, with a margin, when fewer components would stay within it (`next_rank`).
+Its allowance is the averaged gradient's own sampling noise, so that compression adds no more
+error than the batch already has.
 """
 from __future__ import annotations
 
@@ -50,17 +52,15 @@ def probe_residual(basis: torch.Tensor, probed: torch.Tensor) -> float:
     return float(residual.pow(2).sum())
 
 
-def next_rank(rank: int, energies: torch.Tensor, missed: float, error_target: float, lowest: int,
-              highest: int) -> int:
+def next_rank(rank: int, energies: torch.Tensor, missed: float, allowed: float, lowest: int, highest: int) -> int:
     """The rank to use next for a matrix compressed at `rank`, whose components inside the
-    subspace have `energies` (descending) and whose estimated energy outside it is `missed`:
-    double when the target is missed; shrink to the fewest components within SHRINK_MARGIN of
-    the target when that is fewer; else keep. Always within [lowest, highest]."""
-    total = float(energies.sum()) + missed
-    if total <= 0:
-        return max(lowest, min(rank, highest))
-    if missed / total > error_target:
+    subspace have `energies` (descending) and whose estimated energy outside it is `missed`,
+    when `allowed` energy may be missed: double when more is missed; shrink to the fewest
+    components that miss at most SHRINK_MARGIN of the allowance when that is fewer; else keep.
+    Always within [lowest, highest]."""
+    if missed > allowed:
         wanted = 2 * rank
     else:
-        wanted = min(rank, smallest_rank_within(energies, total, SHRINK_MARGIN * error_target))
+        total = float(energies.sum()) + missed
+        wanted = min(rank, smallest_rank_within(energies, total, SHRINK_MARGIN * allowed / total)) if total > 0 else rank
     return max(lowest, min(wanted, highest))

@@ -73,7 +73,12 @@ def predict_local(profile: Profile, p: int, link: Link, options: None, cfg: Conf
     return Prediction("local", p, profile.step_seconds, 0.0, 0.0, 0.0, 0.0)
 
 
-@register("ddp", cost=MethodCost(predict_ddp), drop_in=True)
+def ddp_quality(options: None, cfg: Config) -> str:
+    """Exact; fp16 on the wire rounds the averaged gradient (which Horovod's users accept)."""
+    return "ddp's gradient, rounded to fp16 on the wire" if cfg.comm.compression == "fp16" else ""
+
+
+@register("ddp", cost=MethodCost(predict_ddp, quality=ddp_quality), drop_in=True)
 class DataParallel(Method):
     """Every gradient averaged over all ranks at every step (Horovod allreduce)."""
 
