@@ -17,13 +17,15 @@ from hvd_lowcomm import checkpoint
 from hvd_lowcomm.train import main as train_main
 
 # Each method with options that make the interruption fall somewhere interesting: inside an AB
-# group phase, in SIL with noisy codes (a per-rank generator), rank-dAD's random starts.
+# group phase, in SIL with noisy codes (a per-rank generator), rank-dAD's random starts and
+# error feedback, PowerSGD's adaptive ranks.
 METHODS = {
     "ddp": ["--model.dropout", "0.1"],
     "ddp-fp16": ["--method", "ddp", "--comm.compression", "fp16"],
-    "powersgd": ["--powersgd.rank", "2"],
+    # adaptive ranks measured every 3 steps: the stop falls between a measurement and the next
+    "powersgd": ["--powersgd.start_iter", "2", "--powersgd.adapt_every", "3"],
     "dad": [],
-    "rank-dad": ["--rank-dad.rank", "4"],
+    "rank-dad": [],  # adaptive ranks and error feedback, both each rank's own
     "edad": [],
     "ab": ["--ab.groups", "2", "--ab.warmup", "6", "--ab.sync_every", "8", "--ab.full_rank_steps", "3", "--ab.rebound_steps", "2"],
     "mp": [],

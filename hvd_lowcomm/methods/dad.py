@@ -344,6 +344,13 @@ class _Sharing:
     def payload(self, exchange: _DadExchange, rows: Rows, layers: list[str], scale: float) -> list[tuple[str, torch.Tensor]]:
         raise NotImplementedError
 
+    def state_dict(self) -> dict[str, Any]:
+        """What the sharing carries from step to step (a checkpoint's, per rank)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
     def apply(self, exchange: _DadExchange, results: dict[str, torch.Tensor], layers: list[str],
               total_batch: float) -> None:
         raise NotImplementedError
@@ -430,6 +437,12 @@ class FactorRows(_Sharing):
             self.errors[name] = (gradient - b_rows.T @ c_rows) / scale
         self.last_rank[name] = max(1, b_rows.shape[0])
         return b_rows, c_rows
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_rank": dict(self.last_rank), "errors": dict(self.errors)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.last_rank, self.errors = dict(state.get("last_rank", {})), dict(state.get("errors", {}))
 
     def payload(self, exchange: _DadExchange, rows: Rows, layers: list[str], scale: float) -> list[tuple[str, torch.Tensor]]:
         # Each rank sends its own k rows (Horovod's allgather takes a different count from every
@@ -740,10 +753,13 @@ class DistributedAutoDiff(DataParallel):
         return {f"plan/{name}": lp.choice for name, lp in self.optimizer.plan.items()}
 
     def local_state_dict(self) -> dict[str, Any]:
-        return {"power_iteration_generator": self.optimizer.generator.get_state()}  # rank-dAD's random starts
+        # rank-dAD's random starts, and its error feedback and last ranks (each rank's own)
+        return {"power_iteration_generator": self.optimizer.generator.get_state(),
+                **self.optimizer.sharing.state_dict()}
 
     def load_local_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.generator.set_state(state["power_iteration_generator"])
+        self.optimizer.sharing.load_state_dict(state)
 
     def epoch_metrics(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
