@@ -10,10 +10,8 @@ layer) in its simplest form:
     k = min { k : 1 - (σ_1² + ... + σ_k²) / ‖G‖² <= error_target }
 
 PowerSGD sees only the components inside its current subspace; it also estimates the energy
-outside it with a few random probes (`probe_residual`), grows when more than an allowance is
+outside it with a few random probes (`probe_residual`), grows when more than its allowance is
 missed and shrinks, with a margin, when fewer components would stay within it (`next_rank`).
-Its allowance is the averaged gradient's own sampling noise, so that compression adds no more
-error than the batch already has.
 """
 from __future__ import annotations
 

@@ -14,16 +14,13 @@ Each step, once `start_iter` steps of plain allreduce are done:
 6. M̂ = P Qᵀ, the same rank-r approximation of the mean gradient on every rank; e <- M - M̂.
 
 Adaptive rank (the default, `rank 0`): every `adapt_every` steps a few random probe columns S
-ride with step 4 (M Q and G S, G the rank's fresh gradient, in the same allreduce). They
-estimate how much of this step's mean gradient Ḡ the subspace P misses, ‖(I - P Pᵀ) Ḡ‖², and
-Ḡ's own sampling noise, from how the ranks' G S differ (hvd_lowcomm.methods.adaptive_rank). A
-matrix whose P misses more than `error_target` × that noise doubles its rank; one whose leading
-components alone would stay within half of it shrinks to them; every rank agrees on the new
-ranks with one small allreduce (max), and Q keeps its leading directions (warm start) across
-the change. The allowance is the noise because an error at the level of the batch's own
-sampling noise costs about what a smaller batch would, whatever the model: a small batch of
-images has a noisy gradient that rank 1-2 serves, 1,024 tokens per rank give a transformer's
-layers a cleaner one that needs more.
+ride with step 4 (M [Q | S] in the same allreduce), which estimates the energy of the mean M̄
+that P Qᵀ misses, ‖(I - P Pᵀ) M̄‖², beside the energy it keeps, ‖Q‖² (hvd_lowcomm.methods.
+adaptive_rank). A matrix whose approximation misses more than `error_target` of its energy
+doubles its rank; one whose leading components alone would miss at most half of that shrinks
+to them; every rank agrees on the new ranks with one small allreduce (max), and Q keeps its
+leading directions (warm start) across the change. With error feedback M̄ includes what
+earlier steps dropped, so a rank too small for a layer shows up as missed energy that grows.
 
 Difference from the hook, without effect on the update: error feedback is kept for compressed
 matrices only. The hook also stores (local - mean) for uncompressed tensors, which averages to
@@ -57,8 +54,8 @@ class PowerSGDOptions:
     # 2.2 % at 8), so by default each matrix's rank follows error_target.
     rank: int = option(0, "columns of P and Q per compressed matrix; 0: adaptive, each matrix's rank follows "
                           "error_target between min_rank and max_rank")
-    error_target: float = option(1.0, "adaptive rank: the energy P Qᵀ may leave out of a matrix (its error-fed "
-                                      "mean over ranks), as a multiple of the averaged gradient's sampling noise")
+    error_target: float = option(0.25, "adaptive rank: the largest share of a compressed matrix's energy (its "
+                                       "error-fed mean over ranks) that P Qᵀ may leave out")
     min_rank: int = option(1, "adaptive rank: the smallest rank (and where every matrix starts)")
     max_rank: int = option(64, "adaptive rank: the largest rank (also capped where compression stops paying, "
                                "see min_compression_rate)")
@@ -78,8 +75,8 @@ class PowerSGDOptions:
     def validate(self) -> None:
         if self.rank < 0:
             raise ConfigError(f"powersgd.rank must be >= 0 (0: adaptive), got {self.rank}")
-        if self.error_target <= 0:
-            raise ConfigError(f"powersgd.error_target must be > 0, got {self.error_target}")
+        if not 0 < self.error_target < 1:
+            raise ConfigError(f"powersgd.error_target must be between 0 and 1, got {self.error_target}")
         if not 1 <= self.min_rank <= self.max_rank:
             raise ConfigError(f"powersgd needs 1 <= min_rank <= max_rank, got {self.min_rank} and {self.max_rank}")
         if self.adapt_every < 1:
@@ -130,7 +127,7 @@ class PowerSGDState:
 
     `seed` seeds the random Q and probes, identically on every rank. `ranks` holds each
     compressed matrix's current rank, `kept_energy` the share of its energy P Qᵀ kept at its
-    last measurement and `noise_ratio` what it missed against the gradient's sampling noise.
+    last measurement.
     """
 
     def __init__(self, options: PowerSGDOptions | None = None, seed: int = 0, **kwargs: Any) -> None:
@@ -141,7 +138,6 @@ class PowerSGDState:
         self.qs: dict[str, torch.Tensor] = {}
         self.ranks: dict[str, int] = {}
         self.kept_energy: dict[str, float] = {}
-        self.noise_ratio: dict[str, float] = {}  # missed energy / the averaged gradient's noise
         self.next_measurement = self.options.start_iter  # then every adapt_every steps
         self.numel_before = 0   # gradient numbers per compressed step, before / after compression
         self.numel_after = 0
@@ -151,13 +147,11 @@ class PowerSGDState:
 
     def state_dict(self) -> dict[str, Any]:
         return {"iter": self.iter, "errors": dict(self.errors), "qs": dict(self.qs), "ranks": dict(self.ranks),
-                "kept_energy": dict(self.kept_energy), "noise_ratio": dict(self.noise_ratio),
-                "next_measurement": self.next_measurement}
+                "kept_energy": dict(self.kept_energy), "next_measurement": self.next_measurement}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.iter, self.errors, self.qs = state["iter"], dict(state["errors"]), dict(state["qs"])
         self.ranks, self.kept_energy = dict(state.get("ranks", {})), dict(state.get("kept_energy", {}))
-        self.noise_ratio = dict(state.get("noise_ratio", {}))
         self.next_measurement = state.get("next_measurement", self.iter)
 
 
@@ -205,26 +199,22 @@ class _PowerSGDExchange(GradientExchange):
         generator = torch.Generator().manual_seed(state.seed * 1_000_003 + state.iter)
         qs = {name: self._start_q(name, m.shape[1], ranks[name], m, generator) for name, m in matrices.items()}
         payloads = {name: m @ q for (name, m), q in zip(matrices.items(), qs.values())}
-        local_noise = []
-        if measuring:  # the probes ride in the P round: [M Q | G S], G this rank's fresh gradient
-            for name, m in matrices.items():
-                fresh = grads[name].reshape(m.shape[0], -1) @ probes(m.shape[1], generator, m)
-                payloads[name] = torch.cat([payloads[name], fresh], 1)
-                local_noise.append(float(fresh.pow(2).sum()))
+        if measuring:  # the probes ride in the P round: M [Q | S]
+            payloads = {name: torch.cat([payloads[name], m @ probes(m.shape[1], generator, m)], 1)
+                        for name, m in matrices.items()}
         size = self._group.size if self._group is not None else runtime.size()
         # The uncompressed gradients travel with the P round (summed, then averaged here): one
         # Horovod cycle fewer per step than an allreduce of their own.
         summed = meter.allreduce_many([*((f"powersgd.P.{n}", payload) for n, payload in payloads.items()),
                                        *((f"allreduce.{n}", g) for n, g in plain.items())], self._group, op="sum")
         ps = {n: orthogonalise(p[:, :ranks[n]]) for n, p in zip(matrices, summed)}
-        probed = {n: p[:, ranks[n]:] / size for n, p in zip(matrices, summed)}  # Ḡ S
+        probed = {n: p[:, ranks[n]:] / size for n, p in zip(matrices, summed)}  # M̄ S
         averaged = {n: value / size for n, value in zip(plain, summed[len(matrices):])}
         # Qᵀ = Pᵀ M rather than Q = Mᵀ P: the same numbers, but M is read along its rows (the
         # order it is stored in, instead of a strided transpose), and the result is contiguous,
-        # as Horovod wants it. Each rank's ‖G S‖² rides along when measuring.
-        summed_qs = meter.allreduce_many([*((f"powersgd.Q.{n}", ps[n].T @ m) for n, m in matrices.items()),
-                                          *([("powersgd.noise", torch.tensor(local_noise))]
-                                            if measuring else [])], self._group, op="sum")
+        # as Horovod wants it.
+        summed_qs = meter.allreduce_many([(f"powersgd.Q.{n}", ps[n].T @ m) for n, m in matrices.items()],
+                                         self._group, op="sum")
         approximations, new_qs = {}, {}
         for (name, m), q_t in zip(matrices.items(), summed_qs):
             q = q_t.T / size
@@ -233,40 +223,32 @@ class _PowerSGDExchange(GradientExchange):
                 state.errors[name] = m.sub_(approximations[name])  # M is this step's buffer
             new_qs[name] = q
         if measuring:
-            new_qs = self._measure(new_qs, ps, probed, summed_qs[-1], size, matrices)
+            new_qs = self._measure(new_qs, ps, probed, matrices)
         if options.warm_start:
             state.qs.update(new_qs)
         self._assign(grads, {**averaged, **approximations})
         state.iter += 1
 
     def _measure(self, qs: dict[str, torch.Tensor], ps: dict[str, torch.Tensor], probed: dict[str, torch.Tensor],
-                 fresh_energies: torch.Tensor, size: int, matrices: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Each matrix's kept energy and, when adaptive, its next rank, from the probes Ḡ S of
-        this step's mean gradient (not the error-fed M̄: error feedback keeps every direction P
-        never takes, the batch noise among them, so M̄'s missed energy grows with the steps
-        whatever the rank): what P misses of Ḡ may be error_target × Ḡ's sampling noise,
-        estimated from how the ranks' G S differ, Σ_i ‖G_i S - Ḡ S‖² / (p (p - 1)), the variance of
-        a mean of p samples (one rank: no estimate, the rank is kept). The ranks are agreed by
-        one small allreduce (max: every rank computes from the same allreduced numbers, but an
-        MPI reduction need not give every rank the same last bit). Returns the Qs to warm-start
-        from: their leading directions first, so that a shrink keeps the strongest ones."""
+                 matrices: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each matrix's kept energy and, when adaptive, its next rank: P Qᵀ may miss
+        error_target of the error-fed mean M̄'s energy (kept: ‖Q‖², missed: the probes' estimate
+        of ‖(I - P Pᵀ) M̄‖²). The ranks are agreed by one small allreduce (max: every rank
+        computes from the same allreduced numbers, but an MPI reduction need not give every rank
+        the same last bit). Returns the Qs to warm-start from: their leading directions first,
+        so that a shrink keeps the strongest ones."""
         state, options = self.powersgd, self.powersgd.options
         proposed, sorted_qs = {}, {}
-        for (name, q), fresh_energy in zip(qs.items(), fresh_energies.tolist()):
-            # Q = M̄ᵀ P = U Σ Vh: P Vhᵀ are P's directions by M̄'s energy; Ḡ's energy along each.
-            u, sigma, vh = torch.linalg.svd(q, full_matrices=False)
+        for name, q in qs.items():
+            u, sigma, _ = torch.linalg.svd(q, full_matrices=False)  # Q = U Σ Vᵀ: kept energies σ²
             sorted_qs[name] = u * sigma
-            fresh_mean = probed[name]
-            energies = (vh @ (ps[name].T @ fresh_mean)).pow(2).sum(1)
-            missed = probe_residual(ps[name], fresh_mean)
+            energies, missed = sigma.pow(2), probe_residual(ps[name], probed[name])
             kept = float(energies.sum())
             state.kept_energy[name] = kept / (kept + missed) if kept + missed > 0 else 1.0
-            noise = (fresh_energy - size * float(fresh_mean.pow(2).sum())) / (size * (size - 1)) if size > 1 else None
-            state.noise_ratio[name] = missed / noise if noise else float("nan")
             n, m = matrices[name].shape
-            proposed[name] = next_rank(state.ranks[name], energies, missed, options.error_target * max(noise, 0.0),
+            proposed[name] = next_rank(state.ranks[name], energies, missed, options.error_target * (kept + missed),
                                        min(options.min_rank, n, m), highest_rank(n, m, options)) \
-                if options.adaptive and noise is not None else state.ranks[name]
+                if options.adaptive else state.ranks[name]
         changed = False
         if options.adaptive:
             agreed = meter.allreduce_ints(list(proposed.values()), "powersgd.ranks", self._group, op="max")
@@ -334,9 +316,9 @@ def predict_powersgd(profile: Profile, p: int, link: Link, options: PowerSGDOpti
     for layer in profile.layers:
         n, m = layer.fan_out, layer.fan_in
         compress, r = compresses(n, m, options)[0], planned_rank(n, m, options)
-        if compress:  # (on average: PROBES columns ride with P, a number with Q, every adapt_every steps)
+        if compress:  # (on average: PROBES columns ride with P every adapt_every steps)
             compressed_p += n * (r + PROBES / options.adapt_every)
-            compressed_q += m * r + 1 / options.adapt_every
+            compressed_q += m * r
             plain += layer.params - n * m
             own += layer.kernels["powersgd"]
         else:
@@ -352,9 +334,9 @@ def powersgd_quality(options: PowerSGDOptions, cfg: Config) -> str | None:
     """Held to its error target when adaptive; a fixed rank has none."""
     if not options.adaptive:
         return None
-    return (f"low-rank gradients, each matrix's rank adapted so that what it leaves out stays within "
-            f"{options.error_target:g}x the averaged gradient's sampling noise"
-            + (" (and error feedback adds it back later)" if options.error_feedback else ""))
+    return (f"low-rank gradients, each matrix's rank adapted so that it leaves out at most {options.error_target:.0%} "
+            f"of its energy" + (", which error feedback adds back later" if options.error_feedback else
+                                 " (dropped: error feedback is off)"))
 
 
 @register("powersgd", options=PowerSGDOptions,
