@@ -172,6 +172,19 @@ def test_method_auto_trains_with_the_method_the_cost_model_chose(world, fresh_me
 
 
 @needs_ranks(2)
+def test_method_auto_leaves_out_a_fixed_rank_and_says_so(world, shared_tmp, capsys):
+    argv = ["--method", "auto", "--auto.link", "10mbit", "--model.hidden", "512,512", "--train.max_steps", "2",
+            "--powersgd.rank", "2", "--rank-dad.rank", "8", "--data.path", str(shared_tmp / "digits.h5"),
+            "--run.dir", str(shared_tmp), "--run.name", "auto-fixed", "--run.progress", "false"]
+    assert main(argv) == 0
+    world.comm.Barrier()  # rank 0 has written the summary
+    summary = json.loads((shared_tmp / "auto-fixed" / "summary.json").read_text())
+    assert summary["auto_choice"] == "dad" and summary["auto_reason"].endswith("Quality: the same gradient as ddp")
+    if RANK == 0:
+        assert "left out: rank-dad, powersgd (a fixed rank compresses without an error target" in capsys.readouterr().out
+
+
+@needs_ranks(2)
 def test_method_auto_measures_the_network_when_not_told(shared_tmp):
     from hvd_lowcomm.auto import probe_link
 
