@@ -352,7 +352,7 @@ def test_sync_modes_combine_the_factors_as_specified(world, mode):
 def test_lr_rebounds_after_a_switch_and_moments_follow_rank_changes(world):
     method = ab_method("--ab.warmup", "2", "--ab.sync_every", "3", "--ab.full_rank_steps", "2", "--ab.rebound_steps", "4",
                        "--ab.rebound_lr", "1e-5", "--ab.rank_rule", "tau", "--ab.tau", "0.3", "--ab.max_output_error", "0.9",
-                       "--ab.max_accuracy_drop", "1", "--train.lr_schedule", "constant")
+                       "--ab.max_accuracy_drop", "1", "--ab.max_loss_rise", "100", "--train.lr_schedule", "constant")
     lrs = record_step_lrs(method.optimizer)
     for step in range(10):
         method.set_lr(0.01)
@@ -504,11 +504,13 @@ def learnable_batch(step: int, n: int = 64):
 
 
 @needs_ranks(2)
-def test_a_cut_that_costs_accuracy_is_undone_by_keeping_more_rank(world):
-    # A drastic rule (rank 1) with no floor; the guard must bring the batch accuracy back.
+@pytest.mark.parametrize("guard", [["--ab.max_accuracy_drop", "0.02", "--ab.max_loss_rise", "100"],
+                                   ["--ab.max_accuracy_drop", "1", "--ab.max_loss_rise", "0.01"]],
+                         ids=["accuracy", "loss"])
+def test_a_cut_that_costs_accuracy_or_loss_is_undone_by_keeping_more_rank(world, guard):
+    # A drastic rule (rank 1) with no floor; each guard alone must bring the batch's accuracy back.
     method = ab_method("--ab.warmup", "60", "--ab.sync_every", "2", "--ab.full_rank_steps", "1", "--ab.rank_rule", "tau",
-                       "--ab.tau", "0.99", "--ab.max_output_error", "0.99", "--ab.max_accuracy_drop", "0.02",
-                       "--ab.first_full_rank", "true")
+                       "--ab.tau", "0.99", "--ab.max_output_error", "0.99", *guard, "--ab.first_full_rank", "true")
     for step in range(63):
         method.train_step(*learnable_batch(step))
     x, y = learnable_batch(63)
@@ -540,7 +542,7 @@ def test_the_final_model_is_the_synced_model_the_same_on_every_rank(world):
 @needs_ranks(2)
 def test_compression_counts_a_and_b_of_every_factorised_layer_and_everything_dense(world):
     method = ab_method("--ab.warmup", "1", "--ab.sync_every", "2", "--ab.full_rank_steps", "1", "--ab.rank_rule", "tau",
-                       "--ab.tau", "0.5", "--ab.max_output_error", "0.99", "--ab.max_accuracy_drop", "1")
+                       "--ab.tau", "0.5", "--ab.max_output_error", "0.99", "--ab.max_accuracy_drop", "1", "--ab.max_loss_rise", "100")
     assert method.trainer.compression_ratio() == 1.0  # dense before the first factorisation
     for step in range(5):  # re-factorised at step 4
         method.train_step(*batch(step))
@@ -565,7 +567,7 @@ def test_re_factorisations_after_a_cut_compute_only_the_leading_triplets_and_mor
                               + 0.3 * torch.randn(512, 512) / 512**0.5)
     method = AB(config.load(["--method", "ab", "--ab.groups", "2", "--train.lr", "1e-4", "--ab.warmup", "1",
                              "--ab.sync_every", "2", "--ab.full_rank_steps", "1",
-                             "--ab.max_accuracy_drop", "1"]))  # an untrained model: its batch accuracy is noise
+                             "--ab.max_accuracy_drop", "1", "--ab.max_loss_rise", "100"]))  # an untrained model: its batch accuracy is noise
     method.setup(model)
     method.set_total_steps(100)
     layer = method.trainer.layers["2"]
