@@ -289,9 +289,12 @@ def test_a_model_that_reads_a_factorised_weight_directly_is_refused_before_train
 
 
 def ab_method(*argv: str) -> AB:
+    """AB on a tiny MLP; its cuts without the rank floor unless argv sets one (these tests are
+    about the rule, the floor of output error and the guards)."""
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 3))
-    method = AB(config.load(["--method", "ab", "--ab.groups", "2", "--train.lr", "0.01", *argv]))
+    method = AB(config.load(["--method", "ab", "--ab.groups", "2", "--train.lr", "0.01", "--ab.min_rank_share", "0",
+                             *argv]))
     method.check_world(method.cfg, SIZE)
     method.setup(model)
     method.set_total_steps(100)  # resolves the schedule's fractions
@@ -523,6 +526,18 @@ def test_a_cut_that_costs_accuracy_or_loss_is_undone_by_keeping_more_rank(world,
 
 
 @needs_ranks(2)
+@pytest.mark.parametrize("share, floor", [(0.25, 3), (0.5, 6)])
+def test_a_cut_keeps_at_least_its_share_of_the_smaller_side(world, share, floor):
+    # the drastic rule (rank 1), no guard: the floor alone decides the 16 x 12 layer's rank
+    method = ab_method("--ab.warmup", "2", "--ab.sync_every", "2", "--ab.full_rank_steps", "1", "--ab.rank_rule", "tau",
+                       "--ab.tau", "0.99", "--ab.max_output_error", "0.99", "--ab.max_accuracy_drop", "1",
+                       "--ab.max_loss_rise", "100", "--ab.min_rank_share", str(share))
+    for step in range(6):  # factorised at 2 (full rank), cut at 5
+        method.train_step(*batch(step))
+    assert method.trainer.cuts["2"]["rank"] == floor == method.trainer.layers["2"].rank
+
+
+@needs_ranks(2)
 def test_the_final_model_is_the_synced_model_the_same_on_every_rank(world):
     method = ab_method("--ab.warmup", "1", "--ab.sync_every", "4", "--ab.full_rank_steps", "1")
     for step in range(3):  # ends inside the group phase: the groups' models differ
@@ -566,6 +581,7 @@ def test_re_factorisations_after_a_cut_compute_only_the_leading_triplets_and_mor
         model[2].weight.copy_(spectrum_matrix([80.0, 60.0, 50.0, 40.0, 30.0, 20.0], 512, 512)
                               + 0.3 * torch.randn(512, 512) / 512**0.5)
     method = AB(config.load(["--method", "ab", "--ab.groups", "2", "--train.lr", "1e-4", "--ab.warmup", "1",
+                             "--ab.min_rank_share", "0",
                              "--ab.sync_every", "2", "--ab.full_rank_steps", "1",
                              "--ab.max_accuracy_drop", "1", "--ab.max_loss_rise", "100"]))  # an untrained model: its batch accuracy is noise
     method.setup(model)
