@@ -4,8 +4,8 @@ batch, rank count and network, before training starts; the run then trains with 
 Candidates are the methods registered as drop-in (ddp, ddp-fp16, powersgd, dad, rank-dad: the
 same model and training, only the gradient exchange differs) that keep quality by construction:
 exact (ddp, ddp-fp16's rounding, dad) or compressing to an error target (powersgd and rank-dad
-at their default adaptive rank; a fixed `rank` takes them out, as it trades quality without a
-bound). The printed choice says what quality risk remains. SIL, AB and DiLoCo change how the
+at their default adaptive rank with error feedback; a fixed `rank`, or error feedback off, takes
+them out, as it trades quality without a bound). The printed choice says what quality risk remains. SIL, AB and DiLoCo change how the
 model trains, so they are a user's decision. Rank 0 times the model's forward, backward and optimiser
 step on its batch and, unless `auto.link` describes the network, every rank takes part in a
 short probe of the job's own network: allreduces of a few bytes (latency) and of
@@ -66,9 +66,10 @@ OTHERS_SHOWN = ("diloco", "ab")
 
 
 def _others(profile: costmodel.Profile, ranks: int, link: costmodel.Link, cfg: Config) -> str:
-    unbounded = [m for m in costmodel.drop_in_methods() if m not in costmodel.quality_keeping_methods(cfg)]
-    left_out = (f"\nleft out: {', '.join(unbounded)} (a fixed rank compresses without an error target; "
-                f"rank 0, the default, adapts it)") if unbounded else ""
+    keeping = costmodel.quality_keeping_methods(cfg)
+    unbounded = [m for m in costmodel.drop_in_methods() if m not in keeping]
+    left_out = (f"\nleft out: {', '.join(unbounded)} (a fixed rank, or no error feedback, compresses without "
+                f"a bound on what it loses; the defaults have both)") if unbounded else ""
     lines = []
     for name in OTHERS_SHOWN:
         try:

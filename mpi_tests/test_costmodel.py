@@ -142,6 +142,9 @@ def test_every_registered_method_has_a_cost_and_auto_chooses_only_among_drop_ins
     # a fixed rank has no error target: auto leaves it out, and says so
     fixed = config.load(["--powersgd.rank", "2", "--rank-dad.rank", "8"])
     assert set(costmodel.quality_keeping_methods(fixed)) == {"ddp", "ddp-fp16", "dad"}
+    # so has an adaptive rank whose dropped part is lost (no error feedback)
+    dropped = config.load(["--powersgd.error_feedback", "false", "--rank-dad.error_feedback", "false"])
+    assert set(costmodel.quality_keeping_methods(dropped)) == {"ddp", "ddp-fp16", "dad"}
     profile = profile_model(mlp((784,), 10, [1024, 1024]), (784,), 32, repeats=1)
     name, predictions, why = costmodel.choose(profile, 8, Link.parse("100mbit", latency_us=1), fixed)
     assert name == "dad" and {q.method for q in predictions} == {"ddp", "ddp-fp16", "dad"}
@@ -181,7 +184,7 @@ def test_method_auto_leaves_out_a_fixed_rank_and_says_so(world, shared_tmp, caps
     summary = json.loads((shared_tmp / "auto-fixed" / "summary.json").read_text())
     assert summary["auto_choice"] == "dad" and summary["auto_reason"].endswith("Quality: the same gradient as ddp")
     if RANK == 0:
-        assert "left out: rank-dad, powersgd (a fixed rank compresses without an error target" in capsys.readouterr().out
+        assert "left out: rank-dad, powersgd (a fixed rank, or no error feedback, compresses without" in capsys.readouterr().out
 
 
 @needs_ranks(2)

@@ -331,12 +331,12 @@ def predict_powersgd(profile: Profile, p: int, link: Link, options: PowerSGDOpti
 
 
 def powersgd_quality(options: PowerSGDOptions, cfg: Config) -> str | None:
-    """Held to its error target when adaptive; a fixed rank has none."""
-    if not options.adaptive:
+    """Held to its error target when adaptive with error feedback; a fixed rank has no target,
+    and without error feedback what the target lets go is lost for good."""
+    if not options.adaptive or not options.error_feedback:
         return None
     return (f"low-rank gradients, each matrix's rank adapted so that it leaves out at most {options.error_target:.0%} "
-            f"of its energy" + (", which error feedback adds back later" if options.error_feedback else
-                                 " (dropped: error feedback is off)"))
+            f"of its energy, which error feedback adds back later")
 
 
 @register("powersgd", options=PowerSGDOptions,
