@@ -9,8 +9,16 @@ without a dot belong to the method's own section: `rank-dad:rank=4` is
 `--rank-dad.rank 4`; `ddp:comm.compression=fp16` sets another section); registered variants
 such as `ddp-fp16` are method names like any other. Anything after `--` is passed to every run.
 
-With --link RATE each run happens in a private network namespace with a rate-limited loopback
-(see benchmarks/netns.py); the bytes that really crossed it are printed beside the meter's.
+With --link RATE each run happens on an emulated network (benchmarks/netns.py) whose bytes are
+counted from outside the processes and printed beside the meter's: without --nodes, one
+rate-limited loopback that every rank's traffic crosses; with --nodes N, a cluster of N nodes
+(np/N ranks each, shared memory inside a node) joined by links of RATE, where only traffic
+between nodes crosses the links and hvd_lowcomm sees N nodes (one AB/DiLoCo group per node).
+
+Besides equal-step results, every run is judged by time to quality, as a slow-link user asks:
+the training time (wall clock less evaluation) until it first reaches ddp's final quality within
+--loss-margin / --acc-margin, and its quality when the quickest run had finished (equal time),
+with quality against training time plotted.
 
 The entry `horovod` runs benchmarks/bare_horovod.py instead: ddp's training as a plain Horovod
 script (MLP models, unshaped link), to show what hvd_lowcomm's loop and meter add.
@@ -22,8 +30,9 @@ the rest) and its distance to the floor, max(local's step time, bytes per step /
 Writes to --out: results.csv and results.md (accuracy, bytes per step from the traffic meter,
 step time and its phases, floor, peak memory, ratios to ddp fp32 at the same rank count; for a
 language model (a text dataset) validation loss, its difference to ddp's, perplexity, bits per
-byte and the time to come within 5 % of ddp's final loss instead of accuracy),
-accuracy_vs_epoch.png, accuracy_vs_bytes.png (loss_vs_* for a language model), step_time.png,
+byte and the time to come within --loss-margin of ddp's final loss instead of accuracy),
+accuracy_vs_epoch.png, accuracy_vs_bytes.png, accuracy_vs_time.png (loss_vs_* for a language
+model), step_time.png,
 step_phases.png (stacked),
 effective_rank.png when a method logs one,
 accuracy_vs_inter_group_bytes.png when a method trains in groups and compression.png when one
@@ -48,16 +57,17 @@ from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks.netns import MPI_OVER_LOOPBACK, LinkUnavailable, ShapedLink, check_available, rate_bits
+from benchmarks.netns import MPIRUN, EmulatedCluster, LinkUnavailable, ShapedLink, check_available, rate_bits
 from data_prep import BUNDLED
 from hvd_lowcomm.methods import specs
 from hvd_lowcomm.metrics import human_bytes, write_csv
 
-MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
 AGREEMENT = 0.10  # measured and metered training bytes should agree within this fraction
 STEP_PHASES = ("forward", "backward", "exchange", "other")  # as the trainer's summary splits a step
-# Language models: "reached ddp" means a validation loss within this fraction above ddp's final one.
-LM_TARGET = 0.05
+# "Reached ddp's quality": a validation loss at most this fraction above ddp's final one (language
+# models), or an accuracy at most this many points below ddp's final one (--loss-margin, --acc-margin).
+LOSS_MARGIN = 0.02
+ACC_MARGIN_POINTS = 1.0
 # benchmarks/bare_horovod.py as a method name: ddp's training without hvd_lowcomm's machinery.
 BARE_HOROVOD = "horovod"
 # Every registered method, the no-communication floor and ddp first (--methods all).
@@ -113,18 +123,25 @@ def run_one(variant: Variant, np_: int, args: argparse.Namespace, runs_dir: Path
         launch(np_, [*train_args, "--run.name", name], runs_dir / f"{name}.log")
         measured = None
     else:
-        # A zero-step run in the same kind of namespace measures start-up traffic (launcher,
+        # A zero-step run on the same kind of network measures start-up traffic (launcher,
         # Horovod init, parameter broadcast, one evaluation), which is subtracted.
         shutil.rmtree(runs_dir / f"{name}-startup", ignore_errors=True)
-        with ShapedLink(args.link) as link:
+        with network(args) as net:
             launch(np_, [*train_args, "--run.name", f"{name}-startup", "--train.max_steps", "0"],
-                   runs_dir / f"{name}-startup.log", link)
-            startup = link.bytes()
+                   runs_dir / f"{name}-startup.log", net)
+            startup = net.node_bytes()
         shutil.rmtree(runs_dir / name, ignore_errors=True)
-        with ShapedLink(args.link) as link:
-            launch(np_, [*train_args, "--run.name", name], runs_dir / f"{name}.log", link)
-            measured = {"link": args.link, "link_bits_per_s": link.rate_bits, "measured_train_bytes": link.bytes() - startup,
-                        "startup_bytes": startup}
+        with network(args) as net:
+            launch(np_, [*train_args, "--run.name", name], runs_dir / f"{name}.log", net)
+            sent = [after - before for after, before in zip(net.node_bytes(), startup)]
+            measured = {"link": args.link, "link_bits_per_s": net.rate_bits, "nodes": args.nodes,
+                        "measured_train_bytes": sum(sent), "measured_bytes_per_node": sent,
+                        "startup_bytes": sum(startup)}
+        if args.nodes:
+            # The counters see evaluation's traffic too (AB's and DiLoCo's synced models cross
+            # nodes), so the meter's every-phase count, less the start-up run's, is compared.
+            startup_run = json.loads((runs_dir / f"{name}-startup" / "summary.json").read_text())
+            measured["metered_startup_bytes"] = startup_run["between_nodes_bytes_all_ranks"]
         measured_file.write_text(json.dumps(measured))
     summary = json.loads((runs_dir / name / "summary.json").read_text())
     with open(runs_dir / name / "epochs.csv") as fh:
@@ -147,11 +164,17 @@ def median_runs(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def launch(np_: int, train_args: list[str], log: Path, link: ShapedLink | None = None,
+def network(args: argparse.Namespace) -> ShapedLink | EmulatedCluster:
+    """The emulated network of --link (and --nodes): made afresh for every run, so each run's
+    counters start from its own start-up."""
+    rate, _, latency = args.link.partition(",")
+    return EmulatedCluster(args.nodes, rate, latency or None) if args.nodes else ShapedLink(rate)
+
+
+def launch(np_: int, train_args: list[str], log: Path, net: ShapedLink | EmulatedCluster | None = None,
            module: str = "hvd_lowcomm.train") -> None:
-    command = [*MPIRUN, *(MPI_OVER_LOOPBACK if link else []), "-np", str(np_),
-               sys.executable, "-m", module, *train_args]
-    proc = subprocess.run([*(link.prefix if link else []), *command], capture_output=True, text=True)
+    command = [*(net.mpirun(np_) if net else [*MPIRUN, "-np", str(np_)]), sys.executable, "-m", module, *train_args]
+    proc = subprocess.run(command, capture_output=True, text=True)
     log.write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
@@ -162,13 +185,16 @@ class RunFailed(Exception):
     """One method's run exited non-zero; the others still make the table."""
 
 
-def tabulate(results: list[dict[str, Any]], wire_rate: float | None) -> list[dict[str, Any]]:
+def tabulate(results: list[dict[str, Any]], wire_rate: float | None,
+             margins: tuple[float, float] = (LOSS_MARGIN, ACC_MARGIN_POINTS)) -> list[dict[str, Any]]:
     """One row per run; `wire_rate` (bits/s) converts bytes per step into wire time (None: an
-    unshaped link, whose floor is the computation alone)."""
+    unshaped link, whose floor is the computation alone); `margins` (loss fraction, accuracy
+    points) say how close to ddp's final quality counts as reaching it."""
     rows = []
     for r in results:
         s = r["summary"]
-        base = next((b["summary"] for b in results if b["np"] == r["np"] and b["variant"] == "ddp"), None)
+        ddp = next((b for b in results if b["np"] == r["np"] and b["variant"] == "ddp"), None)
+        base = ddp["summary"] if ddp is not None else None
         row = {"np": r["np"], "method": r["variant"], "final_test_acc": s["final_test_acc"],
                "best_test_acc": s["best_test_acc"], "bytes_per_step": s["train_wire_bytes_per_step"],
                "step_ms": 1000 * s["step_seconds_mean"], "step_ms_runs": r.get("step_ms_runs", []),
@@ -199,28 +225,29 @@ def tabulate(results: list[dict[str, Any]], wire_rate: float | None) -> list[dic
                 row[key] = float(last_epoch[key])
         if r["measured"] is not None:
             m = r["measured"]
-            metered = s["train_wire_bytes_all_ranks"]
+            # On emulated nodes only traffic between nodes crosses the links; on one shaped
+            # loopback all of it does.
+            metered = s["between_nodes_bytes_all_ranks"] - m["metered_startup_bytes"] if m.get("nodes") \
+                else s["train_wire_bytes_all_ranks"]
             train_seconds = s["step_seconds_mean"] * s["steps"]
-            row.update({"link": m["link"], "measured_bytes_per_step": m["measured_train_bytes"] / max(s["steps"], 1),
+            links = max(len(m.get("measured_bytes_per_node", [])), 1)
+            row.update({"link": m["link"], "nodes": m.get("nodes") or 0,
+                        "measured_bytes_per_step": m["measured_train_bytes"] / max(s["steps"], 1),
                         "metered_bytes_per_step_all_ranks": metered / max(s["steps"], 1),
                         "measured_vs_meter": m["measured_train_bytes"] / metered - 1 if metered else float("nan"),
-                        "link_utilisation": m["measured_train_bytes"] * 8 / (train_seconds * m["link_bits_per_s"])})
-            row["agreement"] = "ok" if abs(row["measured_vs_meter"]) <= AGREEMENT else "DISAGREE"
+                        # The busiest link's share of its capacity while training.
+                        "link_utilisation": max(m.get("measured_bytes_per_node") or [m["measured_train_bytes"]]) * 8
+                        / (train_seconds * m["link_bits_per_s"]),
+                        "links": links})
+            row["agreement"] = "ok" if abs(row["measured_vs_meter"]) <= AGREEMENT or (
+                metered == 0 and m["measured_train_bytes"] < 1e5 * links) else "DISAGREE"
         if base is not None and "final_perplexity" in s:
-            # A language model's quality is its validation loss: how far from ddp's at equal
-            # steps, and when (wall clock) it first came within LM_TARGET of ddp's final loss.
-            target = (1 + LM_TARGET) * base["final_test_loss"]
-            reached = [float(e["seconds"]) for e in r["epochs"] if float(e["test_loss"]) <= target]
             row.update({"final_test_loss": s["final_test_loss"], "perplexity": s["final_perplexity"],
                         "bits_per_byte": s["final_bits_per_byte"],
-                        "loss_diff_to_ddp_pct": 100 * (s["final_test_loss"] / base["final_test_loss"] - 1),
-                        "seconds_to_ddp_loss": reached[0] if reached else float("nan")})
-        if base is not None:
-            # The SIL paper's headline: wall-clock time until the test accuracy first reaches 90 % of
-            # conventional (data-parallel) training's final accuracy.
-            target = 0.9 * base["final_test_acc"]
-            reached = [float(e["seconds"]) for e in r["epochs"] if float(e["test_acc"]) >= target]
-            row["seconds_to_90pct_of_ddp"] = reached[0] if reached else float("nan")
+                        "loss_diff_to_ddp_pct": 100 * (s["final_test_loss"] / base["final_test_loss"] - 1)})
+        if ddp is not None:
+            row.update(time_to_quality(r, ddp, [b for b in results if b["np"] == r["np"] and b["variant"] != "local"],
+                                       margins))
             row["bytes_ratio_to_ddp"] = s["train_wire_bytes_per_step"] / base["train_wire_bytes_per_step"] \
                 if base["train_wire_bytes_per_step"] else float("nan")
             row["step_time_ratio_to_ddp"] = s["step_seconds_mean"] / base["step_seconds_mean"]
@@ -228,6 +255,55 @@ def tabulate(results: list[dict[str, Any]], wire_rate: float | None) -> list[dic
             row["world_bytes_ratio_to_ddp"] = world_bytes(s) / world_bytes(base) if world_bytes(base) else float("nan")
         rows.append(row)
     return rows
+
+
+def training_clock(r: dict[str, Any]) -> list[float]:
+    """Seconds of training (wall clock less evaluation) at each evaluation of a run; runs made
+    before the trainer recorded it fall back to the wall clock."""
+    return [float(e.get("train_seconds") or e["seconds"]) for e in r["epochs"]]
+
+
+def quality_series(r: dict[str, Any]) -> list[float]:
+    """A run's quality at each evaluation, higher is better: minus the validation loss for a
+    language model, else the test accuracy in points."""
+    if "final_perplexity" in r["summary"]:
+        return [-float(e["test_loss"]) for e in r["epochs"]]
+    return [100 * float(e["test_acc"]) for e in r["epochs"]]
+
+
+def quality_at(r: dict[str, Any], seconds: float) -> float:
+    """The run's quality after `seconds` of training, interpolated between its evaluations (NaN
+    before the first one; its last one after it finished)."""
+    import numpy as np
+
+    clock, quality = training_clock(r), quality_series(r)
+    return float(np.interp(seconds, clock, quality, left=float("nan")))
+
+
+def time_to_quality(r: dict[str, Any], ddp: dict[str, Any], peers: list[dict[str, Any]],
+                    margins: tuple[float, float]) -> dict[str, Any]:
+    """What a user on a slow network asks of a method: how long (training wall clock) until it
+    reaches ddp's final quality within the margin, and what quality it has when the fastest of
+    the runs at its rank count finished (equal time). Also the SIL paper's headline, the time
+    until 90 % of ddp's final accuracy."""
+    loss_margin, acc_points = margins
+    language_model = "final_perplexity" in r["summary"]
+    ddp_final = quality_series(ddp)[-1]
+    # Higher is better in quality_series: a loss within the margin is -loss >= -(1 + m) ddp_loss.
+    target = (1 + loss_margin) * ddp_final if language_model else ddp_final - acc_points
+    reached = [t for t, q in zip(training_clock(r), quality_series(r)) if q >= target]
+    reached_ddp = [t for t, q in zip(training_clock(ddp), quality_series(ddp)) if q >= target]
+    equal_time = min(training_clock(p)[-1] for p in peers)
+    sign = -1 if language_model else 1
+    out = {"target": sign * target, "seconds_to_target": reached[0] if reached else float("nan"),
+           "time_to_target_ratio_to_ddp": reached[0] / reached_ddp[0] if reached and reached_ddp else float("nan"),
+           "equal_time_seconds": equal_time, "quality_at_equal_time": sign * quality_at(r, equal_time),
+           "ddp_quality_at_equal_time": sign * quality_at(ddp, equal_time),
+           "train_seconds": training_clock(r)[-1]}
+    if not language_model:  # wall clock (training and evaluation), as the SIL paper measures it
+        ninety = [float(e["seconds"]) for e in r["epochs"] if float(e["test_acc"]) >= 0.9 * ddp["summary"]["final_test_acc"]]
+        out["seconds_to_90pct_of_ddp"] = ninety[0] if ninety else float("nan")
+    return out
 
 
 def _step_ms(row: dict[str, Any]) -> str:
@@ -245,18 +321,18 @@ def world_bytes(summary: dict[str, Any]) -> float:
 
 
 def write_tables(rows: list[dict[str, Any]], out: Path, title: str, failed: list[str] = (),
-                 wire_label: str | None = None) -> str:
+                 wire_label: str | None = None, margins: tuple[float, float] = (LOSS_MARGIN, ACC_MARGIN_POINTS)) -> str:
     write_csv(out / "results.csv", rows)
     language_model = any("perplexity" in row for row in rows)
     quality = ["val loss", "Δ loss vs ddp", "ppl", "bits/byte"] if language_model else ["test acc", "Δ acc vs ddp"]
     header = ["np", "method", *quality, "bytes/step", "× ddp bytes", "step ms", "× ddp time",
-              f"time to ddp's loss +{LM_TARGET:.0%}" if language_model else "time to 90 % of ddp", "peak RSS"]
+              f"time to ddp's loss +{margins[0]:.0%}" if language_model else "time to 90 % of ddp", "peak RSS"]
     lines = [f"# {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         if language_model:
             figures = [f"{row['final_test_loss']:.4f}", f"{row.get('loss_diff_to_ddp_pct', float('nan')):+.2f} %",
                        f"{row['perplexity']:.2f}", f"{row['bits_per_byte']:.3f}"]
-            reached = row.get("seconds_to_ddp_loss", float("nan"))
+            reached = row.get("seconds_to_target", float("nan"))
         else:
             figures = [f"{100 * row['final_test_acc']:.2f} %", f"{row.get('acc_diff_to_ddp_points', float('nan')):+.2f}"]
             reached = row.get("seconds_to_90pct_of_ddp", float("nan"))
@@ -294,11 +370,32 @@ def write_tables(rows: list[dict[str, Any]], out: Path, title: str, failed: list
         [[row["np"], row["method"], human_bytes(row["between_partitions_bytes"]), human_bytes(row["parameter_bytes"]),
           f"{row['parameter_fraction']:.1%}", " / ".join(f"{v / 1e6:.0f}" for v in row["peak_rss_per_rank"]) + " MB"]
          for row in rows if "parameter_fraction" in row])
+    timed = [row for row in rows if "seconds_to_target" in row and row["method"] != "local"]
+    if timed:
+        unit = (lambda v: f"{v:.4f}") if language_model else (lambda v: f"{v:.2f} %")  # noqa: E731
+        lines += _table(
+            "Time to quality, on the training clock (wall clock less evaluation): the time until a method first "
+            "reached ddp's final " + (f"validation loss +{margins[0]:.0%}" if language_model else
+                                      f"accuracy −{margins[1]:g} point") +
+            " (target), at the evaluations the run made; its quality when the quickest run of its rank count had "
+            "finished (equal time, interpolated between evaluations), beside ddp's then; and its quality at the end.",
+            ["np", "method", "target", "time to target", "× ddp's time", "equal time", "quality then",
+             "ddp then", "at the end", "training time"],
+            [[row["np"], row["method"], unit(row["target"]), f"{row['seconds_to_target']:.1f} s",
+              f"{row['time_to_target_ratio_to_ddp']:.2f}", f"{row['equal_time_seconds']:.1f} s",
+              unit(row["quality_at_equal_time"]), unit(row["ddp_quality_at_equal_time"]),
+              unit(row["final_test_loss"] if language_model else 100 * row["final_test_acc"]),
+              f"{row['train_seconds']:.1f} s"] for row in timed])
     measured = [row for row in rows if "link" in row]
+    nodes = measured[0]["nodes"] if measured else 0
     lines += _table(
-        f"Traffic on the emulated {measured[0]['link'] if measured else ''} link, all ranks together, per training "
-        "step: measured = the namespace's loopback counters (start-up traffic of a zero-step run subtracted); "
-        f"metered = hvd_lowcomm's meter; agreement within {AGREEMENT:.0%} is ok.",
+        (f"Traffic between the {nodes} emulated nodes (links of {measured[0]['link']}), all nodes together, per "
+         "training step (evaluation's traffic included: the counters cannot tell it apart): measured = the nodes' "
+         "interface counters; metered = what hvd_lowcomm's meter counts as sent to another node" if nodes else
+         f"Traffic on the emulated {measured[0]['link'] if measured else ''} link, all ranks together, per training "
+         "step: measured = the namespace's loopback counters; metered = hvd_lowcomm's meter") +
+        f" (start-up traffic of a zero-step run subtracted); agreement within {AGREEMENT:.0%} is ok; utilisation: "
+        "the busiest link's bytes against its capacity over the training time.",
         ["np", "method", "measured/step", "metered/step", "measured vs meter", "link utilisation", "agreement"],
         [[row["np"], row["method"], human_bytes(row["measured_bytes_per_step"]),
           human_bytes(row["metered_bytes_per_step_all_ranks"]), f"{row['measured_vs_meter']:+.1%}",
@@ -357,10 +454,11 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
             "test accuracy (%)", "accuracy"
         over_time = ("accuracy_vs_epoch", "epoch", "epoch")
     for name, xkey, xlabel in (over_time,
-                               (f"{quality_name}_vs_bytes", "train_wire_bytes_total", "cumulative bytes sent per rank")):
+                               (f"{quality_name}_vs_bytes", "train_wire_bytes_total", "cumulative bytes sent per rank"),
+                               (f"{quality_name}_vs_time", None, "training time (s, wall clock less evaluation)")):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for r in results:
-            ax.plot(series(r, xkey), quality(r), marker="o", label=label(r))
+            ax.plot(training_clock(r) if xkey is None else series(r, xkey), quality(r), marker="o", label=label(r))
         ax.set(xlabel=xlabel, ylabel=quality_label, xscale="log" if "bytes" in name else "linear")
         _finish(fig, ax, out / f"{name}.png")
 
@@ -435,10 +533,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="run every method this many times, in rounds (all methods, then all again: "
                              "a slow spell of a shared machine hits every method alike) and report the "
                              "run with the median step time, the range beside it (default: %(default)s)")
-    parser.add_argument("--link", default=None, metavar="RATE",
-                        help="run each method in a private network namespace whose loopback is limited to "
-                             "RATE (tc units: 1gbit, 100mbit), with Open MPI over TCP on it, and measure the bytes "
-                             "that cross it (needs root)")
+    parser.add_argument("--link", default=None, metavar="RATE[,LATENCY]",
+                        help="emulate a network of RATE (tc units: 1gbit, 100mbit) and measure the bytes that cross "
+                             "it (needs root): without --nodes every rank's traffic crosses one shaped loopback; with "
+                             "--nodes, the links between nodes, with LATENCY added one way (tc units: 100us, 1ms; "
+                             "needs the kernel's netem)")
+    parser.add_argument("--nodes", type=int, default=0,
+                        help="with --link: run on this many emulated nodes, np/nodes ranks each, sharing memory "
+                             "inside a node and joined by links of RATE; hvd_lowcomm sees the nodes as under Slurm "
+                             "(default: 0, one shaped loopback)")
+    parser.add_argument("--loss-margin", type=float, default=LOSS_MARGIN,
+                        help="a language model reached ddp's quality when its validation loss is at most this "
+                             "fraction above ddp's final one (default: %(default)s)")
+    parser.add_argument("--acc-margin", type=float, default=ACC_MARGIN_POINTS,
+                        help="a classifier reached ddp's quality when its accuracy is at most this many points "
+                             "below ddp's final one (default: %(default)s)")
     args = parser.parse_args(argv)
 
     # Entries split on commas, but "rank-dad:rank=4,iterations=5" keeps its options together.
@@ -455,11 +564,20 @@ def main(argv: list[str] | None = None) -> int:
     runs_dir.mkdir(parents=True, exist_ok=True)
     if not Path(args.data).exists() and Path(args.data).stem not in BUNDLED:
         raise SystemExit(f"compare: {args.data} does not exist; make it with python -m data_prep")
+    if args.nodes:
+        if args.link is None:
+            raise SystemExit("compare: --nodes needs --link RATE (the rate of the links between the nodes)")
+        uneven = [n for n in counts if n % args.nodes]
+        if args.nodes < 1 or uneven:
+            raise SystemExit(f"compare: --np {','.join(map(str, uneven))} cannot be spread evenly over {args.nodes} "
+                             f"nodes: give rank counts that are multiples of --nodes")
     if args.link is not None:
         try:
             check_available()
-            rate_bits(args.link)
+            rate_bits(args.link.partition(",")[0])
         except (LinkUnavailable, ValueError) as err:
+            if args.nodes:
+                raise SystemExit(f"compare: {err}")
             print(f"compare: {err}; running without an emulated link", file=sys.stderr)
             args.link = None
 
@@ -484,12 +602,13 @@ def main(argv: list[str] | None = None) -> int:
                       f"{human_bytes(s['train_wire_bytes_per_step'])}/step, {1000 * s['step_seconds_mean']:.1f} ms/step")
     if not results:
         raise SystemExit("compare: every run failed; see the logs above")
-    wire_label = args.wire_rate or args.link
+    wire_label = args.wire_rate or (args.link.partition(",")[0] if args.link else None)
     results = median_runs(results)
-    rows = tabulate(results, rate_bits(wire_label) if wire_label else None)
+    margins = (args.loss_margin, args.acc_margin)
+    rows = tabulate(results, rate_bits(wire_label) if wire_label else None, margins)
     title = args.title or (f"{', '.join(v.label for v in variants)}: {args.model} {args.hidden} on {args.data}, "
                            f"{args.epochs} epochs, batch {args.batch_size}/rank, seed {args.seed}")
-    print("\n" + write_tables(rows, out, title, failed, wire_label))
+    print("\n" + write_tables(rows, out, title, failed, wire_label, margins))
     plot(results, out)
     print(f"tables and plots in {out}/ (results.md, results.csv, *.png); runs in {runs_dir}/")
     if failed:

@@ -86,10 +86,20 @@ def train(cfg: Config, method: Method, info: data.DatasetInfo, model: torch.nn.M
     if rank == 0:
         (run_dir / "PREEMPTED").unlink(missing_ok=True)
 
+    eval_seconds = [0.0]  # evaluation's share of the wall clock, so far
+
+    def timed_evaluate(mean_loss: float) -> dict[str, Any]:
+        """Evaluate, with the wall clock since the start and the part of it spent training (all
+        but evaluation: what a method's speed decides) beside the figures."""
+        began = time.perf_counter()
+        record = evaluate(method, test_batches, mean_loss, info)
+        now = time.perf_counter()
+        eval_seconds[0] += now - began
+        return {**record, "seconds": now - start, "train_seconds": now - start - eval_seconds[0]}
+
     def evaluate_within_epoch(epoch: int, batch: int, mean_loss: float) -> None:
         record = {"epoch": round(epoch - 1 + batch / len(train_batches), 4), "step": meter.step,
-                  **evaluate(method, test_batches, mean_loss, info),
-                  "train_wire_bytes_total": meter.total("train"), "seconds": time.perf_counter() - start,
+                  **timed_evaluate(mean_loss), "train_wire_bytes_total": meter.total("train"),
                   **method.epoch_metrics()}
         log.epoch(record)
         log.print(f"step {meter.step:>6} | loss {record['train_loss']:.4f} | {_quality(record)}")
@@ -111,10 +121,9 @@ def train(cfg: Config, method: Method, info: data.DatasetInfo, model: torch.nn.M
         if keeper.stopping:
             keeper.stop(epoch, result.next_batch, log)
             return None
-        record = {"epoch": epoch, "step": meter.step, **evaluate(method, test_batches, result.mean_loss, info),
+        record = {"epoch": epoch, "step": meter.step, **timed_evaluate(result.mean_loss),
                   "train_wire_bytes": meter.total("train") - wire_at_start,
-                  "train_wire_bytes_total": meter.total("train"),
-                  "seconds": time.perf_counter() - start, "data_wait_seconds": result.wait_seconds,
+                  "train_wire_bytes_total": meter.total("train"), "data_wait_seconds": result.wait_seconds,
                   "skipped_steps": state.skipped, **method.epoch_metrics()}
         state.record = record
         state.best_acc = max(state.best_acc, record["test_acc"])
@@ -265,8 +274,10 @@ def summarize(cfg: Config, method: Method, state: TrainState, elapsed: float, pa
     best_acc, skipped = state.best_acc, state.skipped
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports kB
     with meter.in_phase("control"):
-        per_rank = meter.allgather(torch.tensor([[peak_rss, meter.total("train")]], dtype=torch.float64),
-                                   "summary.per_rank")
+        per_rank = meter.allgather(torch.tensor([[peak_rss, meter.total("train"),
+                                                  meter.total("train", field="between_nodes_bytes"),
+                                                  meter.total(None, field="between_nodes_bytes")]],
+                                                dtype=torch.float64), "summary.per_rank")
     peak_rss_max = int(per_rank[:, 0].max().item())
     steps = max(meter.step, 1)
     summary = {
@@ -278,6 +289,9 @@ def summarize(cfg: Config, method: Method, state: TrainState, elapsed: float, pa
         "skipped_nonfinite_steps": skipped,
         "train_wire_bytes_per_step": meter.total("train") / steps,
         "train_wire_bytes_all_ranks": per_rank[:, 1].sum().item(),
+        # What the job's network carried: the bytes every rank sent to another node.
+        "nodes": runtime.node_count(), "train_between_nodes_bytes_all_ranks": per_rank[:, 2].sum().item(),
+        "between_nodes_bytes_all_ranks": per_rank[:, 3].sum().item(),  # every phase: what a link counter sees
         "peak_rss_bytes_max_rank": peak_rss_max, "peak_rss_bytes_per_rank": [int(v) for v in per_rank[:, 0].tolist()],
         **meter.summary(),
         # Where a step's time goes on this rank (rank 0): forward and backward passes (methods
@@ -302,6 +316,8 @@ def summarize(cfg: Config, method: Method, state: TrainState, elapsed: float, pa
             ("waiting for data (rank 0)", f"{100 * summary['data_wait_fraction']:.1f}% of step time"),
             ("sent for training (rank 0)", f"{human_bytes(meter.total('train'))} on the wire"),
             ("sent per step", human_bytes(summary["train_wire_bytes_per_step"])),
+            *([("between nodes (all ranks)", f"{human_bytes(summary['train_between_nodes_bytes_all_ranks'])} "
+                f"({summary['nodes']} nodes)")] if summary["nodes"] > 1 else []),
             ("sent for eval/setup", f"{human_bytes(meter.total('eval'))} / {human_bytes(meter.total('setup'))}"),
             ("peak memory (max over ranks)", human_bytes(peak_rss_max))]
     rows += [(f"  {op} in {group}", human_bytes(t.wire_bytes))

@@ -57,6 +57,9 @@ class Group:
 
 
 _world: Group | None = None
+# The node of every global rank (index in order of first appearance of its host name): what
+# the meter needs to tell traffic between nodes from traffic inside one.
+_node_of: tuple[int, ...] = ()
 # Horovod refuses to register the same ranks twice, so process sets are shared by rank tuple.
 _process_sets: dict[tuple[int, ...], Any] = {}
 
@@ -92,6 +95,9 @@ def init(seed: int | None = None) -> Group:
         import horovod.torch as hvd
 
         hvd.init(comm=MPI.COMM_WORLD, process_sets="dynamic")
+        global _node_of
+        hosts = MPI.COMM_WORLD.allgather(MPI.Get_processor_name())
+        _node_of = tuple(list(dict.fromkeys(hosts)).index(host) for host in hosts)
         world_ranks = tuple(range(hvd.size()))
         _world = Group("world", 0, world_ranks, hvd.global_process_set, MPI.COMM_WORLD)
         _process_sets[world_ranks] = hvd.global_process_set
@@ -133,6 +139,24 @@ def device(choice: str = "auto") -> torch.device:
                               f"--train.device cpu")
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def node_of(global_rank: int) -> int:
+    """The node (0, 1, ... in order of host names' first appearance) that holds a global rank."""
+    return _node_of[global_rank] if _node_of else 0
+
+
+def node_count() -> int:
+    return len(set(_node_of)) or 1
+
+
+def leaves_node(ranks: tuple[int, ...], me: int, dest: int | None = None) -> bool:
+    """Whether what `me` sends in a ring over `ranks` (or to `dest`, point to point) goes to
+    another node: a ring rank sends only to its successor, so a ring over several nodes leaves
+    each node once per node it spans, whatever the number of ranks inside."""
+    if dest is None:
+        dest = ranks[(ranks.index(me) + 1) % len(ranks)]
+    return node_of(dest) != node_of(me)
 
 
 def seed_everything(seed: int) -> None:

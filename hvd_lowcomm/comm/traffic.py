@@ -11,6 +11,11 @@ puts on the network by the standard ring algorithms for a group of p ranks:
     send        M,  recv 0           point-to-point
     (p = 1: nothing crosses the network)
 
+Of that, the part that leaves the rank's node is counted apart (`between_nodes_bytes`): in a
+ring a rank sends only to its successor, so its bytes cross nodes when the successor lives on
+another node (one rank per node in each ring over several nodes), and a point-to-point message
+when its destination does. That is what a cluster's network carries; the rest stays in a node.
+
 The meter keeps the records of the current step (for per-step logs and tests) and running
 totals per (phase, op, group) and per tensor name, so its memory does not grow with the run.
 Phases separate what a method needs to train ("train") from evaluation, set-up and
@@ -33,6 +38,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
+from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.runtime import Group
 
 # Bytes of one number as the methods send them (fp32), for the cost model and byte counts.
@@ -67,6 +73,7 @@ class Record:
     payload_bytes: int
     wire_bytes: float
     phase: str
+    between_nodes_bytes: float = 0.0  # the part of wire_bytes sent to another node
 
 
 @dataclass
@@ -74,11 +81,13 @@ class Totals:
     calls: int = 0
     payload_bytes: int = 0
     wire_bytes: float = 0.0
+    between_nodes_bytes: float = 0.0  # default: checkpoints written before nodes were counted
 
     def add(self, record: Record) -> None:
         self.calls += 1
         self.payload_bytes += record.payload_bytes
         self.wire_bytes += record.wire_bytes
+        self.between_nodes_bytes += record.between_nodes_bytes
 
 
 # A user's own loop may never close steps (next_step); the records of the open step are then
@@ -102,10 +111,12 @@ class TrafficMeter:
 
     # -- bookkeeping ----------------------------------------------------------------------
     def record(self, op: str, name: str, payload_bytes: int, group: Group | None,
-               wire: float | None = None) -> Record:
+               wire: float | None = None, dest: int | None = None) -> Record:
+        """Record one call; `dest` is the global rank a point-to-point message goes to."""
         label, size = (group.label if group is not None else "world"), _members(group)
-        rec = Record(self.step, name, op, label, size, int(payload_bytes),
-                     wire_bytes(op, payload_bytes, size) if wire is None else float(wire), self.phase)
+        wire = wire_bytes(op, payload_bytes, size) if wire is None else float(wire)
+        rec = Record(self.step, name, op, label, size, int(payload_bytes), wire, self.phase,
+                     wire if wire and _leaves_node(group, dest) else 0.0)
         self.step_records.append(rec)
         self.by_kind[(rec.phase, rec.op, rec.group)].add(rec)
         self.by_name[rec.name].add(rec)
@@ -166,6 +177,7 @@ class TrafficMeter:
         for phase in sorted(set(PHASES) | {ph for ph, _, _ in self.by_kind}):
             out[f"{phase}_payload_bytes"] = self.total(phase, field="payload_bytes")
             out[f"{phase}_wire_bytes"] = self.total(phase)
+            out[f"{phase}_between_nodes_wire_bytes"] = self.total(phase, field="between_nodes_bytes")
         for (phase, op, group), t in sorted(self.by_kind.items()):
             if phase == "train":
                 out[f"train_{op}_{group}_wire_bytes"] = t.wire_bytes
@@ -252,7 +264,7 @@ class TrafficMeter:
         from mpi4py import MPI
 
         size = _pickled_size(obj) if MPI.COMM_WORLD.Get_rank() != root else 0
-        self.record("send", name, size, None, wire=size)
+        self.record("send", name, size, None, wire=size, dest=root)
         return MPI.COMM_WORLD.gather(obj, root=root)
 
     def allgather_object(self, obj: Any, name: str) -> list[Any]:
@@ -301,7 +313,7 @@ class TrafficMeter:
         from mpi4py import MPI
 
         array = tensor.detach().contiguous().cpu().numpy()
-        self.record("send", name, array.nbytes, None, wire=array.nbytes)
+        self.record("send", name, array.nbytes, None, wire=array.nbytes, dest=dest)
         with self.waiting():
             MPI.COMM_WORLD.Send(array, dest=dest, tag=tag)
 
@@ -314,6 +326,13 @@ class TrafficMeter:
             MPI.COMM_WORLD.Recv(array, source=source, tag=tag)
         self.record("recv", name, array.nbytes, None, wire=0)
         return out
+
+
+def _leaves_node(group: Group | None, dest: int | None) -> bool:
+    if runtime.node_count() == 1:
+        return False
+    ranks = group.ranks if group is not None else runtime.world().ranks
+    return runtime.leaves_node(ranks, runtime.rank(), dest)
 
 
 def _pickled_size(obj: Any) -> int:
