@@ -11,7 +11,7 @@ PYTEST  = $(MPIRUN) --timeout 1500 -np $(1) $(PY) -m pytest -p no:cacheprovider 
 # (fresh clone, .venv deleted) or older than what the install depends on.
 STAMP   := .venv/.installed
 
-.PHONY: install demo test test-1 test-2 test-4 test-8 examples docs clean
+.PHONY: install demo test test-1 test-2 test-4 test-8 test-cluster examples docs clean
 
 install:          ## MPI (if missing), .venv, torch, the package, horovod (cached wheel)
 	bash scripts/install.sh
@@ -34,6 +34,11 @@ test-4: $(STAMP)
 # np 8 only for what needs that many ranks (SIL with several ranks per partition).
 test-8: $(STAMP)
 	$(call PYTEST,8) -k at_scale
+
+# The product card's scale: every method at 64 ranks as 8 emulated nodes of 8 (needs root and
+# iproute2; about an hour on 2 cores, so not part of `make test`).
+test-cluster: $(STAMP)
+	HVD_LOWCOMM_CLUSTER_TEST=1 $(PY) -m pytest -p no:cacheprovider -s $(PYTEST_ARGS) mpi_tests/test_cluster.py
 
 # Each example script at NP ranks for a few steps (CI runs this: the README's API must work).
 EXAMPLE_METHODS = ddp ddp-fp16 powersgd dad rank-dad ab sil diloco

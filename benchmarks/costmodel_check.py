@@ -4,7 +4,9 @@
         --latency-us 600 --out benchmarks/results/costmodel-check
 
 Each directory is a `benchmarks.compare --link RATE` result with its runs/ and a `local` row
-(the no-communication floor) at every rank count. For every other method the model predicts
+(the no-communication floor) at every rank count; for a result on emulated nodes (--nodes) the
+network is RATE between nodes, --intra-rate inside one, and the bytes one node's link carried
+per step are compared too (predicted, metered, measured by the interface counters). For every other method the model predicts
 the step from the model's layer shapes, the local run's measured forward, backward and step
 times (its compute) and the emulated link: RATE on one medium that every rank's bytes cross
 (Link(shared=True)) with message latency --latency-us (on this machine a Horovod collective's
@@ -27,10 +29,11 @@ from typing import Any
 
 from benchmarks.compare import run_name
 from hvd_lowcomm import config, costmodel, data, models
-from hvd_lowcomm.metrics import write_csv
+from hvd_lowcomm.metrics import human_bytes, write_csv
 
 
-def check(directory: Path, latency: float, profiles: dict[str, costmodel.Profile]) -> list[dict[str, Any]]:
+def check(directory: Path, latency: float, profiles: dict[str, costmodel.Profile],
+          intra_bandwidth: float = costmodel.Link.intra_bandwidth) -> list[dict[str, Any]]:
     with open(directory / "results.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
     out = []
@@ -39,7 +42,12 @@ def check(directory: Path, latency: float, profiles: dict[str, costmodel.Profile
         local = next((r for r in mine if r["method"] == "local"), None)
         if local is None or not local.get("link"):
             raise SystemExit(f"{directory}: np {np_} needs a local row and a --link run")
-        link = costmodel.Link(config.rate_bits(local["link"]) / 8, latency, shared=True)
+        nodes = int(float(local.get("nodes") or 0))
+        rate = config.rate_bits(local["link"].partition(",")[0]) / 8
+        # Emulated nodes: the network between them, each node's ranks on its own shared memory;
+        # else one shaped medium that every rank's bytes cross.
+        link = costmodel.Link(rate, latency, ranks_per_node=np_ // nodes, intra_bandwidth=intra_bandwidth) \
+            if nodes else costmodel.Link(rate, latency, shared=True)
         for row in mine:
             method, _, _ = row["method"].partition(":")
             if method not in costmodel.predicted_methods() or method == "local":
@@ -62,13 +70,18 @@ def check(directory: Path, latency: float, profiles: dict[str, costmodel.Profile
                 predicted = costmodel.Prediction(
                     method, np_, predicted.compute, (1 - plain) * predicted.method_compute,
                     *((1 - plain) * getattr(predicted, key) + plain * getattr(ddp, key)
-                      for key in ("communication", "hidden", "bytes_per_rank")))
+                      for key in ("communication", "hidden", "bytes_per_rank", "node_link_bytes")))
             measured = float(row["step_ms"])
             out.append({"results": directory.name, "link": local["link"], "np": np_, "method": row["method"],
                         "measured_ms": measured, "predicted_ms": predicted.step * 1e3,
                         "compute_ms": predicted.compute * 1e3, "own_work_ms": predicted.method_compute * 1e3,
                         "network_ms": predicted.communication * 1e3, "hidden_ms": predicted.hidden * 1e3,
                         "error": predicted.step * 1e3 / measured - 1})
+            if nodes:  # what one node's link carried per step: the meter's and the counters' against the model's
+                steps = max(summary["steps"], 1)
+                out[-1].update({"nodes": nodes, "predicted_node_bytes": predicted.node_link_bytes,
+                                "metered_node_bytes": summary["train_between_nodes_bytes_all_ranks"] / nodes / steps,
+                                "measured_node_bytes": float(row["measured_bytes_per_step"]) / nodes})
     return out
 
 
@@ -82,6 +95,13 @@ def _profile(cfg: config.Config, profiles: dict[str, costmodel.Profile]) -> cost
         profiles[key] = costmodel.profile_model(model, info.input_shape, cfg.data.batch_size, repeats=1, cfg=cfg,
                                                 vocabulary=info.vocabulary)
     return profiles[key]
+
+
+def _bytes_per_second(rate: str) -> float:
+    """'20gbyte' -> 2e10; else tc's bit units ('40gbit' -> 5e9)."""
+    if rate.lower().endswith("gbyte"):
+        return float(rate[:-5]) * 1e9
+    return config.rate_bits(rate) / 8
 
 
 def _run_config(directory: Path, np_: int, label: str) -> config.Config:
@@ -105,13 +125,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("results", nargs="+", help="benchmarks.compare result directories (with runs/)")
     parser.add_argument("--latency-us", type=float, default=None, help="message latency (default: --probe's)")
     parser.add_argument("--probe", action="store_true", help="measure the latency with probe_link on 2 ranks")
+    parser.add_argument("--intra-rate", default="20gbyte", metavar="RATE",
+                        help="bandwidth between ranks of one node, for results on emulated nodes (tc units, or "
+                             "NNgbyte) (default: %(default)s)")
     parser.add_argument("--out", default="benchmarks/results/costmodel-check")
     args = parser.parse_args(argv)
     if args.latency_us is None and not args.probe:
         parser.error("give --latency-us or --probe")
     latency = probe() if args.probe else args.latency_us * 1e-6
     profiles: dict[str, costmodel.Profile] = {}
-    rows = [row for directory in args.results for row in check(Path(directory), latency, profiles)]
+    intra = _bytes_per_second(args.intra_rate)
+    rows = [row for directory in args.results for row in check(Path(directory), latency, profiles, intra)]
     errors = [abs(r["error"]) for r in rows]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -124,6 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"| {r['results']} | {r['link']} | {r['np']} | {r['method']} | {r['measured_ms']:.1f} | "
               f"{r['predicted_ms']:.1f} | {r['compute_ms']:.1f} | {r['own_work_ms']:.1f} | {r['network_ms']:.1f} | "
               f"{r['hidden_ms']:.1f} | {100 * r['error']:+.1f} % |" for r in rows]
+    on_nodes = [r for r in rows if r.get("nodes")]
+    if on_nodes:
+        lines += ["", "Bytes one node sent to the others per training step (mean over nodes): the cost model's "
+                  "prediction, hvd_lowcomm's meter (training only) and the nodes' interface counters (evaluation "
+                  "included).", "",
+                  "| results | nodes | np | method | predicted | metered | measured | predicted vs measured |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['results']} | {r['nodes']} | {r['np']} | {r['method']} | {human_bytes(r['predicted_node_bytes'])} | "
+                  f"{human_bytes(r['metered_node_bytes'])} | {human_bytes(r['measured_node_bytes'])} | "
+                  f"{100 * (r['predicted_node_bytes'] / r['measured_node_bytes'] - 1):+.1f} % |" for r in on_nodes]
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -130,7 +130,7 @@ class EmulatedCluster:
             raise ValueError(f"an emulated cluster has 1 to 250 nodes, got {nodes}")
         self.nodes, self.rate, self.latency = nodes, rate, latency
         self.rate_bits = rate_bits(rate)
-        self.tag = f"hvdlc{os.getpid()}c{next(_names)}"
+        self.tag = f"hvdlc-{os.getpid()}-c{next(_names)}"
         self.switch = f"{self.tag}-sw"
         self.launcher = f"{self.tag}-mpirun"
         self.hosts = [f"node{i}" for i in range(nodes)]

@@ -20,7 +20,8 @@ traffic meter counts too), for a group of g ranks:
 
 β is the bandwidth of the slowest link the ring crosses: the network's once the group spans
 several nodes (a ring leaves each node once, so the node's ranks do not share its link), the
-node's own (`intra_bandwidth`) inside one. α is the latency of one message. On a *shared*
+node's own (`intra_bandwidth`) inside one; for rings of one rank per node that every rank of a
+node runs at once (DiLoCo's columns), the node's link shared among its ranks. α is the latency of one message. On a *shared*
 medium (benchmarks.compare --link: one token bucket that every rank's bytes cross) the bytes of
 all ranks add up instead.
 
@@ -75,10 +76,22 @@ class Link:
         spans = group > self.ranks_per_node if spans_nodes is None else spans_nodes
         if not spans:
             return self.intra_bandwidth
-        # A ring over several nodes also passes between the ranks inside each node (unless it
-        # takes one rank per node), so the slower of the two links sets its pace.
-        one_per_node = self.ranks_per_node == 1 or spans_nodes is True
-        return self.bandwidth if one_per_node else min(self.bandwidth, self.intra_bandwidth)
+        if spans_nodes is True:
+            # One rank per node: every rank of a node runs its own such ring at the same time
+            # (DiLoCo's columns), so the node's ranks share its link.
+            return self.bandwidth / self.ranks_per_node
+        # A ring over several nodes also passes between the ranks inside each node, so the
+        # slower of the two links sets its pace.
+        return min(self.bandwidth, self.intra_bandwidth)
+
+    def node_share(self, group: int, spans_nodes: bool | None = None) -> float:
+        """Bytes a node sends to other nodes per byte one rank sends in a ring over `group` ranks
+        (arguments as `beta`'s): none inside a node; one rank's in a ring that leaves each node
+        once; every rank's for rings of one rank per node run by all of a node's ranks at once."""
+        spans = group > self.ranks_per_node if spans_nodes is None else spans_nodes
+        if group <= 1 or not spans:
+            return 0.0
+        return float(self.ranks_per_node) if spans_nodes is True else 1.0
 
     def _time(self, messages: float, bytes_per_rank: float, group: int, ranks: int,
               spans_nodes: bool | None) -> float:
@@ -342,6 +355,8 @@ class Prediction:
     communication: float      # seconds on the network
     hidden: float             # of which overlapped with the backward pass
     bytes_per_rank: float     # sent per step
+    # Sent per step from one node to the others (what its network link carries; Link.node_share).
+    node_link_bytes: float = 0.0
 
     @property
     def step(self) -> float:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import csv
+import json
+import math
 import os
 import re
 import shutil
@@ -138,3 +140,55 @@ def test_a_group_method_on_one_rank_groups_is_tabled_with_its_compression_and_ra
     line = next(row for row in table.splitlines() if row.startswith("| 2 | ab | 400 B |"))
     assert "| 0.4000 | 5.00x |" in line and line.endswith("| – | 2–15 (median 5) |"), line
     assert not any(row.startswith("| 2 | ddp | 1000 B |") for row in table.splitlines())  # ddp trains in no groups
+
+
+@only_from_the_1_rank_suite
+@needs_netns
+def test_emulated_nodes_keep_traffic_inside_a_node_off_the_links_and_groups_follow_the_nodes(tmp_path):
+    before = namespaces()
+    # 6 ranks as 3 nodes of 2: without nodes DiLoCo would make 2 groups of 3; here one per node.
+    proc = compare(tmp_path, "--methods", "ddp,diloco:sync_every=4", "--np", "6", "--nodes", "3", "--link", "1gbit",
+                   "--", "--train.max_steps", "12", hidden="512,512")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {row["method"]: row for row in csv.DictReader(open(tmp_path / "results.csv"))}
+    for row in rows.values():  # the links carried what the meter says left a node, nothing of what stayed inside
+        assert abs(float(row["measured_vs_meter"])) <= 0.05, row
+    assert "3 groups of 2 rank(s)" in (tmp_path / "runs" / "np6-diloco-sync_every4.log").read_text()
+    ddp = json.loads((tmp_path / "runs" / "np6-ddp" / "summary.json").read_text())
+    # A ring over 3 nodes of 2 leaves each node once: ranks 1, 3 and 5 send to the next node, 0, 2
+    # and 4 to their neighbour inside it, so half of all ring bytes cross.
+    assert ddp["nodes"] == 3
+    assert ddp["train_between_nodes_bytes_all_ranks"] == pytest.approx(ddp["train_wire_bytes_all_ranks"] / 2)
+    diloco = json.loads((tmp_path / "runs" / "np6-diloco-sync_every4" / "summary.json").read_text())
+    assert diloco["train_between_nodes_bytes_all_ranks"] < ddp["train_between_nodes_bytes_all_ranks"] / 4
+    table = (tmp_path / "results.md").read_text()
+    assert "Traffic between the 3 emulated nodes" in table and "Time to quality" in table
+    assert (tmp_path / "accuracy_vs_time.png").stat().st_size > 0
+    assert namespaces() == before
+
+
+@only_from_the_1_rank_suite
+def test_nodes_need_a_link_and_rank_counts_that_fill_them(tmp_path):
+    proc = compare(tmp_path, "--methods", "ddp", "--nodes", "2")
+    assert proc.returncode != 0 and "--nodes needs --link" in proc.stderr
+    proc = compare(tmp_path, "--methods", "ddp", "--np", "3", "--nodes", "2", "--link", "1gbit")
+    assert proc.returncode != 0 and "cannot be spread evenly over 2 nodes" in proc.stderr
+
+
+def test_time_to_quality_and_quality_at_equal_time():
+    from benchmarks.compare import time_to_quality
+
+    def run(variant, points):  # (training seconds, accuracy) at each evaluation
+        epochs = [{"seconds": t + 1, "train_seconds": t, "test_acc": a} for t, a in points]
+        return {"variant": variant, "np": 2, "summary": {"final_test_acc": points[-1][1]}, "epochs": epochs}
+
+    ddp = run("ddp", [(10, 0.80), (20, 0.90), (30, 0.95)])
+    fast = run("fast", [(4, 0.85), (8, 0.945), (12, 0.96)])
+    slow = run("slow", [(20, 0.50), (40, 0.60)])
+    got = time_to_quality(fast, ddp, [ddp, fast, slow], (0.02, 1.0))
+    assert got["target"] == pytest.approx(94.0) and got["seconds_to_target"] == 8
+    assert got["time_to_target_ratio_to_ddp"] == pytest.approx(8 / 30)
+    assert got["equal_time_seconds"] == 12  # the quickest run's end
+    assert got["quality_at_equal_time"] == pytest.approx(96.0)
+    assert got["ddp_quality_at_equal_time"] == pytest.approx(82.0)  # interpolated between 10 s and 20 s
+    assert math.isnan(time_to_quality(slow, ddp, [ddp, slow], (0.02, 1.0))["seconds_to_target"])

@@ -29,11 +29,13 @@ def test_collective_costs_follow_the_alpha_beta_formulas():
     nodes = Link(bandwidth=1e9, latency=0.0, ranks_per_node=4, intra_bandwidth=1e11)
     assert nodes.allreduce(8 * MB, 4, 16) == pytest.approx(2 * 3 / 4 * 8 * MB / 1e11)
     assert nodes.allreduce(8 * MB, 16, 16) == pytest.approx(2 * 15 / 16 * 8 * MB / 1e9)
-    # a ring over several nodes' ranks also crosses each node's own links: the slower one paces it,
-    # unless it takes one rank per node
+    # a ring over several nodes' ranks also crosses each node's own links: the slower one paces it;
+    # rings of one rank per node run by all 4 ranks of a node at once share the node's link
     fast_network = Link(bandwidth=1e11, latency=0.0, ranks_per_node=4, intra_bandwidth=2e10)
     assert fast_network.allreduce(8 * MB, 16, 16) == pytest.approx(2 * 15 / 16 * 8 * MB / 2e10)
-    assert fast_network.allreduce(8 * MB, 4, 16, spans_nodes=True) == pytest.approx(2 * 3 / 4 * 8 * MB / 1e11)
+    assert fast_network.allreduce(8 * MB, 4, 16, spans_nodes=True) == pytest.approx(2 * 3 / 4 * 8 * MB / (1e11 / 4))
+    # what a node's link carries, per byte one rank sends
+    assert (nodes.node_share(4), nodes.node_share(16), nodes.node_share(4, spans_nodes=True)) == (0.0, 1.0, 4.0)
     # on a shared medium (the emulated link) every rank's bytes cross it
     shared = Link(bandwidth=1e9, latency=0.0, shared=True)
     assert shared.allreduce(8 * MB, 4, 4) == pytest.approx(4 * 2 * 3 / 4 * 8 * MB / 1e9)

@@ -55,6 +55,37 @@ def test_splitting_twice_reuses_the_process_sets(world):
     assert second.label.startswith("again")
 
 
+def test_one_group_per_node_when_the_job_spans_nodes():
+    assert runtime.groups_for(0, 64, 8) == 8   # 8 nodes of 8
+    assert runtime.groups_for(0, 8, 8) == 2    # one node: two groups all the same
+    assert runtime.groups_for(4, 64, 8) == 4   # asked for
+    assert runtime.groups_for(0, 6, 1) == 6    # one rank per node
+
+
+@needs_ranks(4)
+def test_the_meter_counts_apart_what_leaves_a_node_and_the_cost_model_agrees(world, fresh_meter, monkeypatch):
+    """Ranks as nodes of 2 (the meter's node map set by hand; the real traffic is the same): a
+    rank's bytes leave its node when its ring successor lives on another node."""
+    from hvd_lowcomm.costmodel import Link
+
+    monkeypatch.setattr(runtime, "_node_of", tuple(r // 2 for r in range(SIZE)))
+    assert runtime.node_count() == SIZE // 2
+    group, _ = runtime.split_world(group_size=2)            # a node
+    column, _ = runtime.split_by_position(SIZE // 2)         # one rank per node
+    for name, g in (("world", None), ("node", group), ("column", column)):
+        fresh_meter.allreduce(torch.ones(1000), f"probe.{name}", group=g)
+    wire = {name: fresh_meter.by_name[f"probe.{name}"].wire_bytes for name in ("world", "node", "column")}
+    crossed = {name: fresh_meter.by_name[f"probe.{name}"].between_nodes_bytes for name in wire}
+    # world ring 0→1→2→...: ranks 1, 3, ... send to the next node; a node's ring stays inside;
+    # every rank of a column sends to another node
+    assert crossed == {"world": wire["world"] if RANK % 2 else 0.0, "node": 0.0, "column": wire["column"]}
+    # what node 0 sent in all, against the cost model's shares of one rank's bytes
+    sent_by_node0 = sum(world.comm.allgather(sum(crossed.values()))[:2])
+    link = Link(1e9, ranks_per_node=2)
+    assert sent_by_node0 == pytest.approx(wire["world"] * link.node_share(SIZE) + wire["node"] * link.node_share(2)
+                                          + wire["column"] * link.node_share(SIZE // 2, spans_nodes=True))
+
+
 def run_on_two_ranks(tmp_path, failure: str) -> tuple[subprocess.CompletedProcess, float]:
     """Run a 2-rank job where rank 1 executes `failure` while rank 0 waits in an allreduce that
     rank 1 never joins; return the finished process and how long it took."""

@@ -189,15 +189,22 @@ def group_layout(world_size: int, num_groups: int | None = None,
     return [tuple(range(start, start + group_size)) for start in range(0, world_size, group_size)]
 
 
-def default_group_count(requested: int, world_size: int) -> int:
+def groups_for(requested: int, world_size: int, ranks_per_node: int) -> int:
     """`requested` groups, or with 0 one group per node when the job spans several nodes (a
-    group's traffic then stays inside its node), else 2."""
+    group's traffic then stays inside its node), else 2. The rule of AB-training and DiLoCo,
+    for their runs and for the cost model's predictions alike."""
+    if requested:
+        return requested
+    return world_size // ranks_per_node if world_size > ranks_per_node else 2
+
+
+def default_group_count(requested: int, world_size: int) -> int:
+    """`groups_for` with this job's ranks per node (Horovod's local size)."""
     if requested:
         return requested
     import horovod.torch as hvd
 
-    nodes = world_size // hvd.local_size()
-    return nodes if nodes > 1 else 2
+    return groups_for(requested, world_size, hvd.local_size())
 
 
 def split_world(num_groups: int | None = None, group_size: int | None = None,

@@ -686,7 +686,7 @@ def predict_ab(profile: Profile, p: int, link: Link, o: ABOptions, cfg: Config,
     factorised = profile.layers[1:-1]
     if not factorised:
         raise ConfigError("ab: the model needs a weight layer besides the first and the last to factorise")
-    groups = o.groups or (p // link.ranks_per_node if p > link.ranks_per_node else 2)
+    groups = runtime.groups_for(o.groups, p, link.ranks_per_node)
     if p % groups or groups < 2:
         raise ConfigError(f"ab: {p} ranks do not split into {groups} groups")
     runs = max(assumptions.run_steps, 1)
@@ -718,11 +718,13 @@ def predict_ab(profile: Profile, p: int, link: Link, o: ABOptions, cfg: Config,
     comm = (first * link.allreduce(in_group[0], g, p) + (group_steps - first) * link.allreduce(in_group[1], g, p)
             + full_steps * ddp_comm + min(cycles, 1) * link.allreduce(at_sync[0], p, p)
             + max(cycles - 1, 0) * link.allreduce(at_sync[1], p, p)) / runs
-    sent = (first * wire("allreduce", in_group[0], g) + (group_steps - first) * wire("allreduce", in_group[1], g)
-            + full_steps * wire("allreduce", ddp_bytes, p) + min(cycles, 1) * wire("allreduce", at_sync[0], p)
-            + max(cycles - 1, 0) * wire("allreduce", at_sync[1], p)) / runs
+    in_groups = first * wire("allreduce", in_group[0], g) + (group_steps - first) * wire("allreduce", in_group[1], g)
+    on_world = (full_steps * wire("allreduce", ddp_bytes, p) + min(cycles, 1) * wire("allreduce", at_sync[0], p)
+                + max(cycles - 1, 0) * wire("allreduce", at_sync[1], p))
+    sent = (in_groups + on_world) / runs
+    between_nodes = (in_groups * link.node_share(g) + on_world * link.node_share(p)) / runs
     hidden = full_steps * min(ddp_comm, profile.backward_seconds) / runs  # ddp's overlap in its steps
-    return Prediction("ab", p, profile.step_seconds, own, comm, hidden, sent)
+    return Prediction("ab", p, profile.step_seconds, own, comm, hidden, sent, between_nodes)
 
 
 # The paper trains with AdamW and weight decay 0.1: decay shrinks the directions the gradient
@@ -760,9 +762,6 @@ class AB(GroupTrainerMethod):
 
     def epoch_metrics(self) -> dict[str, Any]:
         return self.trainer.epoch_metrics()
-
-    def summary_metrics(self) -> dict[str, Any]:
-        return self.trainer.summary_metrics()
 
 
 def _ortho_sigma(model: nn.Module) -> None:

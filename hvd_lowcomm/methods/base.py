@@ -202,6 +202,11 @@ class GroupTrainerMethod(Method):
     def state_owner(self) -> int:
         return self.trainer.group.ranks[0]  # groups differ between syncs; the ranks of a group agree
 
+    def summary_metrics(self) -> dict[str, Any]:
+        """How many groups trained (one per node by default), and the trainer's own figures."""
+        own = getattr(self.trainer, "summary_metrics", dict)()
+        return {"groups": len(self.trainer.all_groups), **own}
+
 
 def make_optimizer(cfg: Config, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     t = cfg.train

@@ -689,7 +689,7 @@ def _predict_sharing(profile: Profile, p: int, link: Link, rank: "RankDadOptions
     reduced += profile.other_params + 1  # + the pooled batch size, for the N_s/N scale
     comm = link.allgather(FLOAT_BYTES * gathered, p, p) + link.allreduce(FLOAT_BYTES * reduced, p, p)
     sent = wire("allgather", FLOAT_BYTES * gathered, p) + wire("allreduce", FLOAT_BYTES * reduced, p)
-    return Prediction("", p, profile.step_seconds, own - skipped, comm, 0.0, sent)
+    return Prediction("", p, profile.step_seconds, own - skipped, comm, 0.0, sent, sent * link.node_share(p))
 
 
 def predict_dad(profile: Profile, p: int, link: Link, options: "DadOptions", cfg: Config,
@@ -715,7 +715,7 @@ def predict_edad(profile: Profile, p: int, link: Link, options: None, cfg: Confi
     own = sum(layer.kernels["rows"] + (2 * p - 1) * layer.kernels["dad_product"] for layer in profile.layers)
     comm = link.allgather(FLOAT_BYTES * gathered, p, p) + link.allreduce(FLOAT_BYTES, p, p)
     sent = wire("allgather", FLOAT_BYTES * gathered, p) + wire("allreduce", FLOAT_BYTES, p)
-    return Prediction("", p, profile.step_seconds, own, comm, 0.0, sent)
+    return Prediction("", p, profile.step_seconds, own, comm, 0.0, sent, sent * link.node_share(p))
 
 
 def edad_layers(model: nn.Module, input_shape: tuple[int, ...], options: Any, cfg: Config) -> set[str]:

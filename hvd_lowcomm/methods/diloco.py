@@ -363,7 +363,7 @@ def predict_diloco(profile: Profile, p: int, link: Link, o: DiLoCoOptions, cfg: 
     allreduced inside the group (on the node's links when a group fits in a node); each
     fragment's syncs average its slice over the column (one rank per group, across the network
     once groups fill nodes), then the group allgathers the fragment."""
-    groups = o.groups or (p // link.ranks_per_node if p > link.ranks_per_node else 2)
+    groups = runtime.groups_for(o.groups, p, link.ranks_per_node)
     if p % groups:
         raise ConfigError(f"diloco: {p} ranks do not split into {groups} groups")
     g, runs = p // groups, max(assumptions.run_steps, 1)
@@ -372,6 +372,7 @@ def predict_diloco(profile: Profile, p: int, link: Link, o: DiLoCoOptions, cfg: 
     inner = FLOAT_BYTES * profile.params
     comm = runs * link.allreduce(inner, g, p)
     sent = runs * wire("allreduce", inner, g)
+    between_nodes = sent * link.node_share(g)
     across = g >= link.ranks_per_node  # a column's ranks sit on different nodes once groups fill nodes
     for f, numbers in enumerate(facts["fragments"]):
         syncs = sum(sync_due(s, f, every, len(facts["fragments"])) for s in range(1, runs + 1))
@@ -385,8 +386,12 @@ def predict_diloco(profile: Profile, p: int, link: Link, o: DiLoCoOptions, cfg: 
         if f == 0 and facts["buffers"]:
             cost += link.allreduce(FLOAT_BYTES * facts["buffers"], groups, p, spans_nodes=across)
             nbytes += wire("allreduce", FLOAT_BYTES * facts["buffers"], groups)
+        # The column's exchange crosses nodes (once groups fill them); the group's allgather
+        # of the averaged fragment stays inside its group.
+        between_nodes += syncs * ((nbytes - wire("allgather", FLOAT_BYTES * length, g)) * link.node_share(groups, across)
+                                  + wire("allgather", FLOAT_BYTES * length, g) * link.node_share(g))
         comm, sent = comm + syncs * cost, sent + syncs * nbytes
-    return Prediction("diloco", p, profile.step_seconds, 0.0, comm / runs, 0.0, sent / runs)
+    return Prediction("diloco", p, profile.step_seconds, 0.0, comm / runs, 0.0, sent / runs, between_nodes / runs)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -469,12 +469,14 @@ def predict_partitioned(profile: Profile, p: int, link: Link, options: Partition
     reduce = sum(each) if link.shared else max(each)
     sent = wire("allreduce", FLOAT_BYTES * params, g)
     if not exchanges_activations:
-        return Prediction(method, p, profile.step_seconds * share, 0.0, reduce, 0.0, sent)
+        return Prediction(method, p, profile.step_seconds * share, 0.0, reduce, 0.0, sent, sent * link.node_share(g))
     width = max(cut.widths)
     # Partners are g ranks apart: on different nodes once a group fills whole nodes. Forward
     # then backward, each time the g ranks of one group send at once.
     sends = 2 * link.send(FLOAT_BYTES * profile.batch * width, g, across_nodes=g >= link.ranks_per_node)
     # A middle partition's ranks send both ways; with two partitions each rank sends one way.
     directions = 2 if k > 2 else 1
-    return Prediction(method, p, profile.step_seconds, 0.0, reduce + sends, 0.0,
-                      sent + directions * FLOAT_BYTES * profile.batch * width)
+    activations = directions * FLOAT_BYTES * profile.batch * width
+    across = g >= link.ranks_per_node  # then every rank of a node sends to another node at once
+    return Prediction(method, p, profile.step_seconds, 0.0, reduce + sends, 0.0, sent + activations,
+                      sent * link.node_share(g) + (link.ranks_per_node * activations if across else 0.0))

@@ -327,7 +327,7 @@ def predict_powersgd(profile: Profile, p: int, link: Link, options: PowerSGDOpti
     comm = sum(link.allreduce(FLOAT_BYTES * numbers, p, p) for numbers in (compressed_p + plain, compressed_q)
                if numbers)
     sent = sum(wire("allreduce", FLOAT_BYTES * numbers, p) for numbers in (compressed_p, compressed_q, plain))
-    return Prediction("powersgd", p, profile.step_seconds, own, comm, 0.0, sent)
+    return Prediction("powersgd", p, profile.step_seconds, own, comm, 0.0, sent, sent * link.node_share(p))
 
 
 def powersgd_quality(options: PowerSGDOptions, cfg: Config) -> str | None:
