@@ -47,6 +47,7 @@ import argparse
 import csv
 import json
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -62,7 +63,13 @@ from data_prep import BUNDLED
 from hvd_lowcomm.methods import specs
 from hvd_lowcomm.metrics import human_bytes, write_csv
 
-AGREEMENT = 0.10  # measured and metered training bytes should agree within this fraction
+# Measured and metered bytes should agree within this fraction: on one shaped loopback, and
+# between emulated nodes (where the meter's count is exact: large messages, jumbo frames).
+AGREEMENT = 0.10
+NODE_AGREEMENT = 0.05
+# Horovod's coordination (a small allreduce every cycle) is never metered: a difference this
+# small per step is that background, not a disagreement (a run that sends almost nothing).
+BACKGROUND_BYTES_PER_STEP = 64e3
 STEP_PHASES = ("forward", "backward", "exchange", "other")  # as the trainer's summary splits a step
 # "Reached ddp's quality": a validation loss at most this fraction above ddp's final one (language
 # models), or an accuracy at most this many points below ddp's final one (--loss-margin, --acc-margin).
@@ -208,7 +215,11 @@ def tabulate(results: list[dict[str, Any]], wire_rate: float | None,
         floor = next((b["summary"] for b in results if b["np"] == r["np"] and b["variant"] == "local"), None)
         # The floor a step cannot beat: the compute of the same step without any exchange
         # (the local run), or the time its bytes need on the link, whichever is longer.
-        row["wire_ms"] = 1000 * s["train_wire_bytes_per_step"] * 8 / wire_rate if wire_rate else float("nan")
+        # On emulated nodes a link carries what one node sends to the others; else what a rank sends.
+        nodes = (r["measured"] or {}).get("nodes") or 0
+        wire = s["train_between_nodes_bytes_all_ranks"] / nodes / max(s["steps"], 1) if nodes \
+            else s["train_wire_bytes_per_step"]
+        row["wire_ms"] = 1000 * wire * 8 / wire_rate if wire_rate else float("nan")
         if floor is not None:
             row["floor_ms"] = max(1000 * floor["step_seconds_mean"], 0.0 if wire_rate is None else row["wire_ms"])
             row["step_time_ratio_to_floor"] = row["step_ms"] / row["floor_ms"]
@@ -239,8 +250,9 @@ def tabulate(results: list[dict[str, Any]], wire_rate: float | None,
                         "link_utilisation": max(m.get("measured_bytes_per_node") or [m["measured_train_bytes"]]) * 8
                         / (train_seconds * m["link_bits_per_s"]),
                         "links": links})
-            row["agreement"] = "ok" if abs(row["measured_vs_meter"]) <= AGREEMENT or (
-                metered == 0 and m["measured_train_bytes"] < 1e5 * links) else "DISAGREE"
+            difference = abs(m["measured_train_bytes"] - metered) / max(s["steps"], 1)
+            row["agreement"] = "ok" if abs(row["measured_vs_meter"]) <= (NODE_AGREEMENT if nodes else AGREEMENT) or \
+                difference < BACKGROUND_BYTES_PER_STEP * links else "DISAGREE"
         if base is not None and "final_perplexity" in s:
             row.update({"final_test_loss": s["final_test_loss"], "perplexity": s["final_perplexity"],
                         "bits_per_byte": s["final_bits_per_byte"],
@@ -345,7 +357,7 @@ def write_tables(rows: list[dict[str, Any]], out: Path, title: str, failed: list
         "Where a step goes (rank 0, ms): forward and backward passes, blocked in communication, and the rest (the "
         "method's own computation and the optimiser step). Floor = " + (
             f"the longer of the no-communication step (method local) and the wire time of the step's bytes at "
-            f"{wire_label}" if wire_label else "the no-communication step (method local; unshaped link, so no wire "
+            f"{wire_label} (on emulated nodes: the bytes one node sends to the others)" if wire_label else "the no-communication step (method local; unshaped link, so no wire "
             "floor: pass --link or --wire-rate)") + "; × floor = step time over it.",
         ["np", "method", "forward", "backward", "exchange", "other", "step", "wire", "floor", "× floor"],
         [[row["np"], row["method"], *(_ms(row[f"step_ms_{phase}"]) for phase in STEP_PHASES),
@@ -394,7 +406,9 @@ def write_tables(rows: list[dict[str, Any]], out: Path, title: str, failed: list
          "interface counters; metered = what hvd_lowcomm's meter counts as sent to another node" if nodes else
          f"Traffic on the emulated {measured[0]['link'] if measured else ''} link, all ranks together, per training "
          "step: measured = the namespace's loopback counters; metered = hvd_lowcomm's meter") +
-        f" (start-up traffic of a zero-step run subtracted); agreement within {AGREEMENT:.0%} is ok; utilisation: "
+        f" (start-up traffic of a zero-step run subtracted); agreement within {NODE_AGREEMENT if nodes else AGREEMENT:.0%} "
+        f"is ok (or a difference under {human_bytes(BACKGROUND_BYTES_PER_STEP)} per step and link: Horovod's unmetered "
+        "coordination, for runs that send almost nothing); utilisation: "
         "the busiest link's bytes against its capacity over the training time.",
         ["np", "method", "measured/step", "metered/step", "measured vs meter", "link utilisation", "agreement"],
         [[row["np"], row["method"], human_bytes(row["measured_bytes_per_step"]),
@@ -549,6 +563,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="a classifier reached ddp's quality when its accuracy is at most this many points "
                              "below ddp's final one (default: %(default)s)")
     args = parser.parse_args(argv)
+    # A job killed by its scheduler (SIGTERM) still removes the namespaces it made: the
+    # signal becomes an exit, which unwinds the `with` that owns them.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
     # Entries split on commas, but "rank-dad:rank=4,iterations=5" keeps its options together.
     entries: list[str] = []

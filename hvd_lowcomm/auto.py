@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -43,7 +43,7 @@ def choose(cfg: Config, model: torch.nn.Module, data: DatasetInfo, world_size: i
     """Collective: the method the cost model predicts steps fastest here (the same on every rank)."""
     o = cfg.auto
     link = probe_link(o.probe_mb) if not o.link else \
-        costmodel.Link.parse(o.link, o.latency_us, ranks_per_node=o.ranks_per_node)
+        costmodel.Link.parse(o.link, o.latency_us, ranks_per_node=o.ranks_per_node or runtime.ranks_per_node())
     decision = None
     if runtime.rank() == 0:
         profile = costmodel.profile_model(model, data.input_shape, cfg.data.batch_size, cfg=cfg,
@@ -84,25 +84,34 @@ def _others(profile: costmodel.Profile, ranks: int, link: costmodel.Link, cfg: C
 def probe_link(probe_mb: float) -> costmodel.Link:
     """This job's network as the cost model sees it, from timed allreduces over every rank: of
     8 bytes (latency: 2⌈log2 p⌉ messages) and of probe_mb MB (bandwidth: 2(p-1)/p of it per
-    rank). The fastest of a few tries counts (the others met noise)."""
+    rank); on several nodes also over each node's ranks (the node's own bandwidth), with the
+    job's ranks per node. The fastest of a few tries counts (the others met noise)."""
     p = runtime.size()
     if p == 1:
         return costmodel.Link(bandwidth=float("inf"), latency=0.0)
 
-    def fastest(tensor: torch.Tensor, name: str) -> float:
+    def fastest(tensor: torch.Tensor, name: str, group: runtime.Group | None = None) -> float:
         times = []
         for _ in range(5):
-            meter.barrier(f"{name}.barrier")
+            meter.barrier(f"{name}.barrier", group)
             start = time.perf_counter()
-            meter.allreduce(tensor, name)
+            meter.allreduce(tensor, name, group)
             times.append(time.perf_counter() - start)
         return min(times[1:])
 
+    def bandwidth(group_size: int, small: float, large: float) -> float:
+        return 2 * (group_size - 1) / group_size * probe_mb * 1e6 / max(large - small, 1e-9)
+
+    per_node = runtime.ranks_per_node()
+    several = 1 < per_node < p
     with meter.in_phase("setup"):
-        small = fastest(torch.zeros(2), "auto.probe_latency")
-        large = fastest(torch.zeros(int(probe_mb * 1e6 / 4)), "auto.probe_bandwidth")
+        probe = torch.zeros(int(probe_mb * 1e6 / 4))
+        small, large = fastest(torch.zeros(2), "auto.probe_latency"), fastest(probe, "auto.probe_bandwidth")
+        node, _ = runtime.split(runtime.node_layout(), "node") if several else (None, None)
+        inside = (fastest(torch.zeros(2), "auto.probe_node_latency", node),
+                  fastest(probe, "auto.probe_node_bandwidth", node)) if several else (0.0, 0.0)
         # Every rank uses rank 0's figures, so the choice is the same everywhere.
-        small, large = meter.broadcast_object((small, large), "auto.probe")
-    latency = small / (2 * math.ceil(math.log2(p)))
-    bandwidth = 2 * (p - 1) / p * probe_mb * 1e6 / max(large - small, 1e-9)
-    return costmodel.Link(bandwidth=bandwidth, latency=latency)
+        small, large, inside = meter.broadcast_object((small, large, inside), "auto.probe")
+    link = costmodel.Link(bandwidth=bandwidth(p, small, large), latency=small / (2 * math.ceil(math.log2(p))),
+                          ranks_per_node=per_node)
+    return replace(link, intra_bandwidth=bandwidth(per_node, *inside)) if several else link

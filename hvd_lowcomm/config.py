@@ -188,14 +188,15 @@ class AutoConfig:
     link: str = option("", "the network between nodes, a rate such as 25gbit (empty: measure this job's own "
                            "with a short allreduce probe)")
     latency_us: float = option(2.0, "message latency with auto.link, in microseconds")
-    ranks_per_node: int = option(1, "ranks sharing a node, with auto.link")
+    ranks_per_node: int = option(0, "ranks sharing a node, with auto.link (0: this job's own, as the launcher "
+                                    "placed it)")
     probe_mb: float = option(8.0, "size of the bandwidth probe's allreduce, in MB")
 
     def validate(self) -> None:
         if self.link:
             rate_bits(self.link)
-        if self.latency_us < 0 or self.ranks_per_node < 1 or self.probe_mb <= 0:
-            raise ConfigError("auto.latency_us must be >= 0, auto.ranks_per_node >= 1 and auto.probe_mb > 0")
+        if self.latency_us < 0 or self.ranks_per_node < 0 or self.probe_mb <= 0:
+            raise ConfigError("auto.latency_us must be >= 0, auto.ranks_per_node >= 0 and auto.probe_mb > 0")
 
 
 LOGGERS = ("tensorboard", "wandb")  # run.loggers (hvd_lowcomm.trackers)

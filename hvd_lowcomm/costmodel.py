@@ -21,9 +21,9 @@ traffic meter counts too), for a group of g ranks:
 β is the bandwidth of the slowest link the ring crosses: the network's once the group spans
 several nodes (a ring leaves each node once, so the node's ranks do not share its link), the
 node's own (`intra_bandwidth`) inside one; for rings of one rank per node that every rank of a
-node runs at once (DiLoCo's columns), the node's link shared among its ranks. α is the latency of one message. On a *shared*
-medium (benchmarks.compare --link: one token bucket that every rank's bytes cross) the bytes of
-all ranks add up instead.
+node runs at once (DiLoCo's columns), the node's link shared among its ranks. α is the latency
+of one message. On a *shared* medium (benchmarks.compare --link without --nodes: one token
+bucket that every rank's bytes cross) the bytes of all ranks add up instead.
 
 Compute: forward + backward + optimiser step of one batch (`profile_model` times it, or a
 measured step of `--method local` replaces it). A method's own computation (PowerSGD's

@@ -150,6 +150,17 @@ def node_count() -> int:
     return len(set(_node_of)) or 1
 
 
+def node_layout() -> list[tuple[int, ...]]:
+    """The global ranks of each node, node by node (for a group per node: `split(node_layout(), ...)`)."""
+    nodes = _node_of or (0,) * size()
+    return [tuple(r for r, n in enumerate(nodes) if n == node) for node in sorted(set(nodes))]
+
+
+def ranks_per_node() -> int:
+    """Ranks on this rank's node (Horovod's local size, from the same host names)."""
+    return _node_of.count(node_of(rank())) if _node_of else 1
+
+
 def leaves_node(ranks: tuple[int, ...], me: int, dest: int | None = None) -> bool:
     """Whether what `me` sends in a ring over `ranks` (or to `dest`, point to point) goes to
     another node: a ring rank sends only to its successor, so a ring over several nodes leaves
