@@ -454,7 +454,7 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     def series(r: dict[str, Any], key: str) -> list[float]:
-        return [float(e[key]) for e in r["epochs"]]
+        return [float(e[key]) if e.get(key) not in (None, "") else float("nan") for e in r["epochs"]]  # NaN: a gap
 
     label = lambda r: f"{r['variant']} (np {r['np']})"  # noqa: E731
     # What the plots show of a run's quality: validation loss for a language model, else accuracy.

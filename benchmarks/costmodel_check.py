@@ -13,7 +13,8 @@ times (its compute) and the emulated link: RATE on one medium that every rank's 
 latency is its cycle, not the wire's; measure it with `--probe`, which runs
 hvd_lowcomm.auto.probe_link under mpirun on 2 ranks). Methods the model does not
 cover (local, the floor itself) are left out; PowerSGD's prediction is the run's mean step, its first
-`start_iter` steps being plain allreduces; AB's is the mean over the run's steps with the ranks
+`start_iter` steps being plain allreduces; every prediction assumes the run's own length (DiLoCo's H
+and AB's phases may be fractions of it); AB's is the mean over the run's steps with the ranks
 its cuts kept (the summary's rank/<layer>) as the assumed rank. Writes results.md and results.csv: measured against predicted
 step, the error, and its mean and largest absolute value.
 """
@@ -55,8 +56,9 @@ def check(directory: Path, latency: float, profiles: dict[str, costmodel.Profile
             cfg = _run_config(directory, np_, row["method"])
             summary = json.loads((directory / "runs" / run_name(np_, row["method"]) / "summary.json").read_text())
             profile = _profile(cfg, profiles)
-            assumptions = costmodel.RunAssumptions()
-            if method == "ab":  # the run's length, and the ranks its cuts kept
+            # The run's length: schedules given as a fraction of it (DiLoCo's H, AB's phases).
+            assumptions = costmodel.RunAssumptions(run_steps=summary["steps"])
+            if method == "ab":  # and the ranks its cuts kept
                 shares = [summary[f"rank/{layer.name}"] / min(layer.fan_in, layer.fan_out)
                           for layer in profile.layers if f"rank/{layer.name}" in summary]
                 assumptions = costmodel.RunAssumptions(run_steps=summary["steps"], rank_share=sum(shares) / len(shares))
