@@ -6,7 +6,9 @@
 Each directory is a `benchmarks.compare --link RATE` result with its runs/ and a `local` row
 (the no-communication floor) at every rank count; for a result on emulated nodes (--nodes) the
 network is RATE between nodes, --intra-rate inside one, and the bytes one node's link carried
-per step are compared too (predicted, metered, measured by the interface counters). For every other method the model predicts
+per step are compared too (predicted, metered, measured by the interface counters), and where
+the runs had more ranks than the machine has cores (--cores), no communication is assumed to
+hide behind the backward pass (Link.overlap 0: every core was computing). For every other method the model predicts
 the step from the model's layer shapes, the local run's measured forward, backward and step
 times (its compute) and the emulated link: RATE on one medium that every rank's bytes cross
 (Link(shared=True)) with message latency --latency-us (on this machine a Horovod collective's
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +37,7 @@ from hvd_lowcomm.metrics import human_bytes, write_csv
 
 
 def check(directory: Path, latency: float, profiles: dict[str, costmodel.Profile],
-          intra_bandwidth: float = costmodel.Link.intra_bandwidth) -> list[dict[str, Any]]:
+          intra_bandwidth: float = costmodel.Link.intra_bandwidth, cores: int = 1 << 30) -> list[dict[str, Any]]:
     with open(directory / "results.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
     out = []
@@ -47,8 +50,10 @@ def check(directory: Path, latency: float, profiles: dict[str, costmodel.Profile
         rate = config.rate_bits(local["link"].partition(",")[0]) / 8
         # Emulated nodes: the network between them, each node's ranks on its own shared memory;
         # else one shaped medium that every rank's bytes cross.
-        link = costmodel.Link(rate, latency, ranks_per_node=np_ // nodes, intra_bandwidth=intra_bandwidth) \
-            if nodes else costmodel.Link(rate, latency, shared=True)
+        # With more ranks than cores no core is free to progress the network during backward.
+        overlap = 1.0 if np_ <= cores else 0.0
+        link = costmodel.Link(rate, latency, ranks_per_node=np_ // nodes, intra_bandwidth=intra_bandwidth,
+                              overlap=overlap) if nodes else costmodel.Link(rate, latency, shared=True)
         for row in mine:
             method, _, _ = row["method"].partition(":")
             if method not in costmodel.predicted_methods() or method == "local":
@@ -130,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--intra-rate", default="20gbyte", metavar="RATE",
                         help="bandwidth between ranks of one node, for results on emulated nodes (tc units, or "
                              "NNgbyte) (default: %(default)s)")
+    parser.add_argument("--cores", type=int, default=os.cpu_count(),
+                        help="cores of the machine the runs were measured on: for results on emulated nodes with more "
+                             "ranks than cores, no communication hides behind the backward pass (default: this "
+                             "machine's, %(default)s)")
     parser.add_argument("--out", default="benchmarks/results/costmodel-check")
     args = parser.parse_args(argv)
     if args.latency_us is None and not args.probe:
@@ -137,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     latency = probe() if args.probe else args.latency_us * 1e-6
     profiles: dict[str, costmodel.Profile] = {}
     intra = _bytes_per_second(args.intra_rate)
-    rows = [row for directory in args.results for row in check(Path(directory), latency, profiles, intra)]
+    rows = [row for directory in args.results for row in check(Path(directory), latency, profiles, intra, args.cores)]
     errors = [abs(r["error"]) for r in rows]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -58,6 +58,10 @@ class Link:
     ranks_per_node: int = 1
     intra_bandwidth: float = 20e9    # bytes per second between ranks of one node
     shared: bool = False             # one medium for every rank's bytes (an emulated link)
+    # The share of the backward pass that communication can hide behind: 1 when every rank has
+    # a core (or a GPU) of its own, so a core is free to drive the network while it computes;
+    # 0 when ranks outnumber cores (the emulated clusters on 2 cores: measured, none hides).
+    overlap: float = 1.0
 
     @classmethod
     def parse(cls, rate: str, latency_us: float = 2.0, **kwargs: Any) -> "Link":

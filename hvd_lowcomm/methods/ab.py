@@ -723,7 +723,7 @@ def predict_ab(profile: Profile, p: int, link: Link, o: ABOptions, cfg: Config,
                 + max(cycles - 1, 0) * wire("allreduce", at_sync[1], p))
     sent = (in_groups + on_world) / runs
     between_nodes = (in_groups * link.node_share(g) + on_world * link.node_share(p)) / runs
-    hidden = full_steps * min(ddp_comm, profile.backward_seconds) / runs  # ddp's overlap in its steps
+    hidden = full_steps * min(ddp_comm, link.overlap * profile.backward_seconds) / runs  # ddp's overlap in its steps
     return Prediction("ab", p, profile.step_seconds, own, comm, hidden, sent, between_nodes)
 
 

@@ -65,7 +65,7 @@ def predict_ddp(profile: Profile, p: int, link: Link, options: None, cfg: Config
     comm = link.allreduce(nbytes, p, p)
     sent = wire("allreduce", nbytes, p)
     return Prediction("ddp", p, profile.step_seconds, profile.fp16_seconds if fp16 else 0.0, comm,
-                      min(comm, profile.backward_seconds), sent, sent * link.node_share(p))
+                      min(comm, link.overlap * profile.backward_seconds), sent, sent * link.node_share(p))
 
 
 def predict_local(profile: Profile, p: int, link: Link, options: None, cfg: Config,
