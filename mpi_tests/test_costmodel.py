@@ -54,6 +54,13 @@ def mlp_profile():
     return profile_model(mlp((64,), 10, [256, 256, 256]), (64,), 32, repeats=3)
 
 
+def test_communication_hides_behind_backward_only_when_a_core_is_free(mlp_profile):
+    free = predict(mlp_profile, "ddp", 4, Link(1e8))
+    busy = predict(mlp_profile, "ddp", 4, Link(1e8, overlap=0.0))  # ranks outnumber cores
+    assert free.hidden > 0 and free.hidden == pytest.approx(min(free.communication, mlp_profile.backward_seconds))
+    assert busy.hidden == 0 and busy.step == pytest.approx(free.step + free.hidden)
+
+
 def test_the_profile_counts_every_parameter_and_the_partitions(mlp_profile):
     model = mlp((64,), 10, [256, 256, 256])
     assert mlp_profile.params == sum(p.numel() for p in model.parameters())
