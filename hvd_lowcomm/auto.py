@@ -43,7 +43,7 @@ def choose(cfg: Config, model: torch.nn.Module, data: DatasetInfo, world_size: i
     """Collective: the method the cost model predicts steps fastest here (the same on every rank)."""
     o = cfg.auto
     link = probe_link(o.probe_mb) if not o.link else \
-        costmodel.Link.parse(o.link, o.latency_us, ranks_per_node=o.ranks_per_node or runtime.ranks_per_node())
+        costmodel.Link.parse(o.link, o.latency_us, ranks_per_node=o.ranks_per_node or _job_ranks_per_node())
     decision = None
     if runtime.rank() == 0:
         profile = costmodel.profile_model(model, data.input_shape, cfg.data.batch_size, cfg=cfg,
@@ -79,6 +79,12 @@ def _others(profile: costmodel.Profile, ranks: int, link: costmodel.Link, cfg: C
         lines.append(f"{name:<10} {q.step * 1e3:>9.1f} ms per step, {human_bytes(q.bytes_per_rank)} sent per rank")
     return left_out + (("\nnot chosen automatically (they change how the model trains; choose them yourself):\n"
                         + "\n".join(lines)) if lines else "")
+
+
+def _job_ranks_per_node() -> int:
+    """The job's ranks per node when it spans nodes; on one node, 1: a link given for a job that
+    fits in one node is the network its ranks are to be judged on (else nothing would cross it)."""
+    return runtime.ranks_per_node() if runtime.node_count() > 1 else 1
 
 
 def probe_link(probe_mb: float) -> costmodel.Link:

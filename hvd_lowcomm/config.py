@@ -188,8 +188,8 @@ class AutoConfig:
     link: str = option("", "the network between nodes, a rate such as 25gbit (empty: measure this job's own "
                            "with a short allreduce probe)")
     latency_us: float = option(2.0, "message latency with auto.link, in microseconds")
-    ranks_per_node: int = option(0, "ranks sharing a node, with auto.link (0: this job's own, as the launcher "
-                                    "placed it)")
+    ranks_per_node: int = option(0, "ranks sharing a node, with auto.link (0: this job's own when it spans "
+                                    "several nodes, else 1)")
     probe_mb: float = option(8.0, "size of the bandwidth probe's allreduce, in MB")
 
     def validate(self) -> None:
