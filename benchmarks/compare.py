@@ -522,6 +522,11 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
         _finish(fig, ax, out / "effective_rank.png", legend="x-small")
 
 
+def _exit_on_sigterm(*_: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(128 + signal.SIGTERM)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -564,8 +569,9 @@ def main(argv: list[str] | None = None) -> int:
                              "below ddp's final one (default: %(default)s)")
     args = parser.parse_args(argv)
     # A job killed by its scheduler (SIGTERM) still removes the namespaces it made: the
-    # signal becomes an exit, which unwinds the `with` that owns them.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    # signal becomes an exit, which unwinds the `with` that owns them; a second SIGTERM is
+    # ignored so that it cannot cut that clean-up short.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
     # Entries split on commas, but "rank-dad:rank=4,iterations=5" keeps its options together.
     entries: list[str] = []

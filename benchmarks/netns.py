@@ -97,7 +97,10 @@ CLUSTER_MTU = 9000
 MPI_ON_CLUSTER = ["--mca", "btl", "tcp,self,vader", "--mca", "btl_tcp_if_include", CLUSTER_SUBNET,
                   "--mca", "oob_tcp_if_include", CLUSTER_SUBNET, "--mca", "plm_rsh_no_tree_spawn", "1",
                   "--mca", "coll_tuned_use_dynamic_rules", "1", "--mca", "coll_tuned_allreduce_algorithm", "4",
-                  "--mca", "coll_tuned_allgatherv_algorithm", "3"]
+                  "--mca", "coll_tuned_allgatherv_algorithm", "3",
+                  # The emulated nodes share this machine's few cores, but each claims np/N slots, so
+                  # Open MPI would busy-poll while waiting and starve the ranks that have work.
+                  "--mca", "mpi_yield_when_idle", "1"]
 # Open MPI's launcher calls `AGENT HOST COMMAND...` where it would call ssh; this agent enters the
 # host's namespace instead, with a host name of its own (Open MPI tells nodes apart by host name,
 # and shared-memory segments of two "nodes" with one name would collide).
