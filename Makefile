@@ -36,7 +36,7 @@ test-8: $(STAMP)
 	$(call PYTEST,8) -k at_scale
 
 # The product card's scale: every method at 64 ranks as 8 emulated nodes of 8 (needs root and
-# iproute2; hours on 2 cores, so not part of `make test`).
+# iproute2; about 8 minutes per method on 2 cores, so not part of `make test`).
 test-cluster: $(STAMP)
 	HVD_LOWCOMM_CLUSTER_TEST=1 $(PY) -m pytest -p no:cacheprovider -s $(PYTEST_ARGS) mpi_tests/test_cluster.py
 
