@@ -430,7 +430,8 @@ class DiLoCoMethod(GroupTrainerMethod):
         return {"outer_steps": self.trainer.outer_steps, "sync_every": self.trainer.every,
                 "intra_group_wire_bytes": intra, "inter_group_wire_bytes": inter}
 
-    summary_metrics = epoch_metrics
+    def summary_metrics(self) -> dict[str, Any]:
+        return {**super().summary_metrics(), **self.epoch_metrics()}
 
     def local_state_dict(self) -> dict[str, Any]:
         return self.trainer.local_state_dict()
