@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import tempfile
 from itertools import count
+from typing import Self
 
 from hvd_lowcomm.config import rate_bits  # noqa: F401 (tc's units; compare imports it from here)
 
@@ -44,7 +45,28 @@ def check_available() -> None:
         raise LinkUnavailable(f"--link needs iproute2 ({', '.join(missing)} not found): apt-get install iproute2")
 
 
-class ShapedLink:
+class _EmulatedNetwork:
+    """Namespaces made on entering and always deleted on leaving, also when making them failed."""
+
+    def __enter__(self) -> Self:
+        try:
+            self._create()
+        except BaseException:
+            self._delete()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._delete()
+
+    def _create(self) -> None:
+        raise NotImplementedError
+
+    def _delete(self) -> None:
+        raise NotImplementedError
+
+
+class ShapedLink(_EmulatedNetwork):
     """`with ShapedLink("1gbit") as link:` run `link.mpirun(np_) + command`; `link.node_bytes()` counts."""
 
     def __init__(self, rate: str) -> None:
@@ -54,20 +76,10 @@ class ShapedLink:
         self.name = f"hvdlc-{os.getpid()}-{next(_names)}"
         self.prefix = ["ip", "netns", "exec", self.name]
 
-    def __enter__(self) -> "ShapedLink":
+    def _create(self) -> None:
         _run(["ip", "netns", "add", self.name])
-        try:
-            _run([*self.prefix, "ip", "link", "set", "lo", "up"])
-            # burst: a few full-size loopback packets; latency bounds the queue.
-            _run([*self.prefix, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", self.rate,
-                  "burst", "256kb", "latency", "100ms"])
-        except BaseException:
-            self._delete()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._delete()
+        _run([*self.prefix, "ip", "link", "set", "lo", "up"])
+        _shape(self.name, "lo", self.rate)
 
     def mpirun(self, np_: int) -> list[str]:
         """The mpirun command (without the program) that runs np_ ranks on the shaped loopback."""
@@ -115,7 +127,7 @@ exec ip netns exec "$ns" unshare --uts sh -c "hostname $host && $*"
 """
 
 
-class EmulatedCluster:
+class EmulatedCluster(_EmulatedNetwork):
     """`nodes` emulated nodes joined by links of `rate` (and one-way `latency`, tc units such as
     100us or 1ms) through a switch; `with EmulatedCluster(2, "1gbit") as cluster:` run
     `cluster.mpirun(np_) + command`; `cluster.node_bytes()` counts what crossed each node's link.
@@ -140,17 +152,6 @@ class EmulatedCluster:
         self.node_namespaces = [f"{self.tag}-{host}" for host in self.hosts]
         self._directory = tempfile.mkdtemp(prefix=f"{self.tag}-")
         self.agent = os.path.join(self._directory, "agent.sh")
-
-    def __enter__(self) -> "EmulatedCluster":
-        try:
-            self._create()
-        except BaseException:
-            self._delete()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._delete()
 
     def mpirun(self, np_: int) -> list[str]:
         """The mpirun command (without the program) that places np_ ranks, np_/nodes per node,
@@ -184,25 +185,28 @@ class EmulatedCluster:
             _run(["ip", "-n", ns, "addr", "add", f"{address}/24", "dev", "eth0"])
             _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
             if ns != self.launcher:  # the launcher's own link is not part of the network under test
-                self._shape(ns, "eth0", self.latency)
-                self._shape(self.switch, port, None)
-
-    def _shape(self, ns: str, device: str, latency: str | None) -> None:
-        tc = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", device]
-        parent = ["root"]
-        if latency:  # netem delays every packet; the token bucket below it sets the rate
-            proc = subprocess.run([*tc, "root", "handle", "1:", "netem", "delay", latency, "limit", "100000"],
-                                  capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise LinkUnavailable(f"cannot add {latency} of latency: {proc.stderr.strip()} (latency needs the "
-                                      "kernel's netem qdisc, sch_netem; give the link without a latency)")
-            parent = ["parent", "1:1"]
-        _run([*tc, *parent, "handle", "10:", "tbf", "rate", self.rate, "burst", "256kb", "latency", "100ms"])
+                _shape(ns, "eth0", self.rate, self.latency)
+                _shape(self.switch, port, self.rate)
 
     def _delete(self) -> None:
         for ns in [*self.node_namespaces, self.launcher, self.switch]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         shutil.rmtree(self._directory, ignore_errors=True)
+
+
+def _shape(ns: str, device: str, rate: str, latency: str | None = None) -> None:
+    """Limit what `device` in namespace `ns` sends to `rate` with a token bucket (burst: a few
+    full-size packets; its latency bounds the queue), after a one-way `latency` (netem) if given."""
+    tc = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", device]
+    parent = ["root"]
+    if latency:  # netem delays every packet; the token bucket below it sets the rate
+        proc = subprocess.run([*tc, "root", "handle", "1:", "netem", "delay", latency, "limit", "100000"],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise LinkUnavailable(f"cannot add {latency} of latency: {proc.stderr.strip()} (latency needs the "
+                                  "kernel's netem qdisc, sch_netem; give the link without a latency)")
+        parent = ["parent", "1:1"]
+    _run([*tc, *parent, "handle", "10:", "tbf", "rate", rate, "burst", "256kb", "latency", "100ms"])
 
 
 def _interface_bytes(ns: str, device: str) -> int:

@@ -210,12 +210,8 @@ def groups_for(requested: int, world_size: int, ranks_per_node: int) -> int:
 
 
 def default_group_count(requested: int, world_size: int) -> int:
-    """`groups_for` with this job's ranks per node (Horovod's local size)."""
-    if requested:
-        return requested
-    import horovod.torch as hvd
-
-    return groups_for(requested, world_size, hvd.local_size())
+    """`groups_for` with this job's ranks per node."""
+    return groups_for(requested, world_size, ranks_per_node())
 
 
 def split_world(num_groups: int | None = None, group_size: int | None = None,
