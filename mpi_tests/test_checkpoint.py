@@ -33,6 +33,13 @@ METHODS = {
     # the stop at step 11 falls inside a cycle of each fragment, with outer momentum to restore
     "diloco": ["--diloco.sync_every", "4", "--diloco.fragments", "2"],
     "diloco-int8": ["--method", "diloco", "--diloco.sync_every", "5", "--diloco.compression", "int8"],
+    "diloco-sparse": ["--method", "diloco", "--diloco.sync_every", "5", "--diloco.compression", "sparse",
+                      "--diloco.error_decay", "0.9"],
+    "diloco-lowrank": ["--method", "diloco", "--diloco.sync_every", "5", "--diloco.compression", "lowrank",
+                       "--diloco.rank", "2"],
+    # exchanges start at steps 5, 10, ... and land 2 steps later: the stop at 11 has one in flight
+    "diloco-delay": ["--method", "diloco", "--diloco.sync_every", "5", "--diloco.sync_delay", "2",
+                     "--diloco.update_alpha", "0.5", "--diloco.compression", "int8"],
 }
 
 

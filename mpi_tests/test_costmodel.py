@@ -116,17 +116,23 @@ EXACT = {
             "--ab.rank_rule", "tau", "--ab.tau", "0.01", "--ab.max_output_error", "0"],  # the floor keeps all
            {"rank_share": 1.0}, 2e-3),
     "diloco": (["--diloco.groups", "2"], {}, 1e-6),  # the model's default is a group per node
+    # every form of DiLoCo's exchange between groups (at H = 4: ten exchanges in the run)
+    **{f"diloco-{form}": (["--method", "diloco", "--diloco.groups", "2", "--diloco.sync_every", "4",
+                           "--diloco.compression", form], {}, 1e-6) for form in ("fp16", "int8", "sparse", "lowrank")},
+    "diloco-delay": (["--method", "diloco", "--diloco.groups", "2", "--diloco.sync_every", "4", "--diloco.sync_delay",
+                      "2"], {}, 1e-6),
 }
 STEPS = 40
 
 
 @needs_ranks(2)
-@pytest.mark.parametrize("method", costmodel.predicted_methods())
+@pytest.mark.parametrize("method", costmodel.predicted_methods() + [k for k in EXACT if k.startswith("diloco-")])
 def test_predicted_bytes_per_step_are_what_the_busiest_rank_sends(world, fresh_meter, shared_tmp, method):
-    """For every registered method: the cost model's bytes per step equal the meter's over a
-    real run through the trainer (the rank that sends most; AB's B-groups and mp's partitions
-    send less or other things)."""
+    """For every registered method (and every form of DiLoCo's exchange): the cost model's bytes
+    per step equal the meter's over a real run through the trainer (the rank that sends most;
+    AB's B-groups and mp's partitions send less or other things)."""
     argv, assumed, tolerance = EXACT.get(method, ([], {}, 1e-6))
+    method = method if method in costmodel.predicted_methods() else "diloco"
     argv = ["--method", method, "--model.name", "mlp", "--model.hidden", "128,96,64", "--data.batch_size", "8",
             "--train.epochs", "1", "--train.max_steps", str(STEPS), "--data.path", str(shared_tmp / "digits.h5"),
             "--run.dir", str(shared_tmp), "--run.name", method, "--run.progress", "false", *argv]

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from conftest import RANK, SIZE, needs_ranks
 from hvd_lowcomm import config
 from hvd_lowcomm.config import ConfigError
-from hvd_lowcomm.methods.diloco import (BLOCK, DiLoCo, dequantise, fragment_bounds, quantise, shard_length,
-                                        sync_due)
+from hvd_lowcomm.methods.diloco import DiLoCo, fragment_bounds, shard_length, sync_due
+from hvd_lowcomm.methods.outer_exchange import BLOCK, dequantise, quantise
 from hvd_lowcomm.train import main
 
 INNER_LR = 0.1
@@ -29,16 +29,19 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reference(world_size: int, groups: int, steps: int, every: int, fragments: int, outer_lr: float,
-              outer_momentum: float, nesterov: bool) -> list[nn.Sequential]:
+              outer_momentum: float, nesterov: bool, delay: int = 0, alpha: float = 0.0) -> list[nn.Sequential]:
     """Every group's model after `steps` steps, in one process: G copies trained with plain SGD
     on the mean gradient of their ranks' batches; each fragment's outer step (torch's SGD on the
-    global copy, gradient = mean over groups of global - local) at its own steps."""
+    global copy, gradient = mean over groups of global - local) at its own steps, or, with a
+    delay, the mean taken at those steps applied `delay` steps later, each group keeping alpha
+    of its progress since."""
     size = world_size // groups
     models = [small_model() for _ in range(groups)]
     global_model = small_model()
     params = list(global_model.parameters())
     bounds = fragment_bounds([p.numel() for p in params], fragments)
     outer = torch.optim.SGD(params, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov and outer_momentum > 0)
+    pending = {}  # fragment -> (step applied, mean pseudo-gradient per tensor, each group's parameters at the start)
     for step in range(1, steps + 1):
         for g, model in enumerate(models):
             grads = []
@@ -50,20 +53,27 @@ def reference(world_size: int, groups: int, steps: int, every: int, fragments: i
             with torch.no_grad():
                 for i, p in enumerate(model.parameters()):
                     p -= INNER_LR * torch.stack([gr[i] for gr in grads]).mean(0)
-        due = [f for f in range(fragments) if sync_due(step, f, every, fragments)]
+        started = [f for f in range(fragments) if sync_due(step, f, every, fragments)]
+        for f in started:
+            pending[f] = (step + delay, [torch.stack([params[i].detach() - list(m.parameters())[i].detach()
+                                                      for m in models]).mean(0) for i in range(bounds[f], bounds[f + 1])],
+                          [[p.detach().clone() for p in m.parameters()] for m in models])
+        due = [f for f in pending if pending[f][0] == step]
         if not due:
             continue
         outer.zero_grad(set_to_none=True)
         for f in due:
-            for i in range(bounds[f], bounds[f + 1]):
-                params[i].grad = torch.stack([params[i].detach() - list(m.parameters())[i].detach()
-                                              for m in models]).mean(0)
+            for i, mean in zip(range(bounds[f], bounds[f + 1]), pending[f][1]):
+                params[i].grad = mean
         outer.step()
         with torch.no_grad():
-            for model in models:
+            for g, model in enumerate(models):
                 for f in due:
                     for i in range(bounds[f], bounds[f + 1]):
-                        list(model.parameters())[i].copy_(params[i])
+                        p = list(model.parameters())[i]
+                        p.copy_(params[i] + (alpha * (p - pending[f][2][g][i]) if delay else 0))
+        for f in due:
+            del pending[f]
     return models
 
 
@@ -99,6 +109,28 @@ def test_outer_steps_match_a_single_process_reference(world, fragments, outer_lr
 
 
 @needs_ranks(2)
+@pytest.mark.parametrize("fragments, alpha", [(1, 0.0), (1, 0.5), (2, 1.0)])
+def test_a_delayed_exchange_lands_sync_delay_steps_later_keeping_alpha_of_the_progress(world, fragments, alpha):
+    groups = 2 if SIZE % 2 == 0 else SIZE
+    model, diloco = train(13, groups=groups, sync_every=6, fragments=fragments, outer_lr=0.7, outer_momentum=0.9,
+                          sync_delay=2, update_alpha=alpha)
+    expected = reference(SIZE, groups, 13, 6, fragments, 0.7, 0.9, True, delay=2, alpha=alpha)[diloco.group.index]
+    for (name, got), want in zip(model.named_parameters(), expected.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+    # on the worker thread; fragment 0's exchange started at step 12 would land at 14
+    assert diloco.worker is not None and list(diloco.in_flight) == [0]
+    final = diloco.full_model()  # settles what is in flight; every rank gets one model
+    flat = torch.cat([p.detach().flatten() for p in final.parameters()])
+    assert all(torch.equal(other, flat) for other in world.comm.allgather(flat))
+
+
+def test_sync_delay_must_land_before_the_next_exchange_starts(world):
+    model = small_model()
+    with pytest.raises(ConfigError, match="diloco.sync_delay 3 must be below H / fragments = 6 / 2"):
+        DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=6, fragments=2, sync_delay=3)
+
+
+@needs_ranks(2)
 def test_groups_differ_between_syncs_and_agree_after_one(world):
     model, diloco = train(3, groups=2 if SIZE % 2 == 0 else SIZE, sync_every=4)
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -124,10 +156,13 @@ def test_the_exchange_between_groups_is_sharded_and_int8_sends_a_quarter(world, 
     assert sum(t.payload_bytes for t in column) == 4 * slice_numbers  # one fp32 slice, once
     fresh_meter.reset()
     model, quantised = train(4, groups=groups, sync_every=4, compression="int8")
-    column = [t for (phase, op, group), t in fresh_meter.by_kind.items() if group.startswith("column")]
-    blocks = -(-slice_numbers // BLOCK)
-    assert sum(t.payload_bytes for t in column) == blocks * BLOCK + 4 * blocks  # int8 values + fp32 scales
-    assert quantised.errors[0].abs().max() > 0  # what rounding dropped waits for the next sync
+    column = {op: t for (phase, op, group), t in fresh_meter.by_kind.items() if group.startswith("column")}
+    # reduce-scatter: chunk j of the slice to column member j, int8 values + fp32 scales per block
+    chunk = -(-slice_numbers // groups)
+    chunk_bytes = chunk + 4 * -(-chunk // BLOCK)
+    assert column["alltoall"].payload_bytes == groups * chunk_bytes
+    assert column["allgather"].payload_bytes == chunk_bytes  # the mean of its own chunk, requantised
+    assert quantised.exchange.errors[0].abs().max() > 0  # what rounding dropped waits for the next sync
     reference_model, _ = train(4, groups=groups, sync_every=4)
     for got, want in zip(model.parameters(), reference_model.parameters()):  # int8 is close to fp32's step
         assert (got - want).abs().max() < 0.02 * want.abs().max() + 1e-3

@@ -7,14 +7,15 @@ puts on the network by the standard ring algorithms for a group of p ranks:
 
     allreduce   2 (p-1)/p * M        M = this rank's tensor bytes
     allgather   (p-1)/p * T          T = bytes of the gathered result ((p-1) M for equal parts)
+    alltoall    (p-1)/p * M          M = this rank's whole send buffer (a 1/p part stays home)
     broadcast   M                    (pipelined chain: each rank forwards the tensor once)
     send        M,  recv 0           point-to-point
     (p = 1: nothing crosses the network)
 
 Of that, the part that leaves the rank's node is counted apart (`between_nodes_bytes`): in a
 ring a rank sends only to its successor, so its bytes cross nodes when the successor lives on
-another node (one rank per node in each ring over several nodes), and a point-to-point message
-when its destination does. That is what a cluster's network carries; the rest stays in a node.
+another node (one rank per node in each ring over several nodes), a point-to-point message
+when its destination does, and an alltoall's parts for members on other nodes. That is what a cluster's network carries; the rest stays in a node.
 
 The meter keeps the records of the current step (for per-step logs and tests) and running
 totals per (phase, op, group) and per tensor name, so its memory does not grow with the run.
@@ -56,7 +57,7 @@ def wire_bytes(op: str, payload_bytes: float, group_size: int) -> float:
         return 0.0
     if op == "allreduce":
         return 2.0 * (p - 1) / p * payload_bytes
-    if op == "allgather":  # payload_bytes is the gathered total here
+    if op in ("allgather", "alltoall"):  # allgather: payload_bytes is the gathered total here
         return (p - 1) / p * payload_bytes
     if op in ("broadcast", "send"):
         return float(payload_bytes)
@@ -116,7 +117,7 @@ class TrafficMeter:
         label, size = (group.label if group is not None else "world"), _members(group)
         wire = wire_bytes(op, payload_bytes, size) if wire is None else float(wire)
         rec = Record(self.step, name, op, label, size, int(payload_bytes), wire, self.phase,
-                     wire if wire and _leaves_node(group, dest) else 0.0)
+                     wire * _share_leaving_node(op, group, dest) if wire else 0.0)
         self.step_records.append(rec)
         self.by_kind[(rec.phase, rec.op, rec.group)].add(rec)
         self.by_name[rec.name].add(rec)
@@ -328,11 +329,16 @@ class TrafficMeter:
         return out
 
 
-def _leaves_node(group: Group | None, dest: int | None) -> bool:
+def _share_leaving_node(op: str, group: Group | None, dest: int | None) -> float:
+    """The part of a call's wire bytes that goes to other nodes."""
     if runtime.node_count() == 1:
-        return False
+        return 0.0
     ranks = group.ranks if group is not None else runtime.world().ranks
-    return runtime.leaves_node(ranks, runtime.rank(), dest)
+    me = runtime.rank()
+    if op == "alltoall":  # an equal part to every other member
+        others = [r for r in ranks if r != me]
+        return sum(runtime.node_of(r) != runtime.node_of(me) for r in others) / max(len(others), 1)
+    return float(runtime.leaves_node(ranks, me, dest))
 
 
 def _pickled_size(obj: Any) -> int:

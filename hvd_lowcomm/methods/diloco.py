@@ -20,20 +20,28 @@ of every group averages only its 1/|group| slice of Δ with rank i of the other 
 "column", one rank per group), steps its slice of θ_global, and the group allgathers the new
 slices: a rank sends model/|group| across the network per sync, not the whole model. Options:
 
-- compression fp16 (Δ in half precision) or int8 (per block of 256 numbers, absmax scaling to
-  8 bits; allgathered and averaged in fp32 on arrival; error feedback adds what rounding dropped
-  to the next pseudo-gradient, as Streaming DiLoCo's quantised outer gradients do);
+- compression (hvd_lowcomm.methods.outer_exchange): none (fp32 allreduce); fp16 or int8 by a
+  quantised reduce-scatter and allgather whose bytes per rank stay below twice the slice's
+  whatever the number of groups; sparse (SparseLoCo: top-k of each chunk at 2 bits from an
+  error-feedback accumulator) or lowrank (PowerSGD factors of each matrix, error feedback);
 - fragments F (Streaming DiLoCo): the parameters in F contiguous parts of about equal size,
-  part f synced at inner steps f·H/F + k·H, so the network carries 1/F of the model at a time.
+  part f synced at inner steps f·H/F + k·H, so the network carries 1/F of the model at a time;
+- sync_delay τ (Streaming DiLoCo's overlap, torchft's fragment_sync_delay): a fragment's
+  exchange starts at its sync step on a background thread and is applied τ inner steps later,
+  so the network time hides behind those steps; update_alpha α keeps α of the progress the
+  fragment made meanwhile on top of the new global parameters (θ_local <- θ_global +
+  α (θ_local - θ_local at the start); 0 discards it, as torchft does).
 
 Floating-point buffers (BatchNorm statistics) are averaged plainly with fragment 0. Evaluation
 and the final model use the model a sync of every fragment would give now (as AB-training's).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -45,13 +53,10 @@ from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
 from hvd_lowcomm.config import Config, ConfigError, make_options, option
 from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, RunAssumptions, wire
 from hvd_lowcomm.methods import register
+from hvd_lowcomm.methods.outer_exchange import COMPRESSIONS, Transfer, make_exchange
 from hvd_lowcomm.methods.base import (GroupTrainerMethod, broadcast_model_and_optimizer, exchange_gradients,
                                       make_optimizer)
 from hvd_lowcomm.schedule import SET_LATER, require_run_length, run_steps
-
-COMPRESSIONS = ("none", "fp16", "int8")
-BLOCK = 256  # numbers per int8 scale: one fp32 scale costs 1/64 of the block's bytes
-
 
 @dataclass
 class DiLoCoOptions:
@@ -73,10 +78,19 @@ class DiLoCoOptions:
     outer_lr: float = option(1.0, "outer learning rate (1 with outer_momentum 0: plain averaging; the paper: 0.7)")
     outer_momentum: float = option(0.0, "outer momentum (the paper: 0.9, for long H)")
     nesterov: bool = option(True, "Nesterov momentum for the outer step (the paper's)")
-    compression: str = option("none", "pseudo-gradients between groups: none (fp32), fp16, or int8 (per-block "
-                                      "scaling, error feedback)", choices=COMPRESSIONS)
+    compression: str = option("none", "pseudo-gradients between groups: none (fp32), fp16, int8 (per-block scaling, "
+                                      "error feedback), sparse (top-k of each chunk at 2 bits, error feedback) or "
+                                      "lowrank (PowerSGD factors of each matrix, error feedback)",
+                              choices=COMPRESSIONS)
+    density: float = option(0.02, "sparse: the share of each chunk's numbers sent (SparseLoCo: 1-3 %)")
+    error_decay: float = option(1.0, "sparse: the error-feedback accumulator's decay, e <- decay*e + Δ")
+    rank: int = option(4, "lowrank: columns of P and Q per matrix")
     fragments: int = option(1, "streaming: sync the model in this many parts at staggered steps (peak traffic "
                                "between groups / fragments)")
+    sync_delay: int = option(0, "inner steps between starting a fragment's exchange and applying it (torchft's "
+                                "fragment_sync_delay): the exchange runs behind them; 0 blocks; < H / fragments")
+    update_alpha: float = option(1.0, "with sync_delay: the share of the local progress made while the exchange "
+                                      "ran that the fragment keeps on top of the new global parameters")
 
     def validate(self) -> None:
         if self.groups < 0:
@@ -90,6 +104,22 @@ class DiLoCoOptions:
             raise ConfigError(f"diloco.outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if self.fragments < 1:
             raise ConfigError(f"diloco.fragments must be >= 1, got {self.fragments}")
+        if not 0 < self.density <= 1:
+            raise ConfigError(f"diloco.density must be in (0, 1], got {self.density}")
+        if not 0 <= self.error_decay <= 1:
+            raise ConfigError(f"diloco.error_decay must be in [0, 1], got {self.error_decay}")
+        if self.rank < 1:
+            raise ConfigError(f"diloco.rank must be >= 1, got {self.rank}")
+        if self.sync_delay < 0:
+            raise ConfigError(f"diloco.sync_delay must be >= 0, got {self.sync_delay}")
+        if not 0 <= self.update_alpha <= 1:
+            raise ConfigError(f"diloco.update_alpha must be in [0, 1], got {self.update_alpha}")
+
+    def check_schedule(self, every: int) -> None:
+        """The delay must let each fragment's exchange land before the next one starts."""
+        if self.sync_delay and self.sync_delay >= every / self.fragments:
+            raise ConfigError(f"diloco.sync_delay {self.sync_delay} must be below H / fragments = {every} / "
+                              f"{self.fragments}: a fragment's exchange must land before the next one starts")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,28 +152,6 @@ def sync_due(inner_step: int, fragment: int, every: int, fragments: int) -> bool
     """Whether `fragment` is synced after inner step `inner_step` (1-based): at f·H/F + k·H."""
     offset = fragment * every // fragments
     return inner_step >= max(offset, 1) and (inner_step - offset) % every == 0
-
-
-def compressed_bytes(numbers: int, compression: str) -> int:
-    """Bytes one rank contributes to the exchange of `numbers` pseudo-gradient numbers."""
-    if compression == "int8":
-        return numbers + FLOAT_BYTES * math.ceil(numbers / BLOCK)
-    return numbers * (2 if compression == "fp16" else FLOAT_BYTES)
-
-
-def quantise(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 values and one fp32 scale per block of BLOCK (absmax / 127)."""
-    blocks = math.ceil(len(values) / BLOCK)
-    padded = torch.zeros(blocks * BLOCK, dtype=values.dtype, device=values.device)
-    padded[: len(values)] = values
-    padded = padded.view(blocks, BLOCK)
-    scales = padded.abs().amax(dim=1) / 127
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    return torch.round(padded / scales[:, None]).clamp(-127, 127).to(torch.int8).view(-1), scales
-
-
-def dequantise(values: torch.Tensor, scales: torch.Tensor, numbers: int) -> torch.Tensor:
-    return (values.view(len(scales), BLOCK).float() * scales[:, None]).view(-1)[:numbers]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,7 +197,10 @@ class DiLoCo:
         self.global_slices = [nn.Parameter(self._local_slice(f)) for f in range(len(self.fragments))]
         self.outer = torch.optim.SGD(self.global_slices, lr=o.outer_lr, momentum=o.outer_momentum,
                                      nesterov=o.nesterov and o.outer_momentum > 0)
-        self.errors = [torch.zeros_like(s) for s in self.global_slices] if o.compression == "int8" else []
+        self.exchange = make_exchange(self.column, o)
+        self.worker: concurrent.futures.ThreadPoolExecutor | None = None  # runs delayed exchanges
+        self.in_flight: dict[int, InFlight] = {}  # fragment -> its started exchange
+        self.exchange_wait_seconds = 0.0  # what steps waited for exchanges between groups
         self.inner_steps = 0
         self.since_sync = [0] * len(self.fragments)  # inner steps since each fragment's last sync
         self.outer_steps = 0
@@ -197,29 +208,47 @@ class DiLoCo:
         self.every: int | None = None
         if total_steps not in (None, SET_LATER):
             self.set_total_steps(total_steps)
+        elif o.sync_every >= 1:  # steps: the schedule is known now
+            self._set_every(int(o.sync_every))
 
     def set_total_steps(self, total_steps: int) -> None:
         """Fix H for a run of `total_steps` steps (resolves a fractional sync_every)."""
-        self.every = max(1, run_steps(self.options.sync_every, total_steps, "diloco.sync_every"))
+        self._set_every(max(1, run_steps(self.options.sync_every, total_steps, "diloco.sync_every")))
+        o = self.options
+        delay = f", applied {o.sync_delay} steps later (alpha {o.update_alpha})" if o.sync_delay else ""
         runtime.announce(f"diloco: {len(self.all_groups)} groups of {self.group.size} rank(s); an outer step every "
-                         f"{self.every} inner steps ({len(self.fragments)} fragment(s), {self.options.compression} "
-                         f"exchange; outer lr {self.options.outer_lr}, momentum {self.options.outer_momentum})")
+                         f"{self.every} inner steps ({len(self.fragments)} fragment(s), {o.compression} exchange"
+                         f"{delay}; outer lr {o.outer_lr}, momentum {o.outer_momentum})")
+
+    def _set_every(self, every: int) -> None:
+        self.options.check_schedule(every)
+        if self.options.sync_delay and self.worker is None:
+            from mpi4py import MPI
+
+            if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+                raise ConfigError("diloco.sync_delay runs the exchange on a second thread, which needs MPI "
+                                  "initialised with MPI_THREAD_MULTIPLE (mpi4py's default; check mpi4py.rc)")
+            self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="diloco-exchange")
+        self.every = every
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> None:
         """After the caller's backward pass: the inner step, then the outer step of every
         fragment due (see the class)."""
         if self.every is None:  # steps only: a fraction needs set_total_steps()
-            self.every = max(1, run_steps(self.options.sync_every, None, "diloco.sync_every"))
+            self._set_every(max(1, run_steps(self.options.sync_every, None, "diloco.sync_every")))
         exchange_gradients(self.inner_named, self.group)
         if self.clip_grad_norm:
             torch.nn.utils.clip_grad_norm_([p for _, p in self.inner_named], self.clip_grad_norm)
         self.optimizer.step()
         self.inner_steps += 1
         self.since_sync = [n + 1 for n in self.since_sync]
-        due = [f for f in range(len(self.fragments)) if sync_due(self.inner_steps, f, self.every, len(self.fragments))]
+        for f in range(len(self.fragments)):
+            if sync_due(self.inner_steps, f, self.every, len(self.fragments)):
+                self._start(f, background=bool(self.options.sync_delay))
+        due = sorted(f for f, flight in self.in_flight.items() if flight.apply_at == self.inner_steps)
         if due:
-            self._outer_step(due)
+            self._apply(due)
             self.outer_steps += 1
         self.synced_now = bool(due)
 
@@ -239,84 +268,99 @@ class DiLoCo:
         length = shard_length(sum(p.numel() for _, p in self.fragments[fragment]), self.group.size)
         return self._flat(fragment)[self.position * length:(self.position + 1) * length].clone()
 
-    def _outer_step(self, due: list[int]) -> None:
-        """Average the due fragments' pseudo-gradient slices over the column, step their global
-        slices, and give every rank of the group the new global parameters."""
-        deltas = [self.global_slices[f].detach() - self._local_slice(f) for f in due]
-        averaged = self._average_over_groups(due, deltas)
+    def _start(self, fragment: int, background: bool) -> None:
+        """Start averaging the fragment's pseudo-gradient slice over the column: at once, or on
+        the worker thread, to be applied `sync_delay` steps later."""
+        delta = self.global_slices[fragment].detach() - self._local_slice(fragment)
+        shapes = [tuple(p.shape) for _, p in self.fragments[fragment]]
+        collective = self.exchange.start(fragment, delta, shapes, self.position * len(delta))
+        keeps = background and self.options.update_alpha > 0
+        prepared = [p.detach().clone() for _, p in self.fragments[fragment]] if keeps else None
+        result = self.worker.submit(collective) if background else collective()
+        self.in_flight[fragment] = InFlight(result, self.inner_steps + (self.options.sync_delay if background else 0),
+                                            prepared)
+
+    def _settle(self) -> None:
+        """Wait for every exchange in flight (its result is kept for its own step)."""
+        for flight in self.in_flight.values():
+            if isinstance(flight.result, concurrent.futures.Future):
+                start = time.perf_counter()
+                with meter.waiting():
+                    flight.result = flight.result.result()
+                self.exchange_wait_seconds += time.perf_counter() - start
+
+    def _apply(self, due: list[int]) -> None:
+        """Step the due fragments' global slices with their averaged pseudo-gradients and give
+        every rank of the group the new global parameters (plus update_alpha of the progress
+        made since the exchange started, when it ran behind inner steps)."""
+        self._settle()
+        flights = [self.in_flight.pop(f) for f in due]
         self.outer.zero_grad(set_to_none=True)
-        for f, delta in zip(due, averaged):
-            self.global_slices[f].grad = delta
+        for f, flight in zip(due, flights):
+            self.global_slices[f].grad = flight.result
         self.outer.step()
         gathered = meter.allgather_many([(f"diloco.global.{f}", self.global_slices[f].detach()) for f in due],
                                         self.group)
         with torch.no_grad():
-            for f, flat in zip(due, gathered):
+            for f, flat, flight in zip(due, gathered, flights):
                 offset = 0
-                for _, p in self.fragments[f]:
-                    p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                for i, (_, p) in enumerate(self.fragments[f]):
+                    new = flat[offset:offset + p.numel()].view_as(p)
+                    if flight.prepared is not None:  # keep alpha of what was learned meanwhile
+                        new = new + self.options.update_alpha * (p - flight.prepared[i])
+                    p.copy_(new)
                     offset += p.numel()
-                self.since_sync[f] = 0
+                self.since_sync[f] = self.options.sync_delay if flight.prepared is not None else 0
             if 0 in due and self.buffers:
                 averaged_buffers = meter.allreduce_many([(f"diloco.buffer.{n}", b) for n, b in self.buffers],
                                                         self.column, op="average")
                 for (_, b), value in zip(self.buffers, averaged_buffers):
                     b.copy_(value)
 
-    def _average_over_groups(self, due: list[int], deltas: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The mean over the column (this slice of every group) of each pseudo-gradient slice."""
-        compression = self.options.compression
-        if compression == "none":
-            return meter.allreduce_many([(f"diloco.outer.{f}", d) for f, d in zip(due, deltas)], self.column,
-                                        op="average")
-        if compression == "fp16":
-            halves = meter.allreduce_many([(f"diloco.outer.{f}", d.half()) for f, d in zip(due, deltas)],
-                                          self.column, op="average")
-            return [h.float() for h in halves]
-        sent = []  # int8: quantise with error feedback, allgather, dequantise every group's slice
-        for f, delta in zip(due, deltas):
-            corrected = delta + self.errors[f]
-            values, scales = quantise(corrected)
-            self.errors[f] = corrected - dequantise(values, scales, len(corrected))
-            sent += [(f"diloco.outer.{f}.int8", values), (f"diloco.outer.{f}.scales", scales)]
-        gathered = meter.allgather_many(sent, self.column)
-        groups = self.column.size
-        return [torch.stack([dequantise(v, s, len(d)) for v, s in zip(values.chunk(groups), scales.chunk(groups))])
-                .mean(dim=0) for d, values, scales in zip(deltas, gathered[0::2], gathered[1::2])]
-
     # -- evaluation, the final model, checkpoints ---------------------------------------------
     @contextlib.contextmanager
     def synced(self) -> Iterator[nn.Module]:
-        """The model an outer step of every fragment with inner steps since its last sync would
-        give now (collective; its traffic counts in the current meter phase); the groups' own
-        state is restored afterwards."""
+        """The model a blocking outer step of every fragment with inner steps since its last
+        sync would give now (collective; its traffic counts in the current meter phase); the
+        groups' own state, and any exchange in flight, are restored afterwards."""
         pending = [f for f, n in enumerate(self.since_sync) if n]
         if not pending:
             yield self.model
             return
+        self._settle()  # the exchange in flight uses the same state: let it finish first
         saved = (copy.deepcopy(self.model.state_dict()), [s.detach().clone() for s in self.global_slices],
-                 copy.deepcopy(self.outer.state_dict()), [e.clone() for e in self.errors], list(self.since_sync))
-        self._outer_step(pending)
+                 copy.deepcopy(self.outer.state_dict()), self.exchange.state_dict(), list(self.since_sync),
+                 dict(self.in_flight))
+        self.in_flight = {}
+        for f in pending:
+            self._start(f, background=False)
+        self._apply(pending)
         try:
             yield self.model
         finally:
-            model_state, slices, outer_state, errors, since = saved
+            model_state, slices, outer_state, exchange_state, since, in_flight = saved
             self.model.load_state_dict(model_state)
             with torch.no_grad():
                 for s, value in zip(self.global_slices, slices):
                     s.copy_(value)
             self.outer.load_state_dict(outer_state)
-            self.errors, self.since_sync = errors, since
+            self.exchange.load_state_dict(exchange_state)
+            self.since_sync, self.in_flight = since, in_flight
 
     def full_model(self) -> nn.Module:
         """The synced model, the same on every rank (collective; its traffic counts as eval)."""
         with meter.in_phase("eval"):
             with self.synced() as model:
                 final = copy.deepcopy(model)
+            self._settle()  # nothing may be left on the wire when the job ends
             # The sync's last collective is the group's own allgather: without this, a group that
             # finishes first may exit, and Horovod's shutdown then fails another group's gather.
             meter.barrier("diloco.full_model")
         return final
+
+    def summary_metrics(self) -> dict[str, Any]:
+        return {"outer_steps": self.outer_steps, "sync_every": self.every,
+                "exchange_wait_seconds": round(self.exchange_wait_seconds, 4)}
 
     def state_dict(self) -> dict[str, Any]:
         """What the ranks of one group share: model, inner optimiser, position in the cycle."""
@@ -333,16 +377,33 @@ class DiLoCo:
 
     def local_state_dict(self) -> dict[str, Any]:
         """What is this rank's own: its slices of the global copy, their outer momentum, the
-        int8 error feedback."""
+        exchange's error feedback (and warm start), and any exchange in flight (waited for, so
+        a run resumed from here applies the same result at the same step)."""
+        self._settle()
         return {"global_slices": [s.detach().clone() for s in self.global_slices], "outer": self.outer.state_dict(),
-                "errors": [e.clone() for e in self.errors]}
+                "exchange": self.exchange.state_dict(),
+                "in_flight": {f: (flight.result.clone(), flight.apply_at, flight.prepared)
+                              for f, flight in self.in_flight.items()}}
 
     def load_local_state_dict(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
             for s, value in zip(self.global_slices, state["global_slices"]):
                 s.copy_(value)
         self.outer.load_state_dict(state["outer"])
-        self.errors = [e.clone() for e in state["errors"]]
+        self.exchange.load_state_dict(state["exchange"])
+        self.in_flight = {int(f): InFlight(result, apply_at, prepared)
+                          for f, (result, apply_at, prepared) in state["in_flight"].items()}
+
+
+@dataclass
+class InFlight:
+    """A fragment's started exchange: its result (a Future while it runs on the worker thread),
+    the inner step it is applied after, and the fragment's parameters when it started (where
+    update_alpha keeps the progress made since)."""
+
+    result: Any
+    apply_at: int
+    prepared: list[torch.Tensor] | None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,10 +411,10 @@ class DiLoCo:
 
 def diloco_facts(model: nn.Module, input_shape: tuple[int, ...], options: DiLoCoOptions, cfg: Config
                  ) -> dict[str, Any]:
-    """The numbers in each fragment and in the floating-point buffers."""
-    sizes = [p.numel() for p in model.parameters() if p.requires_grad]
-    bounds = fragment_bounds(sizes, options.fragments)
-    return {"fragments": [sum(sizes[a:b]) for a, b in zip(bounds[:-1], bounds[1:])],
+    """The shapes of each fragment's tensors, and the numbers in the floating-point buffers."""
+    shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+    bounds = fragment_bounds([math.prod(s) for s in shapes], options.fragments)
+    return {"fragments": [shapes[a:b] for a, b in zip(bounds[:-1], bounds[1:])],
             "buffers": sum(b.numel() for b in model.buffers() if b.is_floating_point())}
 
 
@@ -362,7 +423,8 @@ def predict_diloco(profile: Profile, p: int, link: Link, o: DiLoCoOptions, cfg: 
     """The mean step over a run of assumptions.run_steps steps: every step the gradients are
     allreduced inside the group (on the node's links when a group fits in a node); each
     fragment's syncs average its slice over the column (one rank per group, across the network
-    once groups fill nodes), then the group allgathers the fragment."""
+    once groups fill nodes) by the exchange's own collectives, then the group allgathers the
+    fragment. Bytes are the busiest position's (low-rank slices differ in their matrices)."""
     groups = runtime.groups_for(o.groups, p, link.ranks_per_node)
     if p % groups:
         raise ConfigError(f"diloco: {p} ranks do not split into {groups} groups")
@@ -374,23 +436,28 @@ def predict_diloco(profile: Profile, p: int, link: Link, o: DiLoCoOptions, cfg: 
     sent = runs * wire("allreduce", inner, g)
     between_nodes = sent * link.node_share(g)
     across = g >= link.ranks_per_node  # a column's ranks sit on different nodes once groups fill nodes
-    for f, numbers in enumerate(facts["fragments"]):
-        syncs = sum(sync_due(s, f, every, len(facts["fragments"])) for s in range(1, runs + 1))
-        length = shard_length(numbers, g)
-        exchange = compressed_bytes(length, o.compression)
-        op = "allgather" if o.compression == "int8" else "allreduce"
-        cost = link.allgather(exchange, groups, p, spans_nodes=across) if op == "allgather" else \
-            link.allreduce(exchange, groups, p, spans_nodes=across)
-        cost += link.allgather(FLOAT_BYTES * length, g, p)
-        nbytes = wire(op, exchange, groups) + wire("allgather", FLOAT_BYTES * length, g)
-        if f == 0 and facts["buffers"]:
-            cost += link.allreduce(FLOAT_BYTES * facts["buffers"], groups, p, spans_nodes=across)
-            nbytes += wire("allreduce", FLOAT_BYTES * facts["buffers"], groups)
-        # The column's exchange crosses nodes (once groups fill them); the group's allgather
-        # of the averaged fragment stays inside its group.
-        between_nodes += syncs * ((nbytes - wire("allgather", FLOAT_BYTES * length, g)) * link.node_share(groups, across)
-                                  + wire("allgather", FLOAT_BYTES * length, g) * link.node_share(g))
-        comm, sent = comm + syncs * cost, sent + syncs * nbytes
+    exchange = make_exchange(None, o, members=groups)
+    for f, shapes in enumerate(facts["fragments"]):
+        starts = [s for s in range(1, runs + 1) if sync_due(s, f, every, len(facts["fragments"]))]
+        applied = sum(s + o.sync_delay <= runs for s in starts)  # a delayed exchange may land after the run
+        length = shard_length(sum(math.prod(s) for s in shapes), g)
+        transfers = max((exchange.transfers(length, shapes, position * length) for position in range(g)),
+                        key=lambda ts: sum(t.wire(groups) for t in ts))
+        landing = [Transfer("allreduce", FLOAT_BYTES * facts["buffers"])] if f == 0 and facts["buffers"] else []
+        column = [sum(t.wire(groups) for t in ts) for ts in (transfers, landing)]
+        # an alltoall's time is an allgather's of its parts
+        cost = [sum(link.allreduce(t.payload, groups, p, spans_nodes=across) if t.op == "allreduce" else
+                    link.allgather(t.payload / (groups if t.op == "alltoall" else 1), groups, p, spans_nodes=across)
+                    for t in ts) for ts in (transfers, landing)]
+        gather = wire("allgather", FLOAT_BYTES * length, g)  # the group's, inside it
+        cost[1] += link.allgather(FLOAT_BYTES * length, g, p)
+        between_nodes += (len(starts) * column[0] + applied * column[1]) * link.node_share(groups, across) \
+            + applied * gather * link.node_share(g)
+        # A delayed exchange waits on the network behind sync_delay inner steps (its thread
+        # needs no core of its own: it mostly waits); what they do not cover is exposed.
+        exposed = max(0.0, cost[0] - o.sync_delay * (profile.step_seconds + link.allreduce(inner, g, p)))
+        comm += len(starts) * exposed + applied * cost[1]
+        sent += len(starts) * column[0] + applied * (column[1] + gather)
     return Prediction("diloco", p, profile.step_seconds, 0.0, comm / runs, 0.0, sent / runs, between_nodes / runs)
 
 
@@ -427,8 +494,7 @@ class DiLoCoMethod(GroupTrainerMethod):
     def epoch_metrics(self) -> dict[str, Any]:
         intra = meter.total_on(("group",))
         inter = meter.total_on(("column", "world"), ("train", "control"))  # the loop's checks at outer steps too
-        return {"outer_steps": self.trainer.outer_steps, "sync_every": self.trainer.every,
-                "intra_group_wire_bytes": intra, "inter_group_wire_bytes": inter}
+        return {**self.trainer.summary_metrics(), "intra_group_wire_bytes": intra, "inter_group_wire_bytes": inter}
 
     def summary_metrics(self) -> dict[str, Any]:
         return {**super().summary_metrics(), **self.epoch_metrics()}

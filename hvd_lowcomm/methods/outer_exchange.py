@@ -1,0 +1,374 @@
+"""How groups combine their pseudo-gradients across the slow network: DiLoCo's column exchange.
+
+Rank i of every group holds the same slice of each fragment's pseudo-gradient Δ (hvd_lowcomm.
+methods.diloco); the exchange gives each of them the mean over the groups (the column). One
+class per `diloco.compression`:
+
+- none:     fp32 allreduce.
+- fp16, int8 (`Quantised`): reduce-scatter of quantised chunks, reduction in fp32, allgather of
+            the quantised result (torchft's quantised allreduce): chunk j of the slice goes to
+            column member j by alltoall, which sums what it receives in fp32 and quantises the
+            mean; an allgather returns every mean chunk. A rank sends 2(G-1)/G of its slice's
+            quantised bytes, as a ring allreduce would: flat in the number of groups G, where an
+            allgather of every group's slice sends (G-1) times it. int8 scales each block of
+            256 numbers by its absmax; error feedback keeps what the first rounding dropped.
+- sparse (`Sparse`, SparseLoCo, arXiv 2508.15706): an error-feedback accumulator e <- βe + Δ;
+            each chunk of CHUNK numbers sends its top `density` share of e by magnitude, values
+            at 2 bits (sign, and which of two magnitudes: the means of the larger and smaller
+            half), positions as 16-bit offsets; what was sent leaves e. The sparse contributions
+            are allgathered and averaged (their supports differ, so no reduction on the way).
+- lowrank (`LowRank`): PowerSGD on each matrix's pseudo-gradient (the seed's premise: an
+            update is low-rank): P = M Q, allreduce, orthogonalise, Q = Mᵀ P, allreduce; error
+            feedback and warm start of Q across syncs. A slice cuts matrices along rows, so each
+            whole-row block of a tensor is a matrix; vectors and cut rows go dense (fp32).
+
+`start()` runs on the training thread: error feedback and encoding, and the meter's records
+(what the exchange will send is known before it is sent). It returns the collective part as a
+function of no arguments, which the caller runs at once or on a background thread
+(`diloco.sync_delay`): that part uses only mpi4py on the column's communicator and this
+exchange's own state for the fragment, so it runs beside Horovod's collectives of the group.
+`transfers()` is the same accounting for the cost model.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from hvd_lowcomm.comm.runtime import Group
+from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter, wire_bytes
+
+COMPRESSIONS = ("none", "fp16", "int8", "sparse", "lowrank")
+BLOCK = 256    # numbers per int8 scale: one fp32 scale costs 1/64 of the block's bytes
+CHUNK = 4096   # numbers per sparse chunk: offsets fit 16 bits, and every chunk sends its own top-k
+MIN_COMPRESSION = 2.0  # a block is compressed only if (rows + cols)·rank·this < rows·cols (PowerSGD's)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One collective of an exchange: `payload` is what this rank hands it (an alltoall's whole
+    send buffer; an allgather's own part, every member's being equal)."""
+
+    op: str
+    payload: int
+
+    def wire(self, members: int) -> float:
+        if self.op == "allgather":
+            return wire_bytes("allgather", self.payload * members, members)
+        return wire_bytes(self.op, self.payload, members)
+
+
+Collective = Callable[[], torch.Tensor]
+
+
+class Exchange:
+    """The mean over the column of each fragment's pseudo-gradient slice (see the module)."""
+
+    name = "none"
+
+    def __init__(self, column: Group | None, options: Any, members: int | None = None) -> None:
+        self.column, self.options = column, options
+        # `members` without a column: the cost model's accounting for a column of that size
+        self.members = column.size if column is not None else (members or 1)
+        self.errors: dict[int, torch.Tensor] = {}  # error feedback per fragment
+
+    # -- what subclasses define -----------------------------------------------------------------
+    def transfers(self, numbers: int, shapes: list[tuple[int, ...]], start: int) -> list[Transfer]:
+        """The collectives of one exchange of a slice of `numbers` (starting at `start` of its
+        fragment, whose tensors have `shapes`)."""
+        return [Transfer("allreduce", FLOAT_BYTES * numbers)]
+
+    def start(self, fragment: int, delta: torch.Tensor, shapes: list[tuple[int, ...]], start: int) -> Collective:
+        summed = delta.detach().cpu().clone()
+        self._record(fragment, self.transfers(len(delta), shapes, start))
+        return lambda: self._allreduce(summed).div_(self.members).to(delta.device)
+
+    # -- shared ---------------------------------------------------------------------------------
+    def _record(self, fragment: int, transfers: list[Transfer]) -> None:
+        for t in transfers:
+            meter.record(t.op, f"diloco.outer.{fragment}.{self.name}.{t.op}", t.payload, self.column,
+                         wire=t.wire(self.members))
+
+    def _feedback(self, fragment: int, delta: torch.Tensor, decay: float = 1.0) -> torch.Tensor:
+        """Δ plus (decay times) what earlier exchanges of this fragment left out."""
+        error = self.errors.get(fragment)
+        return delta.detach().cpu().clone() if error is None else decay * error + delta.detach().cpu()
+
+    def _allreduce(self, values: torch.Tensor) -> torch.Tensor:
+        from mpi4py import MPI
+
+        if self.members > 1:
+            self.column.comm.Allreduce(MPI.IN_PLACE, values.numpy(), op=MPI.SUM)
+        return values
+
+    def _allgather(self, payload: torch.Tensor) -> list[torch.Tensor]:
+        if self.members == 1:
+            return [payload]
+        out = np.empty(self.members * len(payload), dtype=np.uint8)
+        self.column.comm.Allgather(payload.numpy(), out)
+        return list(torch.from_numpy(out).chunk(self.members))
+
+    def _alltoall(self, payload: torch.Tensor) -> list[torch.Tensor]:
+        if self.members == 1:
+            return [payload]
+        out = np.empty_like(payload.numpy())
+        self.column.comm.Alltoall(payload.numpy(), out)
+        return list(torch.from_numpy(out).chunk(self.members))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"errors": {f: e.clone() for f, e in self.errors.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.errors = {int(f): e.clone() for f, e in state["errors"].items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# quantised reduce-scatter
+
+def quantise(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 values and one fp32 scale per block of BLOCK (absmax / 127)."""
+    blocks = math.ceil(len(values) / BLOCK)
+    padded = torch.zeros(blocks * BLOCK, dtype=values.dtype, device=values.device)
+    padded[: len(values)] = values
+    padded = padded.view(blocks, BLOCK)
+    scales = padded.abs().amax(dim=1) / 127
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    return torch.round(padded / scales[:, None]).clamp(-127, 127).to(torch.int8).view(-1), scales
+
+
+def dequantise(values: torch.Tensor, scales: torch.Tensor, numbers: int) -> torch.Tensor:
+    return (values.view(len(scales), BLOCK).float() * scales[:, None]).view(-1)[:numbers]
+
+
+class Quantised(Exchange):
+    """fp16 or int8, reduce-scatter in fp32 and allgather (see the module)."""
+
+    def __init__(self, column: Group | None, options: Any, members: int | None, kind: str) -> None:
+        super().__init__(column, options, members)
+        self.name = kind
+
+    def encode(self, chunk: torch.Tensor) -> torch.Tensor:
+        if self.name == "fp16":
+            return chunk.half().view(torch.uint8)
+        values, scales = quantise(chunk)  # the last block's padding is not sent
+        return torch.cat([values[:len(chunk)].view(torch.uint8), scales.view(torch.uint8)])
+
+    def decode(self, payload: torch.Tensor, numbers: int) -> torch.Tensor:
+        if self.name == "fp16":
+            return _view(payload, torch.float16).float()
+        blocks = math.ceil(numbers / BLOCK)
+        values = torch.zeros(blocks * BLOCK, dtype=torch.int8)
+        values[:numbers] = payload[:numbers].view(torch.int8)
+        return dequantise(values, _view(payload[numbers:], torch.float32), numbers)
+
+    def chunk_bytes(self, chunk: int) -> int:
+        return 2 * chunk if self.name == "fp16" else chunk + FLOAT_BYTES * math.ceil(chunk / BLOCK)
+
+    def transfers(self, numbers: int, shapes: list[tuple[int, ...]], start: int) -> list[Transfer]:
+        each = self.chunk_bytes(-(-numbers // self.members))
+        return [Transfer("alltoall", self.members * each), Transfer("allgather", each)]
+
+    def start(self, fragment: int, delta: torch.Tensor, shapes: list[tuple[int, ...]], start: int) -> Collective:
+        corrected = self._feedback(fragment, delta)
+        chunk = -(-len(corrected) // self.members)
+        padded = torch.cat([corrected, corrected.new_zeros(chunk * self.members - len(corrected))])
+        chunks = padded.view(self.members, chunk)
+        encoded = [self.encode(c) for c in chunks]
+        if self.name == "int8":  # fp16's rounding is far below the signal; int8's is fed back
+            sent = torch.cat([self.decode(e, chunk) for e in encoded])[: len(corrected)]
+            self.errors[fragment] = corrected - sent
+        payload = torch.cat(encoded)
+        transfers = self.transfers(len(corrected), shapes, start)
+        assert len(payload) == transfers[0].payload, "the meter must count what is sent"
+        self._record(fragment, transfers)
+
+        def collective() -> torch.Tensor:
+            mean = torch.stack([self.decode(p, chunk) for p in self._alltoall(payload)]).sum(0) / self.members
+            gathered = self._allgather(self.encode(mean))
+            return torch.cat([self.decode(p, chunk) for p in gathered])[: len(corrected)].to(delta.device)
+        return collective
+
+
+# ---------------------------------------------------------------------------------------------
+# sparse: chunked top-k at 2 bits with an error-feedback accumulator
+
+def sparse_layout(numbers: int, density: float) -> tuple[int, int, int]:
+    """(chunks, chunk length, kept per chunk) of a slice of `numbers`."""
+    chunk = min(CHUNK, max(numbers, 1))
+    return -(-numbers // chunk), chunk, max(1, round(density * chunk))
+
+
+def sparse_bytes(numbers: int, density: float) -> int:
+    """Per chunk: k 16-bit offsets, k 2-bit codes, two fp32 magnitudes."""
+    chunks, _, k = sparse_layout(numbers, density)
+    return chunks * (2 * k + -(-k // 4) + 2 * FLOAT_BYTES)
+
+
+def sparse_encode(values: torch.Tensor, density: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The payload (uint8) and what it decodes to (dense, like `values`)."""
+    chunks, chunk, k = sparse_layout(len(values), density)
+    x = torch.cat([values, values.new_zeros(chunks * chunk - len(values))]).view(chunks, chunk)
+    offsets = x.abs().topk(k, dim=1).indices.sort(dim=1).values
+    kept = x.gather(1, offsets)
+    magnitude = kept.abs()
+    large = magnitude >= magnitude.median(dim=1, keepdim=True).values
+    levels = torch.stack([_mean_where(magnitude, ~large), _mean_where(magnitude, large)], dim=1)  # chunks × 2
+    codes = (kept < 0).to(torch.uint8) * 2 + large.to(torch.uint8)
+    packed = torch.zeros(chunks, -(-k // 4) * 4, dtype=torch.uint8)
+    packed[:, :k] = codes
+    packed = (packed.view(chunks, -1, 4) << torch.tensor([0, 2, 4, 6], dtype=torch.uint8)).sum(2, dtype=torch.uint8)
+    payload = torch.cat([offsets.to(torch.int16).reshape(-1).view(torch.uint8), packed.reshape(-1),
+                         levels.reshape(-1).contiguous().view(torch.uint8)])
+    return payload, sparse_decode(payload, len(values), density)
+
+
+def sparse_decode(payload: torch.Tensor, numbers: int, density: float) -> torch.Tensor:
+    chunks, chunk, k = sparse_layout(numbers, density)
+    width = -(-k // 4)
+    offsets = _view(payload[: 2 * chunks * k], torch.int16).view(chunks, k).long()
+    packed = payload[2 * chunks * k: 2 * chunks * k + chunks * width].view(chunks, width, 1)
+    codes = ((packed >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)) & 3).view(chunks, -1)[:, :k]
+    levels = _view(payload[2 * chunks * k + chunks * width:], torch.float32).view(chunks, 2)
+    kept = levels.gather(1, (codes & 1).long()) * (1 - 2 * (codes >> 1).float())
+    out = torch.zeros(chunks, chunk).scatter_(1, offsets, kept)
+    return out.view(-1)[:numbers]
+
+
+def _view(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes of a received payload as `dtype` (copied: a part of a gathered buffer may start at
+    an offset the wider type cannot view)."""
+    return payload.clone().view(dtype)
+
+
+def _mean_where(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per row, the mean of `values` where `mask` holds (0 where it never does)."""
+    return (values * mask).sum(1) / mask.sum(1).clamp(min=1)
+
+
+class Sparse(Exchange):
+    name = "sparse"
+
+    def transfers(self, numbers: int, shapes: list[tuple[int, ...]], start: int) -> list[Transfer]:
+        return [Transfer("allgather", sparse_bytes(numbers, self.options.density))]
+
+    def start(self, fragment: int, delta: torch.Tensor, shapes: list[tuple[int, ...]], start: int) -> Collective:
+        accumulated = self._feedback(fragment, delta, self.options.error_decay)
+        payload, sent = sparse_encode(accumulated, self.options.density)
+        self.errors[fragment] = accumulated - sent
+        transfers = self.transfers(len(delta), shapes, start)
+        assert len(payload) == transfers[0].payload, "the meter must count what is sent"
+        self._record(fragment, transfers)
+        density = self.options.density
+        return lambda: (torch.stack([sparse_decode(p, len(delta), density) for p in self._allgather(payload)])
+                        .sum(0).div_(self.members).to(delta.device))
+
+
+# ---------------------------------------------------------------------------------------------
+# low rank: PowerSGD on each whole-row block of the slice
+
+@dataclass(frozen=True)
+class Pieces:
+    """How a slice splits: `matrices` (offset in the slice, rows, columns, rank) compressed,
+    `dense` (offset, length) sent as they are."""
+
+    matrices: tuple[tuple[int, int, int, int], ...]
+    dense: tuple[tuple[int, int], ...]
+
+
+def slice_pieces(shapes: list[tuple[int, ...]], start: int, numbers: int, rank: int) -> Pieces:
+    """The whole-row blocks of each tensor inside [start, start + numbers) of the fragment's
+    flat numbers, as matrices where rank `rank` pays, and the rest as dense runs."""
+    matrices, dense, offset, stop = [], [], 0, start + numbers
+    for shape in shapes:
+        size = math.prod(shape)
+        lo, hi = max(offset, start), min(offset + size, stop)
+        if lo < hi:
+            cols = size // shape[0] if len(shape) > 1 else size
+            first, last = -(-(lo - offset) // cols), (hi - offset) // cols  # whole rows inside
+            rows, r = last - first, min(rank, last - first, cols)
+            if len(shape) > 1 and rows > 0 and (rows + cols) * r * MIN_COMPRESSION < rows * cols:
+                a, b = offset + first * cols, offset + last * cols
+                matrices.append((a - start, rows, cols, r))
+                dense += [(lo - start, a - lo)] if a > lo else []
+                dense += [(b - start, hi - b)] if hi > b else []
+            else:
+                dense.append((lo - start, hi - lo))
+        offset += size
+    return Pieces(tuple(matrices), tuple(dense))
+
+
+class LowRank(Exchange):
+    name = "lowrank"
+
+    def __init__(self, column: Group | None, options: Any, members: int | None, seed: int = 0) -> None:
+        super().__init__(column, options, members)
+        self.seed = seed
+        self.qs: dict[int, list[torch.Tensor]] = {}  # warm start per fragment, one Q per matrix
+
+    def transfers(self, numbers: int, shapes: list[tuple[int, ...]], start: int) -> list[Transfer]:
+        pieces = slice_pieces(shapes, start, numbers, self.options.rank)
+        first = sum(rows * r for _, rows, _, r in pieces.matrices) + sum(n for _, n in pieces.dense)
+        return [Transfer("allreduce", FLOAT_BYTES * first),
+                Transfer("allreduce", FLOAT_BYTES * sum(cols * r for _, _, cols, r in pieces.matrices))]
+
+    def _initial_qs(self, fragment: int, pieces: Pieces) -> list[torch.Tensor]:
+        """Random orthonormal Qs, the same on every member of the column (same seed, same slice)."""
+        generator = torch.Generator().manual_seed(self.seed * 1009 + fragment)
+        return [torch.linalg.qr(torch.randn(cols, r, generator=generator)).Q for _, _, cols, r in pieces.matrices]
+
+    def start(self, fragment: int, delta: torch.Tensor, shapes: list[tuple[int, ...]], start: int) -> Collective:
+        pieces = slice_pieces(shapes, start, len(delta), self.options.rank)
+        corrected = self._feedback(fragment, delta)
+        if fragment not in self.qs:
+            self.qs[fragment] = self._initial_qs(fragment, pieces)
+        self._record(fragment, self.transfers(len(delta), shapes, start))
+
+        def collective() -> torch.Tensor:
+            ms = [corrected[o:o + rows * cols].view(rows, cols) for o, rows, cols, _ in pieces.matrices]
+            qs = self.qs[fragment]
+            first = self._allreduce(torch.cat([(m @ q).reshape(-1) for m, q in zip(ms, qs)]
+                                              + [corrected[o:o + n] for o, n in pieces.dense]))
+            out, at = torch.zeros_like(corrected), 0
+            ps = []
+            for m in ms:
+                r = qs[len(ps)].shape[1]
+                ps.append(torch.linalg.qr(first[at:at + m.shape[0] * r].view(m.shape[0], r)).Q)
+                at += m.shape[0] * r
+            for o, n in pieces.dense:
+                out[o:o + n] = first[at:at + n] / self.members
+                at += n
+            local_qs = [m.T @ p for m, p in zip(ms, ps)]
+            second = self._allreduce(torch.cat([q.reshape(-1) for q in local_qs]).clone()) if ms else first[:0]
+            error, at, mean_qs = torch.zeros_like(corrected), 0, []
+            for (o, rows, cols, r), m, p, q in zip(pieces.matrices, ms, ps, local_qs):
+                mean_q = second[at:at + cols * r].view(cols, r) / self.members
+                at += cols * r
+                out[o:o + rows * cols] = (p @ mean_q.T).reshape(-1)
+                error[o:o + rows * cols] = (m - p @ q.T).reshape(-1)
+                mean_qs.append(mean_q)
+            self.errors[fragment], self.qs[fragment] = error, mean_qs  # warm start: the mean Q
+            return out.to(delta.device)
+        return collective
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "qs": {f: [q.clone() for q in qs] for f, qs in self.qs.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.qs = {int(f): [q.clone() for q in qs] for f, qs in state["qs"].items()}
+
+
+def make_exchange(column: Group | None, options: Any, seed: int = 0, members: int | None = None) -> Exchange:
+    """The exchange `options.compression` names (a DiLoCoOptions) over `column` (None and
+    `members`: for accounting only)."""
+    kind = options.compression
+    if kind in ("fp16", "int8"):
+        return Quantised(column, options, members, kind)
+    if kind == "sparse":
+        return Sparse(column, options, members)
+    if kind == "lowrank":
+        return LowRank(column, options, members, seed)
+    return Exchange(column, options, members)
