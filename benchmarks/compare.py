@@ -60,7 +60,7 @@ from tqdm import tqdm
 
 from benchmarks.netns import MPIRUN, EmulatedCluster, LinkUnavailable, ShapedLink, check_available, rate_bits
 from data_prep import BUNDLED
-from hvd_lowcomm.methods import specs
+from hvd_lowcomm.registry import specs
 from hvd_lowcomm.metrics import human_bytes, write_csv
 
 # Measured and metered bytes should agree within this fraction: on one shaped loopback, and

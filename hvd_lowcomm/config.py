@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from hvd_lowcomm.methods import option_sections, specs
+from hvd_lowcomm.registry import option_sections, specs
 
 
 class ConfigError(ValueError):

@@ -46,7 +46,7 @@ from hvd_lowcomm import task
 from hvd_lowcomm.comm.traffic import wire_bytes
 from hvd_lowcomm.config import Config, ConfigError, apply_presets, default_config, rate_bits
 from hvd_lowcomm.metrics import human_bytes
-from hvd_lowcomm.methods import specs
+from hvd_lowcomm.registry import specs
 from hvd_lowcomm.models.layer_kinds import kind_of
 
 @dataclass(frozen=True)
@@ -210,7 +210,7 @@ class LayerSample:
 
 @dataclass(frozen=True)
 class MethodCost:
-    """How a method's step costs, registered with the method (hvd_lowcomm.methods.register).
+    """How a method's step costs, registered with the method (hvd_lowcomm.registry.register).
 
     predict(profile, ranks, link, options, cfg, assumptions) -> Prediction
         the step on `ranks` ranks with the method's `options` (its section of `cfg`, presets

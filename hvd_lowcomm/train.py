@@ -27,7 +27,7 @@ from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.traffic import meter
 from hvd_lowcomm.config import AUTO, Config, ConfigError
 from hvd_lowcomm.loop import train
-from hvd_lowcomm.methods import spec
+from hvd_lowcomm.registry import spec
 from hvd_lowcomm.methods.base import Method
 
 

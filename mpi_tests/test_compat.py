@@ -13,7 +13,7 @@ import hvd_lowcomm
 from conftest import RANK, SIZE
 from hvd_lowcomm import config
 from hvd_lowcomm.config import ConfigError
-from hvd_lowcomm.methods import spec
+from hvd_lowcomm.registry import spec
 from hvd_lowcomm.models import mlp
 
 LOCAL = 8

@@ -11,7 +11,7 @@ from conftest import RANK, SIZE, needs_ranks
 from hvd_lowcomm import config, costmodel, data, models
 from hvd_lowcomm.config import ConfigError
 from hvd_lowcomm.costmodel import Link, RunAssumptions, predict, profile_model
-from hvd_lowcomm.methods import specs
+from hvd_lowcomm.registry import specs
 from hvd_lowcomm.models import cnn, mlp
 from hvd_lowcomm.train import main
 

@@ -61,7 +61,7 @@ def test_meter_counts_the_analytic_payload_of_every_gradient(world, fresh_meter,
 
 def test_local_trains_each_rank_alone_and_sends_nothing(world, fresh_meter):
     from hvd_lowcomm import config
-    from hvd_lowcomm.methods import spec
+    from hvd_lowcomm.registry import spec
 
     p, rank = world.size, world.comm.Get_rank()
     model, x, y = _pooled_problem(p)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import hvd_lowcomm
 from hvd_lowcomm.config import build_parser, default_config, describe_options
-from hvd_lowcomm.methods import option_sections
+from hvd_lowcomm.registry import option_sections
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

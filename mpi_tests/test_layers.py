@@ -16,16 +16,17 @@ from conftest import RANK
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "hvd_lowcomm"
 
-# Bottom to top; a module may import its own layer and those below. Within `methods`, the
-# registry (hvd_lowcomm.methods itself) imports no method: it finds them by name at run time.
+# Bottom to top; a module may import its own layer and those below. A package's __init__.py
+# belongs to the package's layer. The registry imports no method: it finds them by name at
+# run time, so everything that asks for a method by name may sit above it.
 LAYERS = [
-    ("registry", ["hvd_lowcomm.methods"]),
+    ("registry", ["hvd_lowcomm.registry"]),
     ("foundation", ["hvd_lowcomm.config", "hvd_lowcomm.metrics", "hvd_lowcomm.schedule", "hvd_lowcomm.task",
                     "hvd_lowcomm.trackers"]),
     ("comm", ["hvd_lowcomm.comm", "hvd_lowcomm.comm.runtime", "hvd_lowcomm.comm.traffic"]),
     ("data and models", ["hvd_lowcomm.data", "hvd_lowcomm.models", "hvd_lowcomm.models.*"]),
     ("cost model", ["hvd_lowcomm.costmodel"]),
-    ("methods", ["hvd_lowcomm.methods.*"]),
+    ("methods", ["hvd_lowcomm.methods", "hvd_lowcomm.methods.*"]),
     ("harness", ["hvd_lowcomm.checkpoint", "hvd_lowcomm.loop", "hvd_lowcomm.auto", "hvd_lowcomm.train",
                  "hvd_lowcomm.plan", "hvd_lowcomm.jobs"]),
     ("package", ["hvd_lowcomm"]),  # resolves its public names lazily, by string
@@ -114,6 +115,15 @@ def test_no_module_imports_one_above_it():
 
 def test_no_modules_import_each_other_in_a_circle():
     assert circle(GRAPH) is None, f"import circle: {' -> '.join(circle(GRAPH))}"
+
+
+def test_a_package_belongs_to_its_own_layer():
+    """`from hvd_lowcomm.methods import x` below the methods layer runs methods/__init__.py: an
+    upward import like any other."""
+    assert layer_of("hvd_lowcomm.methods") == layer_of("hvd_lowcomm.methods.diloco")
+    assert layer_of("hvd_lowcomm.comm") == layer_of("hvd_lowcomm.comm.runtime")
+    assert layer_of("hvd_lowcomm.models") == layer_of("hvd_lowcomm.models.transformer")
+    assert ("hvd_lowcomm.config", "hvd_lowcomm.methods") in upward({"hvd_lowcomm.config": {"hvd_lowcomm.methods"}})
 
 
 def test_the_checks_catch_an_upward_import_and_a_circle():

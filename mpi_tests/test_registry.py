@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 
 from conftest import RANK, SIZE
-from hvd_lowcomm import config, methods
+from hvd_lowcomm import config, registry
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.config import option
 from hvd_lowcomm.methods.ddp import DataParallel
@@ -23,14 +23,14 @@ class GroupedOptions:
 
 @pytest.fixture
 def grouped_method():
-    @methods.register("grouped-test", options=GroupedOptions)
+    @registry.register("grouped-test", options=GroupedOptions)
     class Grouped(DataParallel):
         @classmethod
         def check_world(cls, cfg, world_size: int) -> None:
             runtime.group_layout(world_size, num_groups=cfg.options.groups)
 
     yield Grouped
-    methods.unregister("grouped-test")
+    registry.unregister("grouped-test")
 
 
 def test_a_registered_method_gets_a_config_section_and_cli_options(grouped_method, tmp_path):

@@ -17,7 +17,7 @@ from data_prep.text import split_documents
 from hvd_lowcomm import task
 from hvd_lowcomm.config import ConfigError, ModelConfig
 from hvd_lowcomm.data import DataError, ShardedBatches, inspect, open_split, verify
-from hvd_lowcomm.methods import specs
+from hvd_lowcomm.registry import specs
 from hvd_lowcomm.methods.dad import DadOptimizer
 from hvd_lowcomm.models import build_model
 from hvd_lowcomm.models.transformer import gpt, vit

@@ -55,7 +55,7 @@ from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
 from hvd_lowcomm.config import Config, ConfigError, make_options, option
 from hvd_lowcomm.costmodel import (Link, LayerSample, MethodCost, Prediction, Profile, RunAssumptions, median_seconds,
                                    wire)
-from hvd_lowcomm.methods import register
+from hvd_lowcomm.registry import register
 from hvd_lowcomm.methods.base import (GroupTrainerMethod, broadcast_model_and_optimizer, exchange_gradients,
                                       make_optimizer)
 from hvd_lowcomm.methods.factorized import (RANK_RULES, FactorizedLayer, choose_rank,

@@ -42,7 +42,7 @@ class Method:
                                   trained model as one ordinary state dict (collective).
 
     What the framework knows of a method besides this object (options, presets, cost) is
-    registered with it (hvd_lowcomm.methods.register). Every byte a method sends goes through
+    registered with it (hvd_lowcomm.registry.register). Every byte a method sends goes through
     `hvd_lowcomm.comm.traffic.meter`.
     """
 

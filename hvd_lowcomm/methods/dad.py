@@ -41,7 +41,7 @@ from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter, wire_bytes
 from hvd_lowcomm.config import Config, ConfigError, make_options, option
 from hvd_lowcomm.costmodel import Link, LayerSample, MethodCost, Prediction, Profile, RunAssumptions, wire
 from hvd_lowcomm.metrics import human_bytes
-from hvd_lowcomm.methods import register
+from hvd_lowcomm.registry import register
 from hvd_lowcomm.methods.base import GradientExchange, wrap_optimizer
 from hvd_lowcomm.methods.ddp import DataParallel
 from hvd_lowcomm.methods.adaptive_rank import smallest_rank_within

@@ -14,7 +14,7 @@ from hvd_lowcomm.comm.runtime import Group
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
 from hvd_lowcomm.config import Config
 from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, RunAssumptions, wire
-from hvd_lowcomm.methods import register, register_variant
+from hvd_lowcomm.registry import register, register_variant
 from hvd_lowcomm.methods.base import (GradientExchange, Method, broadcast_model_and_optimizer, make_optimizer,
                                      wrap_optimizer)
 

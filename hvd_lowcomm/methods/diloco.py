@@ -52,7 +52,7 @@ from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
 from hvd_lowcomm.config import Config, ConfigError, make_options, option
 from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, RunAssumptions, wire
-from hvd_lowcomm.methods import register
+from hvd_lowcomm.registry import register
 from hvd_lowcomm.methods.outer_exchange import COMPRESSIONS, Transfer, make_exchange
 from hvd_lowcomm.methods.base import (GroupTrainerMethod, broadcast_model_and_optimizer, exchange_gradients,
                                       make_optimizer)
@@ -82,7 +82,7 @@ class DiLoCoOptions:
                                       "error feedback), sparse (top-k of each chunk at 2 bits, error feedback) or "
                                       "lowrank (PowerSGD factors of each matrix, error feedback)",
                               choices=COMPRESSIONS)
-    density: float = option(0.02, "sparse: the share of each chunk's numbers sent (SparseLoCo: 1-3 %)")
+    density: float = option(0.02, "sparse: the share of each chunk's numbers sent (SparseLoCo: 0.01-0.03)")
     error_decay: float = option(1.0, "sparse: the error-feedback accumulator's decay, e <- decay*e + Δ")
     rank: int = option(4, "lowrank: columns of P and Q per matrix")
     fragments: int = option(1, "streaming: sync the model in this many parts at staggered steps (peak traffic "

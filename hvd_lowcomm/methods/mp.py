@@ -15,7 +15,7 @@ from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.runtime import group_layout
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
 from hvd_lowcomm.config import Config, ConfigError
-from hvd_lowcomm.methods import register
+from hvd_lowcomm.registry import register
 from hvd_lowcomm.methods.base import Method, make_optimizer
 from hvd_lowcomm.methods.partition import (Layout, PartitionOptions, cut_points, describe, joined_state_dict,
                                            partitioned_cost, pipeline_evaluate, pipeline_train_step)

@@ -39,7 +39,7 @@ from hvd_lowcomm.comm.runtime import Group
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
 from hvd_lowcomm.config import Config, ConfigError, make_options, option
 from hvd_lowcomm.costmodel import Link, LayerSample, MethodCost, Prediction, Profile, RunAssumptions, wire
-from hvd_lowcomm.methods import register
+from hvd_lowcomm.registry import register
 from hvd_lowcomm.methods.adaptive_rank import PROBES, next_rank, probe_residual, probes
 from hvd_lowcomm.methods.base import GradientExchange, wrap_optimizer
 from hvd_lowcomm.methods.ddp import DataParallel

@@ -42,7 +42,7 @@ from hvd_lowcomm import task
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.traffic import meter
 from hvd_lowcomm.config import ConfigError, TrainConfig, make_options, option
-from hvd_lowcomm.methods import register
+from hvd_lowcomm.registry import register
 from hvd_lowcomm.methods.mp import Partitioned
 from hvd_lowcomm.methods.partition import (CONV_CUT_MEASURED, FORWARD, Layout, PartitionOptions, joined_state_dict,
                                            partitioned_cost, pipeline_evaluate, pipeline_train_step,
