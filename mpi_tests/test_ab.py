@@ -11,8 +11,9 @@ import torch.nn as nn
 from conftest import RANK, SIZE, needs_ranks
 from hvd_lowcomm import config
 from hvd_lowcomm.config import ConfigError
+from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.methods.factorized import FactorizedLayer, choose_rank, dropped_fraction, factorize_model, noise_edge
-from hvd_lowcomm.methods.ab import AB, Schedule, _resize, num_groups
+from hvd_lowcomm.methods.ab import AB, Schedule, _resize
 from hvd_lowcomm.checkpoint import Checkpointer
 from hvd_lowcomm.train import main
 
@@ -225,7 +226,7 @@ def test_ab_trains_with_adamw_and_weight_decay_unless_told_otherwise(tmp_path):
 
 def test_group_count_defaults_to_two_on_one_host_and_is_checked(world):
     method = AB(config.load(["--method", "ab"]))
-    assert num_groups(method.cfg.options, SIZE) == 2  # the tests run on one host
+    assert runtime.default_group_count(method.cfg.options.groups, SIZE) == 2  # the tests run on one host
     if SIZE % 2 == 0:
         method.check_world(method.cfg, SIZE)
     else:

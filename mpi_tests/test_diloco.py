@@ -101,7 +101,7 @@ CASES = [  # (fragments, outer_lr, outer_momentum, nesterov)
 def test_outer_steps_match_a_single_process_reference(world, fragments, outer_lr, outer_momentum, nesterov):
     groups = 2 if SIZE % 2 == 0 else SIZE
     model, diloco = train(11, groups=groups, sync_every=4, fragments=fragments, outer_lr=outer_lr,
-                          outer_momentum=outer_momentum, nesterov=nesterov)
+                          outer_momentum=outer_momentum, outer_nesterov=nesterov)
     expected = reference(SIZE, groups, 11, 4, fragments, outer_lr, outer_momentum, nesterov)[diloco.group.index]
     for (name, got), want in zip(model.named_parameters(), expected.parameters()):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
@@ -124,6 +124,7 @@ def test_a_delayed_exchange_lands_sync_delay_steps_later_keeping_alpha_of_the_pr
     assert all(torch.equal(other, flat) for other in world.comm.allgather(flat))
 
 
+@needs_ranks(2)
 def test_sync_delay_must_land_before_the_next_exchange_starts(world):
     model = small_model()
     with pytest.raises(ConfigError, match="diloco.sync_delay 3 must be below H / fragments = 6 / 2"):

@@ -44,7 +44,7 @@ import copy
 import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, ClassVar, Iterable, Iterator
 
 import torch
 import torch.nn as nn
@@ -56,8 +56,8 @@ from hvd_lowcomm.config import Config, ConfigError, make_options, option
 from hvd_lowcomm.costmodel import (Link, LayerSample, MethodCost, Prediction, Profile, RunAssumptions, median_seconds,
                                    wire)
 from hvd_lowcomm.registry import register
-from hvd_lowcomm.methods.base import (GroupTrainerMethod, broadcast_model_and_optimizer, exchange_gradients,
-                                      make_optimizer)
+from hvd_lowcomm.methods.base import broadcast_model_and_optimizer, exchange_gradients
+from hvd_lowcomm.methods.grouped import GroupedOptions, GroupTrainerMethod, group_traffic, outer_optimizer, trial_sync
 from hvd_lowcomm.methods.factorized import (RANK_RULES, FactorizedLayer, choose_rank,
                                             dropped_fraction, factorize_model, leading_svd, noise_edge,
                                             unfactorized_copy)
@@ -70,11 +70,11 @@ INITS = ("default", "ortho-sigma")
 
 
 @dataclass
-class ABOptions:
+class ABOptions(GroupedOptions):
     """AB-training: low-rank factors A, B trained by independent groups of ranks."""
 
-    groups: int = option(0, "independent groups of contiguous ranks (0: one per node on several nodes, "
-                            "else 2)")
+    section: ClassVar[str] = "ab"
+
     # Schedule lengths: steps, or below 1 a fraction of the run's steps (so the defaults fit a
     # run of any length: the reference syncs about every 5 % of its run).
     warmup: float = option(0.1, "full-rank data-parallel steps before the first factorisation (< 1: fraction "
@@ -114,20 +114,13 @@ class ABOptions:
                                        "fraction of the run; the reference uses about a third of a cycle)")
     rebound_lr: float = option(1e-5, "LR right after a switch")
     reset_optimizer: bool = option(False, "drop the factors' optimiser moments at re-factorisation")
-    # DiLoCo's outer step at every sync: the change the groups made to every weight (W = A B)
-    # and dense parameter since the group phase began is a pseudo-gradient, and SGD with
-    # momentum steps the weights from where the phase began. lr 1 and momentum 0: the sync's
-    # plain average (the paper's AB-training).
-    outer_lr: float = option(1.0, "outer learning rate at a sync (1 with outer_momentum 0: the plain average)")
-    outer_momentum: float = option(0.0, "outer momentum at a sync, kept across cycles (DiLoCo: 0.9)")
-    outer_nesterov: bool = option(True, "Nesterov momentum for the outer step")
+    # The outer step (GroupedOptions' outer_*) at every sync: the change the groups made to every
+    # weight (W = A B) and dense parameter since the group phase began is a pseudo-gradient,
+    # and SGD with momentum steps the weights from where the phase began. lr 1 and momentum
+    # 0: the sync's plain average (the paper's AB-training).
 
     def validate(self) -> None:
-        if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
-            raise ConfigError(f"ab.outer_lr must be > 0 and ab.outer_momentum in [0, 1), got {self.outer_lr} and "
-                              f"{self.outer_momentum}")
-        if self.groups < 0:
-            raise ConfigError(f"ab.groups must be >= 0 (0: automatic), got {self.groups}")
+        super().validate()
         if self.warmup < 0 or self.full_rank_steps < 0 or self.rebound_steps < 0:
             raise ConfigError("ab.warmup, ab.full_rank_steps and ab.rebound_steps must be >= 0")
         if self.sync_every <= 0:
@@ -212,7 +205,7 @@ class ABTraining:
         o = make_options(ABOptions, "ab", options, **kwargs)
         require_run_length(o, ("warmup", "sync_every", "full_rank_steps", "rebound_steps"), total_steps, "ab")
         self.options, self.model, self.optimizer, self.clip_grad_norm = o, model, optimizer, clip_grad_norm
-        groups = num_groups(o, runtime.size())
+        groups = runtime.default_group_count(o.groups, runtime.size())
         check_groups(o, groups, runtime.size())
         if o.init == "ortho-sigma":
             _ortho_sigma(model)
@@ -235,9 +228,7 @@ class ABTraining:
         self.undone_cuts = 0
         # The outer step's weights (where the group phase began) and its optimiser, when on.
         self.outer_weights = [nn.Parameter(t.detach().clone()) for t in self._outer_targets()]
-        self.outer = torch.optim.SGD(self.outer_weights, lr=o.outer_lr, momentum=o.outer_momentum,
-                                     nesterov=o.outer_nesterov and o.outer_momentum > 0) \
-            if o.outer_lr != 1 or o.outer_momentum else None
+        self.outer = None if o.plain_average else outer_optimizer(self.outer_weights, o)
         self._set_trainable()
         kinds = Counter(layer.kind.name for layer in self.layers.values())
         self._say(f"factorises {len(self.layers)} layers ({', '.join(f'{n} {k}' for k, n in kinds.items())}); kept "
@@ -497,16 +488,10 @@ class ABTraining:
         if self.phase != "group":
             yield self.model
             return
-        saved = copy.deepcopy(self.model.state_dict())
-        outer = copy.deepcopy(self._outer_state())
-        self._sync()
-        try:
-            yield self.model
-        finally:
-            self.model.load_state_dict(saved)
-            self._load_outer_state(outer)
-            for layer in self.layers.values():
-                layer.factorized = True
+        with trial_sync(self.model, self._sync, self._outer_state, self._load_outer_state) as model:
+            yield model
+        for layer in self.layers.values():  # the model's state came back; its factors are live again
+            layer.factorized = True
 
     def _outer_state(self) -> dict[str, Any]:
         return {"weights": [w.detach().clone() for w in self.outer_weights],
@@ -541,15 +526,15 @@ class ABTraining:
         rest, factors, _ = self._parameter_counts()
         return self.full_parameters / (rest + factors)
 
+    between_groups = ("world",)  # syncs, and the loop's checks
+
     def epoch_metrics(self) -> dict[str, Any]:
         rest, factors, at_rank_one = self._parameter_counts()
-        intra = meter.total_on(("group",))
-        inter = meter.total_on(("world",), ("train", "control"))  # every world collective, the loop's checks too
         return {"phase": self.phase, "role": self.role, "compression_ratio": self.compression_ratio(),
                 # the most any rank could give with the dense layers beside the factorised ones
                 "compression_bound": self.full_parameters / (rest + at_rank_one),
                 "low_rank_parameters": rest + factors, "undone_cuts": self.undone_cuts,
-                "intra_group_wire_bytes": intra, "inter_group_wire_bytes": inter,
+                **group_traffic(self.between_groups),
                 **{f"rank/{name}": layer.rank for name, layer in self.layers.items()},
                 **{f"{key}/{name}": value for name, cut in self.cuts.items() for key, value in cut.items()
                    if key != "rank"}}
@@ -573,6 +558,13 @@ class ABTraining:
                        "noise_edges": {n: l.noise_edge for n, l in self.layers.items()},
                        "outer": self._outer_state()}}
 
+    def local_state_dict(self) -> dict[str, Any]:
+        """Nothing differs between the ranks of a group beyond `state_dict()`."""
+        return {}
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         model_state = state["model"]
         for name, layer in self.layers.items():  # factors must have the saved shapes first
@@ -589,11 +581,6 @@ class ABTraining:
         if "outer" in ab:
             self._load_outer_state(ab["outer"])
         self._set_trainable()
-
-
-def num_groups(options: ABOptions, world_size: int) -> int:
-    """The group count: as given, or one per node on several nodes, else 2."""
-    return runtime.default_group_count(options.groups, world_size)
 
 
 def check_groups(options: ABOptions, groups: int, world_size: int) -> None:
@@ -734,34 +721,22 @@ def predict_ab(profile: Profile, p: int, link: Link, o: ABOptions, cfg: Config,
 class AB(GroupTrainerMethod):
     """`--method ab`: ABTraining driven by the built-in loop."""
 
+    trainer_class = ABTraining
+
     @classmethod
-    def check_world(cls, cfg: Config, world_size: int) -> None:
-        o = cfg.options
-        check_groups(o, num_groups(o, world_size), world_size)
+    def check_groups(cls, cfg: Config, groups: int, world_size: int) -> None:
+        check_groups(cfg.options, groups, world_size)
 
     def check_model(self, model: nn.Module) -> None:
         example = task.example_input(2, tuple(self.data.input_shape), self.data.vocabulary,
                                      torch.Generator().manual_seed(0))
         check_factorizable(model, self.options.full_rank, example)
 
-    def setup(self, model: nn.Module) -> None:
-        self.model = model
-        self.optimizer = make_optimizer(self.cfg, model.parameters())
-        self.trainer = ABTraining(model, self.optimizer, SET_LATER, options=self.options,
-                                  clip_grad_norm=self.cfg.train.clip_grad_norm)
-
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         with self.trainer.step(x, y):
             self.optimizer.zero_grad()
             loss = self.forward_backward(x, y)
         return loss
-
-    def final_state_dict(self) -> dict[str, Any] | None:
-        with meter.in_phase("eval"), self.trainer.synced() as model:  # collective; only rank 0 copies
-            return unfactorized_copy(model).state_dict() if runtime.rank() == 0 else None
-
-    def epoch_metrics(self) -> dict[str, Any]:
-        return self.trainer.epoch_metrics()
 
 
 def _ortho_sigma(model: nn.Module) -> None:

@@ -173,41 +173,6 @@ class Method:
         pass
 
 
-class GroupTrainerMethod(Method):
-    """A method whose training lives in a library object that owns the run's groups and
-    schedule (ABTraining, DiLoCo), made in `setup` as `self.trainer`: the loop's calls go to it.
-    The trainer provides set_total_steps, agreement_group, synced() (the model a sync would give
-    now, for evaluation), state_dict / load_state_dict (the same on the ranks of a group) and
-    `group`."""
-
-    trainer: Any
-
-    def set_total_steps(self, total_steps: int) -> None:
-        self.trainer.set_total_steps(total_steps)
-
-    def agreement_group(self) -> runtime.Group | None:
-        return self.trainer.agreement_group()
-
-    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int, float]:
-        """Accuracy of the model a sync would give now."""
-        with self.trainer.synced():
-            return super().evaluate(batches)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.trainer.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.trainer.load_state_dict(state)
-
-    def state_owner(self) -> int:
-        return self.trainer.group.ranks[0]  # groups differ between syncs; the ranks of a group agree
-
-    def summary_metrics(self) -> dict[str, Any]:
-        """How many groups trained (one per node by default), and the trainer's own figures."""
-        own = getattr(self.trainer, "summary_metrics", dict)()
-        return {"groups": len(self.trainer.all_groups), **own}
-
-
 def make_optimizer(cfg: Config, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     t = cfg.train
     if t.optimizer == "sgd":

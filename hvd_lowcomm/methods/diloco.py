@@ -43,7 +43,7 @@ import copy
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, ClassVar, Iterator
 
 import torch
 import torch.nn as nn
@@ -54,30 +54,20 @@ from hvd_lowcomm.config import Config, ConfigError, make_options, option
 from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, RunAssumptions, wire
 from hvd_lowcomm.registry import register
 from hvd_lowcomm.methods.outer_exchange import COMPRESSIONS, Transfer, make_exchange
-from hvd_lowcomm.methods.base import (GroupTrainerMethod, broadcast_model_and_optimizer, exchange_gradients,
-                                      make_optimizer)
+from hvd_lowcomm.methods.base import broadcast_model_and_optimizer, exchange_gradients
+from hvd_lowcomm.methods.grouped import GroupedOptions, GroupTrainerMethod, group_traffic, outer_optimizer, trial_sync
 from hvd_lowcomm.schedule import SET_LATER, require_run_length, run_steps
 
 @dataclass
-class DiLoCoOptions:
-    """DiLoCo: groups train alone for sync_every steps; an outer Nesterov step on the averaged
+class DiLoCoOptions(GroupedOptions):
+    """DiLoCo: groups train alone for sync_every steps; an outer step on the averaged
     pseudo-gradient joins them."""
 
-    groups: int = option(0, "groups of contiguous ranks training on their own (0: one per node on several "
-                            "nodes, else 2)")
+    section: ClassVar[str] = "diloco"
+
     # A fraction, like AB-training's schedule, so the default fits a run of any length: 5 % of
     # a 10,000-step run is the paper's H = 500.
     sync_every: float = option(0.05, "inner steps between outer steps, H (< 1: fraction of the run's steps)")
-    # Plain averaging by default, not the paper's lr 0.7 with Nesterov momentum 0.9: that outer
-    # step moves the model lr/(1 - momentum) = 7 times the groups' mean progress once syncs
-    # agree in direction, an extrapolation that pays when each pseudo-gradient is a long, smooth
-    # trajectory (the paper's H = 500 from a pretrained model) and overshoots when H is a few
-    # steps. Measured (benchmarks/results/ab-vs-diloco-*, runs of 80-1,250 steps, H 2-16): at 8
-    # groups 78.3 % against 90.0 % plain on MNIST-5k (DDP 92.0 %), 50.7 against 67.0 % on animal
-    # silhouettes (DDP 74.0 %); at 2 groups the two were level (94.7 / 94.6 %).
-    outer_lr: float = option(1.0, "outer learning rate (1 with outer_momentum 0: plain averaging; the paper: 0.7)")
-    outer_momentum: float = option(0.0, "outer momentum (the paper: 0.9, for long H)")
-    nesterov: bool = option(True, "Nesterov momentum for the outer step (the paper's)")
     compression: str = option("none", "pseudo-gradients between groups: none (fp32), fp16, int8 (per-block scaling, "
                                       "error feedback), sparse (top-k of each chunk at 2 bits, error feedback) or "
                                       "lowrank (PowerSGD factors of each matrix, error feedback)",
@@ -93,15 +83,10 @@ class DiLoCoOptions:
                                       "ran that the fragment keeps on top of the new global parameters")
 
     def validate(self) -> None:
-        if self.groups < 0:
-            raise ConfigError(f"diloco.groups must be >= 0 (0: automatic), got {self.groups}")
+        super().validate()
         if self.sync_every <= 0 or (self.sync_every > 1 and self.sync_every != int(self.sync_every)):
             raise ConfigError(f"diloco.sync_every must be a whole number of steps or a fraction in (0, 1), got "
                               f"{self.sync_every}")
-        if self.outer_lr <= 0:
-            raise ConfigError(f"diloco.outer_lr must be > 0, got {self.outer_lr}")
-        if not 0 <= self.outer_momentum < 1:
-            raise ConfigError(f"diloco.outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if self.fragments < 1:
             raise ConfigError(f"diloco.fragments must be >= 1, got {self.fragments}")
         if not 0 < self.density <= 1:
@@ -195,8 +180,7 @@ class DiLoCo:
         broadcast_model_and_optimizer(model, optimizer)
         # This rank's slice of each fragment's global copy, as the outer optimiser's parameters.
         self.global_slices = [nn.Parameter(self._local_slice(f)) for f in range(len(self.fragments))]
-        self.outer = torch.optim.SGD(self.global_slices, lr=o.outer_lr, momentum=o.outer_momentum,
-                                     nesterov=o.nesterov and o.outer_momentum > 0)
+        self.outer = outer_optimizer(self.global_slices, o)
         self.exchange = make_exchange(self.column, o)
         self.worker: concurrent.futures.ThreadPoolExecutor | None = None  # runs delayed exchanges
         self.in_flight: dict[int, InFlight] = {}  # fragment -> its started exchange
@@ -328,24 +312,28 @@ class DiLoCo:
             yield self.model
             return
         self._settle()  # the exchange in flight uses the same state: let it finish first
-        saved = (copy.deepcopy(self.model.state_dict()), [s.detach().clone() for s in self.global_slices],
-                 copy.deepcopy(self.outer.state_dict()), self.exchange.state_dict(), list(self.since_sync),
-                 dict(self.in_flight))
-        self.in_flight = {}
-        for f in pending:
+        with trial_sync(self.model, lambda: self._sync_now(pending), self._sync_state, self._load_sync_state) as model:
+            yield model
+
+    def _sync_now(self, fragments: list[int]) -> None:
+        in_flight, self.in_flight = self.in_flight, {}  # set aside: restored with the rest
+        for f in fragments:
             self._start(f, background=False)
-        self._apply(pending)
-        try:
-            yield self.model
-        finally:
-            model_state, slices, outer_state, exchange_state, since, in_flight = saved
-            self.model.load_state_dict(model_state)
-            with torch.no_grad():
-                for s, value in zip(self.global_slices, slices):
-                    s.copy_(value)
-            self.outer.load_state_dict(outer_state)
-            self.exchange.load_state_dict(exchange_state)
-            self.since_sync, self.in_flight = since, in_flight
+        self._apply(fragments)
+        self.in_flight = in_flight
+
+    def _sync_state(self) -> tuple[Any, ...]:
+        return ([s.detach().clone() for s in self.global_slices], copy.deepcopy(self.outer.state_dict()),
+                self.exchange.state_dict(), list(self.since_sync))
+
+    def _load_sync_state(self, state: tuple[Any, ...]) -> None:
+        slices, outer_state, exchange_state, since = state
+        with torch.no_grad():
+            for s, value in zip(self.global_slices, slices):
+                s.copy_(value)
+        self.outer.load_state_dict(outer_state)
+        self.exchange.load_state_dict(exchange_state)
+        self.since_sync = since
 
     def full_model(self) -> nn.Module:
         """The synced model, the same on every rank (collective; its traffic counts as eval)."""
@@ -358,9 +346,13 @@ class DiLoCo:
             meter.barrier("diloco.full_model")
         return final
 
-    def summary_metrics(self) -> dict[str, Any]:
+    between_groups = ("column", "world")  # the column exchange, and the loop's checks at outer steps
+
+    def epoch_metrics(self) -> dict[str, Any]:
         return {"outer_steps": self.outer_steps, "sync_every": self.every,
-                "exchange_wait_seconds": round(self.exchange_wait_seconds, 4)}
+                "exchange_wait_seconds": round(self.exchange_wait_seconds, 4), **group_traffic(self.between_groups)}
+
+    summary_metrics = epoch_metrics
 
     def state_dict(self) -> dict[str, Any]:
         """What the ranks of one group share: model, inner optimiser, position in the cycle."""
@@ -468,39 +460,13 @@ def predict_diloco(profile: Profile, p: int, link: Link, o: DiLoCoOptions, cfg: 
 class DiLoCoMethod(GroupTrainerMethod):
     """`--method diloco`: DiLoCo driven by the built-in loop."""
 
-    @classmethod
-    def check_world(cls, cfg: Config, world_size: int) -> None:
-        runtime.group_layout(world_size, num_groups=runtime.default_group_count(cfg.options.groups, world_size))
+    trainer_class = DiLoCo
 
     def check_model(self, model: nn.Module) -> None:
         fragment_bounds([p.numel() for p in model.parameters() if p.requires_grad], self.options.fragments)
-
-    def setup(self, model: nn.Module) -> None:
-        self.model = model
-        self.optimizer = make_optimizer(self.cfg, model.parameters())
-        self.trainer = DiLoCo(model, self.optimizer, SET_LATER, options=self.options,
-                             clip_grad_norm=self.cfg.train.clip_grad_norm)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         self.optimizer.zero_grad()
         loss = self.forward_backward(x, y)
         self.trainer.step()
         return loss
-
-    def final_state_dict(self) -> dict[str, Any] | None:
-        model = self.trainer.full_model()  # collective
-        return model.state_dict() if runtime.rank() == 0 else None
-
-    def epoch_metrics(self) -> dict[str, Any]:
-        intra = meter.total_on(("group",))
-        inter = meter.total_on(("column", "world"), ("train", "control"))  # the loop's checks at outer steps too
-        return {**self.trainer.summary_metrics(), "intra_group_wire_bytes": intra, "inter_group_wire_bytes": inter}
-
-    def summary_metrics(self) -> dict[str, Any]:
-        return {**super().summary_metrics(), **self.epoch_metrics()}
-
-    def local_state_dict(self) -> dict[str, Any]:
-        return self.trainer.local_state_dict()
-
-    def load_local_state_dict(self, state: dict[str, Any]) -> None:
-        self.trainer.load_local_state_dict(state)

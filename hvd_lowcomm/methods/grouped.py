@@ -1,0 +1,150 @@
+"""What the methods that train in independent groups of ranks share (AB-training, DiLoCo): their
+common options, the outer optimiser, evaluation on a trial sync, the traffic split between
+and inside groups, and the adapter the built-in loop drives.
+
+Both split the world into groups (one per node when the job spans nodes, else 2:
+`runtime.groups_for`, the same rule for runs and for the cost model), let each group train on
+its own, and now and then combine the groups' progress as a pseudo-gradient that an outer SGD
+step applies (DiLoCo's outer step; plain averaging at lr 1 without momentum).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Iterable, Iterator
+
+import torch
+import torch.nn as nn
+
+from hvd_lowcomm.comm import runtime
+from hvd_lowcomm.comm.traffic import meter
+from hvd_lowcomm.config import Config, ConfigError, option
+from hvd_lowcomm.methods.base import Method, make_optimizer
+from hvd_lowcomm.schedule import SET_LATER
+
+
+@dataclass
+class GroupedOptions:
+    """Options every grouped method has (its own dataclass extends this one)."""
+
+    section: ClassVar[str] = "?"  # the options' section, for messages
+
+    groups: int = option(0, "independent groups of contiguous ranks (0: one per node on several nodes, else 2)")
+    # Plain averaging by default, not DiLoCo's lr 0.7 with Nesterov momentum 0.9: that outer
+    # step moves the model lr/(1 - momentum) = 7 times the groups' mean progress once syncs
+    # agree in direction, an extrapolation that pays when each pseudo-gradient is a long, smooth
+    # trajectory (the paper's H = 500 from a pretrained model) and overshoots when syncs are a
+    # few steps apart (measured: benchmarks/results/ab-vs-diloco-*, diloco-forms-*).
+    outer_lr: float = option(1.0, "outer learning rate at a sync (1 with outer_momentum 0: the plain average; "
+                                  "DiLoCo's paper: 0.7)")
+    outer_momentum: float = option(0.0, "outer momentum at a sync, kept across syncs (DiLoCo's paper: 0.9)")
+    outer_nesterov: bool = option(True, "Nesterov momentum for the outer step (DiLoCo's paper)")
+
+    def validate(self) -> None:
+        s = self.section
+        if self.groups < 0:
+            raise ConfigError(f"{s}.groups must be >= 0 (0: automatic), got {self.groups}")
+        if self.outer_lr <= 0:
+            raise ConfigError(f"{s}.outer_lr must be > 0, got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"{s}.outer_momentum must be in [0, 1), got {self.outer_momentum}")
+
+    @property
+    def plain_average(self) -> bool:
+        """Whether the outer step is the plain average (no optimiser needed)."""
+        return self.outer_lr == 1 and not self.outer_momentum
+
+
+def outer_optimizer(params: Iterable[torch.Tensor], options: GroupedOptions) -> torch.optim.Optimizer:
+    """The outer SGD over `params` (the global copy a pseudo-gradient steps)."""
+    return torch.optim.SGD(params, lr=options.outer_lr, momentum=options.outer_momentum,
+                           nesterov=options.outer_nesterov and options.outer_momentum > 0)
+
+
+@contextlib.contextmanager
+def trial_sync(model: nn.Module, sync: Callable[[], None], state: Callable[[], Any],
+               restore: Callable[[Any], None]) -> Iterator[nn.Module]:
+    """The model a sync would give now, without changing the run: `sync()` on the live model,
+    yield it, then put back the model and what `state()` returned (the method's own sync state,
+    given to `restore`). Collective where the sync is."""
+    saved = copy.deepcopy(model.state_dict()), state()
+    sync()
+    try:
+        yield model
+    finally:
+        model.load_state_dict(saved[0])
+        restore(saved[1])
+
+
+def group_traffic(between: tuple[str, ...]) -> dict[str, float]:
+    """Training bytes inside the groups and between them (on the process sets whose labels
+    start with `between`; the loop's checks on the world count as between)."""
+    return {"intra_group_wire_bytes": meter.total_on(("group",)),
+            "inter_group_wire_bytes": meter.total_on(between, ("train", "control"))}
+
+
+class GroupTrainerMethod(Method):
+    """A method whose training lives in a library object that owns the run's groups and
+    schedule (ABTraining, DiLoCo), made in `setup` as `self.trainer` from `trainer_class`: the
+    loop's calls go to it. The trainer provides set_total_steps, agreement_group, synced() (the
+    model a sync would give now, for evaluation), full_model(), epoch_metrics(), state_dict /
+    load_state_dict (the same on the ranks of a group), local_state_dict /
+    load_local_state_dict (each rank's own), `group` and `all_groups`, and epoch_metrics /
+    summary_metrics (with `group_traffic`)."""
+
+    trainer_class: ClassVar[type]
+    trainer: Any
+
+    @classmethod
+    def check_world(cls, cfg: Config, world_size: int) -> None:
+        groups = runtime.default_group_count(cfg.options.groups, world_size)
+        runtime.group_layout(world_size, num_groups=groups)  # a clear error when they do not divide
+        cls.check_groups(cfg, groups, world_size)
+
+    @classmethod
+    def check_groups(cls, cfg: Config, groups: int, world_size: int) -> None:
+        """Raise ConfigError when the method cannot train in `groups` groups."""
+
+    def setup(self, model: nn.Module) -> None:
+        self.model = model
+        self.optimizer = make_optimizer(self.cfg, model.parameters())
+        self.trainer = self.trainer_class(model, self.optimizer, SET_LATER, options=self.options,
+                                          clip_grad_norm=self.cfg.train.clip_grad_norm)
+
+    def set_total_steps(self, total_steps: int) -> None:
+        self.trainer.set_total_steps(total_steps)
+
+    def agreement_group(self) -> runtime.Group | None:
+        return self.trainer.agreement_group()
+
+    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int, float]:
+        """Accuracy of the model a sync would give now."""
+        with self.trainer.synced():
+            return super().evaluate(batches)
+
+    def final_state_dict(self) -> dict[str, Any] | None:
+        model = self.trainer.full_model()  # collective
+        return model.state_dict() if runtime.rank() == 0 else None
+
+    def epoch_metrics(self) -> dict[str, Any]:
+        return self.trainer.epoch_metrics()
+
+    def summary_metrics(self) -> dict[str, Any]:
+        """How many groups trained (one per node by default), and the trainer's own figures."""
+        return {"groups": len(self.trainer.all_groups), **self.trainer.summary_metrics()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.trainer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.trainer.load_state_dict(state)
+
+    def state_owner(self) -> int:
+        return self.trainer.group.ranks[0]  # groups differ between syncs; the ranks of a group agree
+
+    def local_state_dict(self) -> dict[str, Any]:
+        return self.trainer.local_state_dict()
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        self.trainer.load_local_state_dict(state)
