@@ -260,7 +260,11 @@ class DiLoCo:
         collective = self.exchange.start(fragment, delta, shapes, self.position * len(delta))
         keeps = background and self.options.update_alpha > 0
         prepared = [p.detach().clone() for _, p in self.fragments[fragment]] if keeps else None
-        result = self.worker.submit(collective) if background else collective()
+        if background:
+            result = self.worker.submit(collective)
+        else:
+            with self._waiting():
+                result = collective()
         self.in_flight[fragment] = InFlight(result, self.inner_steps + (self.options.sync_delay if background else 0),
                                             prepared)
 
@@ -268,10 +272,18 @@ class DiLoCo:
         """Wait for every exchange in flight (its result is kept for its own step)."""
         for flight in self.in_flight.values():
             if isinstance(flight.result, concurrent.futures.Future):
-                start = time.perf_counter()
-                with meter.waiting():
+                with self._waiting():
                     flight.result = flight.result.result()
-                self.exchange_wait_seconds += time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def _waiting(self) -> Iterator[None]:
+        """Time blocked on the exchange between groups: the meter's, and in training (not in
+        an evaluation's trial sync) this trainer's exchange_wait_seconds."""
+        start = time.perf_counter()
+        with meter.waiting():
+            yield
+        if meter.phase == "train":
+            self.exchange_wait_seconds += time.perf_counter() - start
 
     def _apply(self, due: list[int]) -> None:
         """Step the due fragments' global slices with their averaged pseudo-gradients and give
