@@ -40,6 +40,7 @@ import torch
 
 from hvd_lowcomm.comm.runtime import Group
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter, wire_bytes
+from hvd_lowcomm.methods.powersgd import orthogonalise
 
 COMPRESSIONS = ("none", "fp16", "int8", "sparse", "lowrank")
 BLOCK = 256    # numbers per int8 scale: one fp32 scale costs 1/64 of the block's bytes
@@ -311,13 +312,13 @@ class LowRank(Exchange):
     def transfers(self, numbers: int, shapes: list[tuple[int, ...]], start: int) -> list[Transfer]:
         pieces = slice_pieces(shapes, start, numbers, self.options.rank)
         first = sum(rows * r for _, rows, _, r in pieces.matrices) + sum(n for _, n in pieces.dense)
-        return [Transfer("allreduce", FLOAT_BYTES * first),
-                Transfer("allreduce", FLOAT_BYTES * sum(cols * r for _, _, cols, r in pieces.matrices))]
+        second = [Transfer("allreduce", FLOAT_BYTES * sum(cols * r for _, _, cols, r in pieces.matrices))]
+        return [Transfer("allreduce", FLOAT_BYTES * first)] + (second if pieces.matrices else [])
 
     def _initial_qs(self, fragment: int, pieces: Pieces) -> list[torch.Tensor]:
         """Random orthonormal Qs, the same on every member of the column (same seed, same slice)."""
         generator = torch.Generator().manual_seed(self.seed * 1009 + fragment)
-        return [torch.linalg.qr(torch.randn(cols, r, generator=generator)).Q for _, _, cols, r in pieces.matrices]
+        return [orthogonalise(torch.randn(cols, r, generator=generator)) for _, _, cols, r in pieces.matrices]
 
     def start(self, fragment: int, delta: torch.Tensor, shapes: list[tuple[int, ...]], start: int) -> Collective:
         pieces = slice_pieces(shapes, start, len(delta), self.options.rank)
@@ -335,13 +336,13 @@ class LowRank(Exchange):
             ps = []
             for m in ms:
                 r = qs[len(ps)].shape[1]
-                ps.append(torch.linalg.qr(first[at:at + m.shape[0] * r].view(m.shape[0], r)).Q)
+                ps.append(orthogonalise(first[at:at + m.shape[0] * r].view(m.shape[0], r)))
                 at += m.shape[0] * r
             for o, n in pieces.dense:
                 out[o:o + n] = first[at:at + n] / self.members
                 at += n
             local_qs = [m.T @ p for m, p in zip(ms, ps)]
-            second = self._allreduce(torch.cat([q.reshape(-1) for q in local_qs]).clone()) if ms else first[:0]
+            second = self._allreduce(torch.cat([q.reshape(-1) for q in local_qs])) if ms else first[:0]
             error, at, mean_qs = torch.zeros_like(corrected), 0, []
             for (o, rows, cols, r), m, p, q in zip(pieces.matrices, ms, ps, local_qs):
                 mean_q = second[at:at + cols * r].view(cols, r) / self.members
