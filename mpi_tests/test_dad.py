@@ -66,8 +66,10 @@ def test_after_the_first_step_autograd_skips_the_weight_gradients_rows_replace_a
     model = mlp()
     model[1].bias = None  # a first layer without bias: its output's gradient needs its weight's
     reference = copy.deepcopy(model)
-    # (rank-dAD without error feedback: with it, the factors come from the local gradient)
-    options = {"rank": 8, "iterations": 300, "tol": 1e-9, "error_feedback": False} if mode == "rank" else {}
+    # (rank-dAD without error feedback: with it, the factors come from the local gradient; float32
+    # rows: the exactness of the algorithm, float16's rounding is tested on its own)
+    options = {"rank": 8, "iterations": 300, "tol": 1e-9, "error_feedback": False, "factor_dtype": "float32"} \
+        if mode == "rank" else {}
     opt = DadOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, mode=mode, plan="all", **options)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(3):
@@ -130,7 +132,7 @@ def test_rank_dad_at_or_above_the_true_rank_reproduces_the_exact_gradient(world)
     x, y, local, n = unequal_batches(world.size, world.comm.Get_rank(), (6,), 3)
     # n <= 3 + (p-1) rows per rank: each local gradient has rank <= n < 8
     opt, grads = pooled_and_distributed_grads(world, mlp(), x, y, local, rank=8, iterations=300, tol=1e-9, plan="all",
-                                              error_feedback=False)
+                                              error_feedback=False, factor_dtype="float32")
     for name, got, want in grads:
         assert relative_error(got, want) <= 1e-4, name
     assert all(max(ks) <= n for ks in opt.effective_ranks.values())
@@ -143,7 +145,7 @@ def test_rank_dad_takes_a_conv_layer_s_factors_from_its_gradient_and_stays_exact
     reference = copy.deepcopy(model)
     F.cross_entropy(reference(x), y).backward()
     opt = DadOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, rank=5, iterations=10, tol=1e-9,
-                       plan="all")  # its block is as wide as the gradient's rank: one iteration is exact
+                       plan="all", factor_dtype="float32")  # its block is as wide as the gradient's rank: exact
     F.cross_entropy(model(x[local]), y[local]).backward()
     # 3..6 samples x 25 positions = 75..150 rows against 18 x 4 and 36 x 5 gradients
     assert opt.sharing.from_gradient(opt, "0") and opt.sharing.from_gradient(opt, "2")
@@ -156,7 +158,7 @@ def test_rank_dad_takes_a_conv_layer_s_factors_from_its_gradient_and_stays_exact
 def test_adaptive_rank_dad_is_exact_at_a_tight_target_and_keeps_the_fewest_components_at_a_loose_one(world):
     x, y, local, n = unequal_batches(world.size, world.comm.Get_rank(), (6,), 3)
     opt, grads = pooled_and_distributed_grads(world, mlp(), x, y, local, mode="rank", error_target=1e-9,
-                                              iterations=300, tol=1e-9, plan="all")
+                                              iterations=300, tol=1e-9, plan="all", factor_dtype="float32")
     for name, got, want in grads:
         assert relative_error(got, want) <= 1e-4, name
     model = mlp()
@@ -170,13 +172,16 @@ def test_adaptive_rank_dad_is_exact_at_a_tight_target_and_keeps_the_fewest_compo
         assert missed[k - 1] <= 0.5 + 1e-6 and (k == 1 or missed[k - 2] > 0.5), (name, k, missed)
 
 
-def test_rank_dad_error_feedback_carries_what_the_factors_dropped(world):
-    """Σ_t applied_t + Σ_s (N_s/N) e_s = Σ_t pooled_t: nothing is lost, only delayed."""
+@pytest.mark.parametrize("factor_dtype", ["float32", "float16"])
+def test_rank_dad_error_feedback_carries_what_the_factors_dropped(world, factor_dtype):
+    """Σ_t applied_t + Σ_s (N_s/N) e_s = Σ_t pooled_t: nothing is lost, only delayed (float16's
+    rounding of the rows included)."""
     x, y, local, n = unequal_batches(world.size, world.comm.Get_rank(), (6,), 3)
     model = mlp()
     reference = copy.deepcopy(model)
     F.cross_entropy(reference(x), y).backward()
-    opt = DadOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, rank=1, error_feedback=True, plan="all")
+    opt = DadOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, rank=1, error_feedback=True, plan="all",
+                       factor_dtype=factor_dtype)
     applied = {name: torch.zeros_like(model.get_submodule(name).weight) for name in ("1", "3", "5")}
     for _ in range(3):
         opt.zero_grad()
@@ -191,6 +196,28 @@ def test_rank_dad_error_feedback_carries_what_the_factors_dropped(world):
         want = 3 * reference.get_submodule(name).weight.grad
         assert relative_error(summed + mean_error, want) <= 1e-4, name
         assert relative_error(summed, want) > 1e-3, name  # rank 1 alone did drop something
+
+
+@pytest.mark.parametrize("magnitude", [1e-9, 1.0, 1e6])
+def test_rank_dad_float16_rows_halve_the_bytes_and_keep_the_gradient_at_any_magnitude(world, fresh_meter, magnitude):
+    """At full rank the float16 rows (each scaled by its own power of two) give the pooled
+    gradient within float16's rounding, for losses so small or large that a plain cast would
+    flush or overflow; each row is 2 bytes a number (and 8 for the scales of its two parts)."""
+    x, y, local, _ = unequal_batches(world.size, world.comm.Get_rank(), (6,), 3)
+    model = mlp()
+    reference = copy.deepcopy(model)
+    (magnitude * F.cross_entropy(reference(x), y)).backward()
+    opt = DadOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, rank=8, iterations=300, tol=1e-9,
+                       plan="all", error_feedback=False)
+    (magnitude * F.cross_entropy(model(x[local]), y[local])).backward()
+    opt.synchronize()
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        assert relative_error(got.grad, want.grad) <= (1e-3 if world.size > 1 else 1e-4), name
+    for record in fresh_meter.step_records:
+        if record.name.startswith("rank-dad.") and not record.name.endswith(".scales") and world.size > 1:
+            layer = model.get_submodule(record.name.split(".", 1)[1])
+            rows = opt.effective_ranks[record.name.split(".", 1)[1]][-1]
+            assert record.payload_bytes == rows * (layer.in_features + layer.out_features) * 2, record
 
 
 @pytest.mark.parametrize("way", WAYS)

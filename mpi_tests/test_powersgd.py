@@ -35,8 +35,11 @@ def rank2_grads(step=0):
 
 
 def wrap(layer, **state):
+    """PowerSGD on `layer`, compressing from the first step. The algorithm's arithmetic is
+    checked in float32; float16 factors on the wire (the default) have tests of their own."""
     return PowerSGDOptimizer(torch.optim.SGD(layer.parameters(), lr=0.1), layer.named_parameters(),
-                             PowerSGDState(**{"start_iter": 0, "min_compression_rate": 1.0, **state}))
+                             PowerSGDState(**{"start_iter": 0, "min_compression_rate": 1.0, "factor_dtype": "float32",
+                                              **state}))
 
 
 @pytest.mark.parametrize("rank", [2, 4])
@@ -55,10 +58,12 @@ def test_below_the_true_rank_the_update_is_an_approximation(world):
     assert 0.2 < error < 1.0  # a rank-1 approximation of a random 10x12 mean: clearly not exact
 
 
-def test_error_feedback_carries_what_compression_dropped(world):
-    """sum_t M̂_t + mean_ranks(e_T) = sum_t mean_ranks(M_t): nothing is lost, only delayed."""
+@pytest.mark.parametrize("factor_dtype", ["float32", "float16"])
+def test_error_feedback_carries_what_compression_dropped(world, factor_dtype):
+    """sum_t M̂_t + mean_ranks(e_T) = sum_t mean_ranks(M_t): nothing is lost, only delayed
+    (float16's rounding of the factors included)."""
     layer = torch.nn.Linear(N_IN, N_OUT)
-    opt = wrap(layer, rank=1)
+    opt = wrap(layer, rank=1, factor_dtype=factor_dtype)
     applied, true_sum = torch.zeros(N_OUT, N_IN), torch.zeros(N_OUT, N_IN)
     for step in range(3):
         grads = [torch.randn(N_OUT, N_IN, generator=torch.Generator().manual_seed(50 * step + r)) for r in range(world.size)]
@@ -81,6 +86,56 @@ def test_bytes_recorded_are_n_plus_m_times_r_per_compressed_layer_and_probes_whe
     assert payload == {"powersgd.P.weight": ("allreduce", N_OUT * (3 + PROBES) * 4),
                        "powersgd.Q.weight": ("allreduce", N_IN * 3 * 4),
                        "allreduce.bias": ("allreduce", N_OUT * 4)}  # 1-D tensors are never compressed
+
+
+def test_float16_factors_halve_the_bytes_and_agree_their_scales_once(world, fresh_meter):
+    layer, _, _ = layer_with_grads(world, rank2_grads())
+    opt = wrap(layer, rank=3, factor_dtype="float16")
+    opt.synchronize()
+    payload = {(r.name, r.op, r.payload_bytes) for r in fresh_meter.step_records}
+    if world.size == 1:  # nothing is summed, so nothing is rounded either
+        assert ("powersgd.P.weight", "allreduce", N_OUT * (3 + PROBES) * 4) in payload
+        return
+    # one number per matrix and round agrees the scales at the first step
+    assert payload == {("powersgd.P.weight", "allreduce", N_OUT * (3 + PROBES) * 2),
+                       ("powersgd.Q.weight", "allreduce", N_IN * 3 * 2),
+                       ("powersgd.scales", "allreduce", 4), ("allreduce.bias", "allreduce", N_OUT * 4)}
+    fresh_meter.next_step()
+    layer.weight.grad, layer.bias.grad = rank2_grads(1)(world.comm.Get_rank()).clone(), torch.zeros(N_OUT)
+    opt.synchronize()  # later steps reuse the scales of the previous sums: no agreement
+    assert {r.name for r in fresh_meter.step_records} == {"powersgd.P.weight", "powersgd.Q.weight", "allreduce.bias"}
+    assert set(opt.powersgd.state_dict()["wire"]) == {"powersgd.P.weight", "powersgd.Q.weight"}
+
+
+@pytest.mark.parametrize("magnitude", [1e-9, 1.0, 1e6])
+def test_float16_factors_keep_the_mean_at_any_magnitude(world, magnitude):
+    """Where a plain cast to float16 would flush 1e-9 to zero or overflow at 1e6, the scaled
+    factors give the mean gradient (rank 2, compressed at rank 3) within float16's rounding."""
+    grads = lambda r: magnitude * rank2_grads()(r)  # noqa: E731
+    layer, mean_weight, _ = layer_with_grads(world, grads)
+    opt = wrap(layer, rank=3, factor_dtype="float16")
+    for step in range(3):  # the first step agrees the scales, later ones carry them over
+        layer.weight.grad, layer.bias.grad = grads(world.comm.Get_rank()).clone(), torch.zeros(N_OUT)
+        opt.powersgd.errors.clear()
+        opt.synchronize()
+        error = float((layer.weight.grad - mean_weight).norm() / mean_weight.norm())
+        assert error < 3e-3, (step, error)
+
+
+def test_half_sums_redo_an_overflowing_sum_in_float32(world, fresh_meter):
+    from hvd_lowcomm.comm.half_wire import HalfSums
+
+    sums = HalfSums("test")
+    ones = torch.ones(6)
+    (total,), _ = sums.allreduce([("test.x", ones)], [], None)
+    torch.testing.assert_close(total, torch.full((6,), float(world.size)))
+    fresh_meter.next_step()
+    huge = torch.arange(6.0) * 1e5 * (world.comm.Get_rank() + 1)  # far past the headroom left by the last sum
+    (total,), _ = sums.allreduce([("test.x", huge)], [], None)
+    torch.testing.assert_close(total, torch.arange(6.0) * 1e5 * world.size * (world.size + 1) / 2)
+    attempts = [r.payload_bytes for r in fresh_meter.step_records if r.name == "test.x"]
+    assert attempts == [6 * 2, 6 * 4]  # float16, overflowed; float32 again
+    assert sums.largest["test.x"] == pytest.approx(5e5 * world.size * (world.size + 1) / 2)
 
 
 def test_plain_allreduce_until_start_iter_then_compression(world, fresh_meter):
@@ -159,7 +214,7 @@ def adaptive_run(world, fresh_meter, grads_of_step, steps, **state):
     """An adaptive-rank PowerSGD on a Linear(48 -> 40) whose gradients are set by hand."""
     layer = torch.nn.Linear(48, 40)
     opt = PowerSGDOptimizer(torch.optim.SGD(layer.parameters(), lr=0.1), layer.named_parameters(),
-                            PowerSGDState(**{"start_iter": 0, "adapt_every": 3, **state}))
+                            PowerSGDState(**{"start_iter": 0, "adapt_every": 3, "factor_dtype": "float32", **state}))
     history = []
     for step in range(steps):
         layer.weight.grad = grads_of_step(step)(world.comm.Get_rank()).clone()
@@ -170,9 +225,11 @@ def adaptive_run(world, fresh_meter, grads_of_step, steps, **state):
     return opt, history
 
 
-def test_the_adaptive_rank_grows_to_the_gradient_s_rank_and_then_keeps_its_energy(world, fresh_meter):
+@pytest.mark.parametrize("factor_dtype", ["float32", "float16"])
+def test_the_adaptive_rank_grows_to_the_gradient_s_rank_and_then_keeps_its_energy(world, fresh_meter, factor_dtype):
     opt, history = adaptive_run(world, fresh_meter, lambda step: signal_and_noise(6, step), steps=12,
-                                error_target=0.05)
+                                error_target=0.05, factor_dtype=factor_dtype)
+    size = 2 if factor_dtype == "float16" and world.size > 1 else 4  # bytes per number of P
     ranks = [rank for rank, _ in history]
     # doubling, measured again at once after each change: 1 -> 2 -> 4 -> 8, at most 10 (where
     # compression stops paying); then it settles on what holds the rank-6 signal
@@ -181,9 +238,9 @@ def test_the_adaptive_rank_grows_to_the_gradient_s_rank_and_then_keeps_its_energ
     assert world.comm.allgather(ranks) == [ranks] * world.size  # every rank agreed at every step
     # the probes ride with P only on measuring steps, with the agreement (one int64): step 2
     # measures (after the change at step 1)
-    assert history[2][1]["powersgd.P.weight"] == 40 * (4 + PROBES) * 4 and history[2][1]["powersgd.ranks"] == 8
+    assert history[2][1]["powersgd.P.weight"] == 40 * (4 + PROBES) * size and history[2][1]["powersgd.ranks"] == 8
     quiet = next(records for _, records in history[3:] if "powersgd.ranks" not in records)
-    assert quiet["powersgd.P.weight"] % (40 * 4) == 0 and quiet["powersgd.P.weight"] // (40 * 4) in ranks
+    assert quiet["powersgd.P.weight"] % (40 * size) == 0 and quiet["powersgd.P.weight"] // (40 * size) in ranks
 
 
 def test_the_adaptive_rank_shrinks_to_what_holds_the_energy(world, fresh_meter):

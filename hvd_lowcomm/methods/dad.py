@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 
 from hvd_lowcomm.comm import runtime
+from hvd_lowcomm.comm.half_wire import from_half_rows, to_half_rows
 from hvd_lowcomm.comm.runtime import Group
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter, wire_bytes
 from hvd_lowcomm.config import Config, ConfigError, make_options, option
@@ -112,29 +113,37 @@ class LayerPlan:
 
 
 def plan_layer(name: str, module: nn.Module, rows: int, world_size: int, extra_allreduce: int = 0,
-               force: bool = False) -> LayerPlan:
+               force: bool = False, half_rows: bool = False) -> LayerPlan:
     """Share rows for this layer when that sends fewer bytes than allreducing its gradient.
 
     rows·(d_in + d_out) numbers are allgathered ((p-1)/p of them cross the wire per rank)
     against weight + bias numbers allreduced (2 (p-1)/p). The comparison drops the common
     (p-1)/p factor, so it is the same on one rank. `extra_allreduce` counts numbers the
-    sharing variant still allreduces (rank-dAD's bias).
+    sharing variant still allreduces (rank-dAD's bias); `half_rows`: the rows travel as float16.
     """
     d_in, d_out = fan_in_out(module)
     params = sum(p.numel() for p in module.parameters(recurse=False))
     p = world_size
-    shared_wire = wire_bytes("allgather", rows * (d_in + d_out) * FLOAT_BYTES, p) + \
+    shared_wire = wire_bytes("allgather", rows * shared_row_bytes(d_in, d_out, half_rows), p) + \
         wire_bytes("allreduce", extra_allreduce * FLOAT_BYTES, p)
     allreduce_wire = wire_bytes("allreduce", params * FLOAT_BYTES, p)
-    share = force or sharing_is_cheaper(rows, d_in, d_out, params, extra_allreduce)
+    share = force or sharing_is_cheaper(rows, d_in, d_out, params, extra_allreduce, half_rows)
     return LayerPlan(name, tuple(module.weight.shape), rows, shared_wire, allreduce_wire,
                      "dad" if share else "allreduce")
 
 
-def sharing_is_cheaper(rows: int, d_in: int, d_out: int, params: int, extra_allreduce: int = 0) -> bool:
+def shared_row_bytes(d_in: int, d_out: int, half: bool = False) -> int:
+    """Bytes of one shared row of d_in + d_out numbers (a float16 row of rank-dAD's factors
+    carries a float32 scale for each of its two parts)."""
+    return (d_in + d_out) * 2 + 2 * FLOAT_BYTES if half else (d_in + d_out) * FLOAT_BYTES
+
+
+def sharing_is_cheaper(rows: int, d_in: int, d_out: int, params: int, extra_allreduce: int = 0,
+                       half_rows: bool = False) -> bool:
     """The plan's rule: `rows` rows of d_in + d_out numbers shared by all ranks together (plus
     `extra_allreduce` numbers still allreduced, which cost twice) against `params` allreduced."""
-    return rows * (d_in + d_out) + 2 * extra_allreduce < 2 * params
+    return rows * shared_row_bytes(d_in, d_out, half_rows) + 2 * FLOAT_BYTES * extra_allreduce < \
+        2 * FLOAT_BYTES * params
 
 
 def format_plan(plans: list[LayerPlan], left: dict[str, str] | None = None) -> str:
@@ -227,7 +236,7 @@ class _DadExchange(GradientExchange):
         scale = float(local_batch)
         first_step = not self.planned
         if first_step:  # every layer's rows, to plan from their shapes and the pooled batch
-            p = self._group.size if self._group is not None else runtime.size()
+            p = self.group_size()
             with meter.in_phase("setup"):  # once per run (and again after a resume): not a step's traffic
                 (total_batch,) = meter.allreduce_ints([local_batch], "dad.plan_batch_size", self._group)
             self._make_plan({n: self.local_rows(n, scale) for n in used}, local_batch, total_batch, p)
@@ -294,7 +303,8 @@ class _DadExchange(GradientExchange):
             module = self._layers[name]
             positions = acts.shape[0] // local_batch
             shared_rows, extra = self.sharing.planned_rows(module, positions, total_batch, p)
-            self.plan[name] = plan_layer(name, module, shared_rows, p, extra, force=self._force_all)
+            self.plan[name] = plan_layer(name, module, shared_rows, p, extra, force=self._force_all,
+                                         half_rows=self.sharing.half_rows(p))
             if not module.weight.requires_grad:  # frozen by the user: no gradient to form for it
                 self.frozen.add(name)
                 if not self.sharing.shares_every_layer:  # (edAD still needs its rows for the deltas below)
@@ -304,6 +314,9 @@ class _DadExchange(GradientExchange):
         self.planned = True
         runtime.announce(f"{self.sharing.label} plan (wire bytes per rank per step):\n"
                          f"{format_plan(list(self.plan.values()), left)}")
+
+    def group_size(self) -> int:
+        return self._group.size if self._group is not None else runtime.size()
 
     def apply_rows(self, name: str, pooled: torch.Tensor, total_batch: float, with_bias: bool) -> None:
         """∇W = Δᵀ A over the pooled rows [A | Δ] (Δ scaled by each rank's batch: divided by
@@ -336,6 +349,10 @@ class _Sharing:
 
     def needs_rows(self, exchange: _DadExchange, name: str) -> bool:
         return True
+
+    def half_rows(self, p: int) -> bool:
+        """Whether the shared rows travel as float16 among `p` ranks."""
+        return False
 
     def keeps_weight_gradient(self, exchange: _DadExchange, name: str) -> bool:
         """Whether autograd's local weight gradient is still needed (not skipped after the plan)."""
@@ -391,6 +408,7 @@ class FactorRows(_Sharing):
             f"r <= {options.max_rank})"
         self.last_rank: dict[str, int] = {}        # k each layer kept at its last step
         self.errors: dict[str, torch.Tensor] = {}  # error feedback: what the factors left out
+        self.encoded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # float16 rows and their scales
 
     def planned_rows(self, module: nn.Module, positions: int, total_batch: int, p: int) -> tuple[int, int]:
         return p * planned_rank(self.options), module.bias.numel() if module.bias is not None else 0
@@ -413,6 +431,9 @@ class FactorRows(_Sharing):
     def needs_rows(self, exchange: _DadExchange, name: str) -> bool:
         return not self.from_gradient(exchange, name)
 
+    def half_rows(self, p: int) -> bool:
+        return self.options.factor_dtype == "float16" and p > 1
+
     def keeps_weight_gradient(self, exchange: _DadExchange, name: str) -> bool:
         return self.error_feedback or self.from_gradient(exchange, name)
 
@@ -433,6 +454,12 @@ class FactorRows(_Sharing):
         if self.adaptive:
             k = smallest_rank_within(b_rows.pow(2).sum(1), energy, self.options.error_target)
             b_rows, c_rows = b_rows[:k], c_rows[:k]
+        if self.half_rows(exchange.group_size()):
+            # b (σ b: the gradient's scale) and c (unit length) each with their own power of two;
+            # decoded here as every rank will, so that the error below includes the rounding
+            (b_half, b_scales), (c_half, c_scales) = to_half_rows(b_rows), to_half_rows(c_rows)
+            self.encoded[name] = torch.cat([b_half, c_half], dim=1), torch.cat([b_scales, c_scales], dim=1)
+            b_rows, c_rows = from_half_rows(b_half, b_scales), from_half_rows(c_half, c_scales)
         if self.error_feedback and name not in rows:
             self.errors[name] = (gradient - b_rows.T @ c_rows) / scale
         self.last_rank[name] = max(1, b_rows.shape[0])
@@ -448,17 +475,27 @@ class FactorRows(_Sharing):
         # Each rank sends its own k rows (Horovod's allgather takes a different count from every
         # rank), so the ranks need not agree on k first; a rank with none sends one zero row.
         shared = []
+        self.encoded.clear()
         for n in layers:
             b_rows, c_rows = self.factors_of(exchange, n, rows, scale)
             exchange.effective_ranks[n].append(b_rows.shape[0])
-            payload = torch.cat([b_rows, c_rows], dim=1)
-            shared.append((f"rank-dad.{n}", payload if len(payload) else payload.new_zeros(1, payload.shape[1])))
+            payload, scales = self.encoded.get(n, (torch.cat([b_rows, c_rows], dim=1), None))
+            if not len(payload):
+                payload, scales = payload.new_zeros(1, payload.shape[1]), None if scales is None else scales.new_ones(1, 2)
+            shared.append((f"rank-dad.{n}", payload))
+            if scales is not None:  # two float32 per row, gathered in the same cycle
+                shared.append((f"rank-dad.{n}.scales", scales))
         return shared
 
     def apply(self, exchange: _DadExchange, results: dict[str, torch.Tensor], layers: list[str],
               total_batch: float) -> None:
         for n in layers:
-            exchange.apply_rows(n, results[f"rank-dad.{n}"], total_batch, with_bias=False)
+            pooled, scales = results[f"rank-dad.{n}"], results.get(f"rank-dad.{n}.scales")
+            if scales is not None:  # [σ b | c] rows, each part with its power of two
+                d_in = fan_in_out(exchange.layer(n))[0]
+                pooled = torch.cat([from_half_rows(pooled[:, :d_in], scales[:, :1]),
+                                    from_half_rows(pooled[:, d_in:], scales[:, 1:])], dim=1)
+            exchange.apply_rows(n, pooled, total_batch, with_bias=False)
 
 
 class RecomputedDeltas(_Sharing):
@@ -557,6 +594,11 @@ class RankDadOptions(DadOptions):
     max_rank: int = option(32, "adaptive rank: the most components per layer")
     error_feedback: bool = option(True, "add what a rank's factors left out of its gradient to its next one "
                                         "(factors then come from the gradient autograd forms)")
+    # The factor rows are fed back (the rounding joins each rank's error), so 16 bits per number
+    # lose nothing error feedback does not add back, and halve the bytes.
+    factor_dtype: str = option("float16", "number format of the factor rows on the wire: float16 (half the bytes; "
+                                          "each row scaled by its own power of two) or float32",
+                               choices=("float16", "float32"))
     iterations: int = option(10, "most power iterations where the triplets are iterated for (few rows give "
                                  "them exactly, without iterating)")
     tol: float = option(1e-3, "stop iterating when the subspace moves less than this; drop components "
@@ -663,7 +705,9 @@ def _predict_sharing(profile: Profile, p: int, link: Link, rank: "RankDadOptions
     """dAD (rank None) or rank-dAD: per layer the same choice as the plan 'auto' (share rows, or
     factors, where that sends fewer numbers than allreducing the gradient), then one allgather
     and one allreduce. Autograd skips the local weight gradient of layers whose gradient is
-    formed from rows: the product of one rank's rows, taken off the measured backward pass."""
+    formed from rows: the product of one rank's rows, taken off the measured backward pass.
+    rank-dAD's float16 rows are 2 bytes a number and 8 a row for its two scales."""
+    half = rank is not None and FactorRows(rank).half_rows(p)
     gathered = reduced = 0
     own = skipped = 0.0
     shareable = profile.facts.get("dad" if rank is None else "rank-dad", set())
@@ -673,8 +717,8 @@ def _predict_sharing(profile: Profile, p: int, link: Link, rank: "RankDadOptions
         width = local_rows if rank is None else min(planned, local_rows, layer.fan_in, layer.fan_out)
         extra = 0 if rank is None else layer.fan_out  # rank-dAD allreduces the bias
         if layer.name in shareable and sharing_is_cheaper(p * planned, layer.fan_in, layer.fan_out, layer.params,
-                                                          extra):
-            gathered += width * (layer.fan_in + layer.fan_out)
+                                                          extra, half):
+            gathered += width * shared_row_bytes(layer.fan_in, layer.fan_out, half)
             reduced += extra
             from_gradient = rank is not None and _factors_from_gradient(local_rows, layer.fan_in, layer.fan_out, rank)
             if rank is None:
@@ -687,8 +731,8 @@ def _predict_sharing(profile: Profile, p: int, link: Link, rank: "RankDadOptions
         else:
             reduced += layer.params
     reduced += profile.other_params + 1  # + the pooled batch size, for the N_s/N scale
-    comm = link.allgather(FLOAT_BYTES * gathered, p, p) + link.allreduce(FLOAT_BYTES * reduced, p, p)
-    sent = wire("allgather", FLOAT_BYTES * gathered, p) + wire("allreduce", FLOAT_BYTES * reduced, p)
+    comm = link.allgather(gathered, p, p) + link.allreduce(FLOAT_BYTES * reduced, p, p)
+    sent = wire("allgather", gathered, p) + wire("allreduce", FLOAT_BYTES * reduced, p)
     return Prediction("", p, profile.step_seconds, own - skipped, comm, 0.0, sent, sent * link.node_share(p))
 
 

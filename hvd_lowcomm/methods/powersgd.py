@@ -11,6 +11,10 @@ Each step, once `start_iter` steps of plain allreduce are done:
    every rank; orthogonalise.
 4. P = M Q; allreduce P (sum); orthogonalise P.
 5. Q = Mᵀ P; allreduce Q (sum); divide by the number of ranks.
+   P and Q travel as float16 by default (`factor_dtype`), each matrix scaled by a power of two
+   that keeps its sum in range (hvd_lowcomm.comm.half_wire): P is re-orthogonalised and Q's
+   rounding is part of what error feedback adds back, so 16 bits cost no accuracy and halve the
+   bytes.
 6. M̂ = P Qᵀ, the same rank-r approximation of the mean gradient on every rank; e <- M - M̂.
 
 Adaptive rank (the default, `rank 0`): every `adapt_every` steps a few random probe columns S
@@ -35,6 +39,7 @@ from typing import Any, Iterable
 import torch
 
 from hvd_lowcomm.comm import runtime
+from hvd_lowcomm.comm.half_wire import HalfSums
 from hvd_lowcomm.comm.runtime import Group
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
 from hvd_lowcomm.config import Config, ConfigError, make_options, option
@@ -65,6 +70,12 @@ class PowerSGDOptions:
     # PyTorch: 1000 (its docs suggest ~10 % of training); runs here are hundreds of steps.
     start_iter: int = option(10, "steps of plain allreduce before compression starts")
     min_compression_rate: float = option(2.0, "compress a matrix only if (n+m)*rank*rate < n*m")
+    # P and Q are sums of low-rank factors that are re-orthogonalised (P) or fed back (Q's
+    # rounding joins the error), so 16 bits per number lose nothing error feedback does not add
+    # back; they halve the bytes, which buys twice the rank.
+    factor_dtype: str = option("float16", "number format of P and Q on the wire: float16 (half the bytes; scaled by "
+                                          "a power of two per matrix to stay in range, redone in float32 if a sum "
+                                          "overflows) or float32", choices=("float16", "float32"))
     error_feedback: bool = option(True, "add back what compression dropped at earlier steps")
     warm_start: bool = option(True, "reuse the previous step's Q")
 
@@ -139,6 +150,7 @@ class PowerSGDState:
         self.ranks: dict[str, int] = {}
         self.kept_energy: dict[str, float] = {}
         self.next_measurement = self.options.start_iter  # then every adapt_every steps
+        self.wire = HalfSums("powersgd")  # P's and Q's scales on the wire (factor_dtype float16)
         self.numel_before = 0   # gradient numbers per compressed step, before / after compression
         self.numel_after = 0
 
@@ -147,12 +159,14 @@ class PowerSGDState:
 
     def state_dict(self) -> dict[str, Any]:
         return {"iter": self.iter, "errors": dict(self.errors), "qs": dict(self.qs), "ranks": dict(self.ranks),
-                "kept_energy": dict(self.kept_energy), "next_measurement": self.next_measurement}
+                "kept_energy": dict(self.kept_energy), "next_measurement": self.next_measurement,
+                "wire": self.wire.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.iter, self.errors, self.qs = state["iter"], dict(state["errors"]), dict(state["qs"])
         self.ranks, self.kept_energy = dict(state.get("ranks", {})), dict(state.get("kept_energy", {}))
         self.next_measurement = state.get("next_measurement", self.iter)
+        self.wire.load_state_dict(state.get("wire", {}))
 
 
 def orthogonalise(matrix: torch.Tensor) -> torch.Tensor:
@@ -205,16 +219,15 @@ class _PowerSGDExchange(GradientExchange):
         size = self._group.size if self._group is not None else runtime.size()
         # The uncompressed gradients travel with the P round (summed, then averaged here): one
         # Horovod cycle fewer per step than an allreduce of their own.
-        summed = meter.allreduce_many([*((f"powersgd.P.{n}", payload) for n, payload in payloads.items()),
-                                       *((f"allreduce.{n}", g) for n, g in plain.items())], self._group, op="sum")
+        summed, summed_plain = self._sum([(f"powersgd.P.{n}", payload) for n, payload in payloads.items()],
+                                         [(f"allreduce.{n}", g) for n, g in plain.items()], size)
         ps = {n: orthogonalise(p[:, :ranks[n]]) for n, p in zip(matrices, summed)}
         probed = {n: p[:, ranks[n]:] / size for n, p in zip(matrices, summed)}  # M̄ S
-        averaged = {n: value / size for n, value in zip(plain, summed[len(matrices):])}
+        averaged = {n: value / size for n, value in zip(plain, summed_plain)}
         # Qᵀ = Pᵀ M rather than Q = Mᵀ P: the same numbers, but M is read along its rows (the
         # order it is stored in, instead of a strided transpose), and the result is contiguous,
         # as Horovod wants it.
-        summed_qs = meter.allreduce_many([(f"powersgd.Q.{n}", ps[n].T @ m) for n, m in matrices.items()],
-                                         self._group, op="sum")
+        summed_qs, _ = self._sum([(f"powersgd.Q.{n}", ps[n].T @ m) for n, m in matrices.items()], [], size)
         approximations, new_qs = {}, {}
         for (name, m), q_t in zip(matrices.items(), summed_qs):
             q = q_t.T / size
@@ -269,6 +282,15 @@ class _PowerSGDExchange(GradientExchange):
         fresh = torch.randn(m, rank - min(rank, warm.shape[1]), generator=generator, dtype=like.dtype).to(like.device)
         return orthogonalise(torch.cat([warm[:, :rank], fresh], 1))
 
+    def _sum(self, factors: list[tuple[str, torch.Tensor]], exact: list[tuple[str, torch.Tensor]],
+             size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Sums over the group of `factors` (in factor_dtype on the wire) and of `exact` (the
+        uncompressed gradients, as they are), in one Horovod cycle."""
+        if self.powersgd.options.factor_dtype == "float16" and size > 1:
+            return self.powersgd.wire.allreduce(factors, exact, self._group)
+        outs = meter.allreduce_many(factors + exact, self._group, op="sum")
+        return outs[:len(factors)], outs[len(factors):]
+
     def _average(self, named: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         results = meter.allreduce_many(named, self._group, op="average")
         return {name.split(".", 1)[1]: value for (name, _), value in zip(named, results)}
@@ -311,7 +333,7 @@ def predict_powersgd(profile: Profile, p: int, link: Link, options: PowerSGDOpti
     then Q; each compressed layer's cycle as the method's own work; nothing overlaps backward.
     An adaptive rank is assumed to settle at planned_rank; the probes that measure each matrix
     every adapt_every steps count as their average per step."""
-    compressed_p = compressed_q = plain = 0
+    compressed_p = compressed_q = plain = matrices = 0
     own = 0.0
     for layer in profile.layers:
         n, m = layer.fan_out, layer.fan_in
@@ -321,12 +343,17 @@ def predict_powersgd(profile: Profile, p: int, link: Link, options: PowerSGDOpti
             compressed_q += m * r
             plain += layer.params - n * m
             own += layer.kernels["powersgd"]
+            matrices += 1
         else:
             plain += layer.params
     plain += profile.other_params
-    comm = sum(link.allreduce(FLOAT_BYTES * numbers, p, p) for numbers in (compressed_p + plain, compressed_q)
-               if numbers)
-    sent = sum(wire("allreduce", FLOAT_BYTES * numbers, p) for numbers in (compressed_p, compressed_q, plain))
+    half = options.factor_dtype == "float16" and p > 1
+    factor_bytes = 2 if half else FLOAT_BYTES
+    p_round, q_round = factor_bytes * compressed_p + FLOAT_BYTES * plain, factor_bytes * compressed_q
+    comm = sum(link.allreduce(nbytes, p, p) for nbytes in (p_round, q_round) if nbytes)
+    # float16 factors: each round's scales are agreed once (a number per matrix), at the first step
+    agreement = 2 * FLOAT_BYTES * matrices / assumptions.run_steps if half else 0.0
+    sent = sum(wire("allreduce", nbytes, p) for nbytes in (p_round, q_round, agreement))
     return Prediction("powersgd", p, profile.step_seconds, own, comm, 0.0, sent, sent * link.node_share(p))
 
 
