@@ -107,12 +107,16 @@ def test_lowrank_exchange_is_powersgd_on_each_matrix_with_error_feedback_and_war
         ms = everyone[:, o:o + rows * cols].view(SIZE, rows, cols)
         p = torch.linalg.qr((ms @ q).sum(0)).Q
         mean_q = (ms.transpose(1, 2) @ p).sum(0) / SIZE
-        torch.testing.assert_close(mean[o:o + rows * cols].view(rows, cols), p @ mean_q.T, rtol=1e-4, atol=1e-5)
+        got, want = mean[o:o + rows * cols].view(rows, cols), p @ mean_q.T  # means in fp16: within its rounding
+        assert (got - want).norm() <= 2e-3 * want.norm()
         mine = delta[o:o + rows * cols].view(rows, cols)
-        torch.testing.assert_close(exchange.errors[0][o:o + rows * cols].view(rows, cols), mine - p @ (mine.T @ p).T,
-                                   rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(mean[1920:1968], everyone[:, 1920:1968].mean(0))  # the bias goes dense
+        error = exchange.errors[0][o:o + rows * cols].view(rows, cols)  # P from the fp16 mean: its rounding
+        assert (error - (mine - p @ (mine.T @ p).T)).norm() <= 5e-3 * mine.norm()
+    want = everyone[:, 1920:1968].mean(0)  # the bias goes dense (fp16)
+    assert (mean[1920:1968] - want).abs().max() <= 1e-3 * want.abs().max()
     # rank 3 of a rank-3 signal (plus noise): one power iteration from a random start finds the
     # strong directions (the weakest, 2 % of the energy, only in part; warm starts refine it)
     assert ((mean - everyone.mean(0)).norm() / everyone.mean(0).norm()) ** 2 < 0.03
-    assert fresh_meter.total(group="world", field="payload_bytes") == 4 * ((48 + 30) * rank + 48 + (40 + 24) * rank)
+    # each mean in fp16: an alltoall of every member's chunk, an allgather of its mean chunk
+    sent = sum((SIZE + 1) * 2 * -(-numbers // SIZE) for numbers in ((48 + 30) * rank + 48, (40 + 24) * rank))
+    assert fresh_meter.total(group="world", field="payload_bytes") == sent

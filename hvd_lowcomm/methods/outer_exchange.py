@@ -18,9 +18,11 @@ class per `diloco.compression`:
             half), positions as 16-bit offsets; what was sent leaves e. The sparse contributions
             are allgathered and averaged (their supports differ, so no reduction on the way).
 - lowrank (`LowRank`): PowerSGD on each matrix's pseudo-gradient (the seed's premise: an
-            update is low-rank): P = M Q, allreduce, orthogonalise, Q = Mᵀ P, allreduce; error
-            feedback and warm start of Q across syncs. A slice cuts matrices along rows, so each
-            whole-row block of a tensor is a matrix; vectors and cut rows go dense (fp32).
+            update is low-rank): P = M Q, mean, orthogonalise, Q = Mᵀ P, mean; error feedback and
+            warm start of Q across syncs. A slice cuts matrices along rows, so each whole-row
+            block of a tensor is a matrix; vectors and cut rows go dense. Both means are fp16
+            reduce-scatters as above (P is re-orthogonalised, so its rounding does not matter;
+            Q's is a relative 2^-11 of the update).
 
 `start()` runs on the training thread: error feedback and encoding, and the meter's records
 (what the exchange will send is known before it is sent). It returns the collective part as a
@@ -63,6 +65,8 @@ class Transfer:
 
 
 Collective = Callable[[], torch.Tensor]
+Encode = Callable[[torch.Tensor], torch.Tensor]        # a chunk of numbers -> bytes
+Decode = Callable[[torch.Tensor, int], torch.Tensor]   # bytes, how many numbers -> the numbers
 
 
 class Exchange:
@@ -119,6 +123,21 @@ class Exchange:
         self.column.comm.Alltoall(payload.numpy(), out)
         return list(torch.from_numpy(out).chunk(self.members))
 
+    def _encode_chunks(self, values: torch.Tensor, encode: Encode) -> tuple[list[torch.Tensor], int]:
+        """`values` cut into one chunk per column member (the last padded with zeros), each
+        encoded, and the chunk length."""
+        chunk = -(-len(values) // self.members)
+        padded = torch.cat([values, values.new_zeros(chunk * self.members - len(values))])
+        return [encode(c) for c in padded.view(self.members, chunk)], chunk
+
+    def _reduce_scatter_mean(self, payload: torch.Tensor, chunk: int, numbers: int, encode: Encode,
+                             decode: Decode) -> torch.Tensor:
+        """The column's mean of the vectors whose encoded chunks (`_encode_chunks`, joined) are
+        `payload`: member j receives every member's chunk j (alltoall), sums them in fp32 and
+        returns its mean chunk encoded (allgather)."""
+        mean = torch.stack([decode(p, chunk) for p in self._alltoall(payload)]).sum(0) / self.members
+        return torch.cat([decode(p, chunk) for p in self._allgather(encode(mean))])[:numbers]
+
     def state_dict(self) -> dict[str, Any]:
         return {"errors": {f: e.clone() for f, e in self.errors.items()}}
 
@@ -128,6 +147,14 @@ class Exchange:
 
 # ---------------------------------------------------------------------------------------------
 # quantised reduce-scatter
+
+def fp16_encode(chunk: torch.Tensor) -> torch.Tensor:
+    return chunk.half().view(torch.uint8)
+
+
+def fp16_decode(payload: torch.Tensor, numbers: int) -> torch.Tensor:
+    return _view(payload, torch.float16).float()
+
 
 def quantise(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 values and one fp32 scale per block of BLOCK (absmax / 127)."""
@@ -153,13 +180,13 @@ class Quantised(Exchange):
 
     def encode(self, chunk: torch.Tensor) -> torch.Tensor:
         if self.name == "fp16":
-            return chunk.half().view(torch.uint8)
+            return fp16_encode(chunk)
         values, scales = quantise(chunk)  # the last block's padding is not sent
         return torch.cat([values[:len(chunk)].view(torch.uint8), scales.view(torch.uint8)])
 
     def decode(self, payload: torch.Tensor, numbers: int) -> torch.Tensor:
         if self.name == "fp16":
-            return _view(payload, torch.float16).float()
+            return fp16_decode(payload, numbers)
         blocks = math.ceil(numbers / BLOCK)
         values = torch.zeros(blocks * BLOCK, dtype=torch.int8)
         values[:numbers] = payload[:numbers].view(torch.int8)
@@ -174,10 +201,7 @@ class Quantised(Exchange):
 
     def start(self, fragment: int, delta: torch.Tensor, shapes: list[tuple[int, ...]], start: int) -> Collective:
         corrected = self._feedback(fragment, delta)
-        chunk = -(-len(corrected) // self.members)
-        padded = torch.cat([corrected, corrected.new_zeros(chunk * self.members - len(corrected))])
-        chunks = padded.view(self.members, chunk)
-        encoded = [self.encode(c) for c in chunks]
+        encoded, chunk = self._encode_chunks(corrected, self.encode)
         if self.name == "int8":  # fp16's rounding is far below the signal; int8's is fed back
             sent = torch.cat([self.decode(e, chunk) for e in encoded])[: len(corrected)]
             self.errors[fragment] = corrected - sent
@@ -187,9 +211,7 @@ class Quantised(Exchange):
         self._record(fragment, transfers)
 
         def collective() -> torch.Tensor:
-            mean = torch.stack([self.decode(p, chunk) for p in self._alltoall(payload)]).sum(0) / self.members
-            gathered = self._allgather(self.encode(mean))
-            return torch.cat([self.decode(p, chunk) for p in gathered])[: len(corrected)].to(delta.device)
+            return self._reduce_scatter_mean(payload, chunk, len(corrected), self.encode, self.decode).to(delta.device)
         return collective
 
 
@@ -312,8 +334,16 @@ class LowRank(Exchange):
     def transfers(self, numbers: int, shapes: list[tuple[int, ...]], start: int) -> list[Transfer]:
         pieces = slice_pieces(shapes, start, numbers, self.options.rank)
         first = sum(rows * r for _, rows, _, r in pieces.matrices) + sum(n for _, n in pieces.dense)
-        second = [Transfer("allreduce", FLOAT_BYTES * sum(cols * r for _, _, cols, r in pieces.matrices))]
-        return [Transfer("allreduce", FLOAT_BYTES * first)] + (second if pieces.matrices else [])
+        second = sum(cols * r for _, _, cols, r in pieces.matrices)
+        return self._fp16_mean_transfers(first) + (self._fp16_mean_transfers(second) if pieces.matrices else [])
+
+    def _fp16_mean_transfers(self, numbers: int) -> list[Transfer]:
+        each = 2 * -(-numbers // self.members)
+        return [Transfer("alltoall", self.members * each), Transfer("allgather", each)]
+
+    def _fp16_mean(self, values: torch.Tensor) -> torch.Tensor:
+        encoded, chunk = self._encode_chunks(values, fp16_encode)
+        return self._reduce_scatter_mean(torch.cat(encoded), chunk, len(values), fp16_encode, fp16_decode)
 
     def _initial_qs(self, fragment: int, pieces: Pieces) -> list[torch.Tensor]:
         """Random orthonormal Qs, the same on every member of the column (same seed, same slice)."""
@@ -330,7 +360,7 @@ class LowRank(Exchange):
         def collective() -> torch.Tensor:
             ms = [corrected[o:o + rows * cols].view(rows, cols) for o, rows, cols, _ in pieces.matrices]
             qs = self.qs[fragment]
-            first = self._allreduce(torch.cat([(m @ q).reshape(-1) for m, q in zip(ms, qs)]
+            first = self._fp16_mean(torch.cat([(m @ q).reshape(-1) for m, q in zip(ms, qs)]
                                               + [corrected[o:o + n] for o, n in pieces.dense]))
             out, at = torch.zeros_like(corrected), 0
             ps = []
@@ -339,13 +369,13 @@ class LowRank(Exchange):
                 ps.append(orthogonalise(first[at:at + m.shape[0] * r].view(m.shape[0], r)))
                 at += m.shape[0] * r
             for o, n in pieces.dense:
-                out[o:o + n] = first[at:at + n] / self.members
+                out[o:o + n] = first[at:at + n]
                 at += n
             local_qs = [m.T @ p for m, p in zip(ms, ps)]
-            second = self._allreduce(torch.cat([q.reshape(-1) for q in local_qs])) if ms else first[:0]
+            second = self._fp16_mean(torch.cat([q.reshape(-1) for q in local_qs])) if ms else first[:0]
             error, at, mean_qs = torch.zeros_like(corrected), 0, []
             for (o, rows, cols, r), m, p, q in zip(pieces.matrices, ms, ps, local_qs):
-                mean_q = second[at:at + cols * r].view(cols, r) / self.members
+                mean_q = second[at:at + cols * r].view(cols, r)
                 at += cols * r
                 out[o:o + rows * cols] = (p @ mean_q.T).reshape(-1)
                 error[o:o + rows * cols] = (m - p @ q.T).reshape(-1)
