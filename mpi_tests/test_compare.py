@@ -177,6 +177,19 @@ def test_nodes_need_a_link_and_rank_counts_that_fill_them(tmp_path):
     assert proc.returncode != 0 and "cannot be spread evenly over 2 nodes" in proc.stderr
 
 
+def test_counters_agree_within_the_share_or_horovod_s_background_per_step_or_second():
+    from benchmarks.compare import counters_agree
+
+    assert counters_agree(1.04e9, 1e9, steps=12, seconds=25, links=8, nodes=True)       # within 5 %
+    assert not counters_agree(1.06e9, 1e9, steps=12, seconds=25, links=8, nodes=True)   # 60 MB in 25 s
+    assert counters_agree(1.06e9, 1e9, steps=12, seconds=60, links=8, nodes=True)       # 60 MB in 60 s
+    # AB at 64 ranks on 8 nodes: +10.9 % over 12 steps of 18 s, the background rate of the others
+    assert counters_agree(1017.3e6, 917.2e6, steps=12, seconds=214.6, links=8, nodes=True)
+    assert counters_agree(1.09e6, 1e6, steps=10, seconds=1, links=1, nodes=False)       # 10 %: a loopback's
+    assert counters_agree(2e6, 1e6, steps=100, seconds=1, links=1, nodes=False)         # 10 kB a step
+    assert not counters_agree(3e6, 1e6, steps=10, seconds=1, links=1, nodes=False)      # 200 kB a step
+
+
 def test_time_to_quality_and_quality_at_equal_time():
     from benchmarks.compare import time_to_quality
 
