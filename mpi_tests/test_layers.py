@@ -23,7 +23,7 @@ LAYERS = [
     ("registry", ["hvd_lowcomm.registry"]),
     ("foundation", ["hvd_lowcomm.config", "hvd_lowcomm.metrics", "hvd_lowcomm.schedule", "hvd_lowcomm.task",
                     "hvd_lowcomm.trackers"]),
-    ("comm", ["hvd_lowcomm.comm", "hvd_lowcomm.comm.runtime", "hvd_lowcomm.comm.traffic"]),
+    ("comm", ["hvd_lowcomm.comm", "hvd_lowcomm.comm.runtime", "hvd_lowcomm.comm.traffic", "hvd_lowcomm.comm.half_wire"]),
     ("data and models", ["hvd_lowcomm.data", "hvd_lowcomm.models", "hvd_lowcomm.models.*"]),
     ("cost model", ["hvd_lowcomm.costmodel"]),
     ("methods", ["hvd_lowcomm.methods", "hvd_lowcomm.methods.*"]),
