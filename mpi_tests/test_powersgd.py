@@ -96,15 +96,19 @@ def test_float16_factors_halve_the_bytes_and_agree_their_scales_once(world, fres
     if world.size == 1:  # nothing is summed, so nothing is rounded either
         assert ("powersgd.P.weight", "allreduce", N_OUT * (3 + PROBES) * 4) in payload
         return
-    # one number per matrix and round agrees the scales at the first step
+    # the bias rides with P in float16; a number per tensor and round agrees the scales at the
+    # first step (P's round: the weight's P and the uncompressed gradients; Q's round: Q)
     assert payload == {("powersgd.P.weight", "allreduce", N_OUT * (3 + PROBES) * 2),
                        ("powersgd.Q.weight", "allreduce", N_IN * 3 * 2),
-                       ("powersgd.scales", "allreduce", 4), ("allreduce.bias", "allreduce", N_OUT * 4)}
+                       ("powersgd.uncompressed", "allreduce", N_OUT * 2),
+                       ("powersgd.scales", "allreduce", 2 * 4), ("powersgd.scales", "allreduce", 4)}
     fresh_meter.next_step()
     layer.weight.grad, layer.bias.grad = rank2_grads(1)(world.comm.Get_rank()).clone(), torch.zeros(N_OUT)
     opt.synchronize()  # later steps reuse the scales of the previous sums: no agreement
-    assert {r.name for r in fresh_meter.step_records} == {"powersgd.P.weight", "powersgd.Q.weight", "allreduce.bias"}
-    assert set(opt.powersgd.state_dict()["wire"]) == {"powersgd.P.weight", "powersgd.Q.weight"}
+    assert {r.name for r in fresh_meter.step_records} == {"powersgd.P.weight", "powersgd.Q.weight",
+                                                          "powersgd.uncompressed"}
+    assert set(opt.powersgd.state_dict()["wire"]) == {"powersgd.P.weight", "powersgd.Q.weight",
+                                                      "powersgd.uncompressed"}
 
 
 @pytest.mark.parametrize("magnitude", [1e-9, 1.0, 1e6])
@@ -112,14 +116,17 @@ def test_float16_factors_keep_the_mean_at_any_magnitude(world, magnitude):
     """Where a plain cast to float16 would flush 1e-9 to zero or overflow at 1e6, the scaled
     factors give the mean gradient (rank 2, compressed at rank 3) within float16's rounding."""
     grads = lambda r: magnitude * rank2_grads()(r)  # noqa: E731
-    layer, mean_weight, _ = layer_with_grads(world, grads)
+    layer, mean_weight, mean_bias = layer_with_grads(world, grads)
+    bias = layer.bias.grad.clone() * magnitude  # the uncompressed gradient, on the same scale
     opt = wrap(layer, rank=3, factor_dtype="float16")
     for step in range(3):  # the first step agrees the scales, later ones carry them over
-        layer.weight.grad, layer.bias.grad = grads(world.comm.Get_rank()).clone(), torch.zeros(N_OUT)
+        layer.weight.grad, layer.bias.grad = grads(world.comm.Get_rank()).clone(), bias.clone()
         opt.powersgd.errors.clear()
         opt.synchronize()
         error = float((layer.weight.grad - mean_weight).norm() / mean_weight.norm())
         assert error < 3e-3, (step, error)
+        bias_error = float((layer.bias.grad - magnitude * mean_bias).norm() / (magnitude * mean_bias).norm())
+        assert bias_error < 3e-3, (step, bias_error)
 
 
 def test_half_sums_redo_an_overflowing_sum_in_float32(world, fresh_meter):

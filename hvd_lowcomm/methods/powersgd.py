@@ -14,7 +14,8 @@ Each step, once `start_iter` steps of plain allreduce are done:
    P and Q travel as float16 by default (`factor_dtype`), each matrix scaled by a power of two
    that keeps its sum in range (hvd_lowcomm.comm.half_wire): P is re-orthogonalised and Q's
    rounding is part of what error feedback adds back, so 16 bits cost no accuracy and halve the
-   bytes.
+   bytes. The uncompressed gradients ride with P in float16 too (one scale for all of them), as
+   Horovod's fp16 compression sends them: a relative 2**-11 per number, not fed back.
 6. M̂ = P Qᵀ, the same rank-r approximation of the mean gradient on every rank; e <- M - M̂.
 
 Adaptive rank (the default, `rank 0`): every `adapt_every` steps a few random probe columns S
@@ -75,9 +76,10 @@ class PowerSGDOptions:
     # P and Q are sums of low-rank factors that are re-orthogonalised (P) or fed back (Q's
     # rounding joins the error), so 16 bits per number lose nothing error feedback does not add
     # back; they halve the bytes, which buys twice the rank.
-    factor_dtype: str = option("float16", "number format of P and Q on the wire: float16 (half the bytes; scaled by "
-                                          "a power of two per matrix to stay in range, redone in float32 if a sum "
-                                          "overflows) or float32", choices=("float16", "float32"))
+    factor_dtype: str = option("float16", "number format on the wire of P, Q and the uncompressed gradients: "
+                                          "float16 (half the bytes; scaled by a power of two per matrix to stay in "
+                                          "range, redone in float32 if a sum overflows) or float32",
+                               choices=("float16", "float32"))
     error_feedback: bool = option(True, "add back what compression dropped at earlier steps")
     warm_start: bool = option(True, "reuse the previous step's Q")
 
@@ -286,10 +288,18 @@ class _PowerSGDExchange(GradientExchange):
 
     def _sum(self, factors: list[tuple[str, torch.Tensor]], exact: list[tuple[str, torch.Tensor]],
              size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Sums over the group of `factors` (in factor_dtype on the wire) and of `exact` (the
-        uncompressed gradients, as they are), in one Horovod cycle."""
+        """Sums over the group of `factors` and `exact` (the uncompressed gradients), both in
+        factor_dtype on the wire, in one Horovod cycle."""
         if self.powersgd.options.factor_dtype == "float16" and size > 1:
-            return self.powersgd.wire.allreduce(factors, exact, self._group)
+            if not exact:
+                return self.powersgd.wire.allreduce(factors, [], self._group)
+            # The uncompressed gradients go as one tensor, under one scale: float16's relative
+            # precision does not depend on a number's size, the scale only keeps the largest in
+            # range (20 binades below it stay normal).
+            flat = torch.cat([t.reshape(-1) for _, t in exact])
+            sums, _ = self.powersgd.wire.allreduce(factors + [("powersgd.uncompressed", flat)], [], self._group)
+            pieces = sums.pop().split([t.numel() for _, t in exact])
+            return sums, [piece.view_as(t) for piece, (_, t) in zip(pieces, exact)]
         outs = meter.allreduce_many(factors + exact, self._group, op="sum")
         return outs[:len(factors)], outs[len(factors):]
 
@@ -351,10 +361,12 @@ def predict_powersgd(profile: Profile, p: int, link: Link, options: PowerSGDOpti
     plain += profile.other_params
     half = options.factor_dtype == "float16" and p > 1
     factor_bytes = 2 if half else FLOAT_BYTES
-    p_round, q_round = factor_bytes * compressed_p + FLOAT_BYTES * plain, factor_bytes * compressed_q
+    p_round, q_round = factor_bytes * (compressed_p + plain), factor_bytes * compressed_q
     comm = sum(link.allreduce(nbytes, p, p) for nbytes in (p_round, q_round) if nbytes)
-    # float16 factors: each round's scales are agreed once (a number per matrix), at the first step
-    agreement = 2 * FLOAT_BYTES * matrices / assumptions.run_steps if half else 0.0
+    # float16: each round's scales are agreed once, at the first step (a number per matrix, and
+    # one for the uncompressed gradients)
+    scales = 2 * matrices + (1 if plain else 0)
+    agreement = FLOAT_BYTES * scales / assumptions.run_steps if half else 0.0
     sent = sum(wire("allreduce", nbytes, p) for nbytes in (p_round, q_round, agreement))
     return Prediction("powersgd", p, profile.step_seconds, own, comm, 0.0, sent, sent * link.node_share(p))
 
