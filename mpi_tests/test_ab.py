@@ -12,8 +12,7 @@ from conftest import RANK, SIZE, needs_ranks
 from hvd_lowcomm import config
 from hvd_lowcomm.config import ConfigError
 from hvd_lowcomm.comm import runtime
-from hvd_lowcomm.methods.factorized import (FactorizedLayer, choose_rank, dropped_fraction, factorize_model, noise_edge,
-                                            split_floor)
+from hvd_lowcomm.methods.factorized import FactorizedLayer, choose_rank, dropped_fraction, factorize_model, noise_edge
 from hvd_lowcomm.methods.ab import AB, Schedule, _resize
 from hvd_lowcomm.checkpoint import Checkpointer
 from hvd_lowcomm.train import main
@@ -537,21 +536,6 @@ def test_a_cut_keeps_at_least_its_share_of_the_smaller_side(world, share, floor)
     for step in range(6):  # factorised at 2 (full rank), cut at 5
         method.train_step(*batch(step))
     assert method.trainer.cuts["2"]["rank"] == floor == method.trainer.layers["2"].rank
-
-
-def test_the_floor_s_parameters_go_to_the_components_that_hold_the_most_output_energy():
-    # per-component energies (the last entry: what no component holds); 10 parameters per rank
-    concentrated = torch.tensor([0.9, 0.05, 0.03, 0.02, 0.0], dtype=torch.float64)
-    flat = torch.tensor([0.25, 0.25, 0.25, 0.25, 0.0], dtype=torch.float64)
-    assert split_floor([concentrated, flat], [10, 10], [4, 4], budget=50) == [1, 4]
-    # a layer at its cap (its current rank) leaves the rest of the budget to the others
-    assert split_floor([concentrated, flat], [10, 10], [4, 2], budget=50) == [3, 2]
-    # a component's share is weighed against what it costs: the cheap layer's 5 % and 3 % come
-    # before the dear layer's 25 % (0.05 / 1 > 0.25 / 10), its 2 % after
-    assert split_floor([concentrated, flat], [1, 10], [4, 4], budget=30) == [4, 2]
-    # never over the budget, whatever the shares
-    ranks = split_floor([flat, flat, concentrated], [7, 11, 13], [4, 4, 4], budget=60)
-    assert sum(r * c for r, c in zip(ranks, [7, 11, 13])) <= 60
 
 
 @needs_ranks(2)

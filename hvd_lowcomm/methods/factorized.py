@@ -245,25 +245,6 @@ def choose_rank(s: torch.Tensor, shape: tuple[int, int], rule: str, tau: float,
     return max(1, by_rule, by_floor)
 
 
-def split_floor(energies: list[torch.Tensor], costs: list[int], caps: list[int], budget: int) -> list[int]:
-    """Ranks for several layers that share a parameter budget: each layer starts at rank 1 and
-    the budget goes, one component at a time, to the layer whose next component holds the
-    largest share of its output energy per parameter it costs (`costs`: parameters per unit of
-    rank; `caps`: the most components a layer can keep), so that the total share dropped over
-    the layers stays low (L-GreCo's allocation, greedily)."""
-    shares = [e[:-1].clamp_min(0) / e.sum().clamp_min(1e-30) for e in energies]
-    ranks = [min(1, cap) for cap in caps]
-    spent = sum(r * c for r, c in zip(ranks, costs))
-    while True:
-        gains = [(float(share[r]) / cost, i) for i, (share, r, cost, cap) in enumerate(zip(shares, ranks, costs, caps))
-                 if r < min(cap, len(share)) and spent + cost <= budget]
-        if not gains:
-            return ranks
-        _, best = max(gains)
-        ranks[best] += 1
-        spent += costs[best]
-
-
 def dropped_fraction(energy: torch.Tensor, rank: int) -> float:
     """Relative Frobenius norm dropped by keeping the first `rank` components."""
     return float((energy[rank:].sum().clamp_min(0) / energy.sum().clamp_min(1e-30)).sqrt())
