@@ -28,10 +28,13 @@ def everyones(world, values: torch.Tensor) -> torch.Tensor:
 
 
 @needs_ranks(2)
-@pytest.mark.parametrize("kind, tolerance", [("none", 1e-6), ("fp16", 2e-3), ("int8", 0.03)])
-def test_a_quantised_exchange_returns_the_mean_on_every_rank(world, fresh_meter, kind, tolerance):
+@pytest.mark.parametrize("kind, tolerance, magnitude", [("none", 1e-6, 1.0), ("fp16", 2e-3, 1.0), ("int8", 0.03, 1.0),
+                                                        ("fp16", 2e-3, 1e-7), ("fp16", 2e-3, 1e6)])
+def test_a_quantised_exchange_returns_the_mean_on_every_rank(world, fresh_meter, kind, tolerance, magnitude):
+    # fp16 at 1e-7 (a small learning rate's pseudo-gradient: float16's subnormals, cast as it
+    # is) and 1e6 (past float16's range): each chunk travels scaled by a power of two
     exchange = make_exchange(world, DiLoCoOptions(compression=kind))
-    delta = pseudo_gradient(RANK)
+    delta = magnitude * pseudo_gradient(RANK)
     mean = exchange.start(0, delta, SHAPES, 0)()
     want = everyones(world, delta).mean(0)
     scale = want.abs().max()
@@ -39,6 +42,9 @@ def test_a_quantised_exchange_returns_the_mean_on_every_rank(world, fresh_meter,
     assert all(torch.equal(mean, other) for other in world.comm.allgather(mean))  # one mean everywhere
     if kind == "int8":  # what the first rounding dropped waits for the next exchange
         assert 0 < exchange.errors[0].abs().max() <= (delta.abs().max() / 127) / 2 + 1e-7
+    if kind == "fp16":  # 2 bytes a number and a scale per chunk, both ways
+        chunk = -(-NUMBERS // SIZE)
+        assert fresh_meter.total(group="world", field="payload_bytes") == (SIZE + 1) * (2 * chunk + 4)
 
 
 def test_quantised_bytes_per_rank_stay_flat_in_the_number_of_groups():
@@ -128,5 +134,5 @@ def test_lowrank_exchange_is_powersgd_on_each_matrix_with_error_feedback_and_war
     # strong directions (the weakest, 2 % of the energy, only in part; warm starts refine it)
     assert ((mean - everyone.mean(0)).norm() / everyone.mean(0).norm()) ** 2 < 0.03
     # each mean in fp16: an alltoall of every member's chunk, an allgather of its mean chunk
-    sent = sum((SIZE + 1) * 2 * -(-numbers // SIZE) for numbers in ((48 + 30) * rank + 48, (40 + 24) * rank))
+    sent = sum((SIZE + 1) * (2 * -(-numbers // SIZE) + 4) for numbers in ((48 + 30) * rank + 48, (40 + 24) * rank))
     assert fresh_meter.total(group="world", field="payload_bytes") == sent

@@ -12,6 +12,8 @@ class per `diloco.compression`:
             quantised bytes, as a ring allreduce would: flat in the number of groups G, where an
             allgather of every group's slice sends (G-1) times it. int8 scales each block of
             256 numbers by its absmax; error feedback keeps what the first rounding dropped.
+            fp16 scales each chunk by a power of two (a float32 beside it), so that the
+            pseudo-gradients of a small learning rate keep float16's full precision.
 - sparse (`Sparse`, SparseLoCo, arXiv 2508.15706): an error-feedback accumulator e <- βe + Δ;
             each chunk of CHUNK numbers sends its top `density` share of e by magnitude, values
             at 2 bits (sign, and which of two magnitudes: the means of the larger and smaller
@@ -40,6 +42,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from hvd_lowcomm.comm.half_wire import from_half_rows, to_half_rows
 from hvd_lowcomm.comm.runtime import Group
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter, wire_bytes
 from hvd_lowcomm.methods.powersgd import orthogonalise
@@ -149,11 +152,20 @@ class Exchange:
 # quantised reduce-scatter
 
 def fp16_encode(chunk: torch.Tensor) -> torch.Tensor:
-    return chunk.half().view(torch.uint8)
+    """The chunk as float16, multiplied by the power of two that puts its largest value at 2**14
+    (a small learning rate's pseudo-gradient of 1e-6 would otherwise lose most of its bits to
+    float16's subnormals), then that multiplier as one float32."""
+    half, scale = to_half_rows(chunk.reshape(1, -1))
+    return torch.cat([half.view(-1).view(torch.uint8), scale.view(-1).view(torch.uint8)])
 
 
 def fp16_decode(payload: torch.Tensor, numbers: int) -> torch.Tensor:
-    return _view(payload, torch.float16).float()
+    half = _view(payload[:2 * numbers], torch.float16).view(1, -1)
+    return from_half_rows(half, _view(payload[2 * numbers:], torch.float32).view(1, 1)).view(-1)
+
+
+def fp16_bytes(chunk: int) -> int:
+    return 2 * chunk + FLOAT_BYTES
 
 
 def quantise(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,7 +205,7 @@ class Quantised(Exchange):
         return dequantise(values, _view(payload[numbers:], torch.float32), numbers)
 
     def chunk_bytes(self, chunk: int) -> int:
-        return 2 * chunk if self.name == "fp16" else chunk + FLOAT_BYTES * math.ceil(chunk / BLOCK)
+        return fp16_bytes(chunk) if self.name == "fp16" else chunk + FLOAT_BYTES * math.ceil(chunk / BLOCK)
 
     def transfers(self, numbers: int, shapes: list[tuple[int, ...]], start: int) -> list[Transfer]:
         each = self.chunk_bytes(-(-numbers // self.members))
@@ -338,7 +350,7 @@ class LowRank(Exchange):
         return self._fp16_mean_transfers(first) + (self._fp16_mean_transfers(second) if pieces.matrices else [])
 
     def _fp16_mean_transfers(self, numbers: int) -> list[Transfer]:
-        each = 2 * -(-numbers // self.members)
+        each = fp16_bytes(-(-numbers // self.members))
         return [Transfer("alltoall", self.members * each), Transfer("allgather", each)]
 
     def _fp16_mean(self, values: torch.Tensor) -> torch.Tensor:
