@@ -8,7 +8,8 @@ Model and data options are those of `python -m hvd_lowcomm.train` (the data file
 input shape and classes). The model's compute is timed on this machine; --tflops replaces it
 by what a device reaching that rate would take (the rate the weight layers reach, not the
 device's peak). AB-training's step is the mean over a run of --run-steps steps with cuts that
-keep --ab-rank-share of each factorised layer's smaller side (both unknown before training).
+keep --ab-rank-share of each factorised layer's smaller side, never below the cuts' floor
+(ab.min_rank_share) (both unknown before training).
 Prints, and with --out writes (predicted.md, predicted.csv), one table per link
 (step ms per method and rank count, × ddp), the break-even bandwidth of each method (the
 bandwidth below which it steps faster than ddp) and what each may lose against ddp's quality
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="steps of the run, over which AB's schedule and one-off SVDs spread (default: %(default)s)")
     parser.add_argument("--ab-rank-share", type=float, default=0.02,
                         help="rank AB's cuts are assumed to keep, as a share of each factorised layer's smaller "
-                             "side (learned in training; default: %(default)s)")
+                             "side (learned in training; never below ab.min_rank_share, the cuts' floor; default: %(default)s)")
     parser.add_argument("--out", default="", help="directory for predicted.md and predicted.csv")
     parser.add_argument("-h", "--help", action="store_true")
     args, rest = parser.parse_known_args(argv)
@@ -119,6 +120,11 @@ def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dic
     lines += ["", "## Quality against ddp (`--method auto` chooses only among the first two kinds)", "",
               "| method | quality |", "|---|---|"]
     lines += [f"| {method} | {_quality(method, cfg)} |" for method in methods]
+    lines += ["", "## What `--method auto` would choose (the fastest of those that keep quality; ddp unless "
+              f"another is {costmodel.MIN_GAIN:.0%} faster)", "",
+              "| link | " + " | ".join(f"{p} ranks" for p in ranks) + " |", "|---|" + "---|" * len(ranks)]
+    lines += [f"| {rate} | " + " | ".join(costmodel.choose(profile, p, link, cfg)[0] for p in ranks) + " |"
+              for rate, link in links]
     return "\n".join(lines), rows
 
 

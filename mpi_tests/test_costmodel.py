@@ -224,6 +224,13 @@ def test_the_planner_command_writes_its_tables(tmp_path, capsys):
     text = (tmp_path / "plan" / "predicted.md").read_text()
     assert "## 1gbit" in text and "## 100gbit" in text and "| sil |" in text and "Break-even bandwidth" in text
     assert "8 ranks: ms (× ddp)" in text and "at 10 TFLOP/s" in text
+    # auto's choice per link and rank count: always one that keeps quality, and on 1 Gbit/s,
+    # with 10 TFLOP/s of compute, one that sends less than ddp
+    keeping = costmodel.quality_keeping_methods(config.default_config())
+    choices = {line.split(" | ")[0].strip("| "): line.strip("| ").split(" | ")[1:]
+               for line in text.split("would choose")[1].splitlines() if line.startswith("| ") and "gbit" in line}
+    assert set(choices) == {"1gbit", "100gbit"} and all(c in keeping for cells in choices.values() for c in cells)
+    assert "ddp" not in choices["1gbit"]
     rows = (tmp_path / "plan" / "predicted.csv").read_text().splitlines()
     assert len(rows) == 1 + 2 * 2 * len(costmodel.predicted_methods())  # sil6 is an MLP every method trains
     assert plan_main(["--links", "fast", "--data.path", str(data)]) == 2
