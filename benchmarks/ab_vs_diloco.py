@@ -6,7 +6,8 @@
 For every rank count, in one benchmarks.compare set with one group per `--ranks-per-group`
 ranks (2: np 4, 8, 16 give 2, 4 and 8 groups, each group standing for a node): ddp; diloco at
 its defaults and with the DiLoCo paper's outer optimiser (lr 0.7, Nesterov momentum 0.9); ab
-at its defaults and with that outer optimiser at its syncs; then diloco (defaults) with the H
+at its defaults and with that outer optimiser at its syncs; diloco's other exchanges (int8,
+sparse, low-rank, and overlapped by one step); then diloco (defaults) with the H
 at which its inter-group bytes per rank come closest to what ab's run sent (measured: ab's bytes on the world process set over its steps, against one
 sharded outer exchange of the model). Writes each rank count's compare tables under np<N>/,
 and at the top results.md / results.csv (accuracy, Δ vs ddp, inter-group bytes × ddp,
@@ -31,9 +32,13 @@ from hvd_lowcomm.metrics import human_bytes, write_csv
 # The DiLoCo paper's outer optimiser, on DiLoCo and on AB's syncs.
 DILOCO_PAPER = "diloco:outer_lr=0.7,outer_momentum=0.9"
 AB_OUTER = "ab:outer_lr=0.7,outer_momentum=0.9"
-FIRST = ["ddp", "diloco", DILOCO_PAPER, "ab", AB_OUTER]
+# DiLoCo's other exchanges: quantised, sparse and low-rank pseudo-gradients (error feedback),
+# and the blocking exchange overlapped with the next inner step.
+FORMS = {"diloco:compression=int8": "diloco, int8 exchange", "diloco:compression=sparse": "diloco, sparse (top 2 %, 2 bits)",
+         "diloco:compression=lowrank": "diloco, low-rank (rank 4)", "diloco:sync_delay=1": "diloco, exchange overlapped (τ = 1)"}
+FIRST = ["ddp", "diloco", DILOCO_PAPER, "ab", AB_OUTER, *FORMS]
 ROLES = {"diloco": "diloco (defaults: plain averaging)", DILOCO_PAPER: "diloco, the paper's outer Nesterov",
-         "ab": "ab (defaults: plain averaging)", AB_OUTER: "ab + the paper's outer Nesterov"}
+         "ab": "ab (defaults: plain averaging)", AB_OUTER: "ab + the paper's outer Nesterov", **FORMS}
 
 
 def equal_bytes_h(ab_summary: dict[str, Any], ranks: int, groups: int) -> int:

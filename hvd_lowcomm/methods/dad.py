@@ -408,7 +408,6 @@ class FactorRows(_Sharing):
             f"r <= {options.max_rank})"
         self.last_rank: dict[str, int] = {}        # k each layer kept at its last step
         self.errors: dict[str, torch.Tensor] = {}  # error feedback: what the factors left out
-        self.encoded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # float16 rows and their scales
 
     def planned_rows(self, module: nn.Module, positions: int, total_batch: int, p: int) -> tuple[int, int]:
         return p * planned_rank(self.options), module.bias.numel() if module.bias is not None else 0
@@ -437,8 +436,10 @@ class FactorRows(_Sharing):
     def keeps_weight_gradient(self, exchange: _DadExchange, name: str) -> bool:
         return self.error_feedback or self.from_gradient(exchange, name)
 
-    def factors_of(self, exchange: _DadExchange, name: str, rows: Rows, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's k factor rows (σ_i b_i, c_i) of layer `name`'s local gradient."""
+    def factors_of(self, exchange: _DadExchange, name: str, rows: Rows, scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's k factor rows [σ_i b_i | c_i] of layer `name`'s local gradient as they go on
+        the wire: float16 with a float32 (k × 2) of their scales, else float32 and None."""
         iterate = (self.iterated_rank(name), self.iterations, self.tol, exchange.generator)
         if name in rows:
             b_rows, c_rows = factors_from_rows(*rows[name], *iterate)
@@ -454,16 +455,17 @@ class FactorRows(_Sharing):
         if self.adaptive:
             k = smallest_rank_within(b_rows.pow(2).sum(1), energy, self.options.error_target)
             b_rows, c_rows = b_rows[:k], c_rows[:k]
+        wire: tuple[torch.Tensor, torch.Tensor | None] = (torch.cat([b_rows, c_rows], dim=1), None)
         if self.half_rows(exchange.group_size()):
             # b (σ b: the gradient's scale) and c (unit length) each with their own power of two;
             # decoded here as every rank will, so that the error below includes the rounding
             (b_half, b_scales), (c_half, c_scales) = to_half_rows(b_rows), to_half_rows(c_rows)
-            self.encoded[name] = torch.cat([b_half, c_half], dim=1), torch.cat([b_scales, c_scales], dim=1)
+            wire = torch.cat([b_half, c_half], dim=1), torch.cat([b_scales, c_scales], dim=1)
             b_rows, c_rows = from_half_rows(b_half, b_scales), from_half_rows(c_half, c_scales)
         if self.error_feedback and name not in rows:
             self.errors[name] = (gradient - b_rows.T @ c_rows) / scale
         self.last_rank[name] = max(1, b_rows.shape[0])
-        return b_rows, c_rows
+        return wire
 
     def state_dict(self) -> dict[str, Any]:
         return {"last_rank": dict(self.last_rank), "errors": dict(self.errors)}
@@ -475,11 +477,9 @@ class FactorRows(_Sharing):
         # Each rank sends its own k rows (Horovod's allgather takes a different count from every
         # rank), so the ranks need not agree on k first; a rank with none sends one zero row.
         shared = []
-        self.encoded.clear()
         for n in layers:
-            b_rows, c_rows = self.factors_of(exchange, n, rows, scale)
-            exchange.effective_ranks[n].append(b_rows.shape[0])
-            payload, scales = self.encoded.get(n, (torch.cat([b_rows, c_rows], dim=1), None))
+            payload, scales = self.factors_of(exchange, n, rows, scale)
+            exchange.effective_ranks[n].append(payload.shape[0])
             if not len(payload):
                 payload, scales = payload.new_zeros(1, payload.shape[1]), None if scales is None else scales.new_ones(1, 2)
             shared.append((f"rank-dad.{n}", payload))
