@@ -26,7 +26,7 @@ from typing import Any
 
 from benchmarks import compare
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES, wire_bytes
-from hvd_lowcomm.methods.diloco import shard_length
+from hvd_lowcomm.methods.diloco import DiLoCoOptions, shard_length
 from hvd_lowcomm.metrics import human_bytes, write_csv
 
 # The DiLoCo paper's outer optimiser, on DiLoCo and on AB's syncs.
@@ -34,8 +34,10 @@ DILOCO_PAPER = "diloco:outer_lr=0.7,outer_momentum=0.9"
 AB_OUTER = "ab:outer_lr=0.7,outer_momentum=0.9"
 # DiLoCo's other exchanges: quantised, sparse and low-rank pseudo-gradients (error feedback),
 # and the blocking exchange overlapped with the next inner step.
-FORMS = {"diloco:compression=int8": "diloco, int8 exchange", "diloco:compression=sparse": "diloco, sparse (top 2 %, 2 bits)",
-         "diloco:compression=lowrank": "diloco, low-rank (rank 4)", "diloco:sync_delay=1": "diloco, exchange overlapped (τ = 1)"}
+FORMS = {"diloco:compression=int8": "diloco, int8 exchange",
+         "diloco:compression=sparse": f"diloco, sparse (top {DiLoCoOptions().density:.0%}, 2 bits)",
+         "diloco:compression=lowrank": f"diloco, low-rank (rank {DiLoCoOptions().rank})",
+         "diloco:sync_delay=1": "diloco, exchange overlapped (τ = 1)"}
 FIRST = ["ddp", "diloco", DILOCO_PAPER, "ab", AB_OUTER, *FORMS]
 ROLES = {"diloco": "diloco (defaults: plain averaging)", DILOCO_PAPER: "diloco, the paper's outer Nesterov",
          "ab": "ab (defaults: plain averaging)", AB_OUTER: "ab + the paper's outer Nesterov", **FORMS}
