@@ -292,6 +292,7 @@ def summarize(cfg: Config, method: Method, state: TrainState, elapsed: float, pa
         # What the job's network carried: the bytes every rank sent to another node.
         "nodes": runtime.node_count(), "train_between_nodes_bytes_all_ranks": per_rank[:, 2].sum().item(),
         "between_nodes_bytes_all_ranks": per_rank[:, 3].sum().item(),  # every phase: what a link counter sees
+        "process_sets": [list(ranks) for ranks in runtime.process_sets()],
         "peak_rss_bytes_max_rank": peak_rss_max, "peak_rss_bytes_per_rank": [int(v) for v in per_rank[:, 0].tolist()],
         **meter.summary(),
         # Where a step's time goes on this rank (rank 0): forward and backward passes (methods

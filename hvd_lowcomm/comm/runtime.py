@@ -108,6 +108,12 @@ def init(seed: int | None = None) -> Group:
     return _world
 
 
+def process_sets() -> list[tuple[int, ...]]:
+    """The ranks of every Horovod process set this job has, the world's first: Horovod's
+    background thread coordinates each of them every cycle, whether or not it has work."""
+    return list(_process_sets)
+
+
 def world() -> Group:
     if _world is None:
         raise RuntimeError("hvd_lowcomm.comm.runtime.init() has not been called")

@@ -1,0 +1,82 @@
+"""Horovod's coordination traffic, which hvd_lowcomm's meter never sees, measured from outside.
+
+Horovod's background thread runs a cycle every HOROVOD_CYCLE_TIME (1 ms), whether or not any
+tensor is waiting: in each, every process set's members agree on what is ready by a small
+allreduce of a bit vector. On a real network those bytes are negligible; on emulated nodes that
+share a 2-core machine they are not, and their rate depends on how idle the cores are. Measured
+here at 16 ranks on 4 emulated nodes: 2.7-7 MB/s between the nodes while every rank's main thread
+slept, 0.06 MB/s while the main threads computed; at 64 ranks on 8 nodes, about 9 MB/s idle,
+with the cycle rate (100 a second) limited by the cores, not by the cycle time. A compressed
+method's ranks spend most of a step waiting for small messages, so on 64 ranks that background
+is a large share of what the interface counters see (PowerSGD: 8.8 % over the meter).
+
+So `benchmarks.compare` measures the background's ceiling for each run's layout with this probe
+(`idle_bytes_per_second`: the run's process sets, every rank asleep, the counters read at the
+start and end of the sleep) and allows the counters to exceed the meter by that rate over the
+time a run's rank 0 did not compute (blocked in communication, or evaluating).
+
+    mpirun ... python -m benchmarks.coordination --sets '[[0, 1], [2, 3]]' --seconds 10
+
+is the probe itself: it prints IDLE when every rank has initialised and starts to sleep, DONE
+when rank 0 wakes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from typing import Any
+
+IDLE, DONE = "IDLE", "DONE"
+PROBE_SECONDS = 10.0
+
+
+def idle_bytes_per_second(net: Any, np_: int, process_sets: list[list[int]], seconds: float = PROBE_SECONDS) -> float:
+    """Bytes per second that Horovod's coordination sends over `net`'s counted links (all
+    together) while np_ ranks with `process_sets` sit idle: the probe below, on a network
+    made like the runs' (benchmarks.netns)."""
+    command = [*net.mpirun(np_), sys.executable, "-m", "benchmarks.coordination",
+               "--sets", json.dumps(process_sets), "--seconds", str(seconds)]
+    marks: dict[str, tuple[float, int]] = {}
+    output: list[str] = []
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            output.append(line)
+            if line.strip() in (IDLE, DONE):
+                marks[line.strip()] = (time.monotonic(), sum(net.node_bytes()))
+    if proc.returncode != 0 or len(marks) != 2:
+        tail = "".join(output[-15:])
+        raise RuntimeError(f"coordination probe failed (exit {proc.returncode}): {' '.join(command)}\n{tail}")
+    (began, before), (ended, after) = marks[IDLE], marks[DONE]
+    return (after - before) / max(ended - began, 1e-9)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Horovod with the given process sets, every rank idle (run under mpirun).")
+    parser.add_argument("--sets", required=True, help="JSON list of rank lists (the world's may be among them)")
+    parser.add_argument("--seconds", type=float, default=PROBE_SECONDS, help="how long every rank sleeps")
+    args = parser.parse_args(argv)
+    import horovod.torch as hvd
+    import torch
+    from mpi4py import MPI
+
+    hvd.init(comm=MPI.COMM_WORLD, process_sets="dynamic")
+    world = list(range(hvd.size()))
+    for ranks in json.loads(args.sets):
+        if sorted(ranks) != world:
+            hvd.add_process_set(sorted(ranks))
+    hvd.allreduce(torch.zeros(1), name="probe.ready")  # every rank is up and every set registered
+    if hvd.rank() == 0:
+        print(IDLE, flush=True)
+    time.sleep(args.seconds)
+    if hvd.rank() == 0:
+        print(DONE, flush=True)
+    hvd.allreduce(torch.zeros(1), name="probe.done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
