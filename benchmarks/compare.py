@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import shutil
 import signal
 import statistics
@@ -155,8 +156,9 @@ def run_one(variant: Variant, np_: int, args: argparse.Namespace, runs_dir: Path
             startup_run = json.loads((runs_dir / f"{name}-startup" / "summary.json").read_text())
             measured["metered_startup_bytes"] = startup_run["between_nodes_bytes_all_ranks"]
     summary = json.loads((runs_dir / name / "summary.json").read_text())
-    if measured is not None and "idle_bytes_per_second" not in measured and args.link is not None:
-        measured["idle_bytes_per_second"] = idle_rate(args, np_, summary.get("process_sets") or [list(range(np_))])
+    if measured is not None and "idle_bytes_per_second" not in measured and args.link is not None \
+            and "process_sets" in summary:  # runs made before summaries listed them are judged without
+        measured["idle_bytes_per_second"] = idle_rate(args, np_, summary["process_sets"])
         measured_file.write_text(json.dumps(measured))
     with open(runs_dir / name / "epochs.csv") as fh:
         epochs = list(csv.DictReader(fh))
@@ -184,6 +186,10 @@ def unmetered_allowance(summary: dict[str, Any], measured: dict[str, Any]) -> fl
 
 
 _idle_rates: dict[tuple[int, str], float] = {}
+
+
+def idle_rate_text(rate: float) -> str:
+    return "–" if math.isnan(rate) else f"{human_bytes(rate)}/s"
 
 
 def idle_rate(args: argparse.Namespace, np_: int, process_sets: list[list[int]]) -> float:
@@ -452,7 +458,7 @@ def write_tables(rows: list[dict[str, Any]], out: Path, title: str, failed: list
          "link utilisation", "agreement"],
         [[row["np"], row["method"], human_bytes(row["measured_bytes_per_step"]),
           human_bytes(row["metered_bytes_per_step_all_ranks"]), f"{row['measured_vs_meter']:+.1%}",
-          f"{human_bytes(row['idle_coordination_bytes_per_s'])}/s", f"{row['link_utilisation']:.1%}",
+          idle_rate_text(row['idle_coordination_bytes_per_s']), f"{row['link_utilisation']:.1%}",
           row["agreement"]] for row in measured])
     if failed:
         lines += ["", f"Failed runs (exit non-zero, logs under runs/): {', '.join(failed)}"]

@@ -30,7 +30,7 @@ import time
 from typing import Any
 
 IDLE, DONE = "IDLE", "DONE"
-PROBE_SECONDS = 10.0
+PROBE_SECONDS = 5.0
 
 
 def idle_bytes_per_second(net: Any, np_: int, process_sets: list[list[int]], seconds: float = PROBE_SECONDS) -> float:

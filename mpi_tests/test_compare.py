@@ -155,6 +155,8 @@ def test_emulated_nodes_keep_traffic_inside_a_node_off_the_links_and_groups_foll
     rows = {row["method"]: row for row in csv.DictReader(open(tmp_path / "results.csv"))}
     for row in rows.values():  # the links carried what the meter says left a node, nothing of what stayed inside
         assert abs(float(row["measured_vs_meter"])) <= 0.05, row
+        # Horovod's coordination with every rank idle, probed for the run's process sets
+        assert float(row["idle_coordination_bytes_per_s"]) > 0, row
     assert "3 groups of 2 rank(s)" in (tmp_path / "runs" / "np6-diloco-sync_every4.log").read_text()
     ddp = json.loads((tmp_path / "runs" / "np6-ddp" / "summary.json").read_text())
     # A ring over 3 nodes of 2 leaves each node once: ranks 1, 3 and 5 send to the next node, 0, 2
@@ -163,6 +165,9 @@ def test_emulated_nodes_keep_traffic_inside_a_node_off_the_links_and_groups_foll
     assert ddp["train_between_nodes_bytes_all_ranks"] == pytest.approx(ddp["train_wire_bytes_all_ranks"] / 2)
     diloco = json.loads((tmp_path / "runs" / "np6-diloco-sync_every4" / "summary.json").read_text())
     assert diloco["train_between_nodes_bytes_all_ranks"] < ddp["train_between_nodes_bytes_all_ranks"] / 4
+    # the process sets Horovod coordinates: the world, one group per node, the columns across them
+    assert ddp["process_sets"] == [list(range(6))]
+    assert sorted(map(tuple, diloco["process_sets"])) == [(0, 1), (0, 1, 2, 3, 4, 5), (0, 2, 4), (1, 3, 5), (2, 3), (4, 5)]
     table = (tmp_path / "results.md").read_text()
     assert "Traffic between the 3 emulated nodes" in table and "Time to quality" in table
     assert (tmp_path / "accuracy_vs_time.png").stat().st_size > 0
