@@ -2,17 +2,19 @@
 
 Horovod's background thread runs a cycle every HOROVOD_CYCLE_TIME (1 ms), whether or not any
 tensor is waiting: in each, every process set's members agree on what is ready by a small
-allreduce of a bit vector. On a real network those bytes are negligible; on emulated nodes that
-share a 2-core machine they are not, and their rate depends on how idle the cores are. Measured
-here at 16 ranks on 4 emulated nodes: 2.7-7 MB/s between the nodes while every rank's main thread
-slept, 0.06 MB/s while the main threads computed; at 64 ranks on 8 nodes, about 9 MB/s idle,
-with the cycle rate (100 a second) limited by the cores, not by the cycle time. A compressed
-method's ranks spend most of a step waiting for small messages, so on 64 ranks that background
-is a large share of what the interface counters see (PowerSGD: 8.8 % over the meter).
+allreduce. On a real network those bytes are negligible; on emulated nodes that share a 2-core
+machine they are not, and their rate depends on how idle the cores are. Measured with this
+probe (every rank asleep, the world's process set only): 0.87 MB/s between the nodes for 4 ranks
+on 2 nodes, 7.3 MB/s for 16 on 4, 9.8 MB/s for 64 on 8, where about 100 cycles a second is what
+the cores allow (a 10 ms cycle time hardly lowered it). With the main threads computing instead
+of sleeping, 16 ranks on 4 nodes sent 30x less. A compressed method's ranks spend most of a step
+waiting, so on 64 ranks that background reaches a sixth of PowerSGD's own traffic (10 of 59 MB
+per 1.06 s step), and the zero-step start-up run subtracted from the counters varies by tens of MB
+between launches for the same reason (PowerSGD: 63 MB in one launch, 103 MB in the next).
 
 So `benchmarks.compare` measures the background's ceiling for each run's layout with this probe
 (`idle_bytes_per_second`: the run's process sets, every rank asleep, the counters read at the
-start and end of the sleep) and allows the counters to exceed the meter by that rate over the
+start and end of the sleep) and lets the counters differ from the meter by that rate over the
 time a run's rank 0 did not compute (blocked in communication, or evaluating).
 
     mpirun ... python -m benchmarks.coordination --sets '[[0, 1], [2, 3]]' --seconds 10
