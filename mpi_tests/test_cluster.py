@@ -3,7 +3,9 @@
 Every method that can run at 64 ranks trains an MLP (64-1024-1024-10) on the digits for two
 epochs of several steps each on 8 nodes joined by 10 Gbit/s links (benchmarks.compare --nodes 8):
 each run must exit 0, the bytes the nodes' interfaces counted must agree with what hvd_lowcomm's
-meter says left a node, and AB-training and DiLoCo must train in one group per node. The
+meter says left a node (within 5 %, or within Horovod's own coordination traffic, which an idle
+probe with the run's process sets measures: benchmarks/coordination.py), and AB-training and
+DiLoCo must train in one group per node. The
 machine's peak memory in use is printed. It is slow on a small machine (two 64-rank launches
 per method, a start-up run and the run, about 4 minutes each on 2 cores), so it is not part of
 `make test`; it runs only when HVD_LOWCOMM_CLUSTER_TEST=1 (the make target sets it), and
@@ -73,7 +75,7 @@ def test_every_method_runs_at_64_ranks_as_8_nodes(tmp_path):
         summary = peaks[method]
         assert summary["nodes"] == NODES and int(row["np"]) == RANKS, method
         assert summary["steps"] >= 5, (method, summary["steps"])  # several steps per epoch
-        # within 5 %, or a difference no larger than Horovod's unmetered coordination per link
+        # within 5 %, or a difference no larger than Horovod's unmetered coordination over the run
         assert row["agreement"] == "ok", row
     for method in {"ab", "diloco"} & set(peaks):
         assert peaks[method]["groups"] == NODES, method
