@@ -47,6 +47,7 @@ import argparse
 import csv
 import json
 import math
+import re
 import shutil
 import signal
 import statistics
@@ -76,6 +77,10 @@ NODE_AGREEMENT = 0.05
 # time the run's rank 0 was not computing (blocked in communication, evaluating): at 64 ranks on
 # 8 emulated nodes that rate is several MB/s, as much as a compressed method's own traffic.
 BACKGROUND_BYTES_PER_STEP = 64e3
+# The trainer's first line (printed after setup's broadcasts) and an epoch's line (after its
+# evaluation): the link's counters are read at both, so the count covers training alone.
+TRAINING_STARTS = "hvd_lowcomm: method "
+EPOCH_ENDS = re.compile(r"epoch\s+\d+/\d+ \|")
 STEP_PHASES = ("forward", "backward", "exchange", "other")  # as the trainer's summary splits a step
 # "Reached ddp's quality": a validation loss at most this fraction above ddp's final one (language
 # models), or an accuracy at most this many points below ddp's final one (--loss-margin, --acc-margin).
@@ -136,25 +141,11 @@ def run_one(variant: Variant, np_: int, args: argparse.Namespace, runs_dir: Path
         launch(np_, [*train_args, "--run.name", name], runs_dir / f"{name}.log")
         measured = None
     else:
-        # A zero-step run on the same kind of network measures start-up traffic (launcher,
-        # Horovod init, parameter broadcast, one evaluation), which is subtracted.
-        shutil.rmtree(runs_dir / f"{name}-startup", ignore_errors=True)
-        with network(args) as net:
-            launch(np_, [*train_args, "--run.name", f"{name}-startup", "--train.max_steps", "0"],
-                   runs_dir / f"{name}-startup.log", net)
-            startup = net.node_bytes()
         shutil.rmtree(runs_dir / name, ignore_errors=True)
         with network(args) as net:
-            launch(np_, [*train_args, "--run.name", name], runs_dir / f"{name}.log", net)
-            sent = [after - before for after, before in zip(net.node_bytes(), startup)]
+            sent = launch(np_, [*train_args, "--run.name", name], runs_dir / f"{name}.log", net)
             measured = {"link": args.link, "link_bits_per_s": net.rate_bits, "nodes": args.nodes,
-                        "measured_train_bytes": sum(sent), "measured_bytes_per_node": sent,
-                        "startup_bytes": sum(startup)}
-        if args.nodes:
-            # The counters see evaluation's traffic too (AB's and DiLoCo's synced models cross
-            # nodes), so the meter's every-phase count, less the start-up run's, is compared.
-            startup_run = json.loads((runs_dir / f"{name}-startup" / "summary.json").read_text())
-            measured["metered_startup_bytes"] = startup_run["between_nodes_bytes_all_ranks"]
+                        "measured_train_bytes": sum(sent), "measured_bytes_per_node": sent}
     summary = json.loads((runs_dir / name / "summary.json").read_text())
     if measured is not None and "idle_bytes_per_second" not in measured and args.link is not None \
             and "process_sets" in summary:  # runs made before summaries listed them are judged without
@@ -217,20 +208,39 @@ def median_runs(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def network(args: argparse.Namespace) -> ShapedLink | EmulatedCluster:
-    """The emulated network of --link (and --nodes): made afresh for every run, so each run's
-    counters start from its own start-up."""
+    """The emulated network of --link (and --nodes): made afresh for every run, so each
+    run has counters of its own."""
     rate, _, latency = args.link.partition(",")
     return EmulatedCluster(args.nodes, rate, latency or None) if args.nodes else ShapedLink(rate)
 
 
 def launch(np_: int, train_args: list[str], log: Path, net: ShapedLink | EmulatedCluster | None = None,
-           module: str = "hvd_lowcomm.train") -> None:
+           module: str = "hvd_lowcomm.train") -> list[int] | None:
+    """Run one job, its output into `log`. On an emulated network, returns the bytes each node
+    (or the loopback) sent while the job trained: from the trainer's first line (printed once
+    setup's broadcasts are done) to its last epoch line (after the last evaluation), so launch
+    and start-up traffic, which varies between launches, stays out of the count."""
     command = [*(net.mpirun(np_) if net else [*MPIRUN, "-np", str(np_)]), sys.executable, "-m", module, *train_args]
-    proc = subprocess.run(command, capture_output=True, text=True)
-    log.write_text(proc.stdout + proc.stderr)
+    lines: list[str] = []
+    began = ended = None
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if net is not None and began is None and line.startswith(TRAINING_STARTS):
+                began = net.node_bytes()
+            elif began is not None and EPOCH_ENDS.match(line):
+                ended = net.node_bytes()
+    log.write_text("".join(lines))
     if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+        tail = "".join(lines[-15:]).strip()
         raise RunFailed(f"compare: run failed (exit {proc.returncode}): {' '.join(command)}\n{tail}\nfull log: {log}")
+    if net is None:
+        return None
+    if began is None or ended is None:
+        raise RunFailed(f"compare: {log} has no {TRAINING_STARTS.strip()!r} line followed by an epoch line to "
+                        "count the link's bytes between")
+    return [after - before for before, after in zip(began, ended)]
 
 
 class RunFailed(Exception):
@@ -283,8 +293,12 @@ def tabulate(results: list[dict[str, Any]], wire_rate: float | None,
             m = r["measured"]
             # On emulated nodes only traffic between nodes crosses the links; on one shaped
             # loopback all of it does.
-            metered = s["between_nodes_bytes_all_ranks"] - m["metered_startup_bytes"] if m.get("nodes") \
-                else s["train_wire_bytes_all_ranks"]
+            if "metered_startup_bytes" in m:  # sets made when a zero-step run's start-up was subtracted
+                metered = s["between_nodes_bytes_all_ranks"] - m["metered_startup_bytes"] if m.get("nodes") \
+                    else s["train_wire_bytes_all_ranks"]
+            else:  # the counters' window: everything after setup's broadcasts
+                metered = s["between_nodes_bytes_all_ranks_after_setup"] if m.get("nodes") \
+                    else s["wire_bytes_all_ranks_after_setup"]
             train_seconds = s["step_seconds_mean"] * s["steps"]
             row.update({"link": m["link"], "nodes": m.get("nodes") or 0,
                         "measured_bytes_per_step": m["measured_train_bytes"] / max(s["steps"], 1),
@@ -449,7 +463,8 @@ def write_tables(rows: list[dict[str, Any]], out: Path, title: str, failed: list
          "interface counters; metered = what hvd_lowcomm's meter counts as sent to another node" if nodes else
          f"Traffic on the emulated {measured[0]['link'] if measured else ''} link, all ranks together, per training "
          "step: measured = the namespace's loopback counters; metered = hvd_lowcomm's meter") +
-        f" (start-up traffic of a zero-step run subtracted); agreement within {NODE_AGREEMENT if nodes else AGREEMENT:.0%} "
+        " (both from the trainer's first line, once setup's broadcasts are done, to its last epoch line; "
+        "evaluation included); agreement within {NODE_AGREEMENT if nodes else AGREEMENT:.0%} "
         f"is ok, or a difference under Horovod's unmetered coordination: {human_bytes(BACKGROUND_BYTES_PER_STEP)} "
         "per step and link, plus its rate with every rank idle (idle coordination: a probe with the run's process "
         "sets on the same network) over the seconds rank 0 did not compute; utilisation: "

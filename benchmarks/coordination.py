@@ -9,8 +9,9 @@ on 2 nodes, 7.3 MB/s for 16 on 4, 9.8 MB/s for 64 on 8, where about 100 cycles a
 the cores allow (a 10 ms cycle time hardly lowered it). With the main threads computing instead
 of sleeping, 16 ranks on 4 nodes sent 30x less. A compressed method's ranks spend most of a step
 waiting, so on 64 ranks that background reaches a sixth of PowerSGD's own traffic (10 of 59 MB
-per 1.06 s step), and the zero-step start-up run subtracted from the counters varies by tens of MB
-between launches for the same reason (PowerSGD: 63 MB in one launch, 103 MB in the next).
+per 1.06 s step), and a launch's start-up varies by tens of MB between launches for the same
+reason (PowerSGD: 63 MB in one launch, 103 MB in the next), which is why compare counts from
+the trainer's first line instead of subtracting a zero-step run.
 
 So `benchmarks.compare` measures the background's ceiling for each run's layout with this probe
 (`idle_bytes_per_second`: the run's process sets, every rank asleep, the counters read at the

@@ -276,7 +276,10 @@ def summarize(cfg: Config, method: Method, state: TrainState, elapsed: float, pa
     with meter.in_phase("control"):
         per_rank = meter.allgather(torch.tensor([[peak_rss, meter.total("train"),
                                                   meter.total("train", field="between_nodes_bytes"),
-                                                  meter.total(None, field="between_nodes_bytes")]],
+                                                  meter.total(None, field="between_nodes_bytes"),
+                                                  meter.total(None) - meter.total("setup"),
+                                                  meter.total(None, field="between_nodes_bytes")
+                                                  - meter.total("setup", field="between_nodes_bytes")]],
                                                 dtype=torch.float64), "summary.per_rank")
     peak_rss_max = int(per_rank[:, 0].max().item())
     steps = max(meter.step, 1)
@@ -292,6 +295,9 @@ def summarize(cfg: Config, method: Method, state: TrainState, elapsed: float, pa
         # What the job's network carried: the bytes every rank sent to another node.
         "nodes": runtime.node_count(), "train_between_nodes_bytes_all_ranks": per_rank[:, 2].sum().item(),
         "between_nodes_bytes_all_ranks": per_rank[:, 3].sum().item(),  # every phase: what a link counter sees
+        # what links carry once training starts (setup's broadcasts are done): training, evaluation, control
+        "wire_bytes_all_ranks_after_setup": per_rank[:, 4].sum().item(),
+        "between_nodes_bytes_all_ranks_after_setup": per_rank[:, 5].sum().item(),
         "process_sets": [list(ranks) for ranks in runtime.process_sets()],
         "peak_rss_bytes_max_rank": peak_rss_max, "peak_rss_bytes_per_rank": [int(v) for v in per_rank[:, 0].tolist()],
         **meter.summary(),

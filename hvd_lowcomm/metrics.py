@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator, TypeVar
@@ -90,8 +91,9 @@ class RunLogger:
             self.trackers = open_trackers(list(loggers), self.run_dir, config)
 
     def print(self, text: str) -> None:
-        if self.active:
+        if self.active:  # flushed: a batch system's log (and a harness reading it) sees it at once
             tqdm.write(text)
+            sys.stdout.flush()
 
     def log(self, kind: str, record: dict[str, Any]) -> None:
         if self._jsonl is not None:

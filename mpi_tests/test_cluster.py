@@ -6,8 +6,8 @@ each run must exit 0, the bytes the nodes' interfaces counted must agree with wh
 meter says left a node (within 5 %, or within Horovod's own coordination traffic, which an idle
 probe with the run's process sets measures: benchmarks/coordination.py), and AB-training and
 DiLoCo must train in one group per node. The
-machine's peak memory in use is printed. It is slow on a small machine (two 64-rank launches
-per method, a start-up run and the run, about 4 minutes each on 2 cores), so it is not part of
+machine's peak memory in use is printed. It is slow on a small machine (a 64-rank launch per
+method, 5-15 minutes on 2 cores, and an idle probe per process-set layout), so it is not part of
 `make test`; it runs only when HVD_LOWCOMM_CLUSTER_TEST=1 (the make target sets it), and
 HVD_LOWCOMM_CLUSTER_METHODS picks methods.
 """
@@ -56,9 +56,7 @@ def test_every_method_runs_at_64_ranks_as_8_nodes(tmp_path):
     memory = MemoryInUse()
     memory.start()
     # Batch 4 per rank: the 1,437 training digits give 5 steps per epoch on 64 ranks. Wide layers, so
-    # the training traffic dwarfs what a 64-rank start-up sends unmetered (MPI wire-up, Horovod's
-    # init: 36 MB here, and it varies between launches; with 256,256 ddp's 64 MB of training
-    # traffic measured 5.1 % under the meter for that reason).
+    # the training traffic dwarfs Horovod's unmetered coordination during the run.
     proc = subprocess.run([sys.executable, "-m", "benchmarks.compare", "--methods", METHODS, "--np", str(RANKS),
                            "--nodes", str(NODES), "--link", "10gbit", "--data", str(tmp_path / "digits.h5"),
                            "--hidden", "1024,1024", "--epochs", "2", "--batch-size", "4", "--out", str(tmp_path)],

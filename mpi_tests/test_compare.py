@@ -147,8 +147,8 @@ def test_a_group_method_on_one_rank_groups_is_tabled_with_its_compression_and_ra
 def test_emulated_nodes_keep_traffic_inside_a_node_off_the_links_and_groups_follow_the_nodes(tmp_path):
     before = namespaces()
     # 6 ranks as 3 nodes of 2: without nodes DiLoCo would make 2 groups of 3; here one per node.
-    # Batch 8 gives 24 steps in the epoch (batch 32: 7), so the start-up traffic of a zero-step
-    # run, subtracted from the counters and not exactly the same in every launch, weighs less.
+    # Batch 8 gives 24 steps in the epoch (batch 32: 7), so Horovod's coordination beside the
+    # training traffic weighs less.
     proc = compare(tmp_path, "--methods", "ddp,diloco:sync_every=4", "--np", "6", "--nodes", "3", "--link", "1gbit",
                    "--batch-size", "8", "--", "--train.max_steps", "24", hidden="512,512")
     assert proc.returncode == 0, proc.stdout + proc.stderr
