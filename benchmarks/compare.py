@@ -51,7 +51,6 @@ import re
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -61,7 +60,8 @@ from typing import Any
 from tqdm import tqdm
 
 from benchmarks.coordination import idle_bytes_per_second
-from benchmarks.netns import MPIRUN, EmulatedCluster, LinkUnavailable, ShapedLink, check_available, rate_bits
+from benchmarks.netns import (MPIRUN, EmulatedCluster, LinkUnavailable, ShapedLink, check_available, rate_bits,
+                              run_reading_counters)
 from data_prep import BUNDLED
 from hvd_lowcomm.registry import specs
 from hvd_lowcomm.metrics import human_bytes, write_csv
@@ -75,7 +75,7 @@ NODE_AGREEMENT = 0.05
 # tensors: a run that sends almost nothing), plus the coordination's rate with every rank idle,
 # measured for the run's process sets on the same network (benchmarks/coordination.py), over the
 # time the run's rank 0 was not computing (blocked in communication, evaluating): at 64 ranks on
-# 8 emulated nodes that rate is several MB/s, as much as a compressed method's own traffic.
+# 8 emulated nodes that rate is 8-10 MB/s, a sixth of PowerSGD's traffic per step there.
 BACKGROUND_BYTES_PER_STEP = 64e3
 # The trainer's first line (printed after setup's broadcasts) and an epoch's line (after its
 # evaluation): the link's counters are read at both, so the count covers training alone.
@@ -146,6 +146,7 @@ def run_one(variant: Variant, np_: int, args: argparse.Namespace, runs_dir: Path
             sent = launch(np_, [*train_args, "--run.name", name], runs_dir / f"{name}.log", net)
             measured = {"link": args.link, "link_bits_per_s": net.rate_bits, "nodes": args.nodes,
                         "measured_train_bytes": sum(sent), "measured_bytes_per_node": sent}
+        measured_file.write_text(json.dumps(measured))
     summary = json.loads((runs_dir / name / "summary.json").read_text())
     if measured is not None and "idle_bytes_per_second" not in measured and args.link is not None \
             and "process_sets" in summary:  # runs made before summaries listed them are judged without
@@ -221,25 +222,18 @@ def launch(np_: int, train_args: list[str], log: Path, net: ShapedLink | Emulate
     setup's broadcasts are done) to its last epoch line (after the last evaluation), so launch
     and start-up traffic, which varies between launches, stays out of the count."""
     command = [*(net.mpirun(np_) if net else [*MPIRUN, "-np", str(np_)]), sys.executable, "-m", module, *train_args]
-    lines: list[str] = []
-    began = ended = None
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if net is not None and began is None and line.startswith(TRAINING_STARTS):
-                began = net.node_bytes()
-            elif began is not None and EPOCH_ENDS.match(line):
-                ended = net.node_bytes()
+    code, lines, readings = run_reading_counters(command, net, {
+        "began": lambda line: line.startswith(TRAINING_STARTS), "ended": lambda line: bool(EPOCH_ENDS.match(line))})
     log.write_text("".join(lines))
-    if proc.returncode != 0:
+    if code != 0:
         tail = "".join(lines[-15:]).strip()
-        raise RunFailed(f"compare: run failed (exit {proc.returncode}): {' '.join(command)}\n{tail}\nfull log: {log}")
+        raise RunFailed(f"compare: run failed (exit {code}): {' '.join(command)}\n{tail}\nfull log: {log}")
     if net is None:
         return None
-    if began is None or ended is None:
+    if "began" not in readings or readings.get("ended", (0.0,))[0] < readings["began"][0]:
         raise RunFailed(f"compare: {log} has no {TRAINING_STARTS.strip()!r} line followed by an epoch line to "
                         "count the link's bytes between")
+    (_, began), (_, ended) = readings["began"], readings["ended"]
     return [after - before for before, after in zip(began, ended)]
 
 
@@ -464,7 +458,7 @@ def write_tables(rows: list[dict[str, Any]], out: Path, title: str, failed: list
          f"Traffic on the emulated {measured[0]['link'] if measured else ''} link, all ranks together, per training "
          "step: measured = the namespace's loopback counters; metered = hvd_lowcomm's meter") +
         " (both from the trainer's first line, once setup's broadcasts are done, to its last epoch line; "
-        "evaluation included); agreement within {NODE_AGREEMENT if nodes else AGREEMENT:.0%} "
+        f"evaluation included); agreement within {NODE_AGREEMENT if nodes else AGREEMENT:.0%} "
         f"is ok, or a difference under Horovod's unmetered coordination: {human_bytes(BACKGROUND_BYTES_PER_STEP)} "
         "per step and link, plus its rate with every rank idle (idle coordination: a probe with the run's process "
         "sets on the same network) over the seconds rank 0 did not compute; utilisation: "

@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from typing import Any
+
+from benchmarks.netns import run_reading_counters
 
 IDLE, DONE = "IDLE", "DONE"
 PROBE_SECONDS = 5.0
@@ -42,19 +43,13 @@ def idle_bytes_per_second(net: Any, np_: int, process_sets: list[list[int]], sec
     made like the runs' (benchmarks.netns)."""
     command = [*net.mpirun(np_), sys.executable, "-m", "benchmarks.coordination",
                "--sets", json.dumps(process_sets), "--seconds", str(seconds)]
-    marks: dict[str, tuple[float, int]] = {}
-    output: list[str] = []
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            output.append(line)
-            if line.strip() in (IDLE, DONE):
-                marks[line.strip()] = (time.monotonic(), sum(net.node_bytes()))
-    if proc.returncode != 0 or len(marks) != 2:
-        tail = "".join(output[-15:])
-        raise RuntimeError(f"coordination probe failed (exit {proc.returncode}): {' '.join(command)}\n{tail}")
-    (began, before), (ended, after) = marks[IDLE], marks[DONE]
-    return (after - before) / max(ended - began, 1e-9)
+    code, lines, readings = run_reading_counters(command, net, {mark: (lambda line, m=mark: line.strip() == m)
+                                                                for mark in (IDLE, DONE)})
+    if code != 0 or len(readings) != 2:
+        tail = "".join(lines[-15:])
+        raise RuntimeError(f"coordination probe failed (exit {code}): {' '.join(command)}\n{tail}")
+    (began, before), (ended, after) = readings[IDLE], readings[DONE]
+    return (sum(after) - sum(before)) / max(ended - began, 1e-9)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,8 +20,9 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from itertools import count
-from typing import Self
+from typing import Callable, Self
 
 from hvd_lowcomm.config import rate_bits  # noqa: F401 (tc's units; compare imports it from here)
 
@@ -192,6 +193,24 @@ class EmulatedCluster(_EmulatedNetwork):
         for ns in [*self.node_namespaces, self.launcher, self.switch]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         shutil.rmtree(self._directory, ignore_errors=True)
+
+
+def run_reading_counters(command: list[str], net: "_EmulatedNetwork | None",
+                         marks: dict[str, Callable[[str], bool]]) -> tuple[int, list[str], dict[str, tuple[float, list[int]]]]:
+    """Run `command` (stdout and stderr merged) and, whenever an output line satisfies
+    marks[name], read `net`'s counters with the time under that name (a later line replaces an
+    earlier one): counts between moments the program announces. Returns the exit status, the
+    output lines and the readings."""
+    lines: list[str] = []
+    readings: dict[str, tuple[float, list[int]]] = {}
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            for name, matches in marks.items():
+                if net is not None and matches(line):
+                    readings[name] = (time.monotonic(), net.node_bytes())
+    return proc.returncode, lines, readings
 
 
 def _shape(ns: str, device: str, rate: str, latency: str | None = None) -> None:
