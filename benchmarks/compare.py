@@ -47,6 +47,7 @@ import argparse
 import csv
 import json
 import math
+import os
 import re
 import shutil
 import signal
@@ -222,8 +223,11 @@ def launch(np_: int, train_args: list[str], log: Path, net: ShapedLink | Emulate
     setup's broadcasts are done) to its last epoch line (after the last evaluation), so launch
     and start-up traffic, which varies between launches, stays out of the count."""
     command = [*(net.mpirun(np_) if net else [*MPIRUN, "-np", str(np_)]), sys.executable, "-m", module, *train_args]
+    # Every rank runs on this one machine, emulated nodes too (where each rank would otherwise take
+    # a share of its emulated node's cores, as on a real one): its cores shared among all np ranks.
+    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // np_)), **os.environ}
     code, lines, readings = run_reading_counters(command, net, {
-        "began": lambda line: line.startswith(TRAINING_STARTS), "ended": lambda line: bool(EPOCH_ENDS.match(line))})
+        "began": lambda line: line.startswith(TRAINING_STARTS), "ended": lambda line: bool(EPOCH_ENDS.match(line))}, env)
     log.write_text("".join(lines))
     if code != 0:
         tail = "".join(lines[-15:]).strip()

@@ -196,14 +196,15 @@ class EmulatedCluster(_EmulatedNetwork):
 
 
 def run_reading_counters(command: list[str], net: "_EmulatedNetwork | None",
-                         marks: dict[str, Callable[[str], bool]]) -> tuple[int, list[str], dict[str, tuple[float, list[int]]]]:
+                         marks: dict[str, Callable[[str], bool]],
+                         env: dict[str, str] | None = None) -> tuple[int, list[str], dict[str, tuple[float, list[int]]]]:
     """Run `command` (stdout and stderr merged) and, whenever an output line satisfies
     marks[name], read `net`'s counters with the time under that name (a later line replaces an
     earlier one): counts between moments the program announces. Returns the exit status, the
-    output lines and the readings."""
+    output lines and the readings. `env`: the command's environment (default: this process's)."""
     lines: list[str] = []
     readings: dict[str, tuple[float, list[int]]] = {}
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line)

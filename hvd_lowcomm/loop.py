@@ -63,7 +63,8 @@ def train(cfg: Config, method: Method, info: data.DatasetInfo, model: torch.nn.M
     test_batches = method.batches(splits["test"], cfg.data.test_batch_size, False, device)
     epochs = method.epochs()
     shards = f", {len(info.files)} shard files" if len(info.files) > 1 else ""
-    log.print(f"hvd_lowcomm: method {cfg.method} on {world.size} rank(s) ({device.type}); model "
+    log.print(f"hvd_lowcomm: method {cfg.method} on {world.size} rank(s) ({device.type}, "
+              f"{torch.get_num_threads()} compute thread(s) each); model "
               f"{cfg.model.name} ({parameters:,} parameters); data {info.path} "
               f"({info.num_train} train / {info.num_test} test {_samples(info)}{shards}); "
               f"{len(train_batches)} steps/epoch; run dir {run_dir}")

@@ -1,6 +1,8 @@
 """Runtime: rank groups and their collectives, and ending the job when a rank fails."""
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import time
@@ -143,3 +145,45 @@ def test_the_cli_started_by_torchrun_stops_before_training_with_the_mpirun_line(
     assert proc.returncode == 2
     assert "started by torchrun (RANK=0, WORLD_SIZE=2)" in proc.stderr and "mpirun -np 2 python" in proc.stderr
     assert not list(tmp_path.iterdir())  # no run directory: nothing trained
+
+
+def test_a_rank_computes_on_its_share_of_the_node_s_cores():
+    assert runtime.compute_threads(local_ranks=4, cores_allowed=2, cores_on_node=2) == 1  # unbound, oversubscribed
+    assert runtime.compute_threads(local_ranks=2, cores_allowed=8, cores_on_node=8) == 4  # unbound: a half each
+    assert runtime.compute_threads(local_ranks=16, cores_allowed=4, cores_on_node=64) == 4  # bound to its 4 cores
+    assert runtime.compute_threads(local_ranks=1, cores_allowed=2, cores_on_node=8) == 2  # the cores it may use
+    assert runtime.compute_threads(local_ranks=1, cores_allowed=8, cores_on_node=8) == 8
+
+
+THREADS = ("import os, json, torch; from hvd_lowcomm.comm import runtime; runtime.init(0); import horovod.torch as hvd; "
+           "print('THREADS', json.dumps([torch.get_num_threads(), hvd.local_size(), len(os.sched_getaffinity(0))]), "
+           "flush=True)")
+
+
+def compute_threads_of(ranks: int, **env: str) -> list[list[int]]:
+    """[threads, local ranks, cores allowed] of every rank of a job of `ranks` on this machine,
+    unbound (as mpirun leaves ranks that outnumber cores), without OMP_NUM_THREADS unless given."""
+    environ = {**{k: v for k, v in clean_env().items() if k != "OMP_NUM_THREADS"}, **env}
+    proc = subprocess.run(mpirun(ranks, "--bind-to", "none", sys.executable, "-c", THREADS), capture_output=True,
+                          text=True, env=environ, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    reports = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("THREADS")]
+    assert len(reports) == ranks, proc.stdout
+    return reports
+
+
+@only_from_the_1_rank_suite
+def test_the_ranks_of_a_node_do_not_start_more_compute_threads_than_it_has_cores():
+    # torch's default is a thread per core in every process: 4 ranks on 2 cores ran 8 threads,
+    # and a step without communication took 2.2x as long.
+    cores = os.cpu_count() or 1
+    for threads, local_size, _ in compute_threads_of(4):
+        assert local_size == 4 and 1 <= threads
+        assert threads * local_size <= max(cores, local_size), (threads, local_size, cores)
+    [(threads, _, allowed)] = compute_threads_of(1)
+    assert threads == allowed  # alone on the machine, a rank uses every core it may run on
+
+
+@only_from_the_1_rank_suite
+def test_omp_num_threads_set_by_the_user_or_job_script_stands():
+    assert compute_threads_of(1, OMP_NUM_THREADS="1")[0][0] == 1
