@@ -64,6 +64,7 @@ from benchmarks.coordination import idle_bytes_per_second
 from benchmarks.netns import (MPIRUN, EmulatedCluster, LinkUnavailable, ShapedLink, check_available, rate_bits,
                               run_reading_counters)
 from data_prep import BUNDLED
+from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.registry import specs
 from hvd_lowcomm.metrics import human_bytes, write_csv
 
@@ -225,7 +226,8 @@ def launch(np_: int, train_args: list[str], log: Path, net: ShapedLink | Emulate
     command = [*(net.mpirun(np_) if net else [*MPIRUN, "-np", str(np_)]), sys.executable, "-m", module, *train_args]
     # Every rank runs on this one machine, emulated nodes too (where each rank would otherwise take
     # a share of its emulated node's cores, as on a real one): its cores shared among all np ranks.
-    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // np_)), **os.environ}
+    cores = os.cpu_count() or 1
+    env = {"OMP_NUM_THREADS": str(runtime.compute_threads(np_, cores, cores)), **os.environ}
     code, lines, readings = run_reading_counters(command, net, {
         "began": lambda line: line.startswith(TRAINING_STARTS), "ended": lambda line: bool(EPOCH_ENDS.match(line))}, env)
     log.write_text("".join(lines))
