@@ -299,14 +299,14 @@ def tabulate(results: list[dict[str, Any]], wire_rate: float | None,
             else:  # the counters' window: everything after setup's broadcasts
                 metered = s["between_nodes_bytes_all_ranks_after_setup"] if m.get("nodes") \
                     else s["wire_bytes_all_ranks_after_setup"]
-            train_seconds = s["step_seconds_mean"] * s["steps"]
             row.update({"link": m["link"], "nodes": m.get("nodes") or 0,
                         "measured_bytes_per_step": m["measured_train_bytes"] / max(s["steps"], 1),
                         "metered_bytes_per_step_all_ranks": metered / max(s["steps"], 1),
                         "measured_vs_meter": m["measured_train_bytes"] / metered - 1 if metered else float("nan"),
-                        # The busiest link's share of its capacity while training.
+                        # The busiest link's share of its capacity over the counters' window, which
+                        # holds evaluation's traffic and time too (mp's evaluation crosses nodes).
                         "link_utilisation": max(m.get("measured_bytes_per_node") or [m["measured_train_bytes"]]) * 8
-                        / (train_seconds * m["link_bits_per_s"]),
+                        / (s["seconds"] * m["link_bits_per_s"]),
                         "idle_coordination_bytes_per_s": m.get("idle_bytes_per_second", float("nan"))})
             row["agreement"] = "ok" if counters_agree(m["measured_train_bytes"], metered, unmetered_allowance(s, m),
                                                       bool(nodes)) else "DISAGREE"
@@ -468,7 +468,7 @@ def write_tables(rows: list[dict[str, Any]], out: Path, title: str, failed: list
         f"is ok, or a difference under Horovod's unmetered coordination: {human_bytes(BACKGROUND_BYTES_PER_STEP)} "
         "per step and link, plus its rate with every rank idle (idle coordination: a probe with the run's process "
         "sets on the same network) over the seconds rank 0 did not compute; utilisation: "
-        "the busiest link's bytes against its capacity over the training time.",
+        "the busiest link's bytes against its capacity over the run's time (evaluation included, as in the counters).",
         ["np", "method", "measured/step", "metered/step", "measured vs meter", "idle coordination",
          "link utilisation", "agreement"],
         [[row["np"], row["method"], human_bytes(row["measured_bytes_per_step"]),
