@@ -30,7 +30,7 @@ numbers, and every rank forms the pooled gradient [Δ_1; ...; Δ_p]ᵀ [A_1; ...
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -680,21 +680,30 @@ def dad_kernels(sample: LayerSample, options: Any, cfg: Config) -> dict[str, Any
 
 
 def rank_dad_kernels(sample: LayerSample, options: "RankDadOptions", cfg: Config) -> dict[str, Any]:
-    """The top triplets of one rank's gradient, the way rank-dAD takes them for these shapes,
-    and the product of one rank's k factor rows."""
+    """The top triplets of one rank's gradient, the way rank-dAD takes them for these shapes
+    (an adaptive rank iterates twice the rank it keeps: FactorRows.iterated_rank; error feedback
+    adds the error to the gradient first and forms the new one from the kept factors after), and
+    the product of one rank's k factor rows."""
     if not supports(sample.module):
         return {}
     generator = torch.Generator().manual_seed(0)
     acts = torch.randn(sample.rows, sample.fan_in, generator=generator)
     deltas = torch.randn(sample.rows, sample.fan_out, generator=generator)
-    grad = torch.randn(sample.fan_out, sample.fan_in, generator=generator)
+    grad = torch.randn(sample.fan_in, sample.fan_out, generator=generator)  # Gᵀ, as the method holds it
+    error = torch.randn(sample.fan_in, sample.fan_out, generator=generator)
     rank = planned_rank(options)
     k = min(rank, sample.rows, sample.fan_in, sample.fan_out)
-    iterate = (rank, options.iterations, options.tol)
-    if _factors_from_gradient(sample.rows, sample.fan_in, sample.fan_out, options):
-        factors = lambda: gradient_power_iteration(grad.T, *iterate, generator)  # noqa: E731
+    iterated = rank if options.rank else min(options.max_rank, 2 * rank)
+    iterate = (iterated, options.iterations, options.tol)
+    if not _factors_from_gradient(sample.rows, sample.fan_in, sample.fan_out, options):
+        factors: Callable[[], Any] = lambda: factors_from_rows(acts, deltas, *iterate, generator)  # noqa: E731
+    elif options.error_feedback:
+        def factors() -> None:
+            fed = grad + error
+            b_rows, c_rows = gradient_power_iteration(fed, *iterate, generator)
+            torch.sub(fed, b_rows[:k].T @ c_rows[:k], out=error)
     else:
-        factors = lambda: factors_from_rows(acts, deltas, *iterate, generator)  # noqa: E731
+        factors = lambda: gradient_power_iteration(grad, *iterate, generator)  # noqa: E731
     return {"rank_factors": factors, "rank_product": lambda: deltas[:k].T @ acts[:k]}
 
 
