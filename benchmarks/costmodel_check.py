@@ -23,7 +23,8 @@ link:
 Every prediction assumes the run's own length (DiLoCo's H and AB's phases may be fractions of
 it) and what only training finds out, from the run: AB's mean step with the ranks its cuts kept
 (summary rank/<layer>), PowerSGD's and rank-dAD's adaptive rank as the mean of the
-effective_rank/<layer> they logged. PowerSGD's prediction is the run's mean step, its first
+effective_rank/<layer> they logged (rank-dAD's kernels timed at twice it, the width its
+adaptive rank iterates). PowerSGD's prediction is the run's mean step, its first
 `start_iter` steps being plain allreduces. Methods the model does not cover (local, the floor
 itself) are left out. Writes results.md and results.csv: measured against predicted step, the
 error, and its mean and largest absolute value.
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import csv
 import json
 import os
@@ -87,11 +89,18 @@ def check(directory: Path, latency: float, profiles: dict[str, costmodel.Profile
             run = directory / "runs" / run_name(np_, row["method"])
             summary = json.loads((run / "summary.json").read_text())
             options = cfg.method_options.get(specs()[method].section)
+            profiled = cfg
             if method in ADAPTIVE_RANKS and options.rank == 0:
                 # An adaptive rank is the training's to find (the model assumes one): as AB's kept
                 # ranks below, the check takes the one the run settled at, its mean over layers.
+                # rank-dAD's adaptive rank iterates twice the rank it keeps (and the cost model's
+                # kernels know it only for an adaptive rank), so its kernels are timed at that.
                 options.rank = _mean_rank(run)
-            profile = _profile(cfg, profiles, threads)
+                if method == "rank-dad":
+                    profiled = copy.deepcopy(cfg)
+                    profiled.method_options[specs()[method].section].rank = \
+                        min(options.max_rank, 2 * options.rank)
+            profile = _profile(profiled, profiles, threads)
             # The run's length: schedules given as a fraction of it (DiLoCo's H, AB's phases).
             assumptions = costmodel.RunAssumptions(run_steps=summary["steps"])
             if method == "ab":  # and the ranks its cuts kept
