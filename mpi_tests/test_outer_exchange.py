@@ -78,19 +78,77 @@ def test_sparse_sends_the_top_of_each_chunk_at_two_bits():
     assert magnitudes.min() == pytest.approx(float(top[42:].mean()), rel=1e-5)
 
 
+def member_parts(values: torch.Tensor, members: int) -> list[torch.Tensor]:
+    """`values` cut into one equal part per column member, the last padded with zeros."""
+    part = -(-len(values) // members)
+    return list(torch.cat([values, values.new_zeros(part * members - len(values))]).split(part))
+
+
 @needs_ranks(2)
-def test_sparse_exchange_averages_every_groups_contribution_and_keeps_the_rest(world, fresh_meter):
-    exchange = make_exchange(world, DiLoCoOptions(compression="sparse", error_decay=0.5))
-    first = pseudo_gradient(RANK)
-    mean = exchange.start(0, first, SHAPES, 0)()
-    _, sent = sparse_encode(first, 0.02)
-    torch.testing.assert_close(mean, everyones(world, sent).mean(0))
-    torch.testing.assert_close(exchange.errors[0], first - sent)
-    second = pseudo_gradient(RANK, seed=1)
+def test_sparse_exchange_averages_the_groups_tops_and_loses_nothing(world, fresh_meter):
+    """Each group sends the top of its accumulator: at 2 groups to every other (allgather); beyond,
+    part j to member j, which sends back the top of the mean of what it received. What either
+    selection leaves out is sent later, so (error decay 1) everything delivered plus what is
+    still pending equals the mean of every pseudo-gradient so far."""
+    density, by_owner = 0.02, SIZE > 2
+    exchange = make_exchange(world, DiLoCoOptions(compression="sparse", density=density))
+    deltas = [pseudo_gradient(RANK, seed) for seed in range(3)]
+    parts = member_parts(deltas[0], SIZE) if by_owner else [deltas[0]]
+    mine = torch.cat([sparse_encode(part, density)[1] for part in parts])[:NUMBERS]  # each part's top at 2 bits
+    delivered = torch.zeros(NUMBERS)
+    for step, delta in enumerate(deltas):
+        mean = exchange.start(0, delta, SHAPES, 0)()
+        assert all(torch.equal(mean, other) for other in world.comm.allgather(mean))  # one mean everywhere
+        if step == 0:
+            torch.testing.assert_close(exchange.errors[0], delta - mine)  # the rest stays
+            received = everyones(world, mine).mean(0)
+            if by_owner:  # the owner's top of the mean of every group's part it owns
+                own = member_parts(received, SIZE)[RANK]
+                _, kept = sparse_encode(own, density)
+                torch.testing.assert_close(member_parts(mean, SIZE)[RANK], kept)
+                torch.testing.assert_close(exchange.owner_errors[0], own - kept)
+                assert int(kept.ne(0).sum()) == max(1, round(density * len(own)))  # as sparse as a group's
+            else:
+                torch.testing.assert_close(mean, received)
+        delivered += mean
+    pending = everyones(world, exchange.errors[0]).mean(0)
+    if by_owner:
+        pending += torch.cat(world.comm.allgather(exchange.owner_errors[0]))[:NUMBERS]
+    torch.testing.assert_close(delivered + pending, everyones(world, torch.stack(deltas).sum(0)).mean(0),
+                               atol=1e-5, rtol=1e-5)
+    if by_owner:  # every member's sparse parts by alltoall, its own mean part by allgather
+        part_bytes = sparse_bytes(-(-NUMBERS // SIZE), density)
+        assert fresh_meter.total(group="world", op="alltoall", field="payload_bytes") == 3 * SIZE * part_bytes
+        assert fresh_meter.total(group="world", op="allgather", field="payload_bytes") == 3 * part_bytes
+    else:
+        assert fresh_meter.total(group="world", op="allgather", field="payload_bytes") == 3 * sparse_bytes(NUMBERS, density)
+
+
+@needs_ranks(2)
+def test_sparse_accumulator_decays_by_error_decay(world, fresh_meter):
+    exchange = make_exchange(world, DiLoCoOptions(compression="sparse", density=0.02, error_decay=0.5))
+    first, second = pseudo_gradient(RANK), pseudo_gradient(RANK, seed=1)
+    exchange.start(0, first, SHAPES, 0)()
+    left = exchange.errors[0].clone()
     exchange.start(0, second, SHAPES, 0)()
-    _, sent_again = sparse_encode(0.5 * (first - sent) + second, 0.02)  # the accumulator decays by 0.5
-    torch.testing.assert_close(exchange.errors[0], 0.5 * (first - sent) + second - sent_again)
-    assert fresh_meter.total(group="world", op="allgather", field="payload_bytes") == 2 * sparse_bytes(NUMBERS, 0.02)
+    accumulated = 0.5 * left + second
+    parts = member_parts(accumulated, SIZE) if SIZE > 2 else [accumulated]
+    sent = torch.cat([sparse_encode(part, 0.02)[1] for part in parts])[:NUMBERS]
+    torch.testing.assert_close(exchange.errors[0], accumulated - sent)
+
+
+def test_sparse_bytes_per_rank_stay_flat_in_the_number_of_groups():
+    """Allgathered at 2 groups (one slice's sparse bytes, what a reduce-scatter would send);
+    reduced by owner beyond: about 2 (G-1)/G of them at any G, where an allgather of every
+    group's contribution sends (G-1) times them."""
+    numbers, options = 1 << 22, DiLoCoOptions(compression="sparse")
+    one = sparse_bytes(numbers, options.density)
+    for groups in (2, 3, 4, 8, 16):
+        transfers = make_exchange(None, options, members=groups).transfers(numbers, [], 0)
+        assert [t.op for t in transfers] == (["allgather"] if groups == 2 else ["alltoall", "allgather"])
+        sent = sum(t.wire(groups) for t in transfers)
+        assert sent == pytest.approx(2 * (groups - 1) / groups * one, rel=1e-2)
+        assert sent < 2 * one
 
 
 def test_a_slice_cuts_matrices_into_whole_row_blocks():

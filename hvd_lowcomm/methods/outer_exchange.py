@@ -15,10 +15,16 @@ class per `diloco.compression`:
             fp16 scales each chunk by a power of two (a float32 beside it), so that the
             pseudo-gradients of a small learning rate keep float16's full precision.
 - sparse (`Sparse`, SparseLoCo, arXiv 2508.15706): an error-feedback accumulator e <- βe + Δ;
-            each chunk of CHUNK numbers sends its top `density` share of e by magnitude, values
-            at 2 bits (sign, and which of two magnitudes: the means of the larger and smaller
-            half), positions as 16-bit offsets; what was sent leaves e. The sparse contributions
-            are allgathered and averaged (their supports differ, so no reduction on the way).
+            each chunk of at most CHUNK numbers sends its top `density` share of e by magnitude,
+            values at 2 bits (sign, and which of two magnitudes: the means of the larger and
+            smaller half), positions as 16-bit offsets; what was sent leaves e. At 2 groups the
+            contributions are allgathered and averaged, as SparseLoCo does. Beyond, an allgather
+            would send G-1 times a slice's sparse bytes, so it is reduced like the quantised
+            forms and stays flat in G (Ok-Topk, Li and Hoefler 2022, does the same): member j
+            receives every member's sparse part j, sums them in fp32, and sends back the top
+            `density` of that mean at 2 bits; its own error feedback keeps what this second
+            selection leaves out (the groups' supports differ, so the mean is up to G times
+            denser) for the next exchange.
 - lowrank (`LowRank`): PowerSGD on each matrix's pseudo-gradient (the seed's premise: an
             update is low-rank): P = M Q, mean, orthogonalise, Q = Mᵀ P, mean; error feedback and
             warm start of Q across syncs. A slice cuts matrices along rows, so each whole-row
@@ -284,21 +290,64 @@ def _mean_where(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 class Sparse(Exchange):
+    """Chunked top-k at 2 bits: allgathered at 2 groups, reduced by owner beyond (see the module)."""
+
     name = "sparse"
 
+    def __init__(self, column: Group | None, options: Any, members: int | None = None) -> None:
+        super().__init__(column, options, members)
+        # At 2 groups a reduce-scatter sends what an allgather does, (G-1) slices' sparse bytes, and
+        # its second selection only loses; beyond, it sends 2(G-1)/G of them where an allgather
+        # sends G-1.
+        self.by_owner = self.members > 2
+        self.owner_errors: dict[int, torch.Tensor] = {}  # per fragment: what this owner's mean part left out
+
     def transfers(self, numbers: int, shapes: list[tuple[int, ...]], start: int) -> list[Transfer]:
-        return [Transfer("allgather", sparse_bytes(numbers, self.options.density))]
+        if not self.by_owner:
+            return [Transfer("allgather", sparse_bytes(numbers, self.options.density))]
+        each = sparse_bytes(-(-numbers // self.members), self.options.density)
+        return [Transfer("alltoall", self.members * each), Transfer("allgather", each)]
 
     def start(self, fragment: int, delta: torch.Tensor, shapes: list[tuple[int, ...]], start: int) -> Collective:
+        density = self.options.density
         accumulated = self._feedback(fragment, delta, self.options.error_decay)
-        payload, sent = sparse_encode(accumulated, self.options.density)
+        if self.by_owner:
+            encoded, part = self._encode_chunks(accumulated, lambda c: sparse_encode(c, density)[0])
+            sent = torch.cat([sparse_decode(e, part, density) for e in encoded])[: len(accumulated)]
+            payload = torch.cat(encoded)
+        else:
+            payload, sent = sparse_encode(accumulated, density)
         self.errors[fragment] = accumulated - sent
         transfers = self.transfers(len(delta), shapes, start)
         assert len(payload) == transfers[0].payload, "the meter must count what is sent"
         self._record(fragment, transfers)
-        density = self.options.density
-        return lambda: (torch.stack([sparse_decode(p, len(delta), density) for p in self._allgather(payload)])
-                        .sum(0).div_(self.members).to(delta.device))
+
+        def decode(p: torch.Tensor, numbers: int) -> torch.Tensor:
+            return sparse_decode(p, numbers, density)
+
+        def owners_top(mean: torch.Tensor) -> torch.Tensor:
+            """The mean part this member owns, sparse again (the groups' supports differ, so the
+            mean holds up to G times the kept numbers), with what it leaves out fed back."""
+            pending = mean + self.owner_errors.get(fragment, torch.zeros_like(mean))
+            out, kept = sparse_encode(pending, density)
+            self.owner_errors[fragment] = pending - kept
+            return out
+
+        def collective() -> torch.Tensor:
+            if self.by_owner:
+                mean = self._reduce_scatter_mean(payload, part, len(delta), owners_top, decode)
+            else:
+                mean = torch.stack([decode(p, len(delta)) for p in self._allgather(payload)]).sum(0).div_(self.members)
+            return mean.to(delta.device)
+        return collective
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "owner_errors": {f: e.clone() for f, e in self.owner_errors.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        # (a checkpoint from before the owner's selection has none: nothing pending)
+        self.owner_errors = {int(f): e.clone() for f, e in state.get("owner_errors", {}).items()}
 
 
 # ---------------------------------------------------------------------------------------------
