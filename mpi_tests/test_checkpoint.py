@@ -35,6 +35,11 @@ METHODS = {
     "diloco-int8": ["--method", "diloco", "--diloco.sync_every", "5", "--diloco.compression", "int8"],
     "diloco-sparse": ["--method", "diloco", "--diloco.sync_every", "5", "--diloco.compression", "sparse",
                       "--diloco.error_decay", "0.9"],
+    # a group per rank: beyond 2 groups (np 4) the owners' error feedback is restored too. Batch
+    # 16, so that no epoch ends (and no evaluation's trial sync, which restores the same state)
+    # at the stop in both runs: a state the checkpoint misses then shows.
+    "diloco-sparse-by-owner": ["--method", "diloco", "--diloco.groups", str(SIZE), "--diloco.sync_every", "5",
+                               "--diloco.compression", "sparse", "--data.batch_size", "16"],
     "diloco-lowrank": ["--method", "diloco", "--diloco.sync_every", "5", "--diloco.compression", "lowrank",
                        "--diloco.rank", "2"],
     # exchanges start at steps 5, 10, ... and land 2 steps later: the stop at 11 has one in flight
