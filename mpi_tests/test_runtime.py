@@ -5,7 +5,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,19 +157,21 @@ def test_a_rank_computes_on_its_share_of_the_node_s_cores():
     assert runtime.compute_threads(local_ranks=1, cores_allowed=8, cores_on_node=8) == 8
 
 
+# Each rank writes its own file: printed lines of several ranks can interleave in mpirun's output.
 THREADS = ("import os, json, torch; from hvd_lowcomm.comm import runtime; runtime.init(0); import horovod.torch as hvd; "
-           "print('THREADS', json.dumps([torch.get_num_threads(), hvd.local_size(), len(os.sched_getaffinity(0))]), "
-           "flush=True)")
+           "open(os.path.join(os.environ['THREADS_DIR'], str(hvd.rank())), 'w').write("
+           "json.dumps([torch.get_num_threads(), hvd.local_size(), len(os.sched_getaffinity(0))]))")
 
 
 def compute_threads_of(ranks: int, **env: str) -> list[list[int]]:
     """[threads, local ranks, cores allowed] of every rank of a job of `ranks` on this machine,
     unbound (as mpirun leaves ranks that outnumber cores), without OMP_NUM_THREADS unless given."""
-    environ = {**{k: v for k, v in clean_env().items() if k != "OMP_NUM_THREADS"}, **env}
-    proc = subprocess.run(mpirun(ranks, "--bind-to", "none", sys.executable, "-c", THREADS), capture_output=True,
-                          text=True, env=environ, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    reports = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("THREADS")]
+    with tempfile.TemporaryDirectory() as out:
+        environ = {**{k: v for k, v in clean_env().items() if k != "OMP_NUM_THREADS"}, "THREADS_DIR": out, **env}
+        proc = subprocess.run(mpirun(ranks, "--bind-to", "none", "-x", "THREADS_DIR", sys.executable, "-c", THREADS),
+                              capture_output=True, text=True, env=environ, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        reports = [json.loads(f.read_text()) for f in sorted(Path(out).iterdir())]
     assert len(reports) == ranks, proc.stdout
     return reports
 
