@@ -312,9 +312,9 @@ class Sparse(Exchange):
         density = self.options.density
         accumulated = self._feedback(fragment, delta, self.options.error_decay)
         if self.by_owner:
-            encoded, part = self._encode_chunks(accumulated, lambda c: sparse_encode(c, density)[0])
-            sent = torch.cat([sparse_decode(e, part, density) for e in encoded])[: len(accumulated)]
-            payload = torch.cat(encoded)
+            pairs, part = self._encode_chunks(accumulated, lambda c: sparse_encode(c, density))
+            payload = torch.cat([bytes_ for bytes_, _ in pairs])
+            sent = torch.cat([kept for _, kept in pairs])[: len(accumulated)]
         else:
             payload, sent = sparse_encode(accumulated, density)
         self.errors[fragment] = accumulated - sent
