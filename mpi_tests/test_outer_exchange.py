@@ -6,8 +6,8 @@ import torch
 
 from conftest import RANK, SIZE, needs_ranks
 from hvd_lowcomm.methods.diloco import DiLoCoOptions
-from hvd_lowcomm.methods.outer_exchange import (BLOCK, make_exchange, slice_pieces, sparse_bytes, sparse_decode,
-                                                sparse_encode)
+from hvd_lowcomm.methods.outer_exchange import (BLOCK, make_exchange, pack12, slice_pieces, sparse_bytes,
+                                                sparse_decode, sparse_encode, unpack12)
 
 SHAPES = [(48, 40), (48,), (30, 24)]  # a fragment: two matrices and a bias
 NUMBERS = 48 * 40 + 48 + 30 * 24
@@ -76,6 +76,18 @@ def test_sparse_sends_the_top_of_each_chunk_at_two_bits():
     # torch's median of 82 is the lower middle one: the larger half holds 42
     assert magnitudes.max() == pytest.approx(float(top[:42].mean()), rel=1e-5)
     assert magnitudes.min() == pytest.approx(float(top[42:].mean()), rel=1e-5)
+
+
+def test_sparse_positions_take_twelve_bits_each():
+    """A chunk's offsets (0..4095) travel as 3 bytes per pair, an odd count padded; with the 2-bit
+    codes and two fp32 magnitudes a kept value costs 1.75 bytes, not 16-bit offsets' 2.25."""
+    offsets = torch.tensor([[0, 4095, 2048], [4095, 1, 0]])
+    packed = pack12(offsets)
+    assert packed.shape == (2, 6) and torch.equal(unpack12(packed, 3), offsets)
+    many = torch.randint(0, 4096, (20, 328), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(unpack12(pack12(many), 328), many)
+    assert sparse_bytes(4096, 0.08) == 3 * 164 + 82 + 8  # 328 kept of one chunk
+    assert sparse_bytes(3 * 4096, 0.02) == 3 * (3 * 41 + 21 + 8)
 
 
 def member_parts(values: torch.Tensor, members: int) -> list[torch.Tensor]:

@@ -17,7 +17,8 @@ class per `diloco.compression`:
 - sparse (`Sparse`, SparseLoCo, arXiv 2508.15706): an error-feedback accumulator e <- βe + Δ;
             each chunk of at most CHUNK numbers sends its top `density` share of e by magnitude,
             values at 2 bits (sign, and which of two magnitudes: the means of the larger and
-            smaller half), positions as 16-bit offsets; what was sent leaves e. At 2 groups the
+            smaller half), positions as 12-bit offsets in the chunk (two in three bytes, as
+            SparseLoCo packs them); what was sent leaves e. At 2 groups the
             contributions are allgathered and averaged, as SparseLoCo does. Beyond, an allgather
             would send G-1 times a slice's sparse bytes, so it is reduced like the quantised
             forms and stays flat in G (Ok-Topk, Li and Hoefler 2022, does the same): member j
@@ -43,7 +44,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 import torch
@@ -55,7 +56,7 @@ from hvd_lowcomm.methods.powersgd import orthogonalise
 
 COMPRESSIONS = ("none", "fp16", "int8", "sparse", "lowrank")
 BLOCK = 256    # numbers per int8 scale: one fp32 scale costs 1/64 of the block's bytes
-CHUNK = 4096   # numbers per sparse chunk: offsets fit 16 bits, and every chunk sends its own top-k
+CHUNK = 4096   # numbers per sparse chunk: offsets fit 12 bits, and every chunk sends its own top-k
 MIN_COMPRESSION = 2.0  # a block is compressed only if (rows + cols)·rank·this < rows·cols (PowerSGD's)
 
 
@@ -76,6 +77,7 @@ class Transfer:
 Collective = Callable[[], torch.Tensor]
 Encode = Callable[[torch.Tensor], torch.Tensor]        # a chunk of numbers -> bytes
 Decode = Callable[[torch.Tensor, int], torch.Tensor]   # bytes, how many numbers -> the numbers
+Encoded = TypeVar("Encoded")  # what an encoder makes of a chunk: its bytes, or (bytes, what they decode to)
 
 
 class Exchange:
@@ -132,7 +134,8 @@ class Exchange:
         self.column.comm.Alltoall(payload.numpy(), out)
         return list(torch.from_numpy(out).chunk(self.members))
 
-    def _encode_chunks(self, values: torch.Tensor, encode: Encode) -> tuple[list[torch.Tensor], int]:
+    def _encode_chunks(self, values: torch.Tensor, encode: Callable[[torch.Tensor], Encoded]
+                       ) -> tuple[list[Encoded], int]:
         """`values` cut into one chunk per column member (the last padded with zeros), each
         encoded, and the chunk length."""
         chunk = -(-len(values) // self.members)
@@ -243,9 +246,27 @@ def sparse_layout(numbers: int, density: float) -> tuple[int, int, int]:
 
 
 def sparse_bytes(numbers: int, density: float) -> int:
-    """Per chunk: k 16-bit offsets, k 2-bit codes, two fp32 magnitudes."""
+    """Per chunk: k 12-bit offsets (3 bytes a pair), k 2-bit codes, two fp32 magnitudes."""
     chunks, _, k = sparse_layout(numbers, density)
-    return chunks * (2 * k + -(-k // 4) + 2 * FLOAT_BYTES)
+    return chunks * (3 * -(-k // 2) + -(-k // 4) + 2 * FLOAT_BYTES)
+
+
+def pack12(offsets: torch.Tensor) -> torch.Tensor:
+    """Rows of k offsets below 4096 as 3 bytes per pair (k padded to even): bytes a0, a1 | b0,
+    b1 b2 for the pair (a, b), where a0 is a's low 8 bits."""
+    rows, k = offsets.shape
+    pairs = torch.cat([offsets, offsets.new_zeros(rows, k % 2)], dim=1).view(rows, -1, 2).long()
+    a, b = pairs[..., 0], pairs[..., 1]
+    packed = torch.stack([a & 0xFF, (a >> 8) | ((b & 0xF) << 4), b >> 4], dim=-1)
+    return packed.to(torch.uint8).view(rows, -1)
+
+
+def unpack12(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """The inverse of pack12: rows of 3-byte pairs back to k offsets (int64)."""
+    triples = packed.view(packed.shape[0], -1, 3).long()
+    a = triples[..., 0] | ((triples[..., 1] & 0xF) << 8)
+    b = (triples[..., 1] >> 4) | (triples[..., 2] << 4)
+    return torch.stack([a, b], dim=-1).view(packed.shape[0], -1)[:, :k]
 
 
 def sparse_encode(values: torch.Tensor, density: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -261,18 +282,18 @@ def sparse_encode(values: torch.Tensor, density: float) -> tuple[torch.Tensor, t
     packed = torch.zeros(chunks, -(-k // 4) * 4, dtype=torch.uint8)
     packed[:, :k] = codes
     packed = (packed.view(chunks, -1, 4) << torch.tensor([0, 2, 4, 6], dtype=torch.uint8)).sum(2, dtype=torch.uint8)
-    payload = torch.cat([offsets.to(torch.int16).reshape(-1).view(torch.uint8), packed.reshape(-1),
+    payload = torch.cat([pack12(offsets).reshape(-1), packed.reshape(-1),
                          levels.reshape(-1).contiguous().view(torch.uint8)])
     return payload, sparse_decode(payload, len(values), density)
 
 
 def sparse_decode(payload: torch.Tensor, numbers: int, density: float) -> torch.Tensor:
     chunks, chunk, k = sparse_layout(numbers, density)
-    width = -(-k // 4)
-    offsets = _view(payload[: 2 * chunks * k], torch.int16).view(chunks, k).long()
-    packed = payload[2 * chunks * k: 2 * chunks * k + chunks * width].view(chunks, width, 1)
+    positions, width = chunks * 3 * -(-k // 2), -(-k // 4)
+    offsets = unpack12(payload[:positions].view(chunks, -1), k)
+    packed = payload[positions: positions + chunks * width].view(chunks, width, 1)
     codes = ((packed >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)) & 3).view(chunks, -1)[:, :k]
-    levels = _view(payload[2 * chunks * k + chunks * width:], torch.float32).view(chunks, 2)
+    levels = _view(payload[positions + chunks * width:], torch.float32).view(chunks, 2)
     kept = levels.gather(1, (codes & 1).long()) * (1 - 2 * (codes >> 1).float())
     out = torch.zeros(chunks, chunk).scatter_(1, offsets, kept)
     return out.view(-1)[:numbers]
