@@ -73,8 +73,9 @@ class DiLoCoOptions(GroupedOptions):
                                       "lowrank (PowerSGD factors of each matrix, error feedback)",
                               choices=COMPRESSIONS)
     # 0.08, not SparseLoCo's 0.01-0.03: at 50-60 outer steps on small models 0.02 lost 1.8-2.5 points
-    # and 3.3 % of a GPT's loss against fp32 DiLoCo, 0.08 0.7-1.3 points and 0.8 % at 1/26-1/28 of
-    # its bytes (benchmarks/results/diloco-forms-*); the papers' 1-3 % had far more outer steps.
+    # and 3.3 % of a GPT's loss against fp32 DiLoCo, 0.08 0.6-1.2 points and 0.8 % at 1/26-1/28 of its
+    # bytes, 0.10 no better (benchmarks/results/diloco-forms-*, diloco-sparse12-mnist5k); the papers'
+    # 1-3 % had far more outer steps.
     density: float = option(0.08, "sparse: the share of each chunk's numbers sent (SparseLoCo used 0.01-0.03 on "
                                   "large models with many outer steps)")
     error_decay: float = option(1.0, "sparse: the error-feedback accumulator's decay, e <- decay*e + Δ")
