@@ -252,8 +252,8 @@ def sparse_bytes(numbers: int, density: float) -> int:
 
 
 def pack12(offsets: torch.Tensor) -> torch.Tensor:
-    """Rows of k offsets below 4096 as 3 bytes per pair (k padded to even): bytes a0, a1 | b0,
-    b1 b2 for the pair (a, b), where a0 is a's low 8 bits."""
+    """Rows of k offsets below 4096 as 3 bytes per pair (k padded to even). For the pair (a, b):
+    a's low 8 bits; a's high 4 bits with b's low 4 bits above them; b's high 8 bits."""
     rows, k = offsets.shape
     pairs = torch.cat([offsets, offsets.new_zeros(rows, k % 2)], dim=1).view(rows, -1, 2).long()
     a, b = pairs[..., 0], pairs[..., 1]
