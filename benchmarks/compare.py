@@ -447,7 +447,8 @@ def write_tables(rows: list[dict[str, Any]], out: Path, title: str, failed: list
             "reached ddp's final " + (f"validation loss +{margins[0]:.0%}" if language_model else
                                       f"accuracy −{margins[1]:g} point") +
             " (target), at the evaluations the run made; its quality when the quickest run of its rank count had "
-            "finished (equal time, interpolated between evaluations), beside ddp's then; and its quality at the end.",
+            "finished (equal time, interpolated between evaluations), beside ddp's then; and its quality at the end "
+            "(–: the target was not reached, or no evaluation had been made by then).",
             ["np", "method", "target", "time to target", "× ddp's time", "equal time", "quality then",
              "ddp then", "at the end", "training time"],
             [[row["np"], row["method"], unit(row["target"]), f"{row['seconds_to_target']:.1f} s",
@@ -490,12 +491,23 @@ def _times(value: float | None) -> str:
     return "–" if value is None else f"{value:.2f}x"
 
 
+# A formatted NaN ("nan %", "+nan", "nan s"): a figure that does not exist (a target never reached,
+# no ddp run to compare with, no evaluation yet at that time), shown as a dash.
+_MISSING = re.compile(r"[+-]?nan\b.*")
+
+
+def _cell(value: Any) -> str:
+    text = str(value)
+    return "–" if _MISSING.fullmatch(text) else text
+
+
 def _table(caption: str, header: list[str], rows: list[list[Any]]) -> list[str]:
-    """A captioned markdown table, or nothing when there are no rows."""
+    """A captioned markdown table (figures that do not exist as "–"), or nothing when there are
+    no rows."""
     if not rows:
         return []
     return ["", caption, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-            *("| " + " | ".join(map(str, row)) + " |" for row in rows)]
+            *("| " + " | ".join(map(_cell, row)) + " |" for row in rows)]
 
 
 def _finish(fig: Any, ax: Any, path: Path, legend: str = "small") -> None:

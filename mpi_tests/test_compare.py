@@ -220,3 +220,11 @@ def test_time_to_quality_and_quality_at_equal_time():
     assert got["quality_at_equal_time"] == pytest.approx(96.0)
     assert got["ddp_quality_at_equal_time"] == pytest.approx(82.0)  # interpolated between 10 s and 20 s
     assert math.isnan(time_to_quality(slow, ddp, [ddp, slow], (0.02, 1.0))["seconds_to_target"])
+
+
+def test_figures_that_do_not_exist_are_tabled_as_a_dash_not_nan():
+    from benchmarks.compare import _table
+
+    lines = _table("c", ["method", "then", "ddp then", "Δ", "reached"],
+                   [["ab", "95.10 %", f"{float('nan'):.2f} %", f"{float('nan'):+.2f}", f"{float('nan'):.1f} s"]])
+    assert lines[-1] == "| ab | 95.10 % | – | – | – |"
