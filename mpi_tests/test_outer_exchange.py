@@ -97,13 +97,15 @@ def member_parts(values: torch.Tensor, members: int) -> list[torch.Tensor]:
 
 
 @needs_ranks(2)
-def test_sparse_exchange_averages_the_groups_tops_and_loses_nothing(world, fresh_meter):
+@pytest.mark.parametrize("owner_density", [0.0, 0.05])
+def test_sparse_exchange_averages_the_groups_tops_and_loses_nothing(world, fresh_meter, owner_density):
     """Each group sends the top of its accumulator: at 2 groups to every other (allgather); beyond,
-    part j to member j, which sends back the top of the mean of what it received. What either
-    selection leaves out is sent later, so (error decay 1) everything delivered plus what is
-    still pending equals the mean of every pseudo-gradient so far."""
+    part j to member j, which sends back the top (owner_density; 0: density) of the mean of what
+    it received. What either selection leaves out is sent later, so (error decay 1) everything
+    delivered plus what is still pending equals the mean of every pseudo-gradient so far."""
     density, by_owner = 0.02, SIZE > 2
-    exchange = make_exchange(world, DiLoCoOptions(compression="sparse", density=density))
+    owner = owner_density or density
+    exchange = make_exchange(world, DiLoCoOptions(compression="sparse", density=density, owner_density=owner_density))
     deltas = [pseudo_gradient(RANK, seed) for seed in range(3)]
     parts = member_parts(deltas[0], SIZE) if by_owner else [deltas[0]]
     mine = torch.cat([sparse_encode(part, density)[1] for part in parts])[:NUMBERS]  # each part's top at 2 bits
@@ -116,10 +118,10 @@ def test_sparse_exchange_averages_the_groups_tops_and_loses_nothing(world, fresh
             received = everyones(world, mine).mean(0)
             if by_owner:  # the owner's top of the mean of every group's part it owns
                 own = member_parts(received, SIZE)[RANK]
-                _, kept = sparse_encode(own, density)
+                _, kept = sparse_encode(own, owner)
                 torch.testing.assert_close(member_parts(mean, SIZE)[RANK], kept)
                 torch.testing.assert_close(exchange.owner_errors[0], own - kept)
-                assert int(kept.ne(0).sum()) == max(1, round(density * len(own)))  # as sparse as a group's
+                assert int(kept.ne(0).sum()) == max(1, round(owner * len(own)))
             else:
                 torch.testing.assert_close(mean, received)
         delivered += mean
@@ -129,9 +131,10 @@ def test_sparse_exchange_averages_the_groups_tops_and_loses_nothing(world, fresh
     torch.testing.assert_close(delivered + pending, everyones(world, torch.stack(deltas).sum(0)).mean(0),
                                atol=1e-5, rtol=1e-5)
     if by_owner:  # every member's sparse parts by alltoall, its own mean part by allgather
-        part_bytes = sparse_bytes(-(-NUMBERS // SIZE), density)
-        assert fresh_meter.total(group="world", op="alltoall", field="payload_bytes") == 3 * SIZE * part_bytes
-        assert fresh_meter.total(group="world", op="allgather", field="payload_bytes") == 3 * part_bytes
+        part = -(-NUMBERS // SIZE)
+        assert fresh_meter.total(group="world", op="alltoall", field="payload_bytes") == \
+            3 * SIZE * sparse_bytes(part, density)
+        assert fresh_meter.total(group="world", op="allgather", field="payload_bytes") == 3 * sparse_bytes(part, owner)
     else:
         assert fresh_meter.total(group="world", op="allgather", field="payload_bytes") == 3 * sparse_bytes(NUMBERS, density)
 

@@ -78,6 +78,9 @@ class DiLoCoOptions(GroupedOptions):
     # 1-3 % had far more outer steps.
     density: float = option(0.08, "sparse: the share of each chunk's numbers sent (SparseLoCo used 0.01-0.03 on "
                                   "large models with many outer steps)")
+    owner_density: float = option(0.0, "sparse beyond 2 groups: the share of each chunk of the groups' mean that its "
+                                        "owner sends back (the mean of G sparse parts is up to G times denser); "
+                                        "0: density")
     error_decay: float = option(1.0, "sparse: the error-feedback accumulator's decay, e <- decay*e + Δ")
     rank: int = option(4, "lowrank: columns of P and Q per matrix")
     fragments: int = option(1, "streaming: sync the model in this many parts at staggered steps (peak traffic "
@@ -96,6 +99,8 @@ class DiLoCoOptions(GroupedOptions):
             raise ConfigError(f"diloco.fragments must be >= 1, got {self.fragments}")
         if not 0 < self.density <= 1:
             raise ConfigError(f"diloco.density must be in (0, 1], got {self.density}")
+        if not 0 <= self.owner_density <= 1:
+            raise ConfigError(f"diloco.owner_density must be in [0, 1] (0: density), got {self.owner_density}")
         if not 0 <= self.error_decay <= 1:
             raise ConfigError(f"diloco.error_decay must be in [0, 1], got {self.error_decay}")
         if self.rank < 1:

@@ -143,12 +143,13 @@ class Exchange:
         return [encode(c) for c in padded.view(self.members, chunk)], chunk
 
     def _reduce_scatter_mean(self, payload: torch.Tensor, chunk: int, numbers: int, encode: Encode,
-                             decode: Decode) -> torch.Tensor:
+                             decode: Decode, decode_mean: Decode | None = None) -> torch.Tensor:
         """The column's mean of the vectors whose encoded chunks (`_encode_chunks`, joined) are
         `payload`: member j receives every member's chunk j (alltoall), sums them in fp32 and
-        returns its mean chunk encoded (allgather)."""
+        returns its mean chunk encoded (allgather; `decode_mean` reads those, when `encode`
+        differs from the first encoding)."""
         mean = torch.stack([decode(p, chunk) for p in self._alltoall(payload)]).sum(0) / self.members
-        return torch.cat([decode(p, chunk) for p in self._allgather(encode(mean))])[:numbers]
+        return torch.cat([(decode_mean or decode)(p, chunk) for p in self._allgather(encode(mean))])[:numbers]
 
     def state_dict(self) -> dict[str, Any]:
         return {"errors": {f: e.clone() for f, e in self.errors.items()}}
@@ -321,13 +322,15 @@ class Sparse(Exchange):
         # its second selection only loses; beyond, it sends 2(G-1)/G of them where an allgather
         # sends G-1.
         self.by_owner = self.members > 2
+        self.owner_density = options.owner_density or options.density
         self.owner_errors: dict[int, torch.Tensor] = {}  # per fragment: what this owner's mean part left out
 
     def transfers(self, numbers: int, shapes: list[tuple[int, ...]], start: int) -> list[Transfer]:
         if not self.by_owner:
             return [Transfer("allgather", sparse_bytes(numbers, self.options.density))]
-        each = sparse_bytes(-(-numbers // self.members), self.options.density)
-        return [Transfer("alltoall", self.members * each), Transfer("allgather", each)]
+        part = -(-numbers // self.members)
+        return [Transfer("alltoall", self.members * sparse_bytes(part, self.options.density)),
+                Transfer("allgather", sparse_bytes(part, self.owner_density))]
 
     def start(self, fragment: int, delta: torch.Tensor, shapes: list[tuple[int, ...]], start: int) -> Collective:
         density = self.options.density
@@ -347,16 +350,18 @@ class Sparse(Exchange):
             return sparse_decode(p, numbers, density)
 
         def owners_top(mean: torch.Tensor) -> torch.Tensor:
-            """The mean part this member owns, sparse again (the groups' supports differ, so the
-            mean holds up to G times the kept numbers), with what it leaves out fed back."""
+            """The mean part this member owns, sparse again at owner_density (the groups' supports
+            differ, so the mean holds up to G times the kept numbers), with what it leaves out
+            fed back."""
             pending = mean + self.owner_errors.get(fragment, torch.zeros_like(mean))
-            out, kept = sparse_encode(pending, density)
+            out, kept = sparse_encode(pending, self.owner_density)
             self.owner_errors[fragment] = pending - kept
             return out
 
         def collective() -> torch.Tensor:
             if self.by_owner:
-                mean = self._reduce_scatter_mean(payload, part, len(delta), owners_top, decode)
+                mean = self._reduce_scatter_mean(payload, part, len(delta), owners_top, decode,
+                                                 lambda p, numbers: sparse_decode(p, numbers, self.owner_density))
             else:
                 mean = torch.stack([decode(p, len(delta)) for p in self._allgather(payload)]).sum(0).div_(self.members)
             return mean.to(delta.device)
