@@ -104,7 +104,7 @@ def test_sparse_exchange_averages_the_groups_tops_and_loses_nothing(world, fresh
     it received. What either selection leaves out is sent later, so (error decay 1) everything
     delivered plus what is still pending equals the mean of every pseudo-gradient so far."""
     density, by_owner = 0.02, SIZE > 2
-    owner = owner_density or density
+    owner = owner_density or 1.5 * density
     exchange = make_exchange(world, DiLoCoOptions(compression="sparse", density=density, owner_density=owner_density))
     deltas = [pseudo_gradient(RANK, seed) for seed in range(3)]
     parts = member_parts(deltas[0], SIZE) if by_owner else [deltas[0]]
@@ -154,16 +154,18 @@ def test_sparse_accumulator_decays_by_error_decay(world, fresh_meter):
 
 def test_sparse_bytes_per_rank_stay_flat_in_the_number_of_groups():
     """Allgathered at 2 groups (one slice's sparse bytes, what a reduce-scatter would send);
-    reduced by owner beyond: about 2 (G-1)/G of them at any G, where an allgather of every
-    group's contribution sends (G-1) times them."""
+    reduced by owner beyond: (G-1)/G of them at density plus (G-1)/G of them at the owner's
+    density (1.5 x density by default) at any G, where an allgather of every group's
+    contribution sends (G-1) times them."""
     numbers, options = 1 << 22, DiLoCoOptions(compression="sparse")
-    one = sparse_bytes(numbers, options.density)
+    one, owners = sparse_bytes(numbers, options.density), sparse_bytes(numbers, 1.5 * options.density)
     for groups in (2, 3, 4, 8, 16):
         transfers = make_exchange(None, options, members=groups).transfers(numbers, [], 0)
         assert [t.op for t in transfers] == (["allgather"] if groups == 2 else ["alltoall", "allgather"])
         sent = sum(t.wire(groups) for t in transfers)
-        assert sent == pytest.approx(2 * (groups - 1) / groups * one, rel=1e-2)
-        assert sent < 2 * one
+        expected = one if groups == 2 else (groups - 1) / groups * (one + owners)
+        assert sent == pytest.approx(expected, rel=1e-2)
+        assert sent < one + owners
 
 
 def test_a_slice_cuts_matrices_into_whole_row_blocks():

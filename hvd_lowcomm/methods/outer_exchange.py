@@ -23,9 +23,9 @@ class per `diloco.compression`:
             would send G-1 times a slice's sparse bytes, so it is reduced like the quantised
             forms and stays flat in G (Ok-Topk, Li and Hoefler 2022, does the same): member j
             receives every member's sparse part j, sums them in fp32, and sends back the top
-            `density` of that mean at 2 bits; its own error feedback keeps what this second
-            selection leaves out (the groups' supports differ, so the mean is up to G times
-            denser) for the next exchange.
+            `owner_density` (1.5 x density unless set) of that mean at 2 bits; its own error
+            feedback keeps what this second selection leaves out (the groups' supports differ,
+            so the mean is up to G times denser) for the next exchange.
 - lowrank (`LowRank`): PowerSGD on each matrix's pseudo-gradient (the seed's premise: an
             update is low-rank): P = M Q, mean, orthogonalise, Q = Mᵀ P, mean; error feedback and
             warm start of Q across syncs. A slice cuts matrices along rows, so each whole-row
@@ -57,6 +57,9 @@ from hvd_lowcomm.methods.powersgd import orthogonalise
 COMPRESSIONS = ("none", "fp16", "int8", "sparse", "lowrank")
 BLOCK = 256    # numbers per int8 scale: one fp32 scale costs 1/64 of the block's bytes
 CHUNK = 4096   # numbers per sparse chunk: offsets fit 12 bits, and every chunk sends its own top-k
+# Sparse beyond 2 groups, by default: the share of the groups' mean an owner sends back, as a multiple
+# of a group's density (diloco.owner_density)
+OWNER_DENSITY_SHARE = 1.5
 MIN_COMPRESSION = 2.0  # a block is compressed only if (rows + cols)·rank·this < rows·cols (PowerSGD's)
 
 
@@ -322,7 +325,7 @@ class Sparse(Exchange):
         # its second selection only loses; beyond, it sends 2(G-1)/G of them where an allgather
         # sends G-1.
         self.by_owner = self.members > 2
-        self.owner_density = options.owner_density or options.density
+        self.owner_density = options.owner_density or min(1.0, OWNER_DENSITY_SHARE * options.density)
         self.owner_errors: dict[int, torch.Tensor] = {}  # per fragment: what this owner's mean part left out
 
     def transfers(self, numbers: int, shapes: list[tuple[int, ...]], start: int) -> list[Transfer]:
