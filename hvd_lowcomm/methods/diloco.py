@@ -80,8 +80,9 @@ class DiLoCoOptions(GroupedOptions):
                                   "large models with many outer steps)")
     # 1.5 x density: the mean of G groups' sparse parts holds up to G times their numbers, and re-selecting
     # only `density` of it lost more the more groups there were (GPT, against fp32 DiLoCo: +0.8 %, +1.5 %,
-    # +2.3 % at 2, 4, 8 groups); 1.5x brought 4 groups to +1.0 % (MNIST-5k: -1.2 -> -0.9 points) for 1.25x
-    # the bytes, 8 groups to +2.0 % (benchmarks/results/diloco-sparse-owner-*, diloco-forms-gpt-shakespeare-np8).
+    # +2.3 % at 2, 4, 8 groups); 1.5x brought 4 groups to +1.0 % for 1.25x the bytes, 8 groups to +2.0 %
+    # (MNIST-5k at 4 groups: a mean of -0.90 points over 3 seeds against -0.97, within noise;
+    # benchmarks/results/diloco-sparse-owner-*, diloco-forms-gpt-shakespeare-np8).
     owner_density: float = option(0.0, "sparse beyond 2 groups: the share of each chunk of the groups' mean that its "
                                         "owner sends back (the mean of G sparse parts is up to G times denser "
                                         "than one); 0: 1.5 x density")
