@@ -100,8 +100,8 @@ def member_parts(values: torch.Tensor, members: int) -> list[torch.Tensor]:
 @pytest.mark.parametrize("owner_density", [0.0, 0.05])
 def test_sparse_exchange_averages_the_groups_tops_and_loses_nothing(world, fresh_meter, owner_density):
     """Each group sends the top of its accumulator: at 2 groups to every other (allgather); beyond,
-    part j to member j, which sends back the top (owner_density; 0: density) of the mean of what
-    it received. What either selection leaves out is sent later, so (error decay 1) everything
+    part j to member j, which sends back the top (owner_density; 0: 1.5 x density) of the mean
+    of what it received. What either selection leaves out is sent later, so (error decay 1) everything
     delivered plus what is still pending equals the mean of every pseudo-gradient so far."""
     density, by_owner = 0.02, SIZE > 2
     owner = owner_density or 1.5 * density

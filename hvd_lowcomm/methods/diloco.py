@@ -105,7 +105,7 @@ class DiLoCoOptions(GroupedOptions):
         if not 0 < self.density <= 1:
             raise ConfigError(f"diloco.density must be in (0, 1], got {self.density}")
         if not 0 <= self.owner_density <= 1:
-            raise ConfigError(f"diloco.owner_density must be in [0, 1] (0: density), got {self.owner_density}")
+            raise ConfigError(f"diloco.owner_density must be in [0, 1] (0: 1.5 x density), got {self.owner_density}")
         if not 0 <= self.error_decay <= 1:
             raise ConfigError(f"diloco.error_decay must be in [0, 1], got {self.error_decay}")
         if self.rank < 1:

@@ -322,8 +322,8 @@ class Sparse(Exchange):
     def __init__(self, column: Group | None, options: Any, members: int | None = None) -> None:
         super().__init__(column, options, members)
         # At 2 groups a reduce-scatter sends what an allgather does, (G-1) slices' sparse bytes, and
-        # its second selection only loses; beyond, it sends 2(G-1)/G of them where an allgather
-        # sends G-1.
+        # its second selection only loses; beyond, it sends (G-1)/G of them at density and (G-1)/G
+        # at owner_density (under 2.5 slices' at the default 1.5x) where an allgather sends G-1.
         self.by_owner = self.members > 2
         self.owner_density = options.owner_density or min(1.0, OWNER_DENSITY_SHARE * options.density)
         self.owner_errors: dict[int, torch.Tensor] = {}  # per fragment: what this owner's mean part left out
