@@ -60,7 +60,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks.coordination import idle_bytes_per_second
+from benchmarks.coordination import DONE, IDLE, IDLE_MARKS, idle_bytes_per_second, idle_rate_between
 from benchmarks.netns import (MPIRUN, EmulatedCluster, LinkUnavailable, ShapedLink, check_available, rate_bits,
                               run_reading_counters)
 from data_prep import BUNDLED
@@ -145,13 +145,14 @@ def run_one(variant: Variant, np_: int, args: argparse.Namespace, runs_dir: Path
     else:
         shutil.rmtree(runs_dir / name, ignore_errors=True)
         with network(args) as net:
-            sent = launch(np_, [*train_args, "--run.name", name], runs_dir / f"{name}.log", net)
+            sent, idle = launch(np_, [*train_args, "--run.name", name], runs_dir / f"{name}.log", net)
             measured = {"link": args.link, "link_bits_per_s": net.rate_bits, "nodes": args.nodes,
-                        "measured_train_bytes": sum(sent), "measured_bytes_per_node": sent}
+                        "measured_train_bytes": sum(sent), "measured_bytes_per_node": sent,
+                        "idle_bytes_per_second": idle}
         measured_file.write_text(json.dumps(measured))
     summary = json.loads((runs_dir / name / "summary.json").read_text())
     if measured is not None and "idle_bytes_per_second" not in measured and args.link is not None \
-            and "process_sets" in summary:  # runs made before summaries listed them are judged without
+            and "process_sets" in summary:  # a run kept from before runs measured it themselves (--reuse)
         measured["idle_bytes_per_second"] = idle_rate(args, np_, summary["process_sets"])
         measured_file.write_text(json.dumps(measured))
     with open(runs_dir / name / "epochs.csv") as fh:
@@ -218,18 +219,23 @@ def network(args: argparse.Namespace) -> ShapedLink | EmulatedCluster:
 
 
 def launch(np_: int, train_args: list[str], log: Path, net: ShapedLink | EmulatedCluster | None = None,
-           module: str = "hvd_lowcomm.train") -> list[int] | None:
+           module: str = "hvd_lowcomm.train") -> tuple[list[int], float] | None:
     """Run one job, its output into `log`. On an emulated network, returns the bytes each node
     (or the loopback) sent while the job trained: from the trainer's first line (printed once
     setup's broadcasts are done) to its last epoch line (after the last evaluation), so launch
-    and start-up traffic, which varies between launches, stays out of the count."""
-    command = [*(net.mpirun(np_) if net else [*MPIRUN, "-np", str(np_)]), sys.executable, "-m", module, *train_args]
+    and start-up traffic, which varies between launches, stays out of the count; and the rate of
+    Horovod's coordination with every rank idle after training, the run's process sets still
+    registered (benchmarks.coordination), which bounds what the counters may see beyond the meter."""
+    # On a shaped link the trainer runs inside the idle probe (run_one refuses bare Horovod there).
+    program = [module] if net is None else ["benchmarks.coordination", "--after-training", "--"]
+    command = [*(net.mpirun(np_) if net else [*MPIRUN, "-np", str(np_)]), sys.executable, "-m", *program, *train_args]
     # Every rank runs on this one machine, emulated nodes too (where each rank would otherwise take
     # a share of its emulated node's cores, as on a real one): its cores shared among all np ranks.
     cores = os.cpu_count() or 1
     env = {"OMP_NUM_THREADS": str(runtime.compute_threads(np_, cores, cores)), **os.environ}
     code, lines, readings = run_reading_counters(command, net, {
-        "began": lambda line: line.startswith(TRAINING_STARTS), "ended": lambda line: bool(EPOCH_ENDS.match(line))}, env)
+        "began": lambda line: line.startswith(TRAINING_STARTS), "ended": lambda line: bool(EPOCH_ENDS.match(line)),
+        **IDLE_MARKS}, env)
     log.write_text("".join(lines))
     if code != 0:
         tail = "".join(lines[-15:]).strip()
@@ -239,8 +245,10 @@ def launch(np_: int, train_args: list[str], log: Path, net: ShapedLink | Emulate
     if "began" not in readings or readings.get("ended", (0.0,))[0] < readings["began"][0]:
         raise RunFailed(f"compare: {log} has no {TRAINING_STARTS.strip()!r} line followed by an epoch line to "
                         "count the link's bytes between")
+    if not {IDLE, DONE} <= readings.keys():
+        raise RunFailed(f"compare: {log} has no {IDLE} and {DONE} lines around the idle probe after training")
     (_, began), (_, ended) = readings["began"], readings["ended"]
-    return [after - before for before, after in zip(began, ended)]
+    return [after - before for before, after in zip(began, ended)], idle_rate_between(readings)
 
 
 class RunFailed(Exception):

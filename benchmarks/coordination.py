@@ -13,15 +13,19 @@ per 1.06 s step), and a launch's start-up varies by tens of MB between launches 
 reason (PowerSGD: 63 MB in one launch, 103 MB in the next), which is why compare counts from
 the trainer's first line instead of subtracting a zero-step run.
 
-So `benchmarks.compare` measures the background's ceiling for each run's layout with this probe
-(`idle_bytes_per_second`: the run's process sets, every rank asleep, the counters read at the
-start and end of the sleep) and lets the counters differ from the meter by that rate over the
-time a run's rank 0 did not compute (blocked in communication, or evaluating).
+So `benchmarks.compare` measures the background's ceiling for each run's layout and lets the
+counters differ from the meter by that rate over the time a run's rank 0 did not compute
+(blocked in communication, or evaluating). It measures it inside the run's own launch: the
+trainer runs, then every rank sleeps with the run's process sets still registered, and the
+counters are read when the sleep starts (IDLE) and ends (DONE):
+
+    mpirun ... python -m benchmarks.coordination --after-training -- --method ab --train.epochs 2 ...
+
+A launch of its own would cost as much again as the run's start-up, which on 64 ranks sharing
+2 cores is minutes (`make test-cluster` saves one per process-set layout). For a finished run
+with no such reading (`compare --reuse`), the probe runs alone with the layout's sets:
 
     mpirun ... python -m benchmarks.coordination --sets '[[0, 1], [2, 3]]' --seconds 10
-
-is the probe itself: it prints IDLE when every rank has initialised and starts to sleep, DONE
-when rank 0 wakes.
 """
 from __future__ import annotations
 
@@ -34,46 +38,74 @@ from typing import Any
 from benchmarks.netns import run_reading_counters
 
 IDLE, DONE = "IDLE", "DONE"
+IDLE_MARKS = {mark: (lambda line, m=mark: line.strip() == m) for mark in (IDLE, DONE)}
 PROBE_SECONDS = 5.0
 
 
 def idle_bytes_per_second(net: Any, np_: int, process_sets: list[list[int]], seconds: float = PROBE_SECONDS) -> float:
     """Bytes per second that Horovod's coordination sends over `net`'s counted links (all
-    together) while np_ ranks with `process_sets` sit idle: the probe below, on a network
-    made like the runs' (benchmarks.netns)."""
+    together) while np_ ranks with `process_sets` sit idle: the probe below in a launch of its
+    own, on a network made like the runs' (benchmarks.netns)."""
     command = [*net.mpirun(np_), sys.executable, "-m", "benchmarks.coordination",
                "--sets", json.dumps(process_sets), "--seconds", str(seconds)]
-    code, lines, readings = run_reading_counters(command, net, {mark: (lambda line, m=mark: line.strip() == m)
-                                                                for mark in (IDLE, DONE)})
+    code, lines, readings = run_reading_counters(command, net, IDLE_MARKS)
     if code != 0 or len(readings) != 2:
         tail = "".join(lines[-15:])
         raise RuntimeError(f"coordination probe failed (exit {code}): {' '.join(command)}\n{tail}")
+    return idle_rate_between(readings)
+
+
+def idle_rate_between(readings: dict[str, tuple[float, list[int]]]) -> float:
+    """Bytes per second over the counted links between the IDLE and DONE readings."""
     (began, before), (ended, after) = readings[IDLE], readings[DONE]
     return (sum(after) - sum(before)) / max(ended - began, 1e-9)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Horovod with the given process sets, every rank idle (run under mpirun).")
-    parser.add_argument("--sets", required=True, help="JSON list of rank lists (the world's may be among them)")
+    parser = argparse.ArgumentParser(description="Horovod's ranks idle with the given process sets, or after a "
+                                     "training run with its own (run under mpirun).")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--sets", help="JSON list of rank lists (the world's may be among them)")
+    what.add_argument("--after-training", action="store_true",
+                      help="run hvd_lowcomm.train with the arguments after '--', then idle")
     parser.add_argument("--seconds", type=float, default=PROBE_SECONDS, help="how long every rank sleeps")
+    parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- and the trainer's arguments")
     args = parser.parse_args(argv)
+    if args.after_training:
+        from hvd_lowcomm import train
+
+        code = train.main(args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args)
+        if code != 0:
+            return code
+    else:
+        _register(json.loads(args.sets))
+    _sleep_on_every_rank(args.seconds)
+    return 0
+
+
+def _register(process_sets: list[list[int]]) -> None:
     import horovod.torch as hvd
-    import torch
     from mpi4py import MPI
 
     hvd.init(comm=MPI.COMM_WORLD, process_sets="dynamic")
     world = list(range(hvd.size()))
-    for ranks in json.loads(args.sets):
+    for ranks in process_sets:
         if sorted(ranks) != world:
             hvd.add_process_set(sorted(ranks))
-    hvd.allreduce(torch.zeros(1), name="probe.ready")  # every rank is up and every set registered
+
+
+def _sleep_on_every_rank(seconds: float) -> None:
+    """IDLE once every rank is up (and every set registered), sleep, DONE when rank 0 wakes."""
+    import horovod.torch as hvd
+    import torch
+
+    hvd.allreduce(torch.zeros(1), name="probe.ready")
     if hvd.rank() == 0:
         print(IDLE, flush=True)
-    time.sleep(args.seconds)
+    time.sleep(seconds)
     if hvd.rank() == 0:
         print(DONE, flush=True)
     hvd.allreduce(torch.zeros(1), name="probe.done")
-    return 0
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RANK, SIZE, clean_env
+from conftest import RANK, SIZE, clean_env, mpirun
 
 REPO = Path(__file__).resolve().parent.parent
 only_from_the_1_rank_suite = pytest.mark.skipif(SIZE != 1 or RANK != 0, reason="launches its own mpiruns")
@@ -72,6 +72,14 @@ def test_a_failing_run_still_removes_its_namespace(tmp_path):
     proc = compare(tmp_path, "--methods", "ddp", "--link", "1gbit", "--", "--model.name", "cnn", "--model.hidden", "0")
     assert proc.returncode != 0 and "run failed" in proc.stderr
     assert namespaces() == before
+
+
+@only_from_the_1_rank_suite
+def test_the_idle_probe_after_training_ends_with_the_trainers_error_and_does_not_idle():
+    proc = subprocess.run(mpirun(2, sys.executable, "-m", "benchmarks.coordination", "--after-training",
+                           "--", "--method", "no-such-method"), capture_output=True, text=True, cwd=REPO, env=clean_env())
+    assert proc.returncode == 2 and "no-such-method" in proc.stderr, proc.stdout + proc.stderr
+    assert "IDLE" not in proc.stdout
 
 
 @only_from_the_1_rank_suite
@@ -157,7 +165,10 @@ def test_emulated_nodes_keep_traffic_inside_a_node_off_the_links_and_groups_foll
         assert abs(float(row["measured_vs_meter"])) <= 0.05, row
         # Horovod's coordination with every rank idle, probed for the run's process sets
         assert float(row["idle_coordination_bytes_per_s"]) > 0, row
-    assert "3 groups of 2 rank(s)" in (tmp_path / "runs" / "np6-diloco-sync_every4.log").read_text()
+    log = (tmp_path / "runs" / "np6-diloco-sync_every4.log").read_text()
+    assert "3 groups of 2 rank(s)" in log
+    # the idle probe ran in the run's own launch, after the trainer's summary (no launch of its own)
+    assert log.index("metrics:") < log.index("IDLE") < log.index("DONE")
     ddp = json.loads((tmp_path / "runs" / "np6-ddp" / "summary.json").read_text())
     # A ring over 3 nodes of 2 leaves each node once: ranks 1, 3 and 5 send to the next node, 0, 2
     # and 4 to their neighbour inside it, so half of all ring bytes cross.
