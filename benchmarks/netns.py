@@ -27,6 +27,9 @@ from typing import Callable, Self
 from hvd_lowcomm.config import rate_bits  # noqa: F401 (tc's units; compare imports it from here)
 
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
+# How long an interrupted job may take to end before it is killed (the trainer checkpoints on
+# SIGTERM at its next step, which on 64 ranks sharing 2 cores can take tens of seconds).
+STOP_GRACE_SECONDS = 60
 # Open MPI over TCP on the namespace's loopback only: btl tcp,self excludes shared memory
 # (vader), which would bypass the shaped interface.
 MPI_OVER_LOOPBACK = ["--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo",
@@ -206,12 +209,27 @@ def run_reading_counters(command: list[str], net: "_EmulatedNetwork | None",
     readings: dict[str, tuple[float, list[int]]] = {}
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
         assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            for name, matches in marks.items():
-                if net is not None and matches(line):
-                    readings[name] = (time.monotonic(), net.node_bytes())
+        try:
+            for line in proc.stdout:
+                lines.append(line)
+                for name, matches in marks.items():
+                    if net is not None and matches(line):
+                        readings[name] = (time.monotonic(), net.node_bytes())
+        except BaseException:  # interrupted (SIGTERM, Ctrl-C): the job must not outlive its caller
+            _stop(proc)
+            raise
     return proc.returncode, lines, readings
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End a job: SIGTERM (mpirun passes it to every rank), SIGKILL if it has not ended after
+    STOP_GRACE_SECONDS."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=STOP_GRACE_SECONDS)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _shape(ns: str, device: str, rate: str, latency: str | None = None) -> None:

@@ -7,8 +7,10 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -80,6 +82,25 @@ def test_the_idle_probe_after_training_ends_with_the_trainers_error_and_does_not
                            "--", "--method", "no-such-method"), capture_output=True, text=True, cwd=REPO, env=clean_env())
     assert proc.returncode == 2 and "no-such-method" in proc.stderr, proc.stdout + proc.stderr
     assert "IDLE" not in proc.stdout
+
+
+@only_from_the_1_rank_suite
+@needs_netns
+def test_an_interrupted_comparison_ends_its_job_and_removes_its_network(tmp_path):
+    before = namespaces()
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.compare", "--methods", "ddp", "--np", "2", "--data",
+                             str(tmp_path / "digits.h5"), "--hidden", "64", "--epochs", "500", "--link", "1gbit",
+                             "--out", str(tmp_path)], cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "runs" / "np2-ddp").exists() and time.monotonic() < deadline:  # the trainer runs
+        time.sleep(0.5)
+    assert (tmp_path / "runs" / "np2-ddp").exists(), "the run never started"
+    proc.send_signal(signal.SIGTERM)  # as a batch system's time limit would
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM, proc.stdout.read()
+    ranks = subprocess.run(["pgrep", "-f", str(tmp_path / "runs")], capture_output=True, text=True).stdout
+    assert ranks == "", f"ranks outlived the comparison: {ranks}"
+    assert namespaces() == before
 
 
 @only_from_the_1_rank_suite
