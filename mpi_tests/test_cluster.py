@@ -6,11 +6,11 @@ out of the 24 GiB machine's memory) on the digits for two
 epochs of several steps each on 8 nodes joined by 10 Gbit/s links (benchmarks.compare --nodes 8):
 each run must exit 0, the bytes the nodes' interfaces counted must agree with what hvd_lowcomm's
 meter says left a node (within 5 %, or within Horovod's own coordination traffic, which an idle
-probe with the run's process sets measures: benchmarks/coordination.py), and AB-training and
+probe at the end of each run's launch measures: benchmarks/coordination.py), and AB-training and
 DiLoCo must train in one group per node. The
 machine's peak memory in use is printed. It is slow on a small machine (a 64-rank launch per
-method, 5-15 minutes on 2 cores, and an idle probe per process-set layout), so it is not part of
-`make test`; it runs only when HVD_LOWCOMM_CLUSTER_TEST=1 (the make target sets it), and
+method, 9-13 minutes on 2 cores, nearly all of it start-up), so it is not part of `make test`;
+it runs only when HVD_LOWCOMM_CLUSTER_TEST=1 (the make target sets it), and
 HVD_LOWCOMM_CLUSTER_METHODS picks methods.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ pytestmark = [
     pytest.mark.skipif(SIZE != 1 or RANK != 0, reason="launches its own mpiruns"),
     pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None, reason="needs root and iproute2"),
     pytest.mark.skipif(os.environ.get("HVD_LOWCOMM_CLUSTER_TEST") != "1",
-                       reason="64 ranks on 8 emulated nodes are slow (about 8 minutes per method on 2 cores): make test-cluster"),
+                       reason="64 ranks on 8 emulated nodes are slow (9-13 minutes per method on 2 cores): make test-cluster"),
 ]
 
 
