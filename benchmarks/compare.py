@@ -413,7 +413,7 @@ def write_tables(rows: list[dict[str, Any]], out: Path, title: str, failed: list
         else:
             figures = [f"{100 * row['final_test_acc']:.2f} %", f"{row.get('acc_diff_to_ddp_points', float('nan')):+.2f}"]
             reached = row.get("seconds_to_90pct_of_ddp", float("nan"))
-        lines.append("| " + " | ".join([
+        lines.append("| " + " | ".join(_cell(cell) for cell in [
             str(row["np"]), row["method"], *figures, human_bytes(row["bytes_per_step"]),
             f"{row.get('bytes_ratio_to_ddp', float('nan')):.4f}", _step_ms(row),
             f"{row.get('step_time_ratio_to_ddp', float('nan')):.2f}", f"{reached:.1f} s",

@@ -169,6 +169,12 @@ def test_a_group_method_on_one_rank_groups_is_tabled_with_its_compression_and_ra
     line = next(row for row in table.splitlines() if row.startswith("| 2 | ab | 400 B |"))
     assert "| 0.4000 | 5.00x |" in line and line.endswith("| – | 2–15 (median 5) |"), line
     assert not any(row.startswith("| 2 | ddp | 1000 B |") for row in table.splitlines())  # ddp trains in no groups
+    # A method that never reaches 90 % of ddp's accuracy has no time to it: a dash, not "nan s".
+    behind = {**run("ab", ab), "epochs": [{"epoch": 1, "seconds": 1.0, "test_acc": 0.1, "compression_ratio": 5.0}]}
+    behind["summary"]["final_test_acc"] = 0.1
+    table = write_tables(tabulate([run("ddp", {}), behind], wire_rate=None), tmp_path, "t")
+    first = next(row for row in table.splitlines() if row.startswith("| 2 | ab | 10.00 % |"))
+    assert "nan" not in table and first.endswith("| – | 100 MB |"), first
 
 
 @only_from_the_1_rank_suite
