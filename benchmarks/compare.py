@@ -220,7 +220,7 @@ def network(args: argparse.Namespace) -> ShapedLink | EmulatedCluster:
 
 def launch(np_: int, train_args: list[str], log: Path, net: ShapedLink | EmulatedCluster | None = None,
            module: str = "hvd_lowcomm.train") -> tuple[list[int], float] | None:
-    """Run one job, its output into `log`. On an emulated network, returns the bytes each node
+    """Run one job, its output into `log` as it comes. On an emulated network, returns the bytes each node
     (or the loopback) sent while the job trained: from the trainer's first line (printed once
     setup's broadcasts are done) to its last epoch line (after the last evaluation), so launch
     and start-up traffic, which varies between launches, stays out of the count; and the rate of
@@ -233,10 +233,10 @@ def launch(np_: int, train_args: list[str], log: Path, net: ShapedLink | Emulate
     # a share of its emulated node's cores, as on a real one): its cores shared among all np ranks.
     cores = os.cpu_count() or 1
     env = {"OMP_NUM_THREADS": str(runtime.compute_threads(np_, cores, cores)), **os.environ}
-    code, lines, readings = run_reading_counters(command, net, {
-        "began": lambda line: line.startswith(TRAINING_STARTS), "ended": lambda line: bool(EPOCH_ENDS.match(line)),
-        **IDLE_MARKS}, env)
-    log.write_text("".join(lines))
+    with log.open("w") as out:  # written as the job prints: `tail -f` follows a long launch
+        code, lines, readings = run_reading_counters(command, net, {
+            "began": lambda line: line.startswith(TRAINING_STARTS), "ended": lambda line: bool(EPOCH_ENDS.match(line)),
+            **IDLE_MARKS}, env, log=out)
     if code != 0:
         tail = "".join(lines[-15:]).strip()
         raise RunFailed(f"compare: run failed (exit {code}): {' '.join(command)}\n{tail}\nfull log: {log}")

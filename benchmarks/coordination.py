@@ -21,6 +21,8 @@ counters are read when the sleep starts (IDLE) and ends (DONE):
 
     mpirun ... python -m benchmarks.coordination --after-training -- --method ab --train.epochs 2 ...
 
+Every rank of an emulated launch runs this program, so it is also where MPI's start-up and
+shutdown are made to wait cheaply on ranks that share a few cores (benchmarks/timer_slack.py).
 A launch of its own would cost as much again as the run's start-up, which on 64 ranks sharing
 2 cores is minutes (`make test-cluster` saves one per process-set layout). For a finished run
 with no such reading (`compare --reuse`), the probe runs alone with the layout's sets:
@@ -36,6 +38,7 @@ import time
 from typing import Any
 
 from benchmarks.netns import run_reading_counters
+from benchmarks.timer_slack import start_mpi_waiting_cheaply, stop_mpi_waiting_cheaply
 
 IDLE, DONE = "IDLE", "DONE"
 IDLE_MARKS = {mark: (lambda line, m=mark: line.strip() == m) for mark in (IDLE, DONE)}
@@ -71,16 +74,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=PROBE_SECONDS, help="how long every rank sleeps")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- and the trainer's arguments")
     args = parser.parse_args(argv)
-    if args.after_training:
-        from hvd_lowcomm import train
+    start_mpi_waiting_cheaply()  # the ranks of an emulated launch share a few cores
+    try:
+        if args.after_training:
+            from hvd_lowcomm import train
 
-        code = train.main(args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args)
-        if code != 0:
-            return code
-    else:
-        _register(json.loads(args.sets))
-    _sleep_on_every_rank(args.seconds)
-    return 0
+            code = train.main(args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args)
+            if code != 0:
+                return code
+        else:
+            _register(json.loads(args.sets))
+        _sleep_on_every_rank(args.seconds)
+        return 0
+    finally:
+        stop_mpi_waiting_cheaply()
 
 
 def _register(process_sets: list[list[int]]) -> None:

@@ -22,7 +22,7 @@ import subprocess
 import tempfile
 import time
 from itertools import count
-from typing import Callable, Self
+from typing import Callable, Self, TextIO
 
 from hvd_lowcomm.config import rate_bits  # noqa: F401 (tc's units; compare imports it from here)
 
@@ -200,11 +200,14 @@ class EmulatedCluster(_EmulatedNetwork):
 
 def run_reading_counters(command: list[str], net: "_EmulatedNetwork | None",
                          marks: dict[str, Callable[[str], bool]],
-                         env: dict[str, str] | None = None) -> tuple[int, list[str], dict[str, tuple[float, list[int]]]]:
+                         env: dict[str, str] | None = None, log: TextIO | None = None,
+                         ) -> tuple[int, list[str], dict[str, tuple[float, list[int]]]]:
     """Run `command` (stdout and stderr merged) and, whenever an output line satisfies
     marks[name], read `net`'s counters with the time under that name (a later line replaces an
     earlier one): counts between moments the program announces. Returns the exit status, the
-    output lines and the readings. `env`: the command's environment (default: this process's)."""
+    output lines and the readings. `env`: the command's environment (default: this process's).
+    `log`: each line is also written there as it comes (a long launch can be followed, and an
+    interrupted one keeps what it printed)."""
     lines: list[str] = []
     readings: dict[str, tuple[float, list[int]]] = {}
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
@@ -212,6 +215,9 @@ def run_reading_counters(command: list[str], net: "_EmulatedNetwork | None",
         try:
             for line in proc.stdout:
                 lines.append(line)
+                if log is not None:
+                    log.write(line)
+                    log.flush()
                 for name, matches in marks.items():
                     if net is not None and matches(line):
                         readings[name] = (time.monotonic(), net.node_bytes())

@@ -87,20 +87,33 @@ def test_the_idle_probe_after_training_ends_with_the_trainers_error_and_does_not
 @only_from_the_1_rank_suite
 @needs_netns
 def test_an_interrupted_comparison_ends_its_job_and_removes_its_network(tmp_path):
+    from benchmarks.compare import TRAINING_STARTS
     before = namespaces()
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks.compare", "--methods", "ddp", "--np", "2", "--data",
                              str(tmp_path / "digits.h5"), "--hidden", "64", "--epochs", "500", "--link", "1gbit",
                              "--out", str(tmp_path)], cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "runs" / "np2-ddp.log"  # written as the job prints, so the trainer is seen to train
     deadline = time.monotonic() + 300
-    while not (tmp_path / "runs" / "np2-ddp").exists() and time.monotonic() < deadline:  # the trainer runs
+    while not (log.exists() and TRAINING_STARTS in log.read_text()) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert (tmp_path / "runs" / "np2-ddp").exists(), "the run never started"
+    assert log.exists() and TRAINING_STARTS in log.read_text(), "the run's log never showed it training"
     proc.send_signal(signal.SIGTERM)  # as a batch system's time limit would
     assert proc.wait(timeout=120) == 128 + signal.SIGTERM, proc.stdout.read()
+    assert TRAINING_STARTS in log.read_text()  # what the job printed before the end is kept
     ranks = subprocess.run(["pgrep", "-f", str(tmp_path / "runs")], capture_output=True, text=True).stdout
     assert ranks == "", f"ranks outlived the comparison: {ranks}"
     assert namespaces() == before
+
+
+def test_the_timer_slack_for_mpis_waits_is_set_and_restored():
+    from benchmarks.timer_slack import MPI_WAIT_SLACK_NS, set_timer_slack
+    slack = Path("/proc/self/timerslack_ns")  # this process's main thread, which runs the test
+    default = int(slack.read_text())
+    set_timer_slack(MPI_WAIT_SLACK_NS)
+    assert int(slack.read_text()) == MPI_WAIT_SLACK_NS
+    set_timer_slack(0)
+    assert int(slack.read_text()) == default
 
 
 @only_from_the_1_rank_suite
