@@ -9,7 +9,7 @@ meter says left a node (within 5 %, or within Horovod's own coordination traffic
 probe at the end of each run's launch measures: benchmarks/coordination.py), and AB-training and
 DiLoCo must train in one group per node. The
 machine's peak memory in use is printed. It is slow on a small machine (a 64-rank launch per
-method, 9-13 minutes on 2 cores, nearly all of it start-up), so it is not part of `make test`;
+method, about 5 minutes on 2 cores, most of it start-up: an hour for all), so it is not part of `make test`;
 it runs only when HVD_LOWCOMM_CLUSTER_TEST=1 (the make target sets it), and
 HVD_LOWCOMM_CLUSTER_METHODS picks methods.
 """
@@ -36,7 +36,7 @@ pytestmark = [
     pytest.mark.skipif(SIZE != 1 or RANK != 0, reason="launches its own mpiruns"),
     pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None, reason="needs root and iproute2"),
     pytest.mark.skipif(os.environ.get("HVD_LOWCOMM_CLUSTER_TEST") != "1",
-                       reason="64 ranks on 8 emulated nodes are slow (9-13 minutes per method on 2 cores): make test-cluster"),
+                       reason="64 ranks on 8 emulated nodes are slow (about 5 minutes per method on 2 cores): make test-cluster"),
 ]
 
 
