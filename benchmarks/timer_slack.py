@@ -12,7 +12,10 @@ MPI_Init and one barrier: 550-720 s from launch to exit, 111-337 s of it in MPI_
 Linux's timer slack (prctl PR_SET_TIMERSLACK) lets each of those sleeps run up to that long;
 `benchmarks.coordination`, the program every rank of an emulated launch runs, sets it around
 MPI_Init and MPI_Finalize only, so the training itself (and Horovod's background thread, which
-starts later and inherits the slack of its creator) sleeps as it would on a cluster.
+starts later and inherits the slack of its creator) sleeps as it would on a cluster. The helper
+threads Open MPI starts inside MPI_Init (its PMIx and event-loop threads) keep the coarse slack;
+they wait on sockets for launcher events, and the TCP transport is progressed by the calling
+thread (btl_tcp_progress_thread is off), so the training's messages do not pass through them.
 """
 from __future__ import annotations
 
