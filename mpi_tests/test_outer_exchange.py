@@ -1,13 +1,16 @@
 """DiLoCo's exchanges between groups: each form's mean, its error feedback, and its bytes."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from conftest import RANK, SIZE, needs_ranks
 from hvd_lowcomm.methods.diloco import DiLoCoOptions
-from hvd_lowcomm.methods.outer_exchange import (BLOCK, make_exchange, pack12, slice_pieces, sparse_bytes,
-                                                sparse_decode, sparse_encode, unpack12)
+from hvd_lowcomm.methods.outer_exchange import (BLOCK, elias_fano_decode, elias_fano_encode, make_exchange,
+                                                positions_bytes, slice_pieces, sparse_bytes, sparse_decode,
+                                                sparse_encode)
 
 SHAPES = [(48, 40), (48,), (30, 24)]  # a fragment: two matrices and a bias
 NUMBERS = 48 * 40 + 48 + 30 * 24
@@ -78,16 +81,27 @@ def test_sparse_sends_the_top_of_each_chunk_at_two_bits():
     assert magnitudes.min() == pytest.approx(float(top[42:].mean()), rel=1e-5)
 
 
-def test_sparse_positions_take_twelve_bits_each():
-    """A chunk's offsets (0..4095) travel as 3 bytes per pair, an odd count padded; with the 2-bit
-    codes and two fp32 magnitudes a kept value costs 1.75 bytes, not 16-bit offsets' 2.25."""
-    offsets = torch.tensor([[0, 4095, 2048], [4095, 1, 0]])
-    packed = pack12(offsets)
-    assert packed.shape == (2, 6) and torch.equal(unpack12(packed, 3), offsets)
-    many = torch.randint(0, 4096, (20, 328), generator=torch.Generator().manual_seed(0))
-    assert torch.equal(unpack12(pack12(many), 328), many)
-    assert sparse_bytes(4096, 0.08) == 3 * 164 + 82 + 8  # 328 kept of one chunk
-    assert sparse_bytes(3 * 4096, 0.02) == 3 * (3 * 41 + 21 + 8)
+@pytest.mark.parametrize("chunk, k", [(4096, 328), (4096, 1), (4096, 4096), (4096, 2048), (1000, 80), (7, 3)])
+def test_sparse_positions_travel_by_elias_fano_in_a_fixed_size(chunk, k):
+    """Any k distinct ascending offsets below `chunk` come back as they were, in exactly
+    positions_bytes(chunk, k) bytes: at most k (2 + log2(chunk / k)) bits and whole bytes."""
+    generator = torch.Generator().manual_seed(k)
+    rows = [torch.randperm(chunk, generator=generator)[:k].sort().values for _ in range(5)]
+    rows += [torch.arange(k), torch.arange(chunk - k, chunk)]  # both ends of the range
+    offsets = torch.stack(rows)
+    packed = elias_fano_encode(offsets, chunk)
+    assert packed.shape == (len(rows), positions_bytes(chunk, k))
+    assert torch.equal(elias_fano_decode(packed, chunk, k), offsets)
+    assert positions_bytes(chunk, k) <= (k * (2 + math.log2(chunk / k))) / 8 + 2
+
+
+def test_a_kept_value_costs_under_a_byte_at_eight_percent():
+    """328 kept of a chunk of 4096: 3 low bits each (123 bytes) and a 328 + 512 bit vector of high
+    parts (105 bytes), 2-bit codes (82 bytes), two fp32 magnitudes: 0.97 bytes a kept value,
+    where 12-bit offsets cost 1.75."""
+    assert positions_bytes(4096, 328) == 123 + 105
+    assert sparse_bytes(4096, 0.08) == 123 + 105 + 82 + 8
+    assert sparse_bytes(3 * 4096, 0.02) == 3 * (positions_bytes(4096, 82) + 21 + 8)
 
 
 def member_parts(values: torch.Tensor, members: int) -> list[torch.Tensor]:
@@ -100,11 +114,11 @@ def member_parts(values: torch.Tensor, members: int) -> list[torch.Tensor]:
 @pytest.mark.parametrize("owner_density", [0.0, 0.05])
 def test_sparse_exchange_averages_the_groups_tops_and_loses_nothing(world, fresh_meter, owner_density):
     """Each group sends the top of its accumulator: at 2 groups to every other (allgather); beyond,
-    part j to member j, which sends back the top (owner_density; 0: 1.5 x density) of the mean
+    part j to member j, which sends back the top (owner_density; 0: 3 x density) of the mean
     of what it received. What either selection leaves out is sent later, so (error decay 1) everything
     delivered plus what is still pending equals the mean of every pseudo-gradient so far."""
     density, by_owner = 0.02, SIZE > 2
-    owner = owner_density or 1.5 * density
+    owner = owner_density or 3 * density
     exchange = make_exchange(world, DiLoCoOptions(compression="sparse", density=density, owner_density=owner_density))
     deltas = [pseudo_gradient(RANK, seed) for seed in range(3)]
     parts = member_parts(deltas[0], SIZE) if by_owner else [deltas[0]]
@@ -155,10 +169,10 @@ def test_sparse_accumulator_decays_by_error_decay(world, fresh_meter):
 def test_sparse_bytes_per_rank_stay_flat_in_the_number_of_groups():
     """Allgathered at 2 groups (one slice's sparse bytes, what a reduce-scatter would send);
     reduced by owner beyond: (G-1)/G of them at density plus (G-1)/G of them at the owner's
-    density (1.5 x density by default) at any G, where an allgather of every group's
+    density (3 x density by default) at any G, where an allgather of every group's
     contribution sends (G-1) times them."""
     numbers, options = 1 << 22, DiLoCoOptions(compression="sparse")
-    one, owners = sparse_bytes(numbers, options.density), sparse_bytes(numbers, 1.5 * options.density)
+    one, owners = sparse_bytes(numbers, options.density), sparse_bytes(numbers, 3 * options.density)
     for groups in (2, 3, 4, 8, 16):
         transfers = make_exchange(None, options, members=groups).transfers(numbers, [], 0)
         assert [t.op for t in transfers] == (["allgather"] if groups == 2 else ["alltoall", "allgather"])

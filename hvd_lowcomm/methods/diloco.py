@@ -72,20 +72,23 @@ class DiLoCoOptions(GroupedOptions):
                                       "error feedback), sparse (top-k of each chunk at 2 bits, error feedback) or "
                                       "lowrank (PowerSGD factors of each matrix, error feedback)",
                               choices=COMPRESSIONS)
-    # 0.08, not SparseLoCo's 0.01-0.03: at 50-60 outer steps on small models 0.02 lost 1.8-2.5 points
-    # and 3.3 % of a GPT's loss against fp32 DiLoCo, 0.08 0.6-1.2 points and 0.8 % at 1/26-1/28 of its
-    # bytes, 0.10 no better (benchmarks/results/diloco-forms-*, diloco-sparse12-mnist5k); the papers'
-    # 1-3 % had far more outer steps.
-    density: float = option(0.08, "sparse: the share of each chunk's numbers sent (SparseLoCo used 0.01-0.03 on "
+    # 0.12, not SparseLoCo's 0.01-0.03: at 50-60 outer steps on small models 0.02 lost 1.8-2.5 points
+    # and 3.3 % of a GPT's loss against fp32 DiLoCo. With positions by Elias-Fano (about half the
+    # bytes of 12-bit offsets), 0.12 with the owner at 3x sends 1/37 of fp32's bytes at 2 groups and
+    # 1/22-1/20.7 beyond, where 0.08 with 12-bit offsets sent 1/28 and 1/22-1/20.6, and came closer:
+    # GPT +0.45/+0.11/+1.28 % at 2/4/8 groups (was +0.8/+1.0/+2.0), MNIST-5k -0.7/-1.0/-0.5 points
+    # (was -0.6/-0.9/-0.7; benchmarks/results/diloco-sparse-ef-*). The papers' 1-3 % had far more
+    # outer steps.
+    density: float = option(0.12, "sparse: the share of each chunk's numbers sent (SparseLoCo used 0.01-0.03 on "
                                   "large models with many outer steps)")
-    # 1.5 x density: the mean of G groups' sparse parts holds up to G times their numbers, and re-selecting
-    # only `density` of it lost more the more groups there were (GPT, against fp32 DiLoCo: +0.8 %, +1.5 %,
-    # +2.3 % at 2, 4, 8 groups); 1.5x brought 4 groups to +1.0 % for 1.25x the bytes, 8 groups to +2.0 %
-    # (MNIST-5k at 4 groups: a mean of -0.90 points over 3 seeds against -0.97, within noise;
-    # benchmarks/results/diloco-sparse-owner-*, diloco-forms-gpt-shakespeare-np8).
+    # 3 x density: the mean of G groups' sparse parts holds up to G times their numbers, and what the
+    # owner's second selection leaves out is what cost most beyond 2 groups (GPT at 8 groups against fp32
+    # DiLoCo, at 1/21-1/23 of its bytes: density 0.12 with the owner at 3 x +1.28 %, 3.3 x +1.29 %; 0.16
+    # and 0.30 +1.12 %, 0.18 and 0.27 +1.45 %, all within the scatter of such runs; every group sending
+    # its 4 % to every other, no owner, +1.96 %; benchmarks/results/diloco-sparse-ef-gpt-shakespeare-np8).
     owner_density: float = option(0.0, "sparse beyond 2 groups: the share of each chunk of the groups' mean that its "
                                         "owner sends back (the mean of G sparse parts is up to G times denser "
-                                        "than one); 0: 1.5 x density")
+                                        "than one); 0: 3 x density")
     error_decay: float = option(1.0, "sparse: the error-feedback accumulator's decay, e <- decay*e + Δ")
     rank: int = option(4, "lowrank: columns of P and Q per matrix")
     fragments: int = option(1, "streaming: sync the model in this many parts at staggered steps (peak traffic "
@@ -105,7 +108,7 @@ class DiLoCoOptions(GroupedOptions):
         if not 0 < self.density <= 1:
             raise ConfigError(f"diloco.density must be in (0, 1], got {self.density}")
         if not 0 <= self.owner_density <= 1:
-            raise ConfigError(f"diloco.owner_density must be in [0, 1] (0: 1.5 x density), got {self.owner_density}")
+            raise ConfigError(f"diloco.owner_density must be in [0, 1] (0: 3 x density), got {self.owner_density}")
         if not 0 <= self.error_decay <= 1:
             raise ConfigError(f"diloco.error_decay must be in [0, 1], got {self.error_decay}")
         if self.rank < 1:
