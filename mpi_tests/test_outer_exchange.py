@@ -10,7 +10,7 @@ from conftest import RANK, SIZE, needs_ranks
 from hvd_lowcomm.methods.diloco import DiLoCoOptions
 from hvd_lowcomm.methods.outer_exchange import (BLOCK, elias_fano_decode, elias_fano_encode, make_exchange,
                                                 positions_bytes, slice_pieces, sparse_bytes, sparse_decode,
-                                                sparse_encode)
+                                                sparse_encode, sparse_layout)
 
 SHAPES = [(48, 40), (48,), (30, 24)]  # a fragment: two matrices and a bias
 NUMBERS = 48 * 40 + 48 + 30 * 24
@@ -67,18 +67,19 @@ def test_sparse_sends_the_top_of_each_chunk_at_two_bits():
     payload, sent = sparse_encode(values, 0.02)
     assert len(payload) == sparse_bytes(10_000, 0.02) and torch.equal(sparse_decode(payload, 10_000, 0.02), sent)
     kept = sent != 0
-    assert int(kept.sum()) == 3 * 82  # 82 of each chunk of 4096 (the last chunk padded)
+    assert sparse_layout(10_000, 0.02) == (3, 3334, 67)  # three equal chunks of at most 4096, 2 numbers padding
+    assert int(kept.sum()) == 3 * 67
     assert bool((torch.sign(sent[kept]) == torch.sign(values[kept])).all())
-    for chunk, chunk_sent in zip(values.split(4096), sent.split(4096)):  # each chunk keeps its own largest
-        threshold = chunk.abs().topk(min(82, len(chunk))).values[-1]
+    for chunk, chunk_sent in zip(values.split(3334), sent.split(3334)):  # each chunk keeps its own largest
+        threshold = chunk.abs().topk(67).values[-1]
         assert bool((chunk_sent.ne(0) == chunk.abs().ge(threshold)).all())
     # two magnitudes per chunk, each the mean of the half it stands for
-    magnitudes = sent[:4096][kept[:4096]].abs().unique()
+    magnitudes = sent[:3334][kept[:3334]].abs().unique()
     assert len(magnitudes) == 2
-    top = values[:4096].abs().topk(82).values
-    # torch's median of 82 is the lower middle one: the larger half holds 42
-    assert magnitudes.max() == pytest.approx(float(top[:42].mean()), rel=1e-5)
-    assert magnitudes.min() == pytest.approx(float(top[42:].mean()), rel=1e-5)
+    top = values[:3334].abs().topk(67).values
+    # the median of 67 is the middle one: the larger half holds 34
+    assert magnitudes.max() == pytest.approx(float(top[:34].mean()), rel=1e-5)
+    assert magnitudes.min() == pytest.approx(float(top[34:].mean()), rel=1e-5)
 
 
 @pytest.mark.parametrize("chunk, k", [(4096, 328), (4096, 1), (4096, 4096), (4096, 2048), (1000, 80), (7, 3)])

@@ -75,8 +75,8 @@ class DiLoCoOptions(GroupedOptions):
     # 0.12, not SparseLoCo's 0.01-0.03: at 50-60 outer steps on small models 0.02 lost 1.8-2.5 points
     # and 3.3 % of a GPT's loss against fp32 DiLoCo. With positions by Elias-Fano (about half the
     # bytes of 12-bit offsets), 0.12 with the owner at 3x sends 1/37 of fp32's bytes at 2 groups and
-    # 1/22-1/20.7 beyond, where 0.08 with 12-bit offsets sent 1/28 and 1/22-1/20.6, and came closer:
-    # GPT +0.45/+0.11/+1.28 % at 2/4/8 groups (was +0.8/+1.0/+2.0), MNIST-5k -0.7/-1.0/-0.5 points
+    # 1/22.7-1/22.6 beyond, where 0.08 with 12-bit offsets sent 1/28 and 1/22-1/20.6, and came closer:
+    # GPT +0.43/+0.25/+1.31 % at 2/4/8 groups (was +0.8/+1.0/+2.0), MNIST-5k -0.5/-0.9/-0.5 points
     # (was -0.6/-0.9/-0.7; benchmarks/results/diloco-sparse-ef-*). The papers' 1-3 % had far more
     # outer steps.
     density: float = option(0.12, "sparse: the share of each chunk's numbers sent (SparseLoCo used 0.01-0.03 on "
@@ -84,8 +84,10 @@ class DiLoCoOptions(GroupedOptions):
     # 3 x density: the mean of G groups' sparse parts holds up to G times their numbers, and what the
     # owner's second selection leaves out is what cost most beyond 2 groups (GPT at 8 groups against fp32
     # DiLoCo, at 1/21-1/23 of its bytes: density 0.12 with the owner at 3 x +1.28 %, 3.3 x +1.29 %; 0.16
-    # and 0.30 +1.12 %, 0.18 and 0.27 +1.45 %, all within the scatter of such runs; every group sending
-    # its 4 % to every other, no owner, +1.96 %; benchmarks/results/diloco-sparse-ef-gpt-shakespeare-np8).
+    # and 0.30 +1.12 %, 0.18 and 0.27 +1.45 %, 0.20 and 0.30 +1.42 %, all within the scatter of such
+    # runs (these with each part's last chunk padded; the default in chunks of one length: +1.31 %); every
+    # group sending its 4 % to every other, no owner, +1.96 %; benchmarks/results/diloco-sparse-ef-gpt-
+    # shakespeare-np8).
     owner_density: float = option(0.0, "sparse beyond 2 groups: the share of each chunk of the groups' mean that its "
                                         "owner sends back (the mean of G sparse parts is up to G times denser "
                                         "than one); 0: 3 x density")

@@ -244,9 +244,13 @@ class Quantised(Exchange):
 # sparse: chunked top-k at 2 bits with an error-feedback accumulator
 
 def sparse_layout(numbers: int, density: float) -> tuple[int, int, int]:
-    """(chunks, chunk length, kept per chunk) of a slice of `numbers`."""
-    chunk = min(CHUNK, max(numbers, 1))
-    return -(-numbers // chunk), chunk, max(1, round(density * chunk))
+    """(chunks, chunk length, kept per chunk) of a slice of `numbers`: the fewest chunks of at
+    most CHUNK, all of one length, so at most chunks - 1 numbers are padding (a last chunk
+    padded to CHUNK would send `density` of CHUNK for what may be a few numbers: 14 % more
+    than density on a 57 k-parameter CNN's slices)."""
+    chunks = max(1, -(-numbers // CHUNK))
+    chunk = max(1, -(-numbers // chunks))
+    return chunks, chunk, max(1, round(density * chunk))
 
 
 def sparse_bytes(numbers: int, density: float) -> int:
