@@ -75,13 +75,13 @@ def main(argv: list[str] | None = None) -> None:
     rows = [{"parameter": name, "shape": "×".join(map(str, p.shape)),
              **kept_energy(before[name] - p.detach(), ranks, args.density)}
             for name, p in model.named_parameters() if p.dim() > 1]
+    columns = list(rows[0])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "energy.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
-    columns = list(rows[0])
     lines = [f"# Energy of a pseudo-gradient kept by rank and by top-k: {args.model} on {Path(args.data).name}",
              "", f"Δ over {args.sync_every} Adam steps (lr {args.lr}, batch {args.batch_size}) after {args.warmup}; "
              f"shares of each weight matrix's ‖Δ‖² (`python -m benchmarks.pseudo_gradient_energy`).", "",

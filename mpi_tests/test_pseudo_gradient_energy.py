@@ -12,7 +12,7 @@ from conftest import RANK
 from data_prep.writer import write_dataset
 
 
-def test_kept_energy_is_exact_for_a_low_rank_matrix_and_a_sparse_one():
+def test_kept_energy_matches_matrices_whose_shares_are_known():
     torch.manual_seed(RANK)
     low = torch.randn(64, 3) @ torch.randn(3, 40)  # rank 3
     shares = kept_energy(low, [1, 3], 0.12)
@@ -20,7 +20,7 @@ def test_kept_energy_is_exact_for_a_low_rank_matrix_and_a_sparse_one():
     sparse = torch.zeros(100, 50)
     sparse.view(-1)[torch.randperm(5000)[:600]] = torch.randn(600)  # exactly 12 % of the entries
     assert kept_energy(sparse, [1], 0.12)["top 12%"] == pytest.approx(1.0, abs=1e-6)
-    noise = torch.randn(200, 200)
+    noise = torch.randn(200, 200)  # no low-rank or sparse structure
     assert kept_energy(noise, [1], 0.12)["top 12%"] == pytest.approx(0.49, abs=0.02)  # 2(tφ(t) + 1 - Φ(t)) at P(|z| > t) = 0.12
     assert kept_energy(noise, [1], 0.12)["stable rank"] > 20  # flat spectrum
 
