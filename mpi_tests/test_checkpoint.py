@@ -43,6 +43,9 @@ METHODS = {
     # exchanges start at steps 5, 10, ... and land 2 steps later: the stop at 11 has one in flight
     "diloco-delay": ["--method", "diloco", "--diloco.sync_every", "5", "--diloco.sync_delay", "2",
                      "--diloco.update_alpha", "0.5", "--diloco.compression", "int8"],
+    # eager: the stop at 11 has the exchange started at 10 in flight, and this group's part of it
+    "diloco-eager": ["--method", "diloco", "--diloco.sync_every", "5", "--diloco.eager", "true",
+                     "--diloco.compression", "sparse"],
 }
 
 

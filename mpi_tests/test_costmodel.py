@@ -124,6 +124,8 @@ EXACT = {
                                 "--diloco.compression", "sparse"], {}, 1e-6),
     "diloco-delay": (["--method", "diloco", "--diloco.groups", "2", "--diloco.sync_every", "4", "--diloco.sync_delay",
                       "2"], {}, 1e-6),
+    "diloco-eager": (["--method", "diloco", "--diloco.groups", "2", "--diloco.sync_every", "4", "--diloco.eager",
+                      "true"], {}, 1e-6),
 }
 STEPS = 40
 

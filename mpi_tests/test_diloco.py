@@ -43,16 +43,7 @@ def reference(world_size: int, groups: int, steps: int, every: int, fragments: i
     outer = torch.optim.SGD(params, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov and outer_momentum > 0)
     pending = {}  # fragment -> (step applied, mean pseudo-gradient per tensor, each group's parameters at the start)
     for step in range(1, steps + 1):
-        for g, model in enumerate(models):
-            grads = []
-            for rank in range(g * size, (g + 1) * size):
-                model.zero_grad()
-                x, y = batch(rank, step)
-                F.cross_entropy(model(x), y).backward()
-                grads.append([p.grad.clone() for p in model.parameters()])
-            with torch.no_grad():
-                for i, p in enumerate(model.parameters()):
-                    p -= INNER_LR * torch.stack([gr[i] for gr in grads]).mean(0)
+        inner_step(models, size, step)
         started = [f for f in range(fragments) if sync_due(step, f, every, fragments)]
         for f in started:
             pending[f] = (step + delay, [torch.stack([params[i].detach() - list(m.parameters())[i].detach()
@@ -75,6 +66,54 @@ def reference(world_size: int, groups: int, steps: int, every: int, fragments: i
         for f in due:
             del pending[f]
     return models
+
+
+def inner_step(models: list[nn.Sequential], size: int, step: int) -> None:
+    """One inner step of every group's copy: plain SGD on the mean gradient of its ranks' batches."""
+    for g, model in enumerate(models):
+        grads = []
+        for rank in range(g * size, (g + 1) * size):
+            model.zero_grad()
+            x, y = batch(rank, step)
+            F.cross_entropy(model(x), y).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                p -= INNER_LR * torch.stack([gr[i] for gr in grads]).mean(0)
+
+
+def eager_reference(world_size: int, groups: int, steps: int, every: int, outer_lr: float
+                    ) -> tuple[list[nn.Sequential], list[torch.Tensor]]:
+    """Eager updates in one process: every group's model after `steps` steps, and the model a
+    sync would give then. At each sync a group steps its own global copy by outer_lr times its
+    own pseudo-gradient / G plus the previous sync's mean less its own part of that mean; the
+    sync adds the other groups' outstanding parts and the mean of the progress since."""
+    size = world_size // groups
+    models = [small_model() for _ in range(groups)]
+    copies = [[p.detach().clone() for p in small_model().parameters()] for _ in range(groups)]
+    previous = None  # (mean, each group's own) of the last sync
+
+    def exchange() -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+        own = [[c - p.detach() for c, p in zip(copies[g], models[g].parameters())] for g in range(groups)]
+        return [torch.stack([o[i] for o in own]).mean(0) for i in range(len(own[0]))], own
+
+    def others(g: int, i: int) -> torch.Tensor:
+        return previous[0][i] - previous[1][g][i] / groups if previous else 0
+
+    for step in range(1, steps + 1):
+        inner_step(models, size, step)
+        if step % every:
+            continue
+        mean, own = exchange()
+        for g in range(groups):
+            copies[g] = [c - outer_lr * (o / groups + others(g, i)) for i, (c, o) in enumerate(zip(copies[g], own[g]))]
+            with torch.no_grad():
+                for p, c in zip(models[g].parameters(), copies[g]):
+                    p.copy_(c)
+        previous = mean, own
+    mean, _ = exchange()
+    synced = [c - outer_lr * (m + others(0, i)) for i, (c, m) in enumerate(zip(copies[0], mean))]
+    return models, synced
 
 
 def train(steps: int, **options) -> tuple[nn.Sequential, DiLoCo]:
@@ -122,6 +161,36 @@ def test_a_delayed_exchange_lands_sync_delay_steps_later_keeping_alpha_of_the_pr
     final = diloco.full_model()  # settles what is in flight; every rank gets one model
     flat = torch.cat([p.detach().flatten() for p in final.parameters()])
     assert all(torch.equal(other, flat) for other in world.comm.allgather(flat))
+
+
+@needs_ranks(2)
+@pytest.mark.parametrize("outer_lr", [1.0, 0.7])
+def test_eager_updates_apply_the_own_part_at_once_and_the_others_one_period_later(world, outer_lr):
+    groups = 2 if SIZE % 2 == 0 else SIZE
+    model, diloco = train(13, groups=groups, sync_every=4, outer_lr=outer_lr, eager=True)
+    models, synced = eager_reference(SIZE, groups, 13, 4, outer_lr)
+    for (name, got), want in zip(model.named_parameters(), models[diloco.group.index].parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+    # the exchange started at step 12 is still on the worker thread
+    assert diloco.outer_steps == 3 and diloco.worker is not None and list(diloco.in_flight) == [0]
+    final = diloco.full_model()  # adds the other groups' parts: every group gets the same model
+    for (name, got), want in zip(final.named_parameters(), synced):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+    flat = torch.cat([p.detach().flatten() for p in final.parameters()])
+    for other in world.comm.allgather(flat):
+        torch.testing.assert_close(other, flat, rtol=1e-5, atol=1e-6)
+
+
+@needs_ranks(2)
+@pytest.mark.parametrize("options, message", [
+    ({"sync_delay": 1}, "leave sync_delay at 0"),
+    ({"outer_momentum": 0.9}, "needs plain averaging"),
+    ({"fragments": 2}, "takes one fragment"),
+])
+def test_eager_refuses_what_it_cannot_do(world, options, message):
+    model = small_model()
+    with pytest.raises(ConfigError, match=message):
+        DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=6, eager=True, **options)
 
 
 @needs_ranks(2)
