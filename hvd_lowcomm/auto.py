@@ -68,7 +68,7 @@ OTHERS_SHOWN = ("diloco", "ab")
 def _others(profile: costmodel.Profile, ranks: int, link: costmodel.Link, cfg: Config) -> str:
     keeping = costmodel.quality_keeping_methods(cfg)
     unbounded = [m for m in costmodel.drop_in_methods() if m not in keeping]
-    left_out = (f"\nleft out: {', '.join(unbounded)} (a fixed rank, or no error feedback, compresses without "
+    left_out = (f"\nleft out: {', '.join(sorted(unbounded))} (a fixed rank, or no error feedback, compresses without "
                 f"a bound on what it loses; the defaults have both)") if unbounded else ""
     lines = []
     for name in OTHERS_SHOWN:
