@@ -401,8 +401,9 @@ class DiLoCo:
     @contextlib.contextmanager
     def synced(self) -> Iterator[nn.Module]:
         """The model a blocking outer step of every fragment with inner steps since its last
-        sync would give now (collective; its traffic counts in the current meter phase); the
-        groups' own state, and any exchange in flight, are restored afterwards."""
+        sync would give now, with eager the other groups' parts still in flight added too
+        (collective; its traffic counts in the current meter phase); the groups' own state, and
+        any exchange in flight, are restored afterwards."""
         pending = [f for f, n in enumerate(self.since_sync) if n or (self.options.eager and f in self.in_flight)]
         if not pending:
             yield self.model
