@@ -23,7 +23,7 @@ slices: a rank sends model/|group| across the network per sync, not the whole mo
 - compression (hvd_lowcomm.methods.outer_exchange): none (fp32 allreduce); fp16 or int8 by a
   quantised reduce-scatter and allgather whose bytes per rank stay below twice the slice's
   whatever the number of groups; sparse (SparseLoCo: top-k of each chunk at 2 bits from an
-  error-feedback accumulator) or lowrank (PowerSGD factors of each matrix, error feedback);
+  error-feedback accumulator) or lowrank (PowerSGD factors of each matrix in int8, error feedback);
 - fragments F (Streaming DiLoCo): the parameters in F contiguous parts of about equal size,
   part f synced at inner steps f·H/F + k·H, so the network carries 1/F of the model at a time;
 - sync_delay τ (Streaming DiLoCo's overlap, torchft's fragment_sync_delay): a fragment's
@@ -79,7 +79,7 @@ class DiLoCoOptions(GroupedOptions):
     sync_every: float = option(0.05, "inner steps between outer steps, H (< 1: fraction of the run's steps)")
     compression: str = option("none", "pseudo-gradients between groups: none (fp32), fp16, int8 (per-block scaling, "
                                       "error feedback), sparse (top-k of each chunk at 2 bits, error feedback) or "
-                                      "lowrank (PowerSGD factors of each matrix, error feedback)",
+                                      "lowrank (PowerSGD factors of each matrix in int8, error feedback)",
                               choices=COMPRESSIONS)
     # 0.12, not SparseLoCo's 0.01-0.03: at 50-60 outer steps on small models 0.02 lost 1.8-2.5 points
     # and 3.3 % of a GPT's loss against fp32 DiLoCo. With positions by Elias-Fano (about half the
@@ -101,7 +101,10 @@ class DiLoCoOptions(GroupedOptions):
                                         "owner sends back (the mean of G sparse parts is up to G times denser "
                                         "than one); 0: 3 x density")
     error_decay: float = option(1.0, "sparse: the error-feedback accumulator's decay, e <- decay*e + Δ")
-    rank: int = option(4, "lowrank: columns of P and Q per matrix")
+    # 8: with the factors in int8 it sends what rank 4 did in fp16, and int8 factors were level with fp16
+    # ones (GPT at 2, 4, 8 groups, rank 8: 2.4138/2.3798/2.4045 against 2.4137/2.3796/2.4048;
+    # benchmarks/results/diloco-lowrank-int8), where rank 4 had lost 2.7 % of the GPT's loss
+    rank: int = option(8, "lowrank: columns of P and Q per matrix (sent in int8)")
     fragments: int = option(1, "streaming: sync the model in this many parts at staggered steps (peak traffic "
                                "between groups / fragments)")
     sync_delay: int = option(0, "inner steps between starting a fragment's exchange and applying it (torchft's "

@@ -29,9 +29,9 @@ class per `diloco.compression`:
 - lowrank (`LowRank`): PowerSGD on each matrix's pseudo-gradient (the seed's premise: an
             update is low-rank): P = M Q, mean, orthogonalise, Q = Mᵀ P, mean; error feedback and
             warm start of Q across syncs. A slice cuts matrices along rows, so each whole-row
-            block of a tensor is a matrix; vectors and cut rows go dense. Both means are fp16
+            block of a tensor is a matrix; vectors and cut rows go dense. Both means are int8
             reduce-scatters as above (P is re-orthogonalised, so its rounding does not matter;
-            Q's is a relative 2^-11 of the update).
+            error feedback keeps what a member's own Q and dense numbers lost to rounding).
 
 `start()` runs on the training thread: error feedback and encoding, and the meter's records
 (what the exchange will send is known before it is sent). It returns the collective part as a
@@ -196,6 +196,24 @@ def dequantise(values: torch.Tensor, scales: torch.Tensor, numbers: int) -> torc
     return (values.view(len(scales), BLOCK).float() * scales[:, None]).view(-1)[:numbers]
 
 
+def int8_encode(chunk: torch.Tensor) -> torch.Tensor:
+    """The chunk as int8, then one fp32 scale per block of BLOCK (the last block's padding is
+    not sent)."""
+    values, scales = quantise(chunk)
+    return torch.cat([values[:len(chunk)].view(torch.uint8), scales.view(torch.uint8)])
+
+
+def int8_decode(payload: torch.Tensor, numbers: int) -> torch.Tensor:
+    blocks = math.ceil(numbers / BLOCK)
+    values = torch.zeros(blocks * BLOCK, dtype=torch.int8)
+    values[:numbers] = payload[:numbers].view(torch.int8)
+    return dequantise(values, _view(payload[numbers:], torch.float32), numbers)
+
+
+def int8_bytes(chunk: int) -> int:
+    return chunk + FLOAT_BYTES * math.ceil(chunk / BLOCK)
+
+
 class Quantised(Exchange):
     """fp16 or int8, reduce-scatter in fp32 and allgather (see the module)."""
 
@@ -204,21 +222,13 @@ class Quantised(Exchange):
         self.name = kind
 
     def encode(self, chunk: torch.Tensor) -> torch.Tensor:
-        if self.name == "fp16":
-            return fp16_encode(chunk)
-        values, scales = quantise(chunk)  # the last block's padding is not sent
-        return torch.cat([values[:len(chunk)].view(torch.uint8), scales.view(torch.uint8)])
+        return fp16_encode(chunk) if self.name == "fp16" else int8_encode(chunk)
 
     def decode(self, payload: torch.Tensor, numbers: int) -> torch.Tensor:
-        if self.name == "fp16":
-            return fp16_decode(payload, numbers)
-        blocks = math.ceil(numbers / BLOCK)
-        values = torch.zeros(blocks * BLOCK, dtype=torch.int8)
-        values[:numbers] = payload[:numbers].view(torch.int8)
-        return dequantise(values, _view(payload[numbers:], torch.float32), numbers)
+        return fp16_decode(payload, numbers) if self.name == "fp16" else int8_decode(payload, numbers)
 
     def chunk_bytes(self, chunk: int) -> int:
-        return fp16_bytes(chunk) if self.name == "fp16" else chunk + FLOAT_BYTES * math.ceil(chunk / BLOCK)
+        return fp16_bytes(chunk) if self.name == "fp16" else int8_bytes(chunk)
 
     def transfers(self, numbers: int, shapes: list[tuple[int, ...]], start: int) -> list[Transfer]:
         each = self.chunk_bytes(-(-numbers // self.members))
@@ -459,17 +469,30 @@ class LowRank(Exchange):
 
     def transfers(self, numbers: int, shapes: list[tuple[int, ...]], start: int) -> list[Transfer]:
         pieces = slice_pieces(shapes, start, numbers, self.options.rank)
-        first = sum(rows * r for _, rows, _, r in pieces.matrices) + sum(n for _, n in pieces.dense)
-        second = sum(cols * r for _, _, cols, r in pieces.matrices)
-        return self._fp16_mean_transfers(first) + (self._fp16_mean_transfers(second) if pieces.matrices else [])
+        first = [sum(rows * r for _, rows, _, r in pieces.matrices), sum(n for _, n in pieces.dense)]
+        second = [sum(cols * r for _, _, cols, r in pieces.matrices)]
+        return self._int8_means_transfers(first) + (self._int8_means_transfers(second) if pieces.matrices else [])
 
-    def _fp16_mean_transfers(self, numbers: int) -> list[Transfer]:
-        each = fp16_bytes(-(-numbers // self.members))
+    def _int8_means_transfers(self, numbers: list[int]) -> list[Transfer]:
+        each = sum(int8_bytes(-(-n // self.members)) for n in numbers)
         return [Transfer("alltoall", self.members * each), Transfer("allgather", each)]
 
-    def _fp16_mean(self, values: torch.Tensor) -> torch.Tensor:
-        encoded, chunk = self._encode_chunks(values, fp16_encode)
-        return self._reduce_scatter_mean(torch.cat(encoded), chunk, len(values), fp16_encode, fp16_decode)
+    def _int8_means(self, parts: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The column's mean of each of `parts` in one reduce-scatter (int8 chunks reduced in fp32,
+        as the int8 form; each part on int8 blocks of its own, so that a bias never shares a scale
+        with a factor's numbers), and what this member's own chunks carried after rounding (error
+        feedback keeps the difference). Empty parts are not sent."""
+        sent_parts = [v for v in parts if len(v)]
+        cut = [self._encode_chunks(v, int8_encode) for v in sent_parts]  # (chunks, chunk length) per part
+        sizes = [int8_bytes(chunk) for _, chunk in cut]
+        payload = torch.cat([encoded[j] for j in range(self.members) for encoded, _ in cut])
+        received = [p.split(sizes) for p in self._alltoall(payload)]  # every member's chunk j of each part
+        sums = [sum(int8_decode(r[i], chunk) for r in received) for i, (_, chunk) in enumerate(cut)]
+        gathered = [g.split(sizes) for g in self._allgather(torch.cat([int8_encode(t / self.members) for t in sums]))]
+        means = iter([(torch.cat([int8_decode(g[i], chunk) for g in gathered])[:len(v)],
+                       torch.cat([int8_decode(e, chunk) for e in encoded])[:len(v)])
+                      for i, (v, (encoded, chunk)) in enumerate(zip(sent_parts, cut))])
+        return [next(means) if len(v) else (v, v) for v in parts]
 
     def _initial_qs(self, fragment: int, pieces: Pieces) -> list[torch.Tensor]:
         """Random orthonormal Qs, the same on every member of the column (same seed, same slice)."""
@@ -486,26 +509,34 @@ class LowRank(Exchange):
         def collective() -> torch.Tensor:
             ms = [corrected[o:o + rows * cols].view(rows, cols) for o, rows, cols, _ in pieces.matrices]
             qs = self.qs[fragment]
-            first = self._fp16_mean(torch.cat([(m @ q).reshape(-1) for m, q in zip(ms, qs)]
-                                              + [corrected[o:o + n] for o, n in pieces.dense]))
-            out, at = torch.zeros_like(corrected), 0
-            ps = []
-            for m in ms:
-                r = qs[len(ps)].shape[1]
-                ps.append(orthogonalise(first[at:at + m.shape[0] * r].view(m.shape[0], r)))
-                at += m.shape[0] * r
+            # Factors travel column by column, each direction scaled near unit size by its warm
+            # start (the same on every member): column i of M Q grows as σ_i times Q's column norm
+            # (σ_i at the last exchange), and of Mᵀ P as σ_i, so unscaled the weak directions
+            # would round to nothing beside the strong ones on an int8 block's shared scale.
+            # Scaling a column of P changes nothing once P is orthogonalised; Q's is undone.
+            norms = [q.pow(2).sum(0).clamp_min(1e-30).sqrt() for q in qs]
+            (first, _), (dense, dense_sent) = self._int8_means([
+                torch.cat([((m @ q) / n ** 2).T.reshape(-1) for m, q, n in zip(ms, qs, norms)] + [corrected[:0]]),
+                torch.cat([corrected[o:o + n] for o, n in pieces.dense] + [corrected[:0]])])
+            out, error, at = torch.zeros_like(corrected), torch.zeros_like(corrected), 0
             for o, n in pieces.dense:
-                out[o:o + n] = first[at:at + n]
+                out[o:o + n] = dense[at:at + n]
+                error[o:o + n] = corrected[o:o + n] - dense_sent[at:at + n]
                 at += n
-            local_qs = [m.T @ p for m, p in zip(ms, ps)]
-            second = self._fp16_mean(torch.cat([q.reshape(-1) for q in local_qs])) if ms else first[:0]
-            error, at, mean_qs = torch.zeros_like(corrected), 0, []
-            for (o, rows, cols, r), m, p, q in zip(pieces.matrices, ms, ps, local_qs):
-                mean_q = second[at:at + cols * r].view(cols, r)
+            ps, at = [], 0
+            for m, q in zip(ms, qs):  # P's rounding does not matter: it is orthogonalised and used as it is
+                ps.append(orthogonalise(first[at:at + m.shape[0] * q.shape[1]].view(q.shape[1], m.shape[0]).T))
+                at += m.shape[0] * q.shape[1]
+            (second, q_sent), = self._int8_means(
+                [torch.cat([((p.T @ m) / n[:, None]).reshape(-1) for m, p, n in zip(ms, ps, norms)] + [corrected[:0]])])
+            at, mean_qs = 0, []
+            for (o, rows, cols, r), m, p, n in zip(pieces.matrices, ms, ps, norms):
+                mean_q = (second[at:at + cols * r].view(r, cols) * n[:, None]).T
+                sent_q = (q_sent[at:at + cols * r].view(r, cols) * n[:, None]).T
                 at += cols * r
                 out[o:o + rows * cols] = (p @ mean_q.T).reshape(-1)
-                error[o:o + rows * cols] = (m - p @ q.T).reshape(-1)
-                mean_qs.append(mean_q)
+                error[o:o + rows * cols] = (m - p @ sent_q.T).reshape(-1)
+                mean_qs.append(mean_q.contiguous())
             self.errors[fragment], self.qs[fragment] = error, mean_qs  # warm start: the mean Q
             return out.to(delta.device)
         return collective
