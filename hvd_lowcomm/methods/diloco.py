@@ -112,8 +112,8 @@ class DiLoCoOptions(GroupedOptions):
     update_alpha: float = option(1.0, "with sync_delay: the share of the local progress made while the exchange "
                                       "ran that the fragment keeps on top of the new global parameters")
     # benchmarks/results/diloco-eager-gpt-shakespeare: GPT, H = 10, against the blocking exchange:
-    # 2 groups +0.98 % with the whole period hidden (sync_delay 5 +2.10 %, 9 +4.37 %); 8 groups
-    # +6.90 % (sync_delay 5 +2.82 %): the other groups' 7/8 of each step come a period late.
+    # 2 groups +0.98 % with the whole period hidden (sync_delay 5 +2.10 %, 9 +4.37 %); 4 groups +4.29 %;
+    # 8 groups +6.90 % (sync_delay 5 +2.82 %): the other groups' 7/8 of each step come a period late.
     eager: bool = option(False, "hide each exchange behind the whole next period (eager updates): step at once with "
                                 "this group's own pseudo-gradient and the other groups' from one period earlier; "
                                 "plain averaging only (outer_momentum 0), not with sync_delay; pays at few groups "
