@@ -242,3 +242,17 @@ def test_lowrank_exchange_is_powersgd_on_each_matrix_with_error_feedback_and_war
     # factors and the bias on blocks of their own
     chunks = [-(-numbers // SIZE) for numbers in ((48 + 30) * rank, 48, (40 + 24) * rank)]
     assert fresh_meter.total(group="world", field="payload_bytes") == len(inputs) * (SIZE + 1) * sum(map(int8_bytes, chunks))
+
+
+@needs_ranks(2)
+def test_lowrank_exchange_of_a_slice_without_matrices_sends_it_dense(world, fresh_meter):
+    # rank 4 does not pay on an 8 × 8 matrix, and a bias is a vector: nothing is factorised, and
+    # the mean goes as the dense part alone (no factor collectives)
+    shapes = [(8, 8), (16,)]
+    exchange = make_exchange(world, DiLoCoOptions(compression="lowrank", rank=4))
+    delta = torch.randn(80, generator=torch.Generator().manual_seed(RANK))
+    mean = exchange.start(0, delta, shapes, 0)()
+    want = everyones(world, delta).mean(0)
+    assert (mean - want).abs().max() <= 1e-2 * want.abs().max()
+    assert 0 < exchange.errors[0].abs().max() <= delta.abs().max() / 254 + 1e-7
+    assert fresh_meter.total(group="world", field="payload_bytes") == (SIZE + 1) * int8_bytes(-(-80 // SIZE))

@@ -481,18 +481,16 @@ class LowRank(Exchange):
         """The column's mean of each of `parts` in one reduce-scatter (int8 chunks reduced in fp32,
         as the int8 form; each part on int8 blocks of its own, so that a bias never shares a scale
         with a factor's numbers), and what this member's own chunks carried after rounding (error
-        feedback keeps the difference). Empty parts are not sent."""
-        sent_parts = [v for v in parts if len(v)]
-        cut = [self._encode_chunks(v, int8_encode) for v in sent_parts]  # (chunks, chunk length) per part
+        feedback keeps the difference). An empty part sends nothing."""
+        cut = [self._encode_chunks(v, int8_encode) for v in parts]  # (chunks, chunk length) per part
         sizes = [int8_bytes(chunk) for _, chunk in cut]
         payload = torch.cat([encoded[j] for j in range(self.members) for encoded, _ in cut])
         received = [p.split(sizes) for p in self._alltoall(payload)]  # every member's chunk j of each part
-        sums = [sum(int8_decode(r[i], chunk) for r in received) for i, (_, chunk) in enumerate(cut)]
-        gathered = [g.split(sizes) for g in self._allgather(torch.cat([int8_encode(t / self.members) for t in sums]))]
-        means = iter([(torch.cat([int8_decode(g[i], chunk) for g in gathered])[:len(v)],
-                       torch.cat([int8_decode(e, chunk) for e in encoded])[:len(v)])
-                      for i, (v, (encoded, chunk)) in enumerate(zip(sent_parts, cut))])
-        return [next(means) if len(v) else (v, v) for v in parts]
+        means = [sum(int8_decode(r[i], chunk) for r in received) / self.members for i, (_, chunk) in enumerate(cut)]
+        gathered = [g.split(sizes) for g in self._allgather(torch.cat([int8_encode(m) for m in means]))]
+        return [(torch.cat([int8_decode(g[i], chunk) for g in gathered])[:len(v)],
+                 torch.cat([int8_decode(e, chunk) for e in encoded])[:len(v)])
+                for i, (v, (encoded, chunk)) in enumerate(zip(parts, cut))]
 
     def _initial_qs(self, fragment: int, pieces: Pieces) -> list[torch.Tensor]:
         """Random orthonormal Qs, the same on every member of the column (same seed, same slice)."""
@@ -527,8 +525,9 @@ class LowRank(Exchange):
             for m, q in zip(ms, qs):  # P's rounding does not matter: it is orthogonalised and used as it is
                 ps.append(orthogonalise(first[at:at + m.shape[0] * q.shape[1]].view(q.shape[1], m.shape[0]).T))
                 at += m.shape[0] * q.shape[1]
-            (second, q_sent), = self._int8_means(
-                [torch.cat([((p.T @ m) / n[:, None]).reshape(-1) for m, p, n in zip(ms, ps, norms)] + [corrected[:0]])])
+            (second, q_sent), = self._int8_means(  # no matrices: no second mean (`transfers` has none)
+                [torch.cat([((p.T @ m) / n[:, None]).reshape(-1) for m, p, n in zip(ms, ps, norms)])]
+            ) if ms else [(corrected[:0], corrected[:0])]
             at, mean_qs = 0, []
             for (o, rows, cols, r), m, p, n in zip(pieces.matrices, ms, ps, norms):
                 mean_q = (second[at:at + cols * r].view(r, cols) * n[:, None]).T
