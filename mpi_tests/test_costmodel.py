@@ -185,10 +185,10 @@ def test_method_auto_trains_with_the_method_the_cost_model_chose(world, fresh_me
     assert choice in expected, summary["auto_reason"]
     assert summary["method"] == choice
     # Every rank trained with that method: its training tensors carry the method's names
-    # (PowerSGD's first start_iter steps are plain allreduces named "allreduce.<parameter>").
+    # (PowerSGD's first start_iter steps are plain means named "powersgd.warmup.<parameter>").
     trained = {name.split(".")[0] for name, t in fresh_meter.by_name.items() if t.calls}
-    marker = {"dad": "dad", "rank-dad": "rank-dad", "powersgd": "allreduce"}.get(choice)
-    assert (marker in trained) if marker else not trained & {"dad", "rank-dad", "allreduce", "powersgd"}, trained
+    marker = {"dad": "dad", "rank-dad": "rank-dad", "powersgd": "powersgd"}.get(choice)
+    assert (marker in trained) if marker else not trained & {"dad", "rank-dad", "powersgd"}, trained
     if RANK == 0:  # rank 0 prints the choice
         out = capsys.readouterr().out
         assert f"auto: chose {summary['auto_choice']}: predicted" in out and "predicted per step:" in out

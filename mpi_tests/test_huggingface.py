@@ -162,6 +162,31 @@ def test_ab_keeps_a_tied_head_dense_even_when_full_rank_does_not_name_it():
     assert kept == {"lm_head": "weight tied to another module's"} and len(layers) == 8
 
 
+@pytest.mark.skipif(SIZE != 2, reason="AB on HF models is checked at np 2")
+def test_ab_measures_its_cuts_on_an_encoder_decoder_called_with_keyword_arguments():
+    """A T5 cannot run on input_ids alone (its decoder needs inputs too): `ab.step` takes the
+    model's keyword arguments, and the cut guard runs the model on them."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=2,
+                                                num_heads=2, dropout_rate=0.0, decoder_start_token_id=0,
+                                                pad_token_id=0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    steps = 12
+    ab = ABTraining(model, opt, total_steps=steps)
+    losses = []
+    for step in range(steps):
+        x = local(global_batch(step))
+        with ab.step({"input_ids": x, "labels": x}):
+            opt.zero_grad()
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+        losses.append(loss.item())
+    assert ab.cuts and min(cut["rank"] for cut in ab.cuts.values()) < 32  # the guard measured real cuts
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
 def test_sil_refuses_a_hugging_face_model_with_its_reason():
     with pytest.raises(ConfigError, match="nn.Sequential"):
         SIL(build("gpt2"), input_shape=(SEQ,), num_classes=VOCAB)

@@ -145,16 +145,29 @@ def test_half_sums_redo_an_overflowing_sum_in_float32(world, fresh_meter):
     assert sums.largest["test.x"] == pytest.approx(5e5 * world.size * (world.size + 1) / 2)
 
 
-def test_plain_allreduce_until_start_iter_then_compression(world, fresh_meter):
-    layer, mean_weight, _ = layer_with_grads(world, lambda r: torch.full((N_OUT, N_IN), float(r)))
-    opt = wrap(layer, rank=1, start_iter=1, adapt_every=3)
+@pytest.mark.parametrize("factor_dtype", ["float32", "float16"])
+def test_plain_mean_until_start_iter_then_compression(world, fresh_meter, factor_dtype):
+    """The start_iter steps send every gradient whole, as its mean, in factor_dtype: float16
+    halves their bytes (a step of plain means is what a run's first steps cost) and keeps each
+    tensor's mean within float16's rounding, under its own scale (the weight's gradient is 1e6
+    times the bias's)."""
+    layer, mean_weight, mean_bias = layer_with_grads(world, lambda r: torch.full((N_OUT, N_IN), r + 1.0))
+    layer.bias.grad *= 1e-6
+    opt = wrap(layer, rank=1, start_iter=1, adapt_every=3, factor_dtype=factor_dtype)
     opt.synchronize()
-    assert {r.name for r in fresh_meter.step_records} == {"allreduce.weight", "allreduce.bias"}
-    torch.testing.assert_close(layer.weight.grad, mean_weight)
+    for got, mean in ((layer.weight.grad, mean_weight), (layer.bias.grad, mean_bias * 1e-6)):
+        assert float((got - mean).norm() / mean.norm()) < 1e-3  # float16 rounds by 2**-11 at most
+    payload = {r.name: r.payload_bytes for r in fresh_meter.step_records}
+    number = 2 if factor_dtype == "float16" and world.size > 1 else 4
+    assert {k: v for k, v in payload.items() if k != "powersgd.scales"} == {
+        "powersgd.warmup.weight": N_OUT * N_IN * number, "powersgd.warmup.bias": N_OUT * number}
+    assert ("powersgd.scales" in payload) == (number == 2)  # the scales are agreed once, in float16
     fresh_meter.next_step()
     layer.weight.grad, layer.bias.grad = torch.ones(N_OUT, N_IN), torch.ones(N_OUT)
     opt.synchronize()
-    assert {r.name for r in fresh_meter.step_records} == {"powersgd.P.weight", "powersgd.Q.weight", "allreduce.bias"}
+    plain = "allreduce.bias" if number == 4 else "powersgd.uncompressed"
+    assert {r.name for r in fresh_meter.step_records} - {"powersgd.scales"} == {
+        "powersgd.P.weight", "powersgd.Q.weight", plain}
     assert opt.powersgd.iter == 2 and opt.powersgd.qs["weight"].shape == (N_IN, 1)  # kept for warm start
 
 

@@ -43,6 +43,7 @@ import contextlib
 import copy
 import math
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterable, Iterator
 
@@ -65,6 +66,9 @@ from hvd_lowcomm.models.layer_kinds import kind_of
 from hvd_lowcomm.schedule import SET_LATER, require_run_length, run_steps
 
 SYNC_MODES = ("with-stale", "only-learned", "only-b", "full")
+# What `ABTraining.step` measures a cut on: the model's input, or its keyword arguments (an
+# encoder-decoder needs the decoder's too: {"input_ids": x, "labels": y} for a Hugging Face T5).
+ModelInput = torch.Tensor | Mapping[str, Any]
 COMM_SETUPS = ("groups", "individual")
 INITS = ("default", "ortho-sigma")
 
@@ -192,8 +196,9 @@ class ABTraining:
         final = ab.full_model()        # the synced model as an ordinary network (collective)
 
     Entering `step` applies the schedule's switch for this step (a re-factorisation measures
-    its cut on `x` and checks it against the labels `y`, or against the dense model's own
-    predictions when `y` is None); leaving it averages the gradients of what this rank trains
+    its cut on `model(x)`, or `model(**x)` when `x` is a mapping of keyword arguments, as an
+    encoder-decoder needs: `ab.step({"input_ids": x, "labels": y})`, and checks it against the
+    labels `y`, or against the dense model's own predictions when `y` is None); leaving it averages the gradients of what this rank trains
     (inside its group in the group phase, over all ranks otherwise) and calls
     `optimizer.step()`. The factors A and B join the parameter group of the weight they
     replace, so the user's optimiser, its hyper-parameters and LR scheduler keep working;
@@ -248,7 +253,7 @@ class ABTraining:
 
     # -- one step ------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def step(self, x: torch.Tensor, y: torch.Tensor | None = None) -> Iterator[None]:
+    def step(self, x: ModelInput, y: torch.Tensor | None = None) -> Iterator[None]:
         """One training step around the caller's forward and backward pass (see the class)."""
         if self.schedule is None:
             self.schedule = Schedule(self.options)  # steps only: a fraction needs set_total_steps()
@@ -281,7 +286,7 @@ class ABTraining:
             return self.group
         return None
 
-    def _advance(self, x: torch.Tensor, y: torch.Tensor | None) -> None:
+    def _advance(self, x: ModelInput, y: torch.Tensor | None) -> None:
         actions = self.schedule.transitions(self.global_step)
         for action in actions:
             if action == "factorize-first":
@@ -321,7 +326,7 @@ class ABTraining:
             layer.B.requires_grad_(grouped and self.role == "B")
 
     # -- factorise, sync -------------------------------------------------------------------------
-    def _factorize(self, x: torch.Tensor, y: torch.Tensor | None, truncate: bool) -> None:
+    def _factorize(self, x: ModelInput, y: torch.Tensor | None, truncate: bool) -> None:
         """Factorise every layer; with `truncate`, at the ranks the rule and floor choose,
         agreed over all ranks (MAX), and checked against the pooled loss and accuracy of this
         step's batch (the floor halves until the cut costs at most max_loss_rise and
@@ -392,12 +397,12 @@ class ABTraining:
         recording every factorised layer's inputs for the output-space floor."""
         hooks = []
 
-        def logits_of(x: torch.Tensor, record: bool = False) -> torch.Tensor:
+        def logits_of(x: ModelInput, record: bool = False) -> torch.Tensor:
             if record:
                 hooks.extend(layer.register_forward_hook(lambda m, inputs, out: m.record_inputs(inputs[0]))
                              for layer in self.layers.values())
             try:
-                return task.logits(self.model(x))
+                return task.logits(self.model(**x) if isinstance(x, Mapping) else self.model(x))
             finally:
                 for hook in hooks:
                     hook.remove()

@@ -2,7 +2,8 @@
 semantics of PyTorch's DDP communication hook (torch/distributed/algorithms/ddp_comm_hooks/
 powerSGD_hook.py), as a Horovod-style optimizer wrapper.
 
-Each step, once `start_iter` steps of plain allreduce are done:
+The first `start_iter` steps send the plain mean gradient (in `factor_dtype`, see step 5); each
+step after them:
 1. Split the gradients: a tensor viewed as an n × m matrix (n = its first dimension) is
    compressed if (n + m)·r·min_compression_rate < n·m at its smallest rank r; the rest
    (biases, small layers) is allreduced (averaged) as is.
@@ -15,7 +16,8 @@ Each step, once `start_iter` steps of plain allreduce are done:
    that keeps its sum in range (hvd_lowcomm.comm.half_wire): P is re-orthogonalised and Q's
    rounding is part of what error feedback adds back, so 16 bits cost no accuracy and halve the
    bytes. The uncompressed gradients ride with P in float16 too (one scale for all of them), as
-   Horovod's fp16 compression sends them: a relative 2**-11 per number, not fed back.
+   Horovod's fp16 compression sends them: a relative 2**-11 per number, not fed back. So do
+   the start_iter steps' plain means, each tensor under its own scale.
 6. M̂ = P Qᵀ, the same rank-r approximation of the mean gradient on every rank; e <- M - M̂.
 
 Adaptive rank (the default, `rank 0`): every `adapt_every` steps a few random probe columns S
@@ -76,7 +78,8 @@ class PowerSGDOptions:
     # P and Q are sums of low-rank factors that are re-orthogonalised (P) or fed back (Q's
     # rounding joins the error), so 16 bits per number lose nothing error feedback does not add
     # back; they halve the bytes, which buys twice the rank.
-    factor_dtype: str = option("float16", "number format on the wire of P, Q and the uncompressed gradients: "
+    factor_dtype: str = option("float16", "number format on the wire of P, Q, the uncompressed gradients and the "
+                                          "start_iter steps' plain means: "
                                           "float16 (half the bytes; scaled by a power of two per matrix to stay in "
                                           "range, redone in float32 if a sum overflows) or float32",
                                choices=("float16", "float32"))
@@ -191,8 +194,13 @@ class _PowerSGDExchange(GradientExchange):
     def _exchange(self) -> None:
         state, options = self.powersgd, self.powersgd.options
         grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in self._named}
+        size = self._group.size if self._group is not None else runtime.size()
         if state.iter < options.start_iter:
-            self._assign(grads, self._average([(f"allreduce.{n}", g) for n, g in grads.items()]))
+            # The plain mean until compression starts, in factor_dtype on the wire too, each
+            # tensor under its own scale (as P and Q): on a short run these steps are a large
+            # share of PowerSGD's bytes (10 of a 630-step MLP run: nearly half of them).
+            summed, _ = self._sum([(f"powersgd.warmup.{n}", g) for n, g in grads.items()], [], size)
+            self._assign(grads, {n: total / size for n, total in zip(grads, summed)})
             state.iter += 1
             return
 
@@ -220,7 +228,6 @@ class _PowerSGDExchange(GradientExchange):
         if measuring:  # the probes ride in the P round: M [Q | S]
             payloads = {name: torch.cat([payloads[name], m @ probes(m.shape[1], generator, m)], 1)
                         for name, m in matrices.items()}
-        size = self._group.size if self._group is not None else runtime.size()
         # The uncompressed gradients travel with the P round (summed, then averaged here): one
         # Horovod cycle fewer per step than an allreduce of their own.
         summed, summed_plain = self._sum([(f"powersgd.P.{n}", payload) for n, payload in payloads.items()],
@@ -288,8 +295,9 @@ class _PowerSGDExchange(GradientExchange):
 
     def _sum(self, factors: list[tuple[str, torch.Tensor]], exact: list[tuple[str, torch.Tensor]],
              size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Sums over the group of `factors` and `exact` (the uncompressed gradients), both in
-        factor_dtype on the wire, in one Horovod cycle."""
+        """Sums over the group of `factors` (each under its own scale in float16) and `exact`
+        (the uncompressed gradients, under one), both in factor_dtype on the wire, in one
+        Horovod cycle."""
         if self.powersgd.options.factor_dtype == "float16" and size > 1:
             if not exact:
                 return self.powersgd.wire.allreduce(factors, [], self._group)
@@ -302,10 +310,6 @@ class _PowerSGDExchange(GradientExchange):
             return sums, [piece.view_as(t) for piece, (_, t) in zip(pieces, exact)]
         outs = meter.allreduce_many(factors + exact, self._group, op="sum")
         return outs[:len(factors)], outs[len(factors):]
-
-    def _average(self, named: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        results = meter.allreduce_many(named, self._group, op="average")
-        return {name.split(".", 1)[1]: value for (name, _), value in zip(named, results)}
 
     def _assign(self, grads: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
         for name, param in self._named:
