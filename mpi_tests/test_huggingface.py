@@ -1,6 +1,7 @@
-"""Hugging Face models (GPT-2: Conv1D projections and a tied head; Llama: nn.Linear) in a
-user's own loop written as HF users write it: `model(input_ids=x, labels=x).loss`, models built
-from small configs with random weights (no download)."""
+"""Hugging Face models (GPT-2: Conv1D projections and a tied head; Llama: nn.Linear; and, through
+the same loops, T5, BERT and Mixtral's experts) in a user's own loop written as HF users write
+it: `model(input_ids=x, labels=x).loss`, models built from small configs with random weights
+(no download)."""
 from __future__ import annotations
 
 import copy
@@ -9,7 +10,8 @@ import math
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                          MixtralConfig, MixtralForCausalLM, T5Config, T5ForConditionalGeneration)
 
 import hvd_lowcomm as hl
 from conftest import RANK, SIZE
@@ -35,12 +37,33 @@ def llama() -> torch.nn.Module:
                                         bos_token_id=0, eos_token_id=0, pad_token_id=0))
 
 
+def t5() -> torch.nn.Module:  # encoder-decoder: relative position biases, a tied head, cross-attention
+    return T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=2,
+                                               num_heads=2, dropout_rate=0.0, decoder_start_token_id=0,
+                                               pad_token_id=0))
+
+
+def bert() -> torch.nn.Module:  # encoder with a masked-LM head tied to its embedding
+    return BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                      intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0))
+
+
+def mixtral() -> torch.nn.Module:  # mixture of experts: each rank's tokens reach different experts
+    return MixtralForCausalLM(MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                            num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+                                            bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+
 MODELS = {"gpt2": gpt2, "llama": llama}
+# Other families, through the same loops: every wrapper must take them too.
+OTHER_MODELS = {"t5": t5, "bert": bert, "mixtral": mixtral}
 
 
 def build(name: str) -> torch.nn.Module:
     torch.manual_seed(0)  # the same weights on every rank
-    return MODELS[name]()
+    return {**MODELS, **OTHER_MODELS}[name]()
 
 
 def global_batch(step: int) -> torch.Tensor:
@@ -59,7 +82,7 @@ def hf_loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(input_ids=x, labels=x).loss
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", [*MODELS, *OTHER_MODELS])
 @pytest.mark.parametrize("wrap", ["ddp", "dad"])
 def test_exact_wrappers_give_the_single_process_gradient_of_the_pooled_batch(name, wrap):
     model = build(name)
@@ -70,8 +93,11 @@ def test_exact_wrappers_give_the_single_process_gradient_of_the_pooled_batch(nam
     opt = hl.DistributedOptimizer(opt, model.named_parameters()) if wrap == "ddp" else DadOptimizer(opt, model)
     hf_loss(model, local(batch)).backward()
     opt.synchronize()
+    # A gradient that is zero by structure (BERT's key bias: softmax ignores what it adds to a
+    # row) is rounding noise in both: it is judged against the model's whole gradient instead.
+    whole = math.sqrt(sum(float(ref.grad.norm()) ** 2 for ref in reference.parameters()))
     for (pname, p), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
-        error = float((p.grad - ref.grad).norm() / ref.grad.norm().clamp_min(1e-12))
+        error = float((p.grad - ref.grad).norm()) / max(float(ref.grad.norm()), 1e-3 * whole)
         assert error <= 1e-4, (RANK, pname, error)
 
 
@@ -115,7 +141,9 @@ def train(name: str, method: str, steps: int = 40) -> tuple[list[float], torch.n
     losses = []
     for step in range(steps):
         x = local(global_batch(step))
-        with (ab.step(x) if ab else torch.enable_grad()):  # no labels: the cut guard agrees with the dense model
+        # no labels: the cut guard agrees with the dense model; an encoder-decoder's decoder needs inputs
+        inputs = {"input_ids": x, "labels": x} if name == "t5" else x
+        with (ab.step(inputs) if ab else torch.enable_grad()):
             opt.zero_grad()
             loss = hf_loss(model, x)
             loss.backward()
@@ -128,7 +156,7 @@ def train(name: str, method: str, steps: int = 40) -> tuple[list[float], torch.n
 
 
 @pytest.mark.skipif(SIZE != 2, reason="the wrappers' run on HF models is checked at np 2")
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", [*MODELS, *OTHER_MODELS])
 @pytest.mark.parametrize("method", ["ddp", "powersgd", "dad", "rank-dad", "ab", "diloco"])
 def test_every_wrapper_lowers_the_loss_of_a_hugging_face_model(name, method):
     losses, _, _ = train(name, method)
@@ -166,23 +194,7 @@ def test_ab_keeps_a_tied_head_dense_even_when_full_rank_does_not_name_it():
 def test_ab_measures_its_cuts_on_an_encoder_decoder_called_with_keyword_arguments():
     """A T5 cannot run on input_ids alone (its decoder needs inputs too): `ab.step` takes the
     model's keyword arguments, and the cut guard runs the model on them."""
-    from transformers import T5Config, T5ForConditionalGeneration
-
-    torch.manual_seed(0)
-    model = T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=2,
-                                                num_heads=2, dropout_rate=0.0, decoder_start_token_id=0,
-                                                pad_token_id=0))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    steps = 12
-    ab = ABTraining(model, opt, total_steps=steps)
-    losses = []
-    for step in range(steps):
-        x = local(global_batch(step))
-        with ab.step({"input_ids": x, "labels": x}):
-            opt.zero_grad()
-            loss = model(input_ids=x, labels=x).loss
-            loss.backward()
-        losses.append(loss.item())
+    losses, _, ab = train("t5", "ab", steps=12)
     assert ab.cuts and min(cut["rank"] for cut in ab.cuts.values()) < 32  # the guard measured real cuts
     assert losses[-1] < 0.8 * losses[0], losses
 
