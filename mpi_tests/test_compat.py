@@ -50,6 +50,8 @@ def one_sgd_step(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, 
     with plain SGD at lr 1 on this rank's batch."""
     if name == "ab" and SIZE % 2:  # an odd rank count has one group, which only-b allows
         argv = (*argv, "--ab.groups", "1", "--ab.sync_mode", "only-b")
+    if name == "powersgd":  # its first steps are plain means; float32 so they are exact
+        argv = (*argv, "--powersgd.factor_dtype", "float32")
     method = spec(name).method(config.load(["--method", name, "--train.optimizer", "sgd", "--train.momentum", "0",
                                            "--train.weight_decay", "0", "--train.lr", "1", *argv]))
     method.setup(model)
@@ -112,8 +114,9 @@ def test_methods_refuse_what_they_cannot_honour(name, argv, what):
 def wrap(kind: str, model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     if kind == "ddp":
         return hvd_lowcomm.DistributedOptimizer(opt, model.named_parameters())
-    if kind == "powersgd":
-        return hvd_lowcomm.PowerSGDOptimizer(opt, model.named_parameters())
+    if kind == "powersgd":  # its first steps are plain means; float32 so they are exact
+        state = hvd_lowcomm.PowerSGDState(factor_dtype="float32")
+        return hvd_lowcomm.PowerSGDOptimizer(opt, model.named_parameters(), state)
     return hvd_lowcomm.DadOptimizer(opt, model, plan="all")  # rows shared for every layer (the dAD path)
 
 
