@@ -8,11 +8,12 @@ width 64, the family's own attention, positions, norms, heads and ties) and trai
 steps of AdamW on random windows of the dataset's byte tokens, once per method, every method
 from the same weights and the same batches, in the loop Hugging Face users write
 (`model(input_ids=x, labels=x).loss`; BERT and RoBERTa as masked LMs, 15 % of the tokens
-masked; an encoder-decoder hands AB-training its keyword arguments). One mpirun per architecture runs the methods in turn; a method that fails ends
-that launch and is recorded with its error, and the next launch goes on after it, so a failure
-costs one row. Writes results.md and results.csv: per architecture and method, the training
-loss (mean of the last 5 steps) against ddp's, and the bytes a rank sent per step against
-ddp's. The question is "does it run and learn like ddp on this family", not a tuned quality.
+masked; an encoder-decoder hands AB-training its keyword arguments). One mpirun per
+architecture runs the methods in turn; a method that fails ends that launch and is recorded
+with its error, and the next launch goes on after it, so a failure costs one row. Writes
+results.md and results.csv: per architecture and method, the training loss (mean of the last
+5 steps) against ddp's, and the bytes a rank sent per step against ddp's. The question is
+"does it run and learn like ddp on this family", not a tuned quality.
 """
 from __future__ import annotations
 
@@ -106,7 +107,8 @@ def train_one(arch: str, method: str, tokens: Any, steps: int, batch: int, seq: 
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ab = diloco = None
     if method in ("ddp", "ddp-fp16"):
-        opt = hl.DistributedOptimizer(opt, model.named_parameters(), compression="fp16" if method == "ddp-fp16" else "none")
+        compression = "fp16" if method == "ddp-fp16" else "none"
+        opt = hl.DistributedOptimizer(opt, model.named_parameters(), compression=compression)
     elif method == "powersgd":
         opt = hl.PowerSGDOptimizer(opt, model.named_parameters())
     elif method in ("dad", "rank-dad"):

@@ -198,9 +198,9 @@ class ABTraining:
     Entering `step` applies the schedule's switch for this step (a re-factorisation measures
     its cut on `model(x)`, or `model(**x)` when `x` is a mapping of keyword arguments, as an
     encoder-decoder needs: `ab.step({"input_ids": x, "labels": y})`, and checks it against the
-    labels `y`, or against the dense model's own predictions when `y` is None); leaving it averages the gradients of what this rank trains
-    (inside its group in the group phase, over all ranks otherwise) and calls
-    `optimizer.step()`. The factors A and B join the parameter group of the weight they
+    labels `y`, or against the dense model's own predictions when `y` is None); leaving it
+    averages the gradients of what this rank trains (inside its group in the group phase, over
+    all ranks otherwise) and calls `optimizer.step()`. The factors A and B join the parameter group of the weight they
     replace, so the user's optimiser, its hyper-parameters and LR scheduler keep working;
     `clip_grad_norm` clips the pooled gradient before that step. Frozen layers stay dense.
     `total_steps` lets options below 1 mean fractions of the run; keyword options are those
