@@ -184,10 +184,10 @@ def test_sparse_bytes_per_rank_stay_flat_in_the_number_of_groups():
 
 
 def test_a_slice_cuts_matrices_into_whole_row_blocks():
-    pieces = slice_pieces([(64, 32), (64,), (10, 32)], 50, 2000, 4)
+    pieces = slice_pieces([(64, 32), (64,), (10, 32)], 50, 2000, 4, 0.05)
     assert pieces.matrices == ((14, 62, 32, 4),)  # rows 2..63 of the first matrix
     assert pieces.dense == ((0, 14), (1998, 2))  # the cut row's tail, the start of the bias
-    assert slice_pieces([(8, 8)], 0, 64, 4).dense == ((0, 64),)  # rank 4 does not pay on 8 × 8
+    assert slice_pieces([(8, 8)], 0, 64, 4, 0.05).dense == ((0, 64),)  # rank 4 does not pay on 8 × 8
 
 
 @needs_ranks(2)
@@ -196,7 +196,7 @@ def test_lowrank_exchange_is_powersgd_on_each_matrix_with_error_feedback_and_war
     exchange = make_exchange(world, DiLoCoOptions(compression="lowrank", rank=rank))
     delta = pseudo_gradient(RANK)
     offsets = [(0, 48, 40), (48 * 40 + 48, 30, 24)]
-    qs = [q.clone() for q in exchange._initial_qs(0, slice_pieces(SHAPES, 0, NUMBERS, rank))]
+    qs = [q.clone() for q in exchange._initial_qs(0, slice_pieces(SHAPES, 0, NUMBERS, rank, 0.05))]
     # one pseudo-gradient, then exchanges of nothing new: error feedback delivers what each left out
     inputs = [delta] + [torch.zeros_like(delta)] * 5
     corrected, delivered = delta, torch.zeros_like(delta)
@@ -242,6 +242,34 @@ def test_lowrank_exchange_is_powersgd_on_each_matrix_with_error_feedback_and_war
     # factors and the bias on blocks of their own
     chunks = [-(-numbers // SIZE) for numbers in ((48 + 30) * rank, 48, (40 + 24) * rank)]
     assert fresh_meter.total(group="world", field="payload_bytes") == len(inputs) * (SIZE + 1) * sum(map(int8_bytes, chunks))
+
+
+@pytest.mark.parametrize("share", [0.05, 0.02])
+def test_lowrank_ranks_from_the_byte_budget_spend_it_evenly(share):
+    # rank 0: each matrix's rank is what its share of the budget buys, so a GPT's 128-wide
+    # matrices and an MLP's 1024-wide ones are compressed alike, within the budget, dense numbers
+    # and int8 scales included
+    for shapes in ([(65, 128), (384, 128), (384,), (128, 128), (512, 128), (128, 512), (128,)],
+                   [(1024, 784), (1024,), (1024, 1024), (10, 1024), (10,)]):
+        numbers = sum(math.prod(s) for s in shapes)
+        for members in (2, 4, 8):
+            options = DiLoCoOptions(compression="lowrank", factor_share=share)
+            sent = sum(t.wire(members) for t in make_exchange(None, options, members=members).transfers(numbers, shapes, 0))
+            fp32 = sum(t.wire(members) for t in make_exchange(None, DiLoCoOptions(), members=members).transfers(
+                numbers, shapes, 0))
+            assert 0.8 * share <= sent / fp32 <= share
+        pieces = slice_pieces(shapes, 0, numbers, 0, share)
+        assert len(pieces.matrices) == sum(len(s) == 2 for s in shapes)
+        # every matrix at the same compression (int8 factors at `share` of fp32's 4 bytes a
+        # number, less the dense numbers' and the scales' part), up to the rounding down of its
+        # rank; at least rank 1 (a 10-row head at 2 %)
+        for _, rows, cols, r in pieces.matrices:
+            assert r == 1 or (rows + cols) * r / (rows * cols) <= 4 * share
+            assert 4 * share < (rows + cols) * (r + 1) / (rows * cols) / 0.9
+    # a generous share stops where factors stop paying (PowerSGD's rule), and a slice of a few
+    # rows of a matrix is still compressed as a block of its own
+    assert all((rows + cols) * r * 2 < rows * cols for _, rows, cols, r in slice_pieces([(64, 64)], 0, 4096, 0, 1.0).matrices)
+    assert slice_pieces([(64, 64)], 1000, 2000, 0, 0.05).matrices[0][1:3] == (30, 64)  # rows 16..45
 
 
 @needs_ranks(2)

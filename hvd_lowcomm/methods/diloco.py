@@ -23,7 +23,8 @@ slices: a rank sends model/|group| across the network per sync, not the whole mo
 - compression (hvd_lowcomm.methods.outer_exchange): none (fp32 allreduce); fp16 or int8 by a
   quantised reduce-scatter and allgather whose bytes per rank stay below twice the slice's
   whatever the number of groups; sparse (SparseLoCo: top-k of each chunk at 2 bits from an
-  error-feedback accumulator) or lowrank (PowerSGD factors of each matrix in int8, error feedback);
+  error-feedback accumulator) or lowrank (PowerSGD factors of each matrix in int8 at a rank that spends
+  factor_share of fp32's bytes, error feedback);
 - fragments F (Streaming DiLoCo): the parameters in F contiguous parts of about equal size,
   part f synced at inner steps f·H/F + k·H, so the network carries 1/F of the model at a time;
 - sync_delay τ (Streaming DiLoCo's overlap, torchft's fragment_sync_delay): a fragment's
@@ -101,10 +102,14 @@ class DiLoCoOptions(GroupedOptions):
                                         "owner sends back (the mean of G sparse parts is up to G times denser "
                                         "than one); 0: 3 x density")
     error_decay: float = option(1.0, "sparse: the error-feedback accumulator's decay, e <- decay*e + Δ")
-    # 8: with the factors in int8 it sends what rank 4 did in fp16, and int8 factors were level with fp16
-    # ones (GPT at 2, 4, 8 groups, rank 8: 2.4138/2.3798/2.4045 against 2.4137/2.3796/2.4048;
-    # benchmarks/results/diloco-lowrank-int8), where rank 4 had lost 2.7 % of the GPT's loss
-    rank: int = option(8, "lowrank: columns of P and Q per matrix (sent in int8)")
+    # 0, a rank per matrix from a byte budget: one fixed rank spends the bytes unevenly (rank 8 sent
+    # 1/38.8 of fp32's bytes on a GPT of 128-wide matrices, 1/34-1/68 on an MLP of 256-1024) and
+    # missed the GPT at 2 groups (+1.55 %; rank 16, 1/20.2, +1.67 %), where rank 31 (1/5.4) was
+    # level: what the pseudo-gradient's tail needs is more rank wherever the bytes allow it.
+    rank: int = option(0, "lowrank: columns of P and Q per matrix (sent in int8); 0: each matrix's own, what its "
+                          "share of the byte budget (factor_share) buys")
+    factor_share: float = option(0.05, "lowrank with rank 0: the share of fp32's bytes the exchange sends (dense "
+                                       "numbers included); every matrix is compressed by the same factor")
     fragments: int = option(1, "streaming: sync the model in this many parts at staggered steps (peak traffic "
                                "between groups / fragments)")
     sync_delay: int = option(0, "inner steps between starting a fragment's exchange and applying it (torchft's "
@@ -132,8 +137,10 @@ class DiLoCoOptions(GroupedOptions):
             raise ConfigError(f"diloco.owner_density must be in [0, 1] (0: 3 x density), got {self.owner_density}")
         if not 0 <= self.error_decay <= 1:
             raise ConfigError(f"diloco.error_decay must be in [0, 1], got {self.error_decay}")
-        if self.rank < 1:
-            raise ConfigError(f"diloco.rank must be >= 1, got {self.rank}")
+        if self.rank < 0:
+            raise ConfigError(f"diloco.rank must be >= 0 (0: from diloco.factor_share), got {self.rank}")
+        if not 0 < self.factor_share <= 1:
+            raise ConfigError(f"diloco.factor_share must be in (0, 1], got {self.factor_share}")
         if self.sync_delay < 0:
             raise ConfigError(f"diloco.sync_delay must be >= 0, got {self.sync_delay}")
         if not 0 <= self.update_alpha <= 1:

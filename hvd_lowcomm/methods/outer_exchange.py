@@ -29,7 +29,9 @@ class per `diloco.compression`:
 - lowrank (`LowRank`): PowerSGD on each matrix's pseudo-gradient (the seed's premise: an
             update is low-rank): P = M Q, mean, orthogonalise, Q = Mᵀ P, mean; error feedback and
             warm start of Q across syncs. A slice cuts matrices along rows, so each whole-row
-            block of a tensor is a matrix; vectors and cut rows go dense. Both means are int8
+            block of a tensor is a matrix; vectors and cut rows go dense. Each matrix's rank
+            is what its part of a byte budget buys (`diloco.factor_share` of fp32's bytes, every
+            matrix compressed alike), or one fixed `diloco.rank`. Both means are int8
             reduce-scatters as above (P is re-orthogonalised, so its rounding does not matter;
             error feedback keeps what a member's own Q and dense numbers lost to rounding).
 
@@ -437,26 +439,49 @@ class Pieces:
     dense: tuple[tuple[int, int], ...]
 
 
-def slice_pieces(shapes: list[tuple[int, ...]], start: int, numbers: int, rank: int) -> Pieces:
+def slice_pieces(shapes: list[tuple[int, ...]], start: int, numbers: int, rank: int, share: float) -> Pieces:
     """The whole-row blocks of each tensor inside [start, start + numbers) of the fragment's
-    flat numbers, as matrices where rank `rank` pays, and the rest as dense runs."""
-    matrices, dense, offset, stop = [], [], 0, start + numbers
+    flat numbers, as matrices where a low rank pays, and the rest as dense runs.
+
+    Each matrix's rank is `rank`, or with rank 0 what its part of the byte budget buys: the
+    slice may send `share` of its fp32 bytes in int8 (scales included); the dense runs take
+    theirs first, and each matrix gets the rest in proportion to its size, so every matrix is
+    compressed by the same factor. A fixed rank spends that budget unevenly: rank 8 sent 1/39
+    of a GPT's fp32 bytes (128-wide matrices) and 1/34-1/68 of an MLP's (256-1024 wide)."""
+    blocks, dense, offset, stop = [], [], 0, start + numbers
     for shape in shapes:
         size = math.prod(shape)
         lo, hi = max(offset, start), min(offset + size, stop)
         if lo < hi:
             cols = size // shape[0] if len(shape) > 1 else size
             first, last = -(-(lo - offset) // cols), (hi - offset) // cols  # whole rows inside
-            rows, r = last - first, min(rank, last - first, cols)
-            if len(shape) > 1 and rows > 0 and (rows + cols) * r * MIN_COMPRESSION < rows * cols:
+            rows = last - first
+            if len(shape) > 1 and rows > 0 and _pays(rows, cols, 1):
                 a, b = offset + first * cols, offset + last * cols
-                matrices.append((a - start, rows, cols, r))
+                blocks.append((a - start, rows, cols))
                 dense += [(lo - start, a - lo)] if a > lo else []
                 dense += [(b - start, hi - b)] if hi > b else []
             else:
                 dense.append((lo - start, hi - lo))
         offset += size
-    return Pieces(tuple(matrices), tuple(dense))
+    area = sum(rows * cols for _, rows, cols in blocks)
+    # int8 numbers the factors may take: the budget less the dense runs, less one scale per block
+    spare = share * FLOAT_BYTES * numbers / (1 + FLOAT_BYTES / BLOCK) - sum(n for _, n in dense)
+    matrices = []
+    for o, rows, cols in blocks:
+        r = min(rank, rows, cols) if rank else max(1, int(spare * rows * cols / area / (rows + cols)))
+        if rank and not _pays(rows, cols, r):
+            dense.append((o, rows * cols))
+            continue
+        while not _pays(rows, cols, r):  # a generous share: the rank stays where factors still pay
+            r -= 1
+        matrices.append((o, rows, cols, r))
+    return Pieces(tuple(matrices), tuple(sorted(dense)))
+
+
+def _pays(rows: int, cols: int, rank: int) -> bool:
+    """Whether rank-`rank` factors are at least MIN_COMPRESSION times smaller than the matrix."""
+    return (rows + cols) * rank * MIN_COMPRESSION < rows * cols
 
 
 class LowRank(Exchange):
@@ -468,7 +493,7 @@ class LowRank(Exchange):
         self.qs: dict[int, list[torch.Tensor]] = {}  # warm start per fragment, one Q per matrix
 
     def transfers(self, numbers: int, shapes: list[tuple[int, ...]], start: int) -> list[Transfer]:
-        pieces = slice_pieces(shapes, start, numbers, self.options.rank)
+        pieces = slice_pieces(shapes, start, numbers, self.options.rank, self.options.factor_share)
         first = [sum(rows * r for _, rows, _, r in pieces.matrices), sum(n for _, n in pieces.dense)]
         second = [sum(cols * r for _, _, cols, r in pieces.matrices)]
         return self._int8_means_transfers(first) + (self._int8_means_transfers(second) if pieces.matrices else [])
@@ -498,7 +523,7 @@ class LowRank(Exchange):
         return [orthogonalise(torch.randn(cols, r, generator=generator)) for _, _, cols, r in pieces.matrices]
 
     def start(self, fragment: int, delta: torch.Tensor, shapes: list[tuple[int, ...]], start: int) -> Collective:
-        pieces = slice_pieces(shapes, start, len(delta), self.options.rank)
+        pieces = slice_pieces(shapes, start, len(delta), self.options.rank, self.options.factor_share)
         corrected = self._feedback(fragment, delta)
         if fragment not in self.qs:
             self.qs[fragment] = self._initial_qs(fragment, pieces)
