@@ -108,6 +108,8 @@ class DiLoCoOptions(GroupedOptions):
     # level: what the pseudo-gradient's tail needs is more rank wherever the bytes allow it.
     rank: int = option(0, "lowrank: columns of P and Q per matrix (sent in int8); 0: each matrix's own, what its "
                           "share of the byte budget (factor_share) buys")
+    factor_bits: int = option(4, "lowrank: bits a factor's number takes on the wire (4 or 8; dense numbers go in "
+                                 "int8)", choices=(4, 8))
     factor_share: float = option(0.05, "lowrank with rank 0: the share of fp32's bytes the exchange sends (dense "
                                        "numbers included); every matrix is compressed by the same factor")
     fragments: int = option(1, "streaming: sync the model in this many parts at staggered steps (peak traffic "

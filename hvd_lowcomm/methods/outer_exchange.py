@@ -31,9 +31,13 @@ class per `diloco.compression`:
             warm start of Q across syncs. A slice cuts matrices along rows, so each whole-row
             block of a tensor is a matrix; vectors and cut rows go dense. Each matrix's rank
             is what its part of a byte budget buys (`diloco.factor_share` of fp32's bytes, every
-            matrix compressed alike), or one fixed `diloco.rank`. Both means are int8
-            reduce-scatters as above (P is re-orthogonalised, so its rounding does not matter;
-            error feedback keeps what a member's own Q and dense numbers lost to rounding).
+            matrix compressed alike), or one fixed `diloco.rank`. Both means are reduce-
+            scatters as above, the factors in 4 bits (`diloco.factor_bits`; 64 numbers to a
+            scale), the dense numbers in int8. P is re-orthogonalised, so its rounding only
+            blurs the subspace; every rounding of Q and of the dense numbers is fed back: a
+            member's own chunks' by its error feedback, the mean's by the chunk's owner (G
+            times it into its own error, which a later mean divides by G), so 4 bits lose
+            nothing but time.
 
 `start()` runs on the training thread: error feedback and encoding, and the meter's records
 (what the exchange will send is known before it is sent). It returns the collective part as a
@@ -58,6 +62,9 @@ from hvd_lowcomm.methods.powersgd import orthogonalise
 
 COMPRESSIONS = ("none", "fp16", "int8", "sparse", "lowrank")
 BLOCK = 256    # numbers per int8 scale: one fp32 scale costs 1/64 of the block's bytes
+# numbers per 4-bit scale: 4-bit factors of a pseudo-gradient's weak directions need a scale of
+# their own more often (1/8 of the block's bytes)
+BLOCK4 = 64
 CHUNK = 4096   # numbers per sparse chunk: every chunk sends its own top-k
 # Sparse beyond 2 groups, by default: the share of the groups' mean an owner sends back, as a multiple
 # of a group's density (diloco.owner_density)
@@ -183,19 +190,20 @@ def fp16_bytes(chunk: int) -> int:
     return 2 * chunk + FLOAT_BYTES
 
 
-def quantise(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 values and one fp32 scale per block of BLOCK (absmax / 127)."""
-    blocks = math.ceil(len(values) / BLOCK)
-    padded = torch.zeros(blocks * BLOCK, dtype=values.dtype, device=values.device)
+def quantise(values: torch.Tensor, levels: int = 127, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Integers in [-levels, levels] (int8) and one fp32 scale per block of `block` numbers
+    (absmax / levels)."""
+    blocks = math.ceil(len(values) / block)
+    padded = torch.zeros(blocks * block, dtype=values.dtype, device=values.device)
     padded[: len(values)] = values
-    padded = padded.view(blocks, BLOCK)
-    scales = padded.abs().amax(dim=1) / 127
+    padded = padded.view(blocks, block)
+    scales = padded.abs().amax(dim=1) / levels
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    return torch.round(padded / scales[:, None]).clamp(-127, 127).to(torch.int8).view(-1), scales
+    return torch.round(padded / scales[:, None]).clamp(-levels, levels).to(torch.int8).view(-1), scales
 
 
-def dequantise(values: torch.Tensor, scales: torch.Tensor, numbers: int) -> torch.Tensor:
-    return (values.view(len(scales), BLOCK).float() * scales[:, None]).view(-1)[:numbers]
+def dequantise(values: torch.Tensor, scales: torch.Tensor, numbers: int, block: int = BLOCK) -> torch.Tensor:
+    return (values.view(len(scales), block).float() * scales[:, None]).view(-1)[:numbers]
 
 
 def int8_encode(chunk: torch.Tensor) -> torch.Tensor:
@@ -214,6 +222,42 @@ def int8_decode(payload: torch.Tensor, numbers: int) -> torch.Tensor:
 
 def int8_bytes(chunk: int) -> int:
     return chunk + FLOAT_BYTES * math.ceil(chunk / BLOCK)
+
+
+def int4_encode(chunk: torch.Tensor) -> torch.Tensor:
+    """The chunk as 4-bit integers in [-7, 7], two to a byte, then one fp32 scale per block of
+    BLOCK4."""
+    values, scales = quantise(chunk, levels=7, block=BLOCK4)
+    nibbles = (values[:len(chunk)] + 8).to(torch.uint8)
+    nibbles = torch.cat([nibbles, nibbles.new_full((len(nibbles) % 2,), 8)]).view(-1, 2)
+    return torch.cat([nibbles[:, 0] | (nibbles[:, 1] << 4), scales.view(torch.uint8)])
+
+
+def int4_decode(payload: torch.Tensor, numbers: int) -> torch.Tensor:
+    packed, blocks = payload[:-(-numbers // 2)], math.ceil(numbers / BLOCK4)
+    values = torch.zeros(blocks * BLOCK4, dtype=torch.int8)
+    values[:numbers] = (torch.stack([packed & 15, packed >> 4], 1).view(-1)[:numbers].to(torch.int8) - 8)
+    return dequantise(values, _view(payload[len(packed):], torch.float32), numbers, BLOCK4)
+
+
+def int4_bytes(chunk: int) -> int:
+    return -(-chunk // 2) + FLOAT_BYTES * math.ceil(chunk / BLOCK4)
+
+
+@dataclass(frozen=True)
+class Codec:
+    """A number format on the wire: `encode` a chunk to bytes, `decode` them, `size` of a
+    chunk's bytes, `per_number` its bytes a number (scales included) for budgets."""
+
+    encode: Encode
+    decode: Decode
+    size: Callable[[int], int]
+    per_number: float
+
+
+INT8 = Codec(int8_encode, int8_decode, int8_bytes, 1 + FLOAT_BYTES / BLOCK)
+INT4 = Codec(int4_encode, int4_decode, int4_bytes, 0.5 + FLOAT_BYTES / BLOCK4)
+FACTOR_CODECS = {8: INT8, 4: INT4}
 
 
 class Quantised(Exchange):
@@ -439,13 +483,15 @@ class Pieces:
     dense: tuple[tuple[int, int], ...]
 
 
-def slice_pieces(shapes: list[tuple[int, ...]], start: int, numbers: int, rank: int, share: float) -> Pieces:
+def slice_pieces(shapes: list[tuple[int, ...]], start: int, numbers: int, rank: int, share: float,
+                 factor_bytes: float = INT4.per_number) -> Pieces:
     """The whole-row blocks of each tensor inside [start, start + numbers) of the fragment's
     flat numbers, as matrices where a low rank pays, and the rest as dense runs.
 
     Each matrix's rank is `rank`, or with rank 0 what its part of the byte budget buys: the
-    slice may send `share` of its fp32 bytes in int8 (scales included); the dense runs take
-    theirs first, and each matrix gets the rest in proportion to its size, so every matrix is
+    slice may send `share` of its fp32 bytes (scales included); the dense runs take their int8
+    bytes first, and each matrix gets the rest, at `factor_bytes` a factor's number, in
+    proportion to its size, so every matrix is
     compressed by the same factor. A fixed rank spends that budget unevenly: rank 8 sent 1/39
     of a GPT's fp32 bytes (128-wide matrices) and 1/34-1/68 of an MLP's (256-1024 wide)."""
     blocks, dense, offset, stop = [], [], 0, start + numbers
@@ -465,8 +511,8 @@ def slice_pieces(shapes: list[tuple[int, ...]], start: int, numbers: int, rank: 
                 dense.append((lo - start, hi - lo))
         offset += size
     area = sum(rows * cols for _, rows, cols in blocks)
-    # int8 numbers the factors may take: the budget less the dense runs, less one scale per block
-    spare = share * FLOAT_BYTES * numbers / (1 + FLOAT_BYTES / BLOCK) - sum(n for _, n in dense)
+    # the factors' numbers: the budget less the dense runs' int8 bytes, at factor_bytes each
+    spare = (share * FLOAT_BYTES * numbers - INT8.per_number * sum(n for _, n in dense)) / factor_bytes
     matrices = []
     for o, rows, cols in blocks:
         r = min(rank, rows, cols) if rank else max(1, int(spare * rows * cols / area / (rows + cols)))
@@ -484,38 +530,65 @@ def _pays(rows: int, cols: int, rank: int) -> bool:
     return (rows + cols) * rank * MIN_COMPRESSION < rows * cols
 
 
+@dataclass(frozen=True)
+class Means:
+    """A reduce-scatter's result for one part: the `mean` every member got, what this member's
+    own chunks carried after rounding (`sent`), and `owner_lost`: G times what rounding the mean
+    took from the chunk this member owns (zero elsewhere). Fed back into this member's error, a
+    later exchange's mean (a sum over G members divided by G) returns it: nothing that rounding
+    takes is lost, which in 4 bits is several % of a factor."""
+
+    mean: torch.Tensor
+    sent: torch.Tensor
+    owner_lost: torch.Tensor
+
+
 class LowRank(Exchange):
     name = "lowrank"
 
     def __init__(self, column: Group | None, options: Any, members: int | None, seed: int = 0) -> None:
         super().__init__(column, options, members)
-        self.seed = seed
+        self.seed, self.factor = seed, FACTOR_CODECS[options.factor_bits]
         self.qs: dict[int, list[torch.Tensor]] = {}  # warm start per fragment, one Q per matrix
 
-    def transfers(self, numbers: int, shapes: list[tuple[int, ...]], start: int) -> list[Transfer]:
-        pieces = slice_pieces(shapes, start, numbers, self.options.rank, self.options.factor_share)
-        first = [sum(rows * r for _, rows, _, r in pieces.matrices), sum(n for _, n in pieces.dense)]
-        second = [sum(cols * r for _, _, cols, r in pieces.matrices)]
-        return self._int8_means_transfers(first) + (self._int8_means_transfers(second) if pieces.matrices else [])
+    def pieces(self, shapes: list[tuple[int, ...]], start: int, numbers: int) -> Pieces:
+        return slice_pieces(shapes, start, numbers, self.options.rank, self.options.factor_share,
+                            self.factor.per_number)
 
-    def _int8_means_transfers(self, numbers: list[int]) -> list[Transfer]:
-        each = sum(int8_bytes(-(-n // self.members)) for n in numbers)
+    def transfers(self, numbers: int, shapes: list[tuple[int, ...]], start: int) -> list[Transfer]:
+        pieces = self.pieces(shapes, start, numbers)
+        first = [(sum(rows * r for _, rows, _, r in pieces.matrices), self.factor),
+                 (sum(n for _, n in pieces.dense), INT8)]
+        second = [(sum(cols * r for _, _, cols, r in pieces.matrices), self.factor)]
+        return self._means_transfers(first) + (self._means_transfers(second) if pieces.matrices else [])
+
+    def _means_transfers(self, parts: list[tuple[int, Codec]]) -> list[Transfer]:
+        each = sum(codec.size(-(-n // self.members)) for n, codec in parts)
         return [Transfer("alltoall", self.members * each), Transfer("allgather", each)]
 
-    def _int8_means(self, parts: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The column's mean of each of `parts` in one reduce-scatter (int8 chunks reduced in fp32,
-        as the int8 form; each part on int8 blocks of its own, so that a bias never shares a scale
-        with a factor's numbers), and what this member's own chunks carried after rounding (error
-        feedback keeps the difference). An empty part sends nothing."""
-        cut = [self._encode_chunks(v, int8_encode) for v in parts]  # (chunks, chunk length) per part
-        sizes = [int8_bytes(chunk) for _, chunk in cut]
-        payload = torch.cat([encoded[j] for j in range(self.members) for encoded, _ in cut])
+    def _means(self, parts: list[tuple[torch.Tensor, Codec]]) -> list[Means]:
+        """The column's mean of each of `parts` in one reduce-scatter (chunks in the part's
+        number format reduced in fp32, as the int8 form; each part on blocks of its own, so that
+        a bias never shares a scale with a factor's numbers), with what rounding took from it:
+        this member's own chunks' and, on the chunk it owns, the mean's (see `Means`). An empty
+        part sends nothing."""
+        cut = [(self._encode_chunks(v, codec.encode), codec) for v, codec in parts]
+        sizes = [codec.size(chunk) for (_, chunk), codec in cut]
+        payload = torch.cat([encoded[j] for j in range(self.members) for (encoded, _), _ in cut])
         received = [p.split(sizes) for p in self._alltoall(payload)]  # every member's chunk j of each part
-        means = [sum(int8_decode(r[i], chunk) for r in received) / self.members for i, (_, chunk) in enumerate(cut)]
-        gathered = [g.split(sizes) for g in self._allgather(torch.cat([int8_encode(m) for m in means]))]
-        return [(torch.cat([int8_decode(g[i], chunk) for g in gathered])[:len(v)],
-                 torch.cat([int8_decode(e, chunk) for e in encoded])[:len(v)])
-                for i, (v, (encoded, chunk)) in enumerate(zip(parts, cut))]
+        means = [sum(codec.decode(r[i], chunk) for r in received) / self.members
+                 for i, ((_, chunk), codec) in enumerate(cut)]
+        mine = [codec.encode(m) for m, (_, codec) in zip(means, cut)]
+        gathered = [g.split(sizes) for g in self._allgather(torch.cat(mine))]
+        owned = self.column.comm.Get_rank() if self.members > 1 else 0
+        out = []
+        for i, ((v, _), ((encoded, chunk), codec)) in enumerate(zip(parts, cut)):
+            lost = torch.zeros(chunk * self.members)
+            lost[owned * chunk:(owned + 1) * chunk] = means[i] - codec.decode(mine[i], chunk)
+            out.append(Means(torch.cat([codec.decode(g[i], chunk) for g in gathered])[:len(v)],
+                             torch.cat([codec.decode(e, chunk) for e in encoded])[:len(v)],
+                             self.members * lost[:len(v)]))
+        return out
 
     def _initial_qs(self, fragment: int, pieces: Pieces) -> list[torch.Tensor]:
         """Random orthonormal Qs, the same on every member of the column (same seed, same slice)."""
@@ -523,7 +596,7 @@ class LowRank(Exchange):
         return [orthogonalise(torch.randn(cols, r, generator=generator)) for _, _, cols, r in pieces.matrices]
 
     def start(self, fragment: int, delta: torch.Tensor, shapes: list[tuple[int, ...]], start: int) -> Collective:
-        pieces = slice_pieces(shapes, start, len(delta), self.options.rank, self.options.factor_share)
+        pieces = self.pieces(shapes, start, len(delta))
         corrected = self._feedback(fragment, delta)
         if fragment not in self.qs:
             self.qs[fragment] = self._initial_qs(fragment, pieces)
@@ -535,31 +608,34 @@ class LowRank(Exchange):
             # Factors travel column by column, each direction scaled near unit size by its warm
             # start (the same on every member): column i of M Q grows as σ_i times Q's column norm
             # (σ_i at the last exchange), and of Mᵀ P as σ_i, so unscaled the weak directions
-            # would round to nothing beside the strong ones on an int8 block's shared scale.
+            # would round to nothing beside the strong ones on a block's shared scale.
             # Scaling a column of P changes nothing once P is orthogonalised; Q's is undone.
             norms = [q.pow(2).sum(0).clamp_min(1e-30).sqrt() for q in qs]
-            (first, _), (dense, dense_sent) = self._int8_means([
-                torch.cat([((m @ q) / n ** 2).T.reshape(-1) for m, q, n in zip(ms, qs, norms)] + [corrected[:0]]),
-                torch.cat([corrected[o:o + n] for o, n in pieces.dense] + [corrected[:0]])])
+            first, dense = self._means([
+                (torch.cat([((m @ q) / n ** 2).T.reshape(-1) for m, q, n in zip(ms, qs, norms)] + [corrected[:0]]),
+                 self.factor),
+                (torch.cat([corrected[o:o + n] for o, n in pieces.dense] + [corrected[:0]]), INT8)])
             out, error, at = torch.zeros_like(corrected), torch.zeros_like(corrected), 0
             for o, n in pieces.dense:
-                out[o:o + n] = dense[at:at + n]
-                error[o:o + n] = corrected[o:o + n] - dense_sent[at:at + n]
+                out[o:o + n] = dense.mean[at:at + n]
+                error[o:o + n] = corrected[o:o + n] - dense.sent[at:at + n] + dense.owner_lost[at:at + n]
                 at += n
             ps, at = [], 0
             for m, q in zip(ms, qs):  # P's rounding does not matter: it is orthogonalised and used as it is
-                ps.append(orthogonalise(first[at:at + m.shape[0] * q.shape[1]].view(q.shape[1], m.shape[0]).T))
+                ps.append(orthogonalise(first.mean[at:at + m.shape[0] * q.shape[1]].view(q.shape[1], m.shape[0]).T))
                 at += m.shape[0] * q.shape[1]
-            (second, q_sent), = self._int8_means(  # no matrices: no second mean (`transfers` has none)
-                [torch.cat([((p.T @ m) / n[:, None]).reshape(-1) for m, p, n in zip(ms, ps, norms)])]
-            ) if ms else [(corrected[:0], corrected[:0])]
+            if not ms:  # no matrices: no second mean (`transfers` has none)
+                self.errors[fragment] = error
+                return out.to(delta.device)
+            second, = self._means(
+                [(torch.cat([((p.T @ m) / n[:, None]).reshape(-1) for m, p, n in zip(ms, ps, norms)]), self.factor)])
             at, mean_qs = 0, []
             for (o, rows, cols, r), m, p, n in zip(pieces.matrices, ms, ps, norms):
-                mean_q = (second[at:at + cols * r].view(r, cols) * n[:, None]).T
-                sent_q = (q_sent[at:at + cols * r].view(r, cols) * n[:, None]).T
+                mean_q, sent_q, lost_q = ((part[at:at + cols * r].view(r, cols) * n[:, None]).T
+                                          for part in (second.mean, second.sent, second.owner_lost))
                 at += cols * r
                 out[o:o + rows * cols] = (p @ mean_q.T).reshape(-1)
-                error[o:o + rows * cols] = (m - p @ sent_q.T).reshape(-1)
+                error[o:o + rows * cols] = (m - p @ (sent_q - lost_q).T).reshape(-1)
                 mean_qs.append(mean_q.contiguous())
             self.errors[fragment], self.qs[fragment] = error, mean_qs  # warm start: the mean Q
             return out.to(delta.device)
