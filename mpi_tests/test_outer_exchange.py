@@ -264,13 +264,17 @@ def test_lowrank_ranks_from_the_byte_budget_spend_it_evenly(share):
     # matrices and an MLP's 1024-wide ones are compressed alike, within the budget, dense numbers
     # and int8 scales included
     for shapes in ([(65, 128), (384, 128), (384,), (128, 128), (512, 128), (128, 512), (128,)],
-                   [(1024, 784), (1024,), (1024, 1024), (10, 1024), (10,)]):
+                   [(1024, 784), (1024,), (1024, 1024), (10, 1024), (10,)],
+                   [(256, 784), (256,), (256, 256), (256,), (10, 256), (10,)]):
         numbers = sum(math.prod(s) for s in shapes)
-        for members in (2, 4, 8):
-            sent, fp32 = (sum(t.wire(members) for t in make_exchange(None, options, members=members).transfers(
-                numbers, shapes, 0)) for options in (DiLoCoOptions(compression="lowrank", factor_share=share),
-                                                     DiLoCoOptions()))
-            assert 0.8 * share <= sent / fp32 <= share
+        # whole, and each slice of groups of 2 and 4 ranks (short slices round up the most)
+        for members, ranks_per_group in ((2, 1), (4, 1), (8, 1), (4, 2), (2, 4)):
+            size = -(-numbers // ranks_per_group)
+            for start in range(0, numbers, size):
+                sent, fp32 = (sum(t.wire(members) for t in make_exchange(None, options, members=members).transfers(
+                    size, shapes, start)) for options in (DiLoCoOptions(compression="lowrank", factor_share=share),
+                                                          DiLoCoOptions()))
+                assert 0.8 * share <= sent / fp32 <= share
         pieces = slice_pieces(shapes, 0, numbers, 0, share)
         assert len(pieces.matrices) == sum(len(s) == 2 for s in shapes)
         # every matrix at the same compression (4-bit factors, scales included, at `share` of

@@ -23,8 +23,8 @@ slices: a rank sends model/|group| across the network per sync, not the whole mo
 - compression (hvd_lowcomm.methods.outer_exchange): none (fp32 allreduce); fp16 or int8 by a
   quantised reduce-scatter and allgather whose bytes per rank stay below twice the slice's
   whatever the number of groups; sparse (SparseLoCo: top-k of each chunk at 2 bits from an
-  error-feedback accumulator) or lowrank (PowerSGD factors of each matrix in int8 at a rank that spends
-  factor_share of fp32's bytes, error feedback);
+  error-feedback accumulator) or lowrank (PowerSGD factors of each matrix in 4 bits at a rank that
+  spends factor_share of fp32's bytes, error feedback);
 - fragments F (Streaming DiLoCo): the parameters in F contiguous parts of about equal size,
   part f synced at inner steps f·H/F + k·H, so the network carries 1/F of the model at a time;
 - sync_delay τ (Streaming DiLoCo's overlap, torchft's fragment_sync_delay): a fragment's
@@ -80,7 +80,7 @@ class DiLoCoOptions(GroupedOptions):
     sync_every: float = option(0.05, "inner steps between outer steps, H (< 1: fraction of the run's steps)")
     compression: str = option("none", "pseudo-gradients between groups: none (fp32), fp16, int8 (per-block scaling, "
                                       "error feedback), sparse (top-k of each chunk at 2 bits, error feedback) or "
-                                      "lowrank (PowerSGD factors of each matrix in int8, error feedback)",
+                                      "lowrank (PowerSGD factors of each matrix in 4 bits, error feedback)",
                               choices=COMPRESSIONS)
     # 0.12, not SparseLoCo's 0.01-0.03: at 50-60 outer steps on small models 0.02 lost 1.8-2.5 points
     # and 3.3 % of a GPT's loss against fp32 DiLoCo. With positions by Elias-Fano (about half the
@@ -104,14 +104,19 @@ class DiLoCoOptions(GroupedOptions):
     error_decay: float = option(1.0, "sparse: the error-feedback accumulator's decay, e <- decay*e + Δ")
     # 0, a rank per matrix from a byte budget: one fixed rank spends the bytes unevenly (rank 8 sent
     # 1/38.8 of fp32's bytes on a GPT of 128-wide matrices, 1/34-1/68 on an MLP of 256-1024) and
-    # missed the GPT at 2 groups (+1.55 %; rank 16, 1/20.2, +1.67 %), where rank 31 (1/5.4) was
-    # level: what the pseudo-gradient's tail needs is more rank wherever the bytes allow it.
-    rank: int = option(0, "lowrank: columns of P and Q per matrix (sent in int8); 0: each matrix's own, what its "
-                          "share of the byte budget (factor_share) buys")
+    # missed the GPT at 2 groups (+1.58 % over three seeds; rank 16, 1/20.2, +1.04 %), where rank 31
+    # (1/5.4) was level: the pseudo-gradient's tail needs more rank wherever the bytes allow it.
+    # The budget's ranks in int8 came to +0.81 % there (benchmarks/results/diloco-lowrank-budget).
+    rank: int = option(0, "lowrank: columns of P and Q per matrix; 0: each matrix's own, what its share of the "
+                          "byte budget (factor_share) buys")
+    # 4: the same bytes buy 1.8 times int8's rank, and with the mean's rounding fed back by its owner
+    # nothing is lost: GPT at 2 groups +0.44 % over three seeds (int8 +0.81 %; P in int8, Q in 4 bits
+    # +0.61 %, so rank buys more than P's precision)
     factor_bits: int = option(4, "lowrank: bits a factor's number takes on the wire (4 or 8; dense numbers go in "
                                  "int8)", choices=(4, 8))
     factor_share: float = option(0.05, "lowrank with rank 0: the share of fp32's bytes the exchange sends (dense "
-                                       "numbers included); every matrix is compressed by the same factor")
+                                       "numbers and scales included); every matrix is compressed by the same "
+                                       "factor")
     fragments: int = option(1, "streaming: sync the model in this many parts at staggered steps (peak traffic "
                                "between groups / fragments)")
     sync_delay: int = option(0, "inner steps between starting a fragment's exchange and applying it (torchft's "

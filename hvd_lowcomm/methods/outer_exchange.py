@@ -552,11 +552,28 @@ class LowRank(Exchange):
         self.qs: dict[int, list[torch.Tensor]] = {}  # warm start per fragment, one Q per matrix
 
     def pieces(self, shapes: list[tuple[int, ...]], start: int, numbers: int) -> Pieces:
-        return slice_pieces(shapes, start, numbers, self.options.rank, self.options.factor_share,
-                            self.factor.per_number)
+        """The slice's matrices and dense runs, with the budget's ranks brought within it on the
+        wire: `slice_pieces` counts bytes a number, and what a member's chunks round up to (a
+        scale per started block, a byte per odd nibble) could take a short slice past it."""
+        pieces = slice_pieces(shapes, start, numbers, self.options.rank, self.options.factor_share,
+                              self.factor.per_number)
+        if self.options.rank or self.members == 1:
+            return pieces
+        budget = self.options.factor_share * self._wire(Exchange.transfers(self, numbers, shapes, start))
+        while self._wire(self._transfers(pieces)) > budget and any(r > 1 for *_, r in pieces.matrices):
+            largest = max(range(len(pieces.matrices)), key=lambda i: pieces.matrices[i][3])
+            o, rows, cols, r = pieces.matrices[largest]
+            pieces = Pieces(pieces.matrices[:largest] + ((o, rows, cols, r - 1),) + pieces.matrices[largest + 1:],
+                            pieces.dense)
+        return pieces
+
+    def _wire(self, transfers: list[Transfer]) -> float:
+        return sum(t.wire(self.members) for t in transfers)
 
     def transfers(self, numbers: int, shapes: list[tuple[int, ...]], start: int) -> list[Transfer]:
-        pieces = self.pieces(shapes, start, numbers)
+        return self._transfers(self.pieces(shapes, start, numbers))
+
+    def _transfers(self, pieces: Pieces) -> list[Transfer]:
         first = [(sum(rows * r for _, rows, _, r in pieces.matrices), self.factor),
                  (sum(n for _, n in pieces.dense), INT8)]
         second = [(sum(cols * r for _, _, cols, r in pieces.matrices), self.factor)]
@@ -600,7 +617,7 @@ class LowRank(Exchange):
         corrected = self._feedback(fragment, delta)
         if fragment not in self.qs:
             self.qs[fragment] = self._initial_qs(fragment, pieces)
-        self._record(fragment, self.transfers(len(delta), shapes, start))
+        self._record(fragment, self._transfers(pieces))
 
         def collective() -> torch.Tensor:
             ms = [corrected[o:o + rows * cols].view(rows, cols) for o, rows, cols, _ in pieces.matrices]
