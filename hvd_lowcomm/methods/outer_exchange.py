@@ -154,6 +154,12 @@ class Exchange:
         padded = torch.cat([values, values.new_zeros(chunk * self.members - len(values))])
         return [encode(c) for c in padded.view(self.members, chunk)], chunk
 
+    def _reduce_scatter_transfers(self, parts: list[tuple[int, "Codec"]]) -> list[Transfer]:
+        """What one reduce-scatter of `parts` (numbers, format) sends: every member's chunk of
+        each part by alltoall, then each member's mean chunk by allgather."""
+        each = sum(codec.size(-(-n // self.members)) for n, codec in parts)
+        return [Transfer("alltoall", self.members * each), Transfer("allgather", each)]
+
     def _reduce_scatter_mean(self, payload: torch.Tensor, chunk: int, numbers: int, encode: Encode,
                              decode: Decode, decode_mean: Decode | None = None) -> torch.Tensor:
         """The column's mean of the vectors whose encoded chunks (`_encode_chunks`, joined) are
@@ -255,6 +261,7 @@ class Codec:
     per_number: float
 
 
+FP16 = Codec(fp16_encode, fp16_decode, fp16_bytes, 2.0)
 INT8 = Codec(int8_encode, int8_decode, int8_bytes, 1 + FLOAT_BYTES / BLOCK)
 INT4 = Codec(int4_encode, int4_decode, int4_bytes, 0.5 + FLOAT_BYTES / BLOCK4)
 FACTOR_CODECS = {8: INT8, 4: INT4}
@@ -265,26 +272,16 @@ class Quantised(Exchange):
 
     def __init__(self, column: Group | None, options: Any, members: int | None, kind: str) -> None:
         super().__init__(column, options, members)
-        self.name = kind
-
-    def encode(self, chunk: torch.Tensor) -> torch.Tensor:
-        return fp16_encode(chunk) if self.name == "fp16" else int8_encode(chunk)
-
-    def decode(self, payload: torch.Tensor, numbers: int) -> torch.Tensor:
-        return fp16_decode(payload, numbers) if self.name == "fp16" else int8_decode(payload, numbers)
-
-    def chunk_bytes(self, chunk: int) -> int:
-        return fp16_bytes(chunk) if self.name == "fp16" else int8_bytes(chunk)
+        self.name, self.codec = kind, {"fp16": FP16, "int8": INT8}[kind]
 
     def transfers(self, numbers: int, shapes: list[tuple[int, ...]], start: int) -> list[Transfer]:
-        each = self.chunk_bytes(-(-numbers // self.members))
-        return [Transfer("alltoall", self.members * each), Transfer("allgather", each)]
+        return self._reduce_scatter_transfers([(numbers, self.codec)])
 
     def start(self, fragment: int, delta: torch.Tensor, shapes: list[tuple[int, ...]], start: int) -> Collective:
         corrected = self._feedback(fragment, delta)
-        encoded, chunk = self._encode_chunks(corrected, self.encode)
+        encoded, chunk = self._encode_chunks(corrected, self.codec.encode)
         if self.name == "int8":  # fp16's rounding is far below the signal; int8's is fed back
-            sent = torch.cat([self.decode(e, chunk) for e in encoded])[: len(corrected)]
+            sent = torch.cat([self.codec.decode(e, chunk) for e in encoded])[: len(corrected)]
             self.errors[fragment] = corrected - sent
         payload = torch.cat(encoded)
         transfers = self.transfers(len(corrected), shapes, start)
@@ -292,7 +289,8 @@ class Quantised(Exchange):
         self._record(fragment, transfers)
 
         def collective() -> torch.Tensor:
-            return self._reduce_scatter_mean(payload, chunk, len(corrected), self.encode, self.decode).to(delta.device)
+            return self._reduce_scatter_mean(payload, chunk, len(corrected), self.codec.encode,
+                                             self.codec.decode).to(delta.device)
         return collective
 
 
@@ -577,11 +575,7 @@ class LowRank(Exchange):
         first = [(sum(rows * r for _, rows, _, r in pieces.matrices), self.factor),
                  (sum(n for _, n in pieces.dense), INT8)]
         second = [(sum(cols * r for _, _, cols, r in pieces.matrices), self.factor)]
-        return self._means_transfers(first) + (self._means_transfers(second) if pieces.matrices else [])
-
-    def _means_transfers(self, parts: list[tuple[int, Codec]]) -> list[Transfer]:
-        each = sum(codec.size(-(-n // self.members)) for n, codec in parts)
-        return [Transfer("alltoall", self.members * each), Transfer("allgather", each)]
+        return self._reduce_scatter_transfers(first) + (self._reduce_scatter_transfers(second) if pieces.matrices else [])
 
     def _means(self, parts: list[tuple[torch.Tensor, Codec]]) -> list[Means]:
         """The column's mean of each of `parts` in one reduce-scatter (chunks in the part's
