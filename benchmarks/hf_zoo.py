@@ -24,6 +24,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -178,8 +179,38 @@ def launch(args: argparse.Namespace, arch: str, methods: list[str], log: Path) -
             except subprocess.TimeoutExpired:
                 os.killpg(job.pid, signal.SIGKILL)
                 job.wait()
+            end_session(job.pid)
             out.write(f"\nhf_zoo: TimeoutError: the launch took more than {args.timeout:g} s\n")
             return TIMED_OUT
+
+
+def session_members(session: int) -> list[int]:
+    """The processes still running in a session (on Linux, from /proc; zombies, which hold
+    nothing but a process-table entry until they are reaped, left out)."""
+    members = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            if os.getsid(int(entry)) == session and state != "Z":
+                members.append(int(entry))
+        except (OSError, IndexError):  # it ended while we looked
+            pass
+    return members
+
+
+def end_session(session: int, patience: float = 30.0) -> None:
+    """Kill what is left of a launch's session and wait until it is gone. mpirun puts each rank
+    in a process group of its own, so killing mpirun's group leaves the ranks to mpirun's
+    forwarded signal, and a rank busy importing torch on loaded cores can outlive mpirun by
+    seconds, still holding memory and cores when the next launch starts."""
+    deadline = time.monotonic() + patience
+    while (members := session_members(session)) and time.monotonic() < deadline:
+        for pid in members:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
 
 
 def last_error(log: Path) -> str:
