@@ -194,9 +194,10 @@ def test_schedule_phases_and_transitions():
 
 
 def test_schedule_lengths_below_one_are_fractions_of_the_run():
-    options = config.load(["--method", "ab", "--ab.rebound_steps", "0.02"]).method_options["ab"]  # 0.1, 0.05, 0.01
+    options = config.load(["--method", "ab", "--ab.rebound_steps", "0.02"]).method_options["ab"]  # 0.1, 0.05, 0.01, 0.5
     s = Schedule(options, total_steps=800)
-    assert (s.warmup, s.sync_every, s.full_rank_steps, s.rebound_steps) == (80, 40, 8, 16)
+    assert (s.warmup, s.sync_every, s.full_rank_steps, s.rebound_steps, s.first_cut) == (80, 40, 8, 16, 400)
+    assert not s.cuts(399) and s.cuts(400)
     assert Schedule(options, total_steps=30).sync_every == 2
     with pytest.raises(ConfigError, match="ab.warmup = 0.1 is a fraction of the run"):
         Schedule(options)
@@ -208,6 +209,8 @@ def test_schedule_lengths_below_one_are_fractions_of_the_run():
     (["--ab.sync_every", "0"], "ab.sync_every must be > 0, got 0"),
     (["--ab.warmup", "2.5"], "ab.warmup must be a whole number of steps or a fraction below 1, got 2.5"),
     (["--ab.max_output_error", "1"], r"ab.max_output_error must be in \[0, 1\)"),
+    (["--ab.first_cut", "-1"], "ab.first_cut must be >= 0, got -1"),
+    (["--ab.first_cut", "1.5"], "ab.first_cut must be a whole number of steps or a fraction below 1, got 1.5"),
 ])
 def test_invalid_settings_are_rejected(argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -290,12 +293,13 @@ def test_a_model_that_reads_a_factorised_weight_directly_is_refused_before_train
 
 
 def ab_method(*argv: str) -> AB:
-    """AB on a tiny MLP; its cuts without the rank floor unless argv sets one (these tests are
-    about the rule, the floor of output error and the guards)."""
+    """AB on a tiny MLP; its cuts from the first re-factorisation on and without the rank floor
+    unless argv says otherwise (these tests are about the rule, the floor of output error and
+    the guards)."""
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 3))
     method = AB(config.load(["--method", "ab", "--ab.groups", "2", "--train.lr", "0.01", "--ab.min_rank_share", "0",
-                             *argv]))
+                             "--ab.first_cut", "0", *argv]))
     method.check_world(method.cfg, SIZE)
     method.setup(model)
     method.set_total_steps(100)  # resolves the schedule's fractions
@@ -539,6 +543,22 @@ def test_a_cut_keeps_at_least_its_share_of_the_smaller_side(world, share, floor)
 
 
 @needs_ranks(2)
+def test_re_factorisations_before_the_first_cut_keep_every_singular_value(world):
+    # the drastic rule (rank 1), no guard, first_cut at step 9: re-factorised at 5 and 8 with
+    # every singular value, cut at 11, the first re-factorisation from step 9 on
+    method = ab_method("--ab.warmup", "2", "--ab.sync_every", "2", "--ab.full_rank_steps", "1", "--ab.rank_rule", "tau",
+                       "--ab.tau", "0.99", "--ab.max_output_error", "0.99", "--ab.max_accuracy_drop", "1",
+                       "--ab.max_loss_rise", "100", "--ab.first_cut", "9")
+    layer, ranks, cut = method.trainer.layers["2"], [], []
+    for step in range(12):
+        method.train_step(*batch(step))
+        ranks.append(layer.rank)
+        cut.append(bool(method.trainer.cuts))
+    assert ranks[2:11] == [12] * 9 and not any(cut[:11])  # factorised at 2, re-factorised at 5 and 8: all kept
+    assert ranks[11] == 1 == method.trainer.cuts["2"]["rank"]  # the rule's rank 1 at the first cut
+
+
+@needs_ranks(2)
 def test_the_final_model_is_the_synced_model_the_same_on_every_rank(world):
     method = ab_method("--ab.warmup", "1", "--ab.sync_every", "4", "--ab.full_rank_steps", "1")
     for step in range(3):  # ends inside the group phase: the groups' models differ
@@ -582,7 +602,7 @@ def test_re_factorisations_after_a_cut_compute_only_the_leading_triplets_and_mor
         model[2].weight.copy_(spectrum_matrix([80.0, 60.0, 50.0, 40.0, 30.0, 20.0], 512, 512)
                               + 0.3 * torch.randn(512, 512) / 512**0.5)
     method = AB(config.load(["--method", "ab", "--ab.groups", "2", "--train.lr", "1e-4", "--ab.warmup", "1",
-                             "--ab.min_rank_share", "0",
+                             "--ab.min_rank_share", "0", "--ab.first_cut", "0",
                              "--ab.sync_every", "2", "--ab.full_rank_steps", "1",
                              "--ab.max_accuracy_drop", "1", "--ab.max_loss_rise", "100"]))  # an untrained model: its batch accuracy is noise
     method.setup(model)

@@ -178,7 +178,7 @@ def test_ab_keeps_frozen_layers_dense_and_untouched(world):
     model[3].requires_grad_(False)  # the middle Linear (16 -> 8)
     frozen = model[3].weight.detach().clone()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
-    ab = hvd_lowcomm.ABTraining(model, opt, groups=2, warmup=1, sync_every=2, full_rank_steps=1,
+    ab = hvd_lowcomm.ABTraining(model, opt, groups=2, warmup=1, sync_every=2, full_rank_steps=1, first_cut=0,
                                 full_rank=["first"])
     assert "3" not in ab.layers and "5" in ab.layers
     for step in range(5):

@@ -115,6 +115,13 @@ EXACT = {
     "ab": (["--ab.groups", "2", "--ab.warmup", "0.1", "--ab.sync_every", "0.1", "--ab.full_rank_steps", "0.05",
             "--ab.rank_rule", "tau", "--ab.tau", "0.01", "--ab.max_output_error", "0"],  # the floor keeps all
            {"rank_share": 1.0}, 2e-3),
+    # cuts to exactly half of each layer's smaller side (the floor; the rule and the guard let
+    # it through), the first at step 22 of 40 (first_cut 20): full-rank factors in the group
+    # phases and syncs before it, cut ones after
+    "ab-first-cut": (["--ab.groups", "2", "--ab.warmup", "0.1", "--ab.sync_every", "0.1", "--ab.full_rank_steps", "0.05",
+                      "--ab.first_cut", "0.5", "--ab.rank_rule", "tau", "--ab.tau", "0.99", "--ab.max_output_error",
+                      "0.99", "--ab.min_rank_share", "0.5", "--ab.max_loss_rise", "100", "--ab.max_accuracy_drop", "1"],
+                     {"rank_share": 0.5}, 2e-3),
     "diloco": (["--diloco.groups", "2"], {}, 1e-6),  # the model's default is a group per node
     # every form of DiLoCo's exchange between groups (at H = 4: ten exchanges in the run)
     **{f"diloco-{form}": (["--method", "diloco", "--diloco.groups", "2", "--diloco.sync_every", "4",
@@ -131,13 +138,13 @@ STEPS = 40
 
 
 @needs_ranks(2)
-@pytest.mark.parametrize("method", costmodel.predicted_methods() + [k for k in EXACT if k.startswith("diloco-")])
+@pytest.mark.parametrize("method", costmodel.predicted_methods() + [k for k in EXACT if k not in costmodel.predicted_methods()])
 def test_predicted_bytes_per_step_are_what_the_busiest_rank_sends(world, fresh_meter, shared_tmp, method):
-    """For every registered method (and every form of DiLoCo's exchange): the cost model's bytes
+    """For every registered method (and every form of DiLoCo's exchange, and AB's first cut): the cost model's bytes
     per step equal the meter's over a real run through the trainer (the rank that sends most;
     AB's B-groups and mp's partitions send less or other things)."""
     argv, assumed, tolerance = EXACT.get(method, ([], {}, 1e-6))
-    method = method if method in costmodel.predicted_methods() else "diloco"
+    method = method if method in costmodel.predicted_methods() else method.split("-")[0]  # a variant's method
     argv = ["--method", method, "--model.name", "mlp", "--model.hidden", "128,96,64", "--data.batch_size", "8",
             "--train.epochs", "1", "--train.max_steps", str(STEPS), "--data.path", str(shared_tmp / "digits.h5"),
             "--run.dir", str(shared_tmp), "--run.name", method, "--run.progress", "false", *argv]

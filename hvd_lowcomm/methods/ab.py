@@ -13,7 +13,8 @@ B frozen), the rest B-groups (train B, A frozen). Schedule, with t the global st
     sync               across all ranks, by sync mode; W = A B; BatchNorm statistics averaged
     full phase         full-rank data parallel over all ranks, so W can regain rank
     re-factorise       keep the singular values the rank rule and its floor choose (rank =
-                       MAX over ranks), checked on the step's batch; back to the group phase
+                       MAX over ranks), checked on the step's batch; back to the group phase.
+                       Before `first_cut` (half the run) a re-factorisation keeps every one.
 
 Sync modes (A' = A₀ + ΔA trained by A-groups, B' = B₀ + ΔB by B-groups):
     with-stale    average A over all ranks (learned and stale copies), same for B:
@@ -114,6 +115,16 @@ class ABOptions(GroupedOptions):
                                   "(the reference's init)", choices=INITS)
     full_rank: list[str] = option(["first", "last"], "layers never factorised (names, or first/last)")
     first_full_rank: bool = option(True, "keep every singular value at the first factorisation")
+    # A layer goes on learning directions long after warm-up: on a 4-layer GPT (600 steps,
+    # cosine LR) the singular values above the initialisation's bulk kept growing in number
+    # until 55-70 % of the run. What is cut away cannot be learned any more, so the cut's cost
+    # follows the share of the run trained after it: the first cut at 16 % of the run (the
+    # first re-factorisation) ended 2.2 % above AB without cuts, at 30 % 1.5 %, at half the
+    # run 0.98 % (seed 1: 0.98 %), each at the same 2.26x compression at the end and within
+    # 4 % of the inter-group bytes (benchmarks/results/ab-first-cut-gpt-shakespeare).
+    first_cut: float = option(0.5, "re-factorisations before this step keep every singular value; the "
+                                   "first one from it on cuts (< 1: fraction of the run's steps; 0: every "
+                                   "re-factorisation cuts)")
     # Off by default: measured on MNIST-5k (CNN 32,64,64, 15 epochs, np 4) a rebound over 2 % of
     # the run cost 1.0 point against none (95.5 vs 96.5 %), 0.5 % of the run 0.5 points; cycles
     # here are tens of steps, and a third of each spent at a reduced rate is lost learning.
@@ -132,7 +143,9 @@ class ABOptions(GroupedOptions):
             raise ConfigError("ab.warmup, ab.full_rank_steps and ab.rebound_steps must be >= 0")
         if self.sync_every <= 0:
             raise ConfigError(f"ab.sync_every must be > 0, got {self.sync_every}")
-        for name in ("warmup", "sync_every", "full_rank_steps", "rebound_steps"):
+        if self.first_cut < 0:
+            raise ConfigError(f"ab.first_cut must be >= 0, got {self.first_cut}")
+        for name in ("warmup", "sync_every", "full_rank_steps", "rebound_steps", "first_cut"):
             value = getattr(self, name)
             if value > 1 and value != int(value):
                 raise ConfigError(f"ab.{name} must be a whole number of steps or a fraction below 1, got {value}")
@@ -154,10 +167,10 @@ class Schedule:
     """Which phase global step t is in, and what happens when entering it."""
 
     def __init__(self, o: ABOptions, total_steps: int | None = None) -> None:
-        self.warmup, self.sync_every, self.full_rank_steps, self.rebound_steps = (
+        self.warmup, self.sync_every, self.full_rank_steps, self.rebound_steps, self.first_cut = (
             run_steps(o.warmup, total_steps, "ab.warmup"), max(1, run_steps(o.sync_every, total_steps, "ab.sync_every")),
             run_steps(o.full_rank_steps, total_steps, "ab.full_rank_steps"),
-            run_steps(o.rebound_steps, total_steps, "ab.rebound_steps"))
+            run_steps(o.rebound_steps, total_steps, "ab.rebound_steps"), run_steps(o.first_cut, total_steps, "ab.first_cut"))
 
     def phase(self, t: int) -> str:
         if t < self.warmup:
@@ -166,6 +179,10 @@ class Schedule:
 
     def position(self, t: int) -> int:
         return (t - self.warmup) % (self.sync_every + self.full_rank_steps)
+
+    def cuts(self, t: int) -> bool:
+        """Whether a re-factorisation at the start of step t cuts (else it keeps every singular value)."""
+        return t >= self.first_cut
 
     def transitions(self, t: int) -> list[str]:
         """Actions at the start of step t: factorize-first, sync, refactorize."""
@@ -249,7 +266,8 @@ class ABTraining:
         self.schedule = Schedule(self.options, total_steps)
         s = self.schedule
         self._say(f"schedule over {total_steps} steps: warm-up {s.warmup}, then cycles of {s.sync_every} group "
-                  f"steps and {s.full_rank_steps} full-rank steps; LR rebound over {s.rebound_steps} steps")
+                  f"steps and {s.full_rank_steps} full-rank steps; the first cut at the first re-factorisation from "
+                  f"step {s.first_cut} on; LR rebound over {s.rebound_steps} steps")
 
     # -- one step ------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -294,7 +312,7 @@ class ABTraining:
             elif action == "sync":
                 self._sync()
             else:
-                self._factorize(x, y, truncate=True)
+                self._factorize(x, y, truncate=self.schedule.cuts(self.global_step))
         phase = self.schedule.phase(self.global_step)
         if self.outer is not None and phase == "group" and {"factorize-first", "refactorize"} & set(actions):
             with torch.no_grad():  # where this group phase begins: the outer step's starting point
@@ -678,8 +696,9 @@ def predict_ab(profile: Profile, p: int, link: Link, o: ABOptions, cfg: Config,
     the pace at the next sync) and the dense parameters inside its group (on the node's own
     links when a group fits in a node); once per cycle a sync allreduces A, B and the rest over
     all ranks, and a re-factorisation computes each layer's leading triplets and checks the cut
-    with two forward passes; twice per run (first factorisation, first cut) full SVDs. The
-    bytes are an A-group rank's (B-group ranks send less)."""
+    with two forward passes; the first factorisation and every re-factorisation up to the first
+    cut (first_cut) take full SVDs, and until then the factors are full-rank. The bytes are an
+    A-group rank's (B-group ranks send less)."""
     factorised = profile.layers[1:-1]
     if not factorised:
         raise ConfigError("ab: the model needs a weight layer besides the first and the last to factorise")
@@ -688,10 +707,26 @@ def predict_ab(profile: Profile, p: int, link: Link, o: ABOptions, cfg: Config,
         raise ConfigError(f"ab: {p} ranks do not split into {groups} groups")
     runs = max(assumptions.run_steps, 1)
     schedule = Schedule(o, runs)
-    phases = [schedule.phase(t) for t in range(runs)]
-    group_steps = phases.count("group")
-    full_steps = runs - group_steps
-    cycles = sum("sync" in schedule.transitions(t) for t in range(runs))
+    # Walk the schedule: per step its phase and whether the factors are cut yet; count the
+    # syncs of full-rank and of cut factors, and the factorisations that take full SVDs.
+    uncut_group_steps = cut_group_steps = full_steps = 0
+    syncs, full_svds, leading_svds, cut = [0, 0], 0, 0, False
+    for t in range(runs):
+        for action in schedule.transitions(t):
+            if action == "sync":
+                syncs[cut] += 1
+            elif action == "factorize-first" or not cut:
+                full_svds += 1
+                cut = schedule.cuts(t) if action == "refactorize" else not o.first_full_rank
+            else:
+                leading_svds += 1
+        if schedule.phase(t) != "group":
+            full_steps += 1
+        elif cut:
+            cut_group_steps += 1
+        else:
+            uncut_group_steps += 1
+    cycles = sum(syncs)
     dense = profile.params - sum(layer.fan_in * layer.fan_out for layer in factorised)  # biases, dense layers...
 
     def factors(cut: bool) -> tuple[int, int]:  # numbers in A and in B: at the assumed rank, or all of it
@@ -701,23 +736,21 @@ def predict_ab(profile: Profile, p: int, link: Link, o: ABOptions, cfg: Config,
                 sum(min(layer.fan_in, layer.fan_out) * r for layer, r in zip(factorised, ranks)))
 
     g = p // groups
-    # The first group phase trains the full-rank factors of the first factorisation; the
-    # others the cut ones. A group averages its trained factor (the larger one sets the pace).
-    first = min(schedule.sync_every, group_steps)
+    # A group averages its trained factor (the larger one sets the pace).
     in_group = [FLOAT_BYTES * (max(factors(cut)) + dense) for cut in (False, True)]
     at_sync = [FLOAT_BYTES * (sum(factors(cut)) + dense) for cut in (False, True)]
     ddp_bytes = FLOAT_BYTES * profile.params  # a warm-up or full-rank step: ddp's allreduce
     ddp_comm = link.allreduce(ddp_bytes, p, p)
-    # Re-factorisations: the first cut takes full SVDs (as does the first factorisation), the
-    # later ones the leading triplets; each checks its cut with two forward passes.
-    own = (max(cycles - 1, 0) * sum(layer.kernels["ab_leading"] for layer in factorised)
-           + 2 * sum(layer.kernels["ab_svd"] for layer in factorised) + cycles * 2 * profile.forward_seconds) / runs
-    comm = (first * link.allreduce(in_group[0], g, p) + (group_steps - first) * link.allreduce(in_group[1], g, p)
-            + full_steps * ddp_comm + min(cycles, 1) * link.allreduce(at_sync[0], p, p)
-            + max(cycles - 1, 0) * link.allreduce(at_sync[1], p, p)) / runs
-    in_groups = first * wire("allreduce", in_group[0], g) + (group_steps - first) * wire("allreduce", in_group[1], g)
-    on_world = (full_steps * wire("allreduce", ddp_bytes, p) + min(cycles, 1) * wire("allreduce", at_sync[0], p)
-                + max(cycles - 1, 0) * wire("allreduce", at_sync[1], p))
+    # Re-factorisations after the first cut take the leading triplets; each checks its cut with
+    # two forward passes.
+    own = (leading_svds * sum(layer.kernels["ab_leading"] for layer in factorised)
+           + full_svds * sum(layer.kernels["ab_svd"] for layer in factorised) + cycles * 2 * profile.forward_seconds) / runs
+    group_steps = (uncut_group_steps, cut_group_steps)
+    comm = (sum(n * link.allreduce(in_group[c], g, p) for c, n in enumerate(group_steps)) + full_steps * ddp_comm
+            + sum(n * link.allreduce(at_sync[c], p, p) for c, n in enumerate(syncs))) / runs
+    in_groups = sum(n * wire("allreduce", in_group[c], g) for c, n in enumerate(group_steps))
+    on_world = (full_steps * wire("allreduce", ddp_bytes, p)
+                + sum(n * wire("allreduce", at_sync[c], p) for c, n in enumerate(syncs)))
     sent = (in_groups + on_world) / runs
     between_nodes = (in_groups * link.node_share(g) + on_world * link.node_share(p)) / runs
     hidden = full_steps * min(ddp_comm, link.overlap * profile.backward_seconds) / runs  # ddp's overlap in its steps
