@@ -715,11 +715,13 @@ def predict_ab(profile: Profile, p: int, link: Link, o: ABOptions, cfg: Config,
         for action in schedule.transitions(t):
             if action == "sync":
                 syncs[cut] += 1
-            elif action == "factorize-first" or not cut:
-                full_svds += 1
-                cut = schedule.cuts(t) if action == "refactorize" else not o.first_full_rank
-            else:
+                continue
+            truncate = schedule.cuts(t) if action == "refactorize" else not o.first_full_rank
+            if truncate and cut:  # a cut after a cut: the leading triplets near the last rank
                 leading_svds += 1
+            else:
+                full_svds += 1
+            cut = truncate
         if schedule.phase(t) != "group":
             full_steps += 1
         elif cut:
