@@ -16,26 +16,20 @@ import argparse
 import csv
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from hvd_lowcomm import data, models, task
-from hvd_lowcomm.config import ModelConfig
+from benchmarks.single_process import add_model_arguments, trainee
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--data", required=True, help="an HDF5 dataset from data_prep")
-    p.add_argument("--model", default="gpt", help="model.name")
-    p.add_argument("--hidden", default="", help="model.hidden, comma-separated")
+    add_model_arguments(p)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate (the trainer's default)")
     p.add_argument("--warmup", type=int, default=200, help="steps before the pseudo-gradient is taken")
     p.add_argument("--sync-every", type=int, default=10, help="H: the steps the pseudo-gradient spans")
     p.add_argument("--ranks", default="4,8,16", help="ranks whose kept energy to report")
     p.add_argument("--density", type=float, default=0.12, help="the share of entries the sparse form keeps")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="directory for energy.md and energy.csv")
     return p.parse_args(argv)
 
@@ -52,21 +46,12 @@ def kept_energy(delta: torch.Tensor, ranks: list[int], density: float) -> dict[s
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    torch.manual_seed(args.seed)
-    info = data.inspect(args.data)
-    hidden = [int(h) for h in args.hidden.split(",") if h]
-    model = models.build_model(ModelConfig(name=args.model, hidden=hidden), info.input_shape, info.num_classes,
-                               info.task)
-    split = data.open_split(info, "train")
-    generator = np.random.default_rng(args.seed)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    trained = trainee(args)
+    model = trained.model
 
     def train(steps: int) -> None:
         for _ in range(steps):
-            x, y = split.read(np.sort(generator.choice(len(split), args.batch_size, replace=False)))
-            optimizer.zero_grad()
-            task.loss(task.logits(model(x)), y).backward()
-            optimizer.step()
+            trained.step(args.batch_size)
 
     train(args.warmup)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}

@@ -87,3 +87,17 @@ def clean_env() -> dict[str, str]:
 def mpirun(np_: int, *command: str) -> list[str]:
     """An mpirun command line that works as root and with more ranks than cores."""
     return ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np_), *command]
+
+
+def random_images(path: Path, seed: int) -> Path:
+    """A tiny HDF5 image set (64 training and 16 test images of 28 × 28, 10 classes) of random
+    pixels, for tools whose output shape, not accuracy, is under test."""
+    import numpy as np
+
+    from data_prep.writer import write_dataset
+
+    rng = np.random.default_rng(seed)
+    images = rng.integers(0, 256, (64, 1, 28, 28), dtype=np.uint8)
+    labels = rng.integers(0, 10, 64)
+    write_dataset(path, (images, labels), (images[:16], labels[:16]), 10, "test")
+    return path

@@ -3,13 +3,11 @@ from __future__ import annotations
 
 import csv
 
-import numpy as np
 import pytest
 import torch
 
 from benchmarks.pseudo_gradient_energy import kept_energy, main
-from conftest import RANK
-from data_prep.writer import write_dataset
+from conftest import RANK, random_images
 
 
 def test_kept_energy_matches_matrices_whose_shares_are_known():
@@ -26,11 +24,7 @@ def test_kept_energy_matches_matrices_whose_shares_are_known():
 
 
 def test_a_run_writes_a_row_per_weight_matrix(tmp_path):
-    rng = np.random.default_rng(RANK)
-    images = rng.integers(0, 256, (64, 1, 28, 28), dtype=np.uint8)
-    labels = rng.integers(0, 10, 64)
-    write_dataset(tmp_path / "digits.h5", (images, labels), (images[:16], labels[:16]), 10, "test")
-    main(["--data", str(tmp_path / "digits.h5"), "--model", "mlp", "--hidden", "32", "--warmup", "3",
+    main(["--data", str(random_images(tmp_path / "digits.h5", RANK)), "--model", "mlp", "--hidden", "32", "--warmup", "3",
           "--sync-every", "2", "--out", str(tmp_path)])
     rows = list(csv.DictReader(open(tmp_path / "energy.csv")))
     assert [r["shape"] for r in rows] == ["32×784", "10×32"]
