@@ -36,7 +36,9 @@ AB_OUTER = "ab:outer_lr=0.7,outer_momentum=0.9"
 # and the blocking exchange overlapped with the next inner step.
 FORMS = {"diloco:compression=int8": "diloco, int8 exchange",
          "diloco:compression=sparse": f"diloco, sparse (top {DiLoCoOptions().density:.0%}, 2 bits)",
-         "diloco:compression=lowrank": f"diloco, low-rank (rank {DiLoCoOptions().rank})",
+         "diloco:compression=lowrank": "diloco, low-rank (" + (f"rank {DiLoCoOptions().rank}" if DiLoCoOptions().rank else
+                                                               f"ranks from 1/{1 / DiLoCoOptions().factor_share:.0f} of "
+                                                               f"fp32's bytes, {DiLoCoOptions().factor_bits} bits") + ")",
          "diloco:sync_delay=1": "diloco, exchange overlapped (τ = 1)"}
 FIRST = ["ddp", "diloco", DILOCO_PAPER, "ab", AB_OUTER, *FORMS]
 ROLES = {"diloco": "diloco (defaults: plain averaging)", DILOCO_PAPER: "diloco, the paper's outer Nesterov",
