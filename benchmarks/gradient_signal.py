@@ -1,7 +1,7 @@
 """How much of a step's mean gradient is signal, and how low-rank is that signal? One process.
 
     python -m benchmarks.gradient_signal --data data/animals.h5 --model cnn --hidden 32,64,64 \\
-        --batch-size 32 --steps 625 --out benchmarks/results/gradient-signal-cnn-animals
+        --batch-size 32 --steps 625 --out DIR   # benchmarks/results/gradient-signal/cnn-animals.*
 
 A gradient compressor's error target (PowerSGD's: at most 15 % of the error-fed mean's energy
 left out) counts sampling noise as if it were signal. This measures the split. It trains the
