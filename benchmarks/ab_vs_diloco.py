@@ -32,13 +32,18 @@ from hvd_lowcomm.metrics import human_bytes, write_csv
 # The DiLoCo paper's outer optimiser, on DiLoCo and on AB's syncs.
 DILOCO_PAPER = "diloco:outer_lr=0.7,outer_momentum=0.9"
 AB_OUTER = "ab:outer_lr=0.7,outer_momentum=0.9"
+def _lowrank_default() -> str:
+    """What DiLoCo's low-rank exchange sends at its defaults, for the table's label."""
+    o = DiLoCoOptions()
+    budget = f"ranks from 1/{1 / o.factor_share:.0f} of fp32's bytes" if o.rank == 0 else f"rank {o.rank}"
+    return f"{budget}, {o.factor_bits} bits"
+
+
 # DiLoCo's other exchanges: quantised, sparse and low-rank pseudo-gradients (error feedback),
 # and the blocking exchange overlapped with the next inner step.
 FORMS = {"diloco:compression=int8": "diloco, int8 exchange",
          "diloco:compression=sparse": f"diloco, sparse (top {DiLoCoOptions().density:.0%}, 2 bits)",
-         "diloco:compression=lowrank": "diloco, low-rank (" + (f"rank {DiLoCoOptions().rank}" if DiLoCoOptions().rank else
-                                                               f"ranks from 1/{1 / DiLoCoOptions().factor_share:.0f} of "
-                                                               f"fp32's bytes, {DiLoCoOptions().factor_bits} bits") + ")",
+         "diloco:compression=lowrank": f"diloco, low-rank ({_lowrank_default()})",
          "diloco:sync_delay=1": "diloco, exchange overlapped (τ = 1)"}
 FIRST = ["ddp", "diloco", DILOCO_PAPER, "ab", AB_OUTER, *FORMS]
 ROLES = {"diloco": "diloco (defaults: plain averaging)", DILOCO_PAPER: "diloco, the paper's outer Nesterov",

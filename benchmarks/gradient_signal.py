@@ -28,13 +28,12 @@ the trainer's schedule.
 from __future__ import annotations
 
 import argparse
-import csv
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from benchmarks.single_process import add_model_arguments, trainee
+from benchmarks.single_process import add_model_arguments, trainee, write_table
 
 PHASES = ("early", "middle", "late")
 KEPT = 0.85  # the energy share the ranks are reported at (PowerSGD's default target leaves out 15 %)
@@ -48,11 +47,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ranks", type=int, default=2, help="ranks the training batch and the mean stand for")
     p.add_argument("--steps", type=int, default=600, help="training steps")
     p.add_argument("--every", type=int, default=25, help="steps between measurements")
-    p.add_argument("--samples", type=int, default=4, help="independent batches per measurement (K >= 2)")
+    p.add_argument("--samples", type=int, default=4, help="independent batches per measurement (K >= 2 and >= --ranks)")
     p.add_argument("--out", required=True, help="directory for signal.md and signal.csv")
     args = p.parse_args(argv)
-    if args.samples < 2:
-        p.error("--samples must be at least 2: the signal is read off pairs of independent batches")
+    if args.samples < max(2, args.ranks):
+        p.error(f"--samples must be at least 2 and at least --ranks ({args.ranks}): the signal is read off pairs of "
+                f"independent batches, and the mean's rank off --ranks of them")
     return args
 
 
@@ -81,7 +81,7 @@ class Pooled:
         cross = (total @ total.T - self_terms) / (k * (k - 1))  # mean over j != k of g_j g_kᵀ (symmetric)
         self.signal += float(cross.trace())
         self.noise += float(stacked.sub(stacked.mean(0)).pow(2).sum()) / (k - 1)
-        mean = stacked[:ranks].mean(0) if k >= ranks else stacked.mean(0)
+        mean = stacked[:ranks].mean(0)  # what `ranks` ranks would average
         self.signal_gram = cross if self.signal_gram is None else self.signal_gram + cross
         self.mean_gram = mean @ mean.T if self.mean_gram is None else self.mean_gram + mean @ mean.T
         self.measurements += 1
@@ -132,22 +132,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def write(rows: list[dict], args: argparse.Namespace) -> None:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    columns = list(rows[0])
-    with open(out / "signal.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    lines = [f"# Signal and noise in each weight matrix's gradient: {args.model} on {Path(args.data).name}", "",
-             f"Adam at lr {args.lr} on batches of {args.ranks} × {args.batch_size} for {args.steps} steps; every "
-             f"{args.every} steps {args.samples} independent batches of {args.batch_size} (`python -m "
-             f"benchmarks.gradient_signal`). Signal share: of the mean over {args.ranks} ranks' gradients; ranks: "
-             f"the directions holding {KEPT:.0%} of the energy over each third of the run.", "",
-             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(_cell(v) for v in row.values()) + " |" for row in rows]
-    (out / "signal.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_table(args.out, "signal",
+                [f"# Signal and noise in each weight matrix's gradient: {args.model} on {Path(args.data).name}", "",
+                 f"Adam at lr {args.lr} on batches of {args.ranks} × {args.batch_size} for {args.steps} steps; every "
+                 f"{args.every} steps {args.samples} independent batches of {args.batch_size} (`python -m "
+                 f"benchmarks.gradient_signal`). Signal share: of the mean over {args.ranks} ranks' gradients; "
+                 f"ranks: the directions holding {KEPT:.0%} of the energy over each third of the run."],
+                rows, _cell)
 
 
 def _cell(value: object) -> str:

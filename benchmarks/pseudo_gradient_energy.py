@@ -13,12 +13,11 @@ selection before its values are quantised). Writes energy.md and energy.csv.
 from __future__ import annotations
 
 import argparse
-import csv
 from pathlib import Path
 
 import torch
 
-from benchmarks.single_process import add_model_arguments, trainee
+from benchmarks.single_process import add_model_arguments, trainee, write_table
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,22 +59,11 @@ def main(argv: list[str] | None = None) -> None:
     rows = [{"parameter": name, "shape": "×".join(map(str, p.shape)),
              **kept_energy(before[name] - p.detach(), ranks, args.density)}
             for name, p in model.named_parameters() if p.dim() > 1]
-    columns = list(rows[0])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "energy.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    lines = [f"# Energy of a pseudo-gradient kept by rank and by top-k: {args.model} on {Path(args.data).name}",
-             "", f"Δ over {args.sync_every} Adam steps (lr {args.lr}, batch {args.batch_size}) after {args.warmup}; "
-             f"shares of each weight matrix's ‖Δ‖² (`python -m benchmarks.pseudo_gradient_energy`).", "",
-             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in row.values()) + " |"
-              for row in rows]
-    (out / "energy.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
+    write_table(args.out, "energy",
+                [f"# Energy of a pseudo-gradient kept by rank and by top-k: {args.model} on {Path(args.data).name}",
+                 "", f"Δ over {args.sync_every} Adam steps (lr {args.lr}, batch {args.batch_size}) after "
+                 f"{args.warmup}; shares of each weight matrix's ‖Δ‖² (`python -m benchmarks.pseudo_gradient_energy`)."],
+                rows, lambda v: f"{v:.2f}" if isinstance(v, float) else str(v))
 
 if __name__ == "__main__":
     main()

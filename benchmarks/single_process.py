@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from hvd_lowcomm import data, models, task
 from hvd_lowcomm.config import ModelConfig
+from hvd_lowcomm.metrics import write_csv
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,3 +51,16 @@ def trainee(args: argparse.Namespace) -> Trainee:
                                info.task)
     return Trainee(model, torch.optim.Adam(model.parameters(), lr=args.lr), data.open_split(info, "train"),
                    np.random.default_rng(args.seed))
+
+
+def write_table(out: str, stem: str, heading: list[str], rows: list[dict[str, Any]],
+                cell: Callable[[Any], str]) -> None:
+    """`rows` as out/stem.csv and as a markdown table under `heading` in out/stem.md (also printed)."""
+    directory = Path(out)
+    directory.mkdir(parents=True, exist_ok=True)
+    write_csv(directory / f"{stem}.csv", rows)
+    columns = list(rows[0])
+    lines = [*heading, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row.values()) + " |" for row in rows]
+    (directory / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))

@@ -48,7 +48,8 @@ def test_a_run_writes_a_row_per_weight_matrix_and_third(tmp_path):
     assert (tmp_path / "signal.md").read_text().count("\n| ") == 7  # header and six rows
 
 
-def test_one_batch_per_measurement_is_refused(capsys):
+@pytest.mark.parametrize("samples, ranks", [(1, 1), (3, 4)])
+def test_fewer_batches_than_pairs_or_ranks_are_refused(capsys, samples, ranks):
     with pytest.raises(SystemExit):
-        main(["--data", "unused.h5", "--samples", "1", "--out", "unused"])
-    assert "--samples must be at least 2" in capsys.readouterr().err
+        main(["--data", "unused.h5", "--samples", str(samples), "--ranks", str(ranks), "--out", "unused"])
+    assert "--samples must be at least 2 and at least --ranks" in capsys.readouterr().err
