@@ -34,7 +34,10 @@ METHODS = {
     "diloco": ["--diloco.sync_every", "4", "--diloco.fragments", "2"],
     "diloco-int8": ["--method", "diloco", "--diloco.sync_every", "5", "--diloco.compression", "int8"],
     "diloco-sparse": ["--method", "diloco", "--diloco.sync_every", "5", "--diloco.compression", "sparse",
-                      "--diloco.error_decay", "0.9"],
+                      "--diloco.error_decay", "0.9", "--diloco.keep_unsent", "false"],
+    # the groups' models hold their unsent parts (the default), with an exchange in flight at the stop
+    "diloco-sparse-keeps-unsent": ["--method", "diloco", "--diloco.sync_every", "5", "--diloco.compression", "sparse",
+                                   "--diloco.sync_delay", "2", "--diloco.update_alpha", "0.5"],
     # a group per rank: beyond 2 groups (np 4) the owners' error feedback is restored too
     "diloco-sparse-by-owner": ["--method", "diloco", "--diloco.groups", str(SIZE), "--diloco.sync_every", "5",
                                "--diloco.compression", "sparse"],

@@ -216,6 +216,47 @@ def test_groups_differ_between_syncs_and_agree_after_one(world):
     assert diloco.agreement_group() is None  # the world met in this step
 
 
+def flat_parameters(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@needs_ranks(2)
+def test_sparse_groups_keep_what_they_did_not_send_and_nothing_is_lost(world):
+    """With keep_unsent (the default) each group's model after an outer step is the new global
+    model less what its exchange left unsent (Δ = global - local), so the groups differ; the
+    mean of their models, less what the column's owners hold back, is the mean before the step
+    (plain averaging): the sparse exchange delays progress but drops none. Evaluation's synced
+    model is still one for all."""
+    model, diloco = train(3, groups=SIZE, sync_every=4, compression="sparse", density=0.1)
+    diloco.optimizer.zero_grad()
+    x, y = batch(RANK, 4)
+    F.cross_entropy(model(x), y).backward()
+    before = flat_parameters(model) - INNER_LR * torch.cat([p.grad.flatten() for p in model.parameters()])
+    diloco.step()  # the fourth step: inner SGD, then the outer step
+    after = flat_parameters(model)
+    assert not diloco.exchange.errors  # handed to the model: the next Δ carries it
+    global_model = diloco.global_slices[0].detach()[:len(after)]
+    assert (global_model - after).abs().max() > 0  # what this group keeps, in Δ's units
+    numbers, part = len(after), -(-len(after) // SIZE)
+    # beyond 2 groups each column member owns a part of the mean and holds back what its second
+    # selection left out (in Δ's units: the global model stays that much above the mean)
+    owners = torch.cat(world.comm.allgather(diloco.exchange.owner_errors.get(0, torch.zeros(part))))[:numbers]
+    mean_after, mean_before = (torch.stack(world.comm.allgather(v)).mean(0) for v in (after, before))
+    torch.testing.assert_close(mean_after - owners, mean_before, atol=1e-6, rtol=1e-5)
+    gathered = world.comm.allgather(after)
+    assert not torch.equal(gathered[0], gathered[1])  # each group kept its own unsent progress
+    final = flat_parameters(diloco.full_model())
+    assert all(torch.equal(final, other) for other in world.comm.allgather(final))
+
+
+@needs_ranks(2)
+def test_without_keep_unsent_sparse_groups_restart_from_the_global_model(world):
+    model, diloco = train(4, groups=SIZE, sync_every=4, compression="sparse", density=0.1, keep_unsent=False)
+    after = flat_parameters(model)
+    assert all(torch.equal(after, other) for other in world.comm.allgather(after))
+    assert diloco.exchange.errors[0].abs().max() > 0  # the exchange holds the unsent part instead
+
+
 @needs_ranks(2)
 def test_the_exchange_between_groups_is_sharded_and_int8_sends_a_quarter(world, fresh_meter):
     groups = 2 if SIZE % 2 == 0 else SIZE
@@ -264,6 +305,8 @@ def test_fragments_hold_about_equal_numbers_and_sync_at_staggered_steps():
     (["--diloco.fragments", "0"], "diloco.fragments must be >= 1"),
     (["--diloco.owner_density", "1.5"], r"diloco.owner_density must be in \[0, 1\] \(0: 3 x density\)"),
     (["--diloco.compression", "int4"], "diloco.compression must be one of none, fp16, int8, sparse, lowrank"),
+    (["--diloco.compression", "sparse", "--diloco.error_decay", "0.9"],
+     "with diloco.keep_unsent .* each group's model holds what is unsent: set --diloco.keep_unsent false"),
 ])
 def test_bad_options_are_refused(argv, message):
     with pytest.raises(ConfigError, match=message):

@@ -157,7 +157,8 @@ def test_sparse_exchange_averages_the_groups_tops_and_loses_nothing(world, fresh
 
 @needs_ranks(2)
 def test_sparse_accumulator_decays_by_error_decay(world, fresh_meter):
-    exchange = make_exchange(world, DiLoCoOptions(compression="sparse", density=0.02, error_decay=0.5))
+    exchange = make_exchange(world, DiLoCoOptions(compression="sparse", density=0.02, error_decay=0.5,
+                                                  keep_unsent=False))
     first, second = pseudo_gradient(RANK), pseudo_gradient(RANK, seed=1)
     exchange.start(0, first, SHAPES, 0)()
     left = exchange.errors[0].clone()

@@ -25,7 +25,10 @@ class per `diloco.compression`:
             receives every member's sparse part j, sums them in fp32, and sends back the top
             `owner_density` (3 x density unless set) of that mean at 2 bits; its own error
             feedback keeps what this second selection leaves out (the groups' supports differ,
-            so the mean is up to G times denser) for the next exchange.
+            so the mean is up to G times denser) for the next exchange. With
+            `diloco.keep_unsent` (the default) DiLoCo takes a group's accumulator after each
+            exchange (`take_unsent`) and keeps it on the group's model instead: Δ, measured from
+            the global model, then carries it, and the group trains on from it meanwhile.
 - lowrank (`LowRank`): PowerSGD on each matrix's pseudo-gradient (the seed's premise: an
             update is low-rank): P = M Q, mean, orthogonalise, Q = Mᵀ P, mean; error feedback and
             warm start of Q across syncs. A slice cuts matrices along rows, so each whole-row
@@ -113,6 +116,12 @@ class Exchange:
         summed = delta.detach().cpu().clone()
         self._record(fragment, self.transfers(len(delta), shapes, start))
         return lambda: self._allreduce(summed).div_(self.members).to(delta.device)
+
+    def take_unsent(self, fragment: int) -> torch.Tensor | None:
+        """This member's error feedback for the fragment, handed over and cleared: what its
+        exchanges have not sent yet, for the caller to keep on its model instead (the next Δ,
+        measured from the global parameters, then carries it)."""
+        return self.errors.pop(fragment, None)
 
     # -- shared ---------------------------------------------------------------------------------
     def _record(self, fragment: int, transfers: list[Transfer]) -> None:
