@@ -110,7 +110,8 @@ class DiLoCoOptions(GroupedOptions):
     # at 12 % a group's small but real progress waits in its accumulator for exchanges; kept on
     # its own model, the group trains on from it meanwhile, and only the other groups see it late.
     # Not a gain everywhere: a Hugging Face GPT-2 at 3 groups lost about 0.3 % more with it (+1.21
-    # and +0.54 % on two seeds, restarting +1.00 and +0.16 %).
+    # and +0.54 % on two seeds, restarting +1.00 and +0.16 %). Sparse only: low-rank leaves mostly
+    # the update's noisy tail unsent, and keeping it gained nothing (GPT, 8 groups: +0.52 % vs +0.34 %).
     keep_unsent: bool = option(True, "sparse: each group keeps on its own model what its exchange has not sent yet "
                                      "(its error feedback) instead of restarting from the global model without it "
                                      "(not with eager)")
