@@ -14,8 +14,12 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:  # imported where used: torch loads after the launcher is known
+    import torch
 
 
 def _launcher_rank_and_size() -> tuple[int, int]:
@@ -101,3 +105,11 @@ def random_images(path: Path, seed: int) -> Path:
     labels = rng.integers(0, 10, 64)
     write_dataset(path, (images, labels), (images[:16], labels[:16]), 10, "test")
     return path
+
+
+def member_parts(values: torch.Tensor, members: int) -> list[torch.Tensor]:
+    """`values` cut into one equal part per column member, the last padded with zeros."""
+    import torch
+
+    part = -(-len(values) // members)
+    return list(torch.cat([values, values.new_zeros(part * members - len(values))]).split(part))

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from conftest import RANK, SIZE, needs_ranks
+from conftest import RANK, SIZE, member_parts, needs_ranks
 from hvd_lowcomm.methods.diloco import DiLoCoOptions
 from hvd_lowcomm.methods.outer_exchange import (BLOCK, INT4, elias_fano_decode, elias_fano_encode, int4_bytes, int8_bytes,
                                                 make_exchange,
@@ -104,12 +104,6 @@ def test_a_kept_value_costs_under_a_byte_at_eight_percent():
     assert positions_bytes(4096, 328) == 123 + 105
     assert sparse_bytes(4096, 0.08) == 123 + 105 + 82 + 8
     assert sparse_bytes(3 * 4096, 0.02) == 3 * (positions_bytes(4096, 82) + 21 + 8)
-
-
-def member_parts(values: torch.Tensor, members: int) -> list[torch.Tensor]:
-    """`values` cut into one equal part per column member, the last padded with zeros."""
-    part = -(-len(values) // members)
-    return list(torch.cat([values, values.new_zeros(part * members - len(values))]).split(part))
 
 
 @needs_ranks(2)

@@ -158,7 +158,7 @@ class DiLoCoOptions(GroupedOptions):
             raise ConfigError(f"diloco.owner_density must be in [0, 1] (0: 3 x density), got {self.owner_density}")
         if not 0 <= self.error_decay <= 1:
             raise ConfigError(f"diloco.error_decay must be in [0, 1], got {self.error_decay}")
-        if self.compression == "sparse" and self.keep_unsent and self.error_decay != 1 and not self.eager:
+        if self.keeps_unsent and self.error_decay != 1:
             raise ConfigError(f"diloco.error_decay {self.error_decay} decays the exchange's accumulator, but with "
                               f"diloco.keep_unsent (the default) each group's model holds what is unsent: set "
                               f"--diloco.keep_unsent false to decay it")
