@@ -3,9 +3,10 @@
     import hvd_lowcomm
     hvd_lowcomm.init()                                    # MPI + Horovod, instead of hvd.init()
     opt = hvd_lowcomm.PowerSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                        model.named_parameters())
+                                        named_parameters=model.named_parameters())  # Horovod's arguments
     ...
-    loss.backward(); opt.step()                           # as with hvd.DistributedOptimizer
+    loss.backward()                                       # .grad is now the pooled gradient (as DDP's)
+    opt.step()
     print(hvd_lowcomm.meter.total("train"))               # bytes this rank sent
 
 The names below are resolved on first use, so importing the package stays cheap (the command

@@ -116,7 +116,7 @@ def wrap(kind: str, model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim
         return hvd_lowcomm.DistributedOptimizer(opt, model.named_parameters())
     if kind == "powersgd":  # its first steps are plain means; float32 so they are exact
         state = hvd_lowcomm.PowerSGDState(factor_dtype="float32")
-        return hvd_lowcomm.PowerSGDOptimizer(opt, model.named_parameters(), state)
+        return hvd_lowcomm.PowerSGDOptimizer(opt, model.named_parameters(), state=state)
     return hvd_lowcomm.DadOptimizer(opt, model, plan="all")  # rows shared for every layer (the dAD path)
 
 

@@ -38,7 +38,7 @@ def wrap(layer, **state):
     """PowerSGD on `layer`, compressing from the first step. The algorithm's arithmetic is
     checked in float32; float16 factors on the wire (the default) have tests of their own."""
     return PowerSGDOptimizer(torch.optim.SGD(layer.parameters(), lr=0.1), layer.named_parameters(),
-                             PowerSGDState(**{"start_iter": 0, "min_compression_rate": 1.0, "factor_dtype": "float32",
+                             state=PowerSGDState(**{"start_iter": 0, "min_compression_rate": 1.0, "factor_dtype": "float32",
                                               **state}))
 
 
@@ -234,7 +234,7 @@ def adaptive_run(world, fresh_meter, grads_of_step, steps, **state):
     """An adaptive-rank PowerSGD on a Linear(48 -> 40) whose gradients are set by hand."""
     layer = torch.nn.Linear(48, 40)
     opt = PowerSGDOptimizer(torch.optim.SGD(layer.parameters(), lr=0.1), layer.named_parameters(),
-                            PowerSGDState(**{"start_iter": 0, "adapt_every": 3, "factor_dtype": "float32", **state}))
+                            state=PowerSGDState(**{"start_iter": 0, "adapt_every": 3, "factor_dtype": "float32", **state}))
     history = []
     for step in range(steps):
         layer.weight.grad = grads_of_step(step)(world.comm.Get_rank()).clone()

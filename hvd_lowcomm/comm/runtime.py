@@ -60,6 +60,8 @@ _world: Group | None = None
 # The node of every global rank (index in order of first appearance of its host name): what
 # the meter needs to tell traffic between nodes from traffic inside one.
 _node_of: tuple[int, ...] = ()
+# Whether Horovod was started by the user's own hvd.init() without dynamic process sets.
+_fixed_process_sets = False
 # Horovod refuses to register the same ranks twice, so process sets are shared by rank tuple.
 _process_sets: dict[tuple[int, ...], Any] = {}
 
@@ -94,7 +96,7 @@ def init(seed: int | None = None) -> Group:
         from mpi4py import MPI
         import horovod.torch as hvd
 
-        hvd.init(comm=MPI.COMM_WORLD, process_sets="dynamic")
+        start_horovod(hvd, MPI)
         global _node_of
         hosts = MPI.COMM_WORLD.allgather(MPI.Get_processor_name())
         _node_of = tuple(list(dict.fromkeys(hosts)).index(host) for host in hosts)
@@ -108,6 +110,34 @@ def init(seed: int | None = None) -> Group:
     if seed is not None:
         seed_everything(seed)
     return _world
+
+
+def start_horovod(hvd: Any, MPI: Any) -> None:
+    """hvd.init on MPI_COMM_WORLD with dynamic process sets, which the groups need. A script
+    ported from Horovod may have called hvd.init() first: that Horovod is kept (it cannot be
+    restarted where it started MPI itself), and a method that needs groups says to drop the
+    line (`split`)."""
+    global _fixed_process_sets
+    if hvd.is_initialized():
+        _fixed_process_sets = os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") != "1"
+        return
+    hvd.init(comm=MPI.COMM_WORLD, process_sets="dynamic")
+
+
+def group_of_process_set(process_set: Any) -> Group | None:
+    """The Group of a Horovod process set a user passes (None for the global one); collective
+    over the set's members, as Horovod's own process sets are."""
+    import horovod.torch as hvd
+
+    ranks = tuple(process_set.ranks or ())
+    if process_set is hvd.global_process_set or ranks == world().ranks:
+        return None
+    from mpi4py import MPI
+
+    members = world().comm.group.Incl(list(ranks))
+    comm = world().comm.Create_group(members) if rank() in ranks else MPI.COMM_NULL
+    _process_sets.setdefault(ranks, process_set)
+    return Group(f"process_set{process_set.process_set_id}", process_set.process_set_id, ranks, process_set, comm)
 
 
 def compute_threads(local_ranks: int, cores_allowed: int, cores_on_node: int) -> int:
@@ -256,6 +286,10 @@ def split(layout: list[tuple[int, ...]], label: str) -> tuple[Group, list[Group]
     from mpi4py import MPI
     import horovod.torch as hvd
 
+    if _fixed_process_sets and any(ranks not in _process_sets for ranks in layout):
+        raise ConfigError("hvd.init() ran before hvd_lowcomm.init(), without the dynamic process sets that "
+                          "hvd_lowcomm's groups need: remove the hvd.init() line (hvd_lowcomm.init() starts "
+                          "Horovod, and hvd.rank(), hvd.size(), hvd.local_rank() work after it as before)")
     w = world()
     my_index = next(i for i, ranks in enumerate(layout) if rank() in ranks)
     sub_comm = w.comm.Split(color=my_index, key=rank())

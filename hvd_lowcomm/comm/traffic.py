@@ -236,6 +236,30 @@ class TrafficMeter:
             self.record("allreduce", name, _nbytes(tensor), group)
         return outs
 
+    def start_allreduce(self, named: list[tuple[str, torch.Tensor]], group: Group | None = None,
+                        op: str = "average", prescale: float = 1.0, postscale: float = 1.0) -> Any:
+        """Start one grouped allreduce (op: average or sum, each tensor scaled by `prescale`
+        before and `postscale` after) without waiting: a handle for `finish_allreduce`."""
+        import horovod.torch as hvd
+
+        for name, tensor in named:
+            self.record("allreduce", name, _nbytes(tensor), group)
+        if _members(group) == 1:  # nothing to combine: the scaled tensors themselves
+            return [tensor * (prescale * postscale) for _, tensor in named]
+        return hvd.grouped_allreduce_async([tensor for _, tensor in named], name=named[0][0],
+                                           op=hvd.Average if op == "average" else hvd.Sum,
+                                           prescale_factor=prescale, postscale_factor=postscale,
+                                           process_set=_process_set(group))
+
+    def finish_allreduce(self, handle: Any) -> list[torch.Tensor]:
+        """Wait for an allreduce `start_allreduce` started; its results."""
+        import horovod.torch as hvd
+
+        if isinstance(handle, list):
+            return handle
+        with self.waiting():
+            return hvd.synchronize(handle)
+
     def broadcast_(self, tensor: torch.Tensor, root_rank: int, name: str,
                    group: Group | None = None) -> torch.Tensor:
         """In-place broadcast from global rank `root_rank` to the members of `group`."""

@@ -59,7 +59,8 @@ from hvd_lowcomm.costmodel import (Link, LayerSample, MethodCost, Prediction, Pr
                                    wire)
 from hvd_lowcomm.registry import register
 from hvd_lowcomm.methods.base import broadcast_model_and_optimizer, exchange_gradients
-from hvd_lowcomm.methods.grouped import GroupedOptions, GroupTrainerMethod, group_traffic, outer_optimizer, trial_sync
+from hvd_lowcomm.methods.grouped import (GroupedOptions, GroupTrainerMethod, group_traffic, outer_optimizer,
+                                         step_inner_optimizer, trial_sync)
 from hvd_lowcomm.methods.factorized import (RANK_RULES, FactorizedLayer, choose_rank,
                                             dropped_fraction, factorize_model, leading_svd, noise_edge,
                                             unfactorized_copy)
@@ -223,13 +224,23 @@ class ABTraining:
     `total_steps` lets options below 1 mean fractions of the run; keyword options are those
     of `ABOptions` (groups, warmup, sync_every, rank_rule, ...). Collective: every rank
     constructs it and takes every step.
+
+    With mixed precision pass the loop's GradScaler (`scaler=`): inside the block call
+    `scaler.scale(loss).backward()`; leaving it unscales, clips, `scaler.step(optimizer)` and
+    `scaler.update()`. The first step checks that the model's output fits its labels (or pass
+    `example=(x, y)` to check at construction).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, total_steps: int | None = None,
-                 options: ABOptions | None = None, clip_grad_norm: float = 0.0, **kwargs: Any) -> None:
+                 options: ABOptions | None = None, clip_grad_norm: float = 0.0, scaler: Any = None,
+                 example: tuple[ModelInput, torch.Tensor | None] | None = None, **kwargs: Any) -> None:
         o = make_options(ABOptions, "ab", options, **kwargs)
         require_run_length(o, ("warmup", "sync_every", "full_rank_steps", "rebound_steps"), total_steps, "ab")
         self.options, self.model, self.optimizer, self.clip_grad_norm = o, model, optimizer, clip_grad_norm
+        self.scaler = scaler
+        self.checked_outputs = example is not None  # whether the model's output was checked against labels
+        if example is not None:  # before anything changes
+            check_outputs_fit_labels(model, *example)
         groups = runtime.default_group_count(o.groups, runtime.size())
         check_groups(o, groups, runtime.size())
         if o.init == "ortho-sigma":
@@ -275,6 +286,9 @@ class ABTraining:
         """One training step around the caller's forward and backward pass (see the class)."""
         if self.schedule is None:
             self.schedule = Schedule(self.options)  # steps only: a fraction needs set_total_steps()
+        if not self.checked_outputs:
+            check_outputs_fit_labels(self.model, x, y)
+            self.checked_outputs = True
         self._advance(x, y)
         scheduled = [group["lr"] for group in self.optimizer.param_groups]
         for group, lr in zip(self.optimizer.param_groups, scheduled):
@@ -282,10 +296,8 @@ class ABTraining:
         try:
             yield
             self._exchange_gradients()
-            if self.clip_grad_norm:  # the pooled gradient of what this rank trains
-                torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
-                                               self.clip_grad_norm)
-            self.optimizer.step()
+            step_inner_optimizer(self.optimizer, [p for p in self.model.parameters() if p.requires_grad],
+                                 self.clip_grad_norm, self.scaler)
             self.global_step += 1
         finally:  # the caller's (or its scheduler's) learning rate, untouched by the rebound
             for group, lr in zip(self.optimizer.param_groups, scheduled):
@@ -607,6 +619,28 @@ class ABTraining:
         if "outer" in ab:
             self._load_outer_state(ab["outer"])
         self._set_trainable()
+
+
+def check_outputs_fit_labels(model: nn.Module, x: ModelInput, y: torch.Tensor | None) -> None:
+    """Refuse, before training, a model whose output its cuts could not be judged on: every
+    re-factorisation compares the model's logits on the step's batch with its labels."""
+    if y is None:
+        return
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = task.logits(model(**x) if isinstance(x, Mapping) else model(x))
+    finally:
+        model.train()
+    try:
+        task.loss(logits, y)
+    except (ValueError, RuntimeError, IndexError) as err:
+        raise ConfigError(
+            f"ABTraining judges each cut on the model's output for the step's batch, and this model's logits of "
+            f"shape {tuple(logits.shape)} do not fit labels of shape {tuple(y.shape)} ({err}). If the model returns "
+            f"logits for part of the input unless given targets (nanoGPT's model(idx) gives the last position only), "
+            f"pass its inputs as keywords, ab.step({{'idx': x, 'targets': y}}), or call ab.step(x) without labels: "
+            f"the cut is then judged against the dense model's own predictions") from None
 
 
 def check_groups(options: ABOptions, groups: int, world_size: int) -> None:

@@ -1,9 +1,8 @@
 """What every training method provides, and the pieces most of them share."""
 from __future__ import annotations
 
-import contextlib
 import time
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
 
@@ -104,11 +103,12 @@ class Method:
             start = time.perf_counter()
             with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=t.amp == "bf16"):
                 loss = task.loss(task.logits(self.model(xs)), ys) * (len(ys) / len(y))
-            middle = time.perf_counter()
-            loss.backward()
+            middle, exchanged = time.perf_counter(), getattr(self.optimizer, "exchange_seconds", 0.0)
+            loss.backward()  # (a drop-in wrapper's exchange runs as the last one ends: not the pass's time)
             total += loss.item()
             self.pass_seconds["forward"] += middle - start
-            self.pass_seconds["backward"] += time.perf_counter() - middle
+            self.pass_seconds["backward"] += time.perf_counter() - middle - (
+                getattr(self.optimizer, "exchange_seconds", 0.0) - exchanged)
         return total
 
     def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int, float]:
@@ -206,46 +206,3 @@ def exchange_gradients(named: Iterable[tuple[str, torch.nn.Parameter]], group: r
                                   group, op=op)
     for (_, p), g in zip(named, pooled):
         p.grad = g
-
-
-class GradientExchange(torch.optim.Optimizer):
-    """Base of optimiser wrappers in the style of Horovod's DistributedOptimizer.
-
-    `step()` first calls `synchronize()`, which replaces every local gradient by the pooled
-    one (however the subclass's `_exchange()` pools it), then the wrapped optimiser's own step.
-    A loop that needs the pooled gradients before stepping (clipping, inspection) calls
-    `synchronize()` itself and steps inside `with opt.skip_synchronize():`; as in Horovod, a
-    `step()` right after `synchronize()` does not exchange a second time (which would pool
-    pooled gradients and, for PowerSGD, feed the error back twice).
-    """
-
-    _should_synchronize = True
-    _synchronized = False
-
-    def _exchange(self) -> None:
-        raise NotImplementedError
-
-    def synchronize(self) -> None:
-        self._exchange()
-        self._synchronized = True
-
-    @contextlib.contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
-        self._should_synchronize = False
-        try:
-            yield
-        finally:
-            self._should_synchronize = True
-
-    def step(self, closure: Any = None) -> Any:
-        if self._should_synchronize and not self._synchronized:
-            self.synchronize()
-        self._synchronized = False
-        return super().step(closure)
-
-
-def wrap_optimizer(optimizer: torch.optim.Optimizer, exchange: type, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
-    """An instance of `optimizer`'s own class with `exchange` (a GradientExchange subclass)
-    mixed in, over the same parameter groups: isinstance checks and LR schedulers keep working."""
-    cls = type(optimizer.__class__.__name__, (exchange, optimizer.__class__), {})
-    return cls(optimizer.param_groups, *args, **kwargs)

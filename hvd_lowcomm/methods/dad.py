@@ -30,6 +30,7 @@ numbers, and every rank forms the pooled gradient [Δ_1; ...; Δ_p]ᵀ [A_1; ...
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+import math
 from typing import Any, Callable
 
 import torch
@@ -43,7 +44,8 @@ from hvd_lowcomm.config import Config, ConfigError, make_options, option
 from hvd_lowcomm.costmodel import Link, LayerSample, MethodCost, Prediction, Profile, RunAssumptions, wire
 from hvd_lowcomm.metrics import human_bytes
 from hvd_lowcomm.registry import register
-from hvd_lowcomm.methods.base import GradientExchange, wrap_optimizer
+from hvd_lowcomm.methods.drop_in import (GradientExchange, HorovodArguments, NamedParameters, dense_gradient,
+                                        horovod_arguments, wrap_optimizer)
 from hvd_lowcomm.methods.ddp import DataParallel
 from hvd_lowcomm.methods.adaptive_rank import smallest_rank_within
 from hvd_lowcomm.methods.lowrank import cheapest_way, factors_from_rows, gradient_power_iteration, missed_energy
@@ -174,44 +176,52 @@ class _DadExchange(GradientExchange):
     how gradients come back from it is the `sharing` strategy's (ExactRows, FactorRows,
     RecomputedDeltas)."""
 
-    def __init__(self, params: Any, model: nn.Module, sharing: "_Sharing", plan: str, group: Group | None,
-                 seed: int) -> None:
+    def __init__(self, params: Any, named_parameters: NamedParameters, model: nn.Module, sharing: "_Sharing",
+                 plan: str, arguments: HorovodArguments, seed: int) -> None:
         super().__init__(params)
-        self._model, self._group, self.sharing = model, group, sharing
+        self._model, self.sharing = model, sharing
         self._force_all = plan == "all" or sharing.shares_every_layer
         self._layers = row_layers(model)
         self._captured = {name: _Capture() for name in self._layers}
+        # Hooks are closures that check their module: a deep copy of the model (an EMA copy, a
+        # reference) keeps them, and its passes must not count as this model's.
         for name, module in self._layers.items():
-            module.register_forward_hook(self._capture_hook(name))
+            module.register_forward_hook(self._capture_hook(name, module))
         # Samples of this rank's batch: every forward pass of the model counts its batch once
         # (micro-batches add up; a layer used twice in one pass does not count twice).
         self._samples: list[int] = []
-        model.register_forward_pre_hook(self._count_samples, with_kwargs=True)
-        self._names = {p: n for n, p in model.named_parameters()}
+        model.register_forward_pre_hook(
+            lambda module, inputs, kwargs: self._count_samples(inputs, kwargs) if module is model else None,
+            with_kwargs=True)
+        self._set_up_exchange(arguments, named_parameters, "DadOptimizer")
         self.plan: dict[str, LayerPlan] = {}
         self.planned = False  # the plan is made once, at the first step (it may be empty)
         self.frozen: set[str] = set()  # layers whose weight the user froze (seen at the plan)
         self.effective_ranks: dict[str, list[int]] = {name: [] for name in self._layers}
         self.generator = torch.Generator().manual_seed(seed)  # rank-dAD's random starts
 
-    def _count_samples(self, module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _count_samples(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         # The first tensor argument: model(x), or model(input_ids=x, labels=x) as HF users call it.
         first = next((v for v in (*inputs, *kwargs.values()) if torch.is_tensor(v)), None)
         if torch.is_grad_enabled() and first is not None:
             self._samples.append(first.shape[0])
 
-    def _capture_hook(self, name: str):
+    def _capture_hook(self, name: str, layer: nn.Module):
         capture = self._captured[name]
 
         def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
-            if torch.is_grad_enabled() and output.requires_grad:
+            if module is layer and torch.is_grad_enabled() and output.requires_grad:
                 index = len(capture.acts)
                 capture.acts.append(inputs[0].detach())
                 capture.input_requires_grad = inputs[0].requires_grad
                 # Deltas arrive in backward order: reversed within one backward pass (a layer
                 # used twice), in order across several (micro-batches); the index pairs them.
-                output.register_hook(lambda grad: capture.deltas.__setitem__(index, grad.detach()))
+                output.register_hook(lambda grad: self._delta_arrived(capture, index, grad))
         return hook
+
+    def _delta_arrived(self, capture: _Capture, index: int, grad: torch.Tensor) -> None:
+        capture.deltas[index] = grad.detach()
+        self._backward_running()  # (a weight whose gradient rows form fires no gradient hook)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._clear_captures()
@@ -238,7 +248,7 @@ class _DadExchange(GradientExchange):
         if first_step:  # every layer's rows, to plan from their shapes and the pooled batch
             p = self.group_size()
             with meter.in_phase("setup"):  # once per run (and again after a resume): not a step's traffic
-                (total_batch,) = meter.allreduce_ints([local_batch], "dad.plan_batch_size", self._group)
+                (total_batch,) = meter.allreduce_ints([local_batch], "dad.plan_batch_size", self.group)
             self._make_plan({n: self.local_rows(n, scale) for n in used}, local_batch, total_batch, p)
         shared_layers = [n for n in used if self.plan[n].choice == "dad"]
         if first_step:
@@ -254,10 +264,10 @@ class _DadExchange(GradientExchange):
         others = [p for group in self.param_groups for p in group["params"]
                   if id(p) not in covered and p.requires_grad]
         reduced = [(f"allreduce.{self._names.get(p, id(p))}",
-                    (p.grad if p.grad is not None else torch.zeros_like(p)) * scale) for p in others]
+                    dense_gradient(p) * scale) for p in others]
         reduced.append(("dad.batch_size", torch.tensor([scale])))
 
-        gathered, summed = meter.gather_and_reduce(shared, reduced, self._group, op="sum")
+        gathered, summed = meter.gather_and_reduce(shared, reduced, self.group, op="sum")
         total_batch = float(summed[-1])
         self.sharing.apply(self, dict(zip([n for n, _ in shared], gathered)), shared_layers, total_batch)
         for param, value in zip(others, summed):
@@ -316,7 +326,7 @@ class _DadExchange(GradientExchange):
                          f"{format_plan(list(self.plan.values()), left)}")
 
     def group_size(self) -> int:
-        return self._group.size if self._group is not None else runtime.size()
+        return self.group.size if self.group is not None else runtime.size()
 
     def apply_rows(self, name: str, pooled: torch.Tensor, total_batch: float, with_bias: bool) -> None:
         """∇W = Δᵀ A over the pooled rows [A | Δ] (Δ scaled by each rank's batch: divided by
@@ -408,6 +418,7 @@ class FactorRows(_Sharing):
             f"r <= {options.max_rank})"
         self.last_rank: dict[str, int] = {}        # k each layer kept at its last step
         self.errors: dict[str, torch.Tensor] = {}  # error feedback: what the factors left out
+        self.errors_before: dict[str, torch.Tensor] = {}  # the errors before this step's exchange
 
     def planned_rows(self, module: nn.Module, positions: int, total_batch: int, p: int) -> tuple[int, int]:
         return p * planned_rank(self.options), module.bias.numel() if module.bias is not None else 0
@@ -440,6 +451,9 @@ class FactorRows(_Sharing):
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's k factor rows [σ_i b_i | c_i] of layer `name`'s local gradient as they go on
         the wire: float16 with a float32 (k × 2) of their scales, else float32 and None."""
+        local = rows[name] if name in rows else (exchange.layer(name).weight.grad,)
+        if not all(bool(torch.isfinite(t).all()) for t in local):  # (a GradScaler's overflow)
+            return self.non_finite_row(exchange, name)
         iterate = (self.iterated_rank(name), self.iterations, self.tol, exchange.generator)
         if name in rows:
             b_rows, c_rows = factors_from_rows(*rows[name], *iterate)
@@ -462,10 +476,17 @@ class FactorRows(_Sharing):
             (b_half, b_scales), (c_half, c_scales) = to_half_rows(b_rows), to_half_rows(c_rows)
             wire = torch.cat([b_half, c_half], dim=1), torch.cat([b_scales, c_scales], dim=1)
             b_rows, c_rows = from_half_rows(b_half, b_scales), from_half_rows(c_half, c_scales)
-        if self.error_feedback and name not in rows:
+        if self.error_feedback and name not in rows and bool(torch.isfinite(gradient).all()):
             self.errors[name] = (gradient - b_rows.T @ c_rows) / scale
         self.last_rank[name] = max(1, b_rows.shape[0])
         return wire
+
+    def non_finite_row(self, exchange: _DadExchange, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One NaN row in place of a non-finite local gradient's factors (which an SVD refuses):
+        every rank's pooled gradient is then NaN, so a GradScaler skips the step on all."""
+        d_in, d_out = fan_in_out(exchange.layer(name))
+        row = exchange.layer(name).weight.new_full((1, d_in + d_out), math.nan)
+        return (row.half(), row.new_ones(1, 2)) if self.half_rows(exchange.group_size()) else (row, None)
 
     def state_dict(self) -> dict[str, Any]:
         return {"last_rank": dict(self.last_rank), "errors": dict(self.errors)}
@@ -476,6 +497,7 @@ class FactorRows(_Sharing):
     def payload(self, exchange: _DadExchange, rows: Rows, layers: list[str], scale: float) -> list[tuple[str, torch.Tensor]]:
         # Each rank sends its own k rows (Horovod's allgather takes a different count from every
         # rank), so the ranks need not agree on k first; a rank with none sends one zero row.
+        self.errors_before = dict(self.errors)  # (given back if a GradScaler skips the step)
         shared = []
         for n in layers:
             payload, scales = self.factors_of(exchange, n, rows, scale)
@@ -489,6 +511,8 @@ class FactorRows(_Sharing):
 
     def apply(self, exchange: _DadExchange, results: dict[str, torch.Tensor], layers: list[str],
               total_batch: float) -> None:
+        if not all(bool(torch.isfinite(t).all()) for t in results.values()):
+            self.errors = self.errors_before  # an inf or NaN on some rank: the step will be skipped
         for n in layers:
             pooled, scales = results[f"rank-dad.{n}"], results.get(f"rank-dad.{n}.scales")
             if scales is not None:  # [σ b | c] rows, each part with its power of two
@@ -631,21 +655,36 @@ def planned_rank(options: "RankDadOptions") -> int:
     return options.rank or min(options.max_rank, PLANNED_ADAPTIVE_RANK)
 
 
-def DadOptimizer(optimizer: torch.optim.Optimizer, model: nn.Module, mode: str = "exact", plan: str = DadOptions.plan,
-                 group: Group | None = None, seed: int = 0, options: "RankDadOptions | None" = None,
-                 **rank_options: Any) -> torch.optim.Optimizer:
+def DadOptimizer(optimizer: torch.optim.Optimizer, named_parameters: NamedParameters | nn.Module | None = None,
+                 compression: Any = None, backward_passes_per_step: int = 1, op: Any = None,
+                 gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
+                 sparse_as_dense: bool = False, process_set: Any = None, *, model: nn.Module | None = None,
+                 mode: str = "exact", plan: str = DadOptions.plan, group: Group | None = None, seed: int = 0,
+                 options: "RankDadOptions | None" = None, **rank_options: Any) -> torch.optim.Optimizer:
     """Wrap `optimizer` so step() uses the pooled batch's gradient, built by (rank-/e)dAD.
+
+    `model` is the module whose layers' activations and deltas are shared (it may also come
+    second, in place of named_parameters: `DadOptimizer(opt, model)`). Horovod's arguments are
+    taken as by every wrapper (hvd_lowcomm.methods.drop_in); compression: none for exact dAD
+    and edAD (their rows are exact, in float32), none or fp16 for rank-dAD (its factor rows
+    are float16 by default).
 
     mode "exact": dAD; "rank": rank-dAD, by default with each layer's rank adaptive; its
     options are RankDadOptions' (`options=`, or keywords: rank=r for a fixed rank, error_target,
     max_rank, error_feedback, iterations, tol; any of them given with the default mode means
     "rank"); "edad": edAD. plan "auto" shares rows only where that is cheaper than allreduce,
-    "all" wherever supported. Use it like Horovod's DistributedOptimizer: `loss.backward();
-    opt.step()` (or `opt.synchronize()` then `with opt.skip_synchronize(): opt.step()`). The
-    loss must be a mean over the local batch (dim 0 of each layer's input). From the second
-    step on, weights whose gradient comes from shared rows have requires_grad False (autograd's
-    local gradient of them would go unused); their .grad is still set at every step.
+    "all" wherever supported. The loss must be a mean over the local batch (dim 0 of each
+    layer's input). From the second step on, weights whose gradient comes from shared rows have
+    requires_grad False (autograd's local gradient of them would go unused); their .grad is
+    still set at every step.
     """
+    if isinstance(named_parameters, nn.Module):
+        if model is not None and model is not named_parameters:
+            raise ConfigError("DadOptimizer: the module given second is not the model= given too")
+        model, named_parameters = named_parameters, None
+    if model is None:
+        raise ConfigError("DadOptimizer needs the model, whose layers' activations and deltas it shares: "
+                          "DadOptimizer(opt, named_parameters=model.named_parameters(), model=model)")
     if mode == "exact" and (rank_options or options is not None):
         mode = "rank"
     if mode not in DAD_MODES:
@@ -654,9 +693,19 @@ def DadOptimizer(optimizer: torch.optim.Optimizer, model: nn.Module, mode: str =
         raise ConfigError(f"DadOptimizer mode {mode!r} is exact and takes no rank options; use mode='rank' for "
                           f"rank-dAD")
     rank_dad = make_options(RankDadOptions, "rank-dad", options, plan=plan, **rank_options)
+    arguments = horovod_arguments(
+        "DadOptimizer", compression, backward_passes_per_step, op, gradient_predivide_factor, num_groups, groups,
+        sparse_as_dense, process_set, group, compressors=("none", "fp16") if mode == "rank" else ("none",),
+        why_not_compressed="its rows are exact (float32); use mode='rank', whose factor rows travel in float16, "
+                           "or DistributedOptimizer with compression=fp16" if mode != "rank" else
+                           "its own factor rows are its compression")
+    if arguments.compression == "fp16" and rank_dad.factor_dtype != "float16":
+        raise ConfigError("DadOptimizer: compression=fp16 asks for float16 on the wire, but factor_dtype is "
+                          "float32; drop one of the two")
     check_dad_model(model, mode == "edad")
     sharing = {"exact": ExactRows, "rank": lambda: FactorRows(rank_dad), "edad": lambda: RecomputedDeltas(model)}[mode]()
-    return wrap_optimizer(optimizer, _DadExchange, model, sharing, rank_dad.plan, group, seed)
+    return wrap_optimizer(optimizer, _DadExchange, named_parameters or model.named_parameters(), model, sharing,
+                          rank_dad.plan, arguments, seed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -803,7 +852,8 @@ class DistributedAutoDiff(DataParallel):
         check_dad_model(model, self.edad)
 
     def distribute(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
-        return DadOptimizer(optimizer, model, plan=self.options.plan, seed=self.cfg.train.seed)
+        return DadOptimizer(optimizer, model, plan=self.options.plan, seed=self.cfg.train.seed,
+                            backward_passes_per_step=self.cfg.train.accumulate)
 
     def summary_metrics(self) -> dict[str, Any]:
         return {f"plan/{name}": lp.choice for name, lp in self.optimizer.plan.items()}
@@ -839,7 +889,8 @@ class RankDistributedAutoDiff(DistributedAutoDiff):
     """rank-dAD: each rank shares k <= r power-iteration factors per planned layer."""
 
     def distribute(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
-        return DadOptimizer(optimizer, model, mode="rank", options=self.options, seed=self.cfg.train.seed)
+        return DadOptimizer(optimizer, model, mode="rank", options=self.options, seed=self.cfg.train.seed,
+                            backward_passes_per_step=self.cfg.train.accumulate)
 
 
 @register("edad", cost=MethodCost(predict_edad, dad_kernels, edad_layers))

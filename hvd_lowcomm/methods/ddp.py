@@ -6,7 +6,7 @@ allreduce and back afterwards. `local` trains without any exchange: the compute 
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -15,45 +15,100 @@ from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
 from hvd_lowcomm.config import Config
 from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, RunAssumptions, wire
 from hvd_lowcomm.registry import register, register_variant
-from hvd_lowcomm.methods.base import (GradientExchange, Method, broadcast_model_and_optimizer, make_optimizer,
-                                     wrap_optimizer)
+from hvd_lowcomm.methods.base import Method, broadcast_model_and_optimizer, make_optimizer
+from hvd_lowcomm.methods.drop_in import (GradientExchange, HorovodArguments, NamedParameters, dense_gradient,
+                                        horovod_arguments,
+                                        wrap_optimizer)
 
 
-def DistributedOptimizer(optimizer: torch.optim.Optimizer,
-                         named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
-                         compression: str = "none", group: Group | None = None,
-                         backward_passes_per_step: int = 1) -> torch.optim.Optimizer:
-    """`hvd.DistributedOptimizer` whose every allreduce is recorded by the traffic meter.
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: NamedParameters | None = None,
+                         compression: Any = None, backward_passes_per_step: int = 1, op: Any = None,
+                         gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
+                         sparse_as_dense: bool = False, process_set: Any = None, *,
+                         group: Group | None = None) -> torch.optim.Optimizer:
+    """`hvd.DistributedOptimizer` with DDP's semantics, every allreduce recorded by the meter.
 
-    Use it in your own loop exactly as Horovod's: `loss.backward(); opt.step()`. Gradients are
-    averaged over `group` (default: all ranks) while backward runs.
+    Takes Horovod's arguments and honours each: `compression` (hvd.Compression.none / .fp16,
+    any Horovod compressor, or "none" / "fp16"), `op` (hvd.Average or hvd.Sum),
+    `gradient_predivide_factor`, `groups` / `num_groups` (fusion), `process_set` (or
+    hvd_lowcomm's `group`), `backward_passes_per_step`. Each gradient's allreduce starts as
+    backward produces it, as in Horovod; when the backward pass that completes the step ends,
+    `.grad` holds the mean over the ranks (hvd_lowcomm.methods.drop_in).
     """
-    import horovod.torch as hvd
+    arguments = horovod_arguments("DistributedOptimizer", compression, backward_passes_per_step, op,
+                                  gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set, group,
+                                  compressors=("none", "fp16", "any"))
+    return wrap_optimizer(optimizer, _AllreduceExchange, named_parameters, arguments)
 
-    compressor = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[compression]
-    dist = hvd.DistributedOptimizer(
-        optimizer, named_parameters=list(named_parameters), compression=compressor,
-        backward_passes_per_step=backward_passes_per_step,
-        process_set=hvd.global_process_set if group is None else group.process_set)
-    allreduce_grad_async = dist._allreduce_grad_async
 
-    def metered_allreduce_grad_async(p: torch.nn.Parameter) -> Any:
-        handle, ctx = allreduce_grad_async(p)
-        # Compress an empty tensor to learn the wire dtype without repeating the real work.
-        wire_itemsize = compressor.compress(p.grad.new_empty(0))[0].element_size()
-        meter.record("allreduce", dist._parameter_names.get(p), p.grad.numel() * wire_itemsize, group)
-        return handle, ctx
+class _AllreduceExchange(GradientExchange):
+    """Mixed into the user's optimizer class by DistributedOptimizer: Horovod's allreduce of
+    every gradient, started from the gradient hooks of the backward pass that exchanges."""
 
-    # Horovod's gradient hooks look the method up on the instance at call time.
-    dist._allreduce_grad_async = metered_allreduce_grad_async
-    synchronize = dist.synchronize
+    sums_natively = True  # op=Sum goes to Horovod itself
 
-    def metered_synchronize() -> None:
-        with meter.waiting():  # the allreduces not finished behind the backward pass
-            synchronize()
+    def __init__(self, params: Any, named_parameters: NamedParameters | None, arguments: HorovodArguments) -> None:
+        super().__init__(params)
+        import horovod.torch as hvd
 
-    dist.synchronize = metered_synchronize
-    return dist
+        self._compressor = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}.get(
+            arguments.compression, arguments.compression)
+        self._predivide = arguments.gradient_predivide_factor
+        self._fusion_of: dict[torch.nn.Parameter, int] = {}  # parameter -> its fusion group (Horovod's groups)
+        self._set_up_exchange(arguments, named_parameters, "DistributedOptimizer")
+        self._fusions = self._fusion_groups(arguments.groups)
+        self._ready: dict[int, list[torch.nn.Parameter]] = {}   # fusion group -> its gradients ready so far
+        self._pending: dict[int, tuple[list[torch.nn.Parameter], Any, list[Any]]] = {}  # started allreduces
+
+    def _fusion_groups(self, groups: Any) -> list[list[torch.nn.Parameter]]:
+        """Horovod's `groups`: lists of parameters allreduced together, or num_groups equal
+        splits of the parameters; by default each parameter on its own."""
+        params = [p for _, p in self.named_parameters()]
+        if isinstance(groups, int):
+            size = -(-len(params) // groups)
+            groups = [params[i:i + size] for i in range(0, len(params), size)]
+        fusions = [list(g) for g in groups] if groups is not None else []
+        listed = {p for g in fusions for p in g}
+        fusions += [[p] for p in params if p not in listed]
+        for index, fusion in enumerate(fusions):
+            for p in fusion:
+                self._fusion_of[p] = index
+        return fusions
+
+    def _gradient_accumulated(self, param: torch.nn.Parameter) -> None:
+        super()._gradient_accumulated(param)
+        if not self.exchanges_this_pass() or param not in self._fusion_of:
+            return
+        index = self._fusion_of[param]
+        ready = self._ready.setdefault(index, [])
+        ready.append(param)
+        if len(ready) == len(self._fusions[index]):  # start it while backward goes on
+            self._start(index)
+
+    def _start(self, index: int) -> None:
+        params = self._fusions[index]
+        named, contexts = [], []
+        for p in params:
+            sent, ctx = self._compressor.compress(dense_gradient(p))
+            named.append((f"allreduce.{self._names[p]}", sent))
+            contexts.append(ctx)
+        handle = meter.start_allreduce(named, self.group, op="sum" if self.op == "sum" else "average",
+                                       prescale=1.0 / self._predivide, postscale=self._predivide)
+        self._pending[index] = (params, handle, contexts)
+        self._ready.pop(index, None)
+
+    def _exchange(self) -> None:
+        for _, p in self.named_parameters():  # added by add_param_group after the wrap
+            if p not in self._fusion_of:
+                self._fusion_of[p] = len(self._fusions)
+                self._fusions.append([p])
+        for index in range(len(self._fusions)):
+            if index not in self._pending:  # not produced by this backward pass (unused, or set by hand)
+                self._start(index)
+        for params, handle, contexts in self._pending.values():
+            for p, out, ctx in zip(params, meter.finish_allreduce(handle), contexts):
+                p.grad = self._compressor.decompress(out, ctx).view_as(p)
+        self._pending.clear()
 
 
 def predict_ddp(profile: Profile, p: int, link: Link, options: None, cfg: Config,
@@ -101,13 +156,10 @@ class DataParallel(Method):
         self.optimizer.zero_grad()
         loss = self.forward_backward(x, y)
         clip = self.cfg.train.clip_grad_norm
-        if clip:  # on the pooled gradient: exchange first, then clip, then step without a second exchange
+        if clip:  # .grad holds the pooled gradient once backward returns (synchronize: in case it did not run)
             self.optimizer.synchronize()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-            with self.optimizer.skip_synchronize():
-                self.optimizer.step()
-        else:
-            self.optimizer.step()
+        self.optimizer.step()
         return loss
 
 
@@ -126,11 +178,15 @@ class LocalOnly(DataParallel):
     honours_compression = False
 
     def distribute(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> torch.optim.Optimizer:
-        return wrap_optimizer(optimizer, _NoExchange)
+        return wrap_optimizer(optimizer, _NoExchange, horovod_arguments("local"))
 
 
 class _NoExchange(GradientExchange):
     """Keeps every rank's own gradient (method local)."""
+
+    def __init__(self, params: Any, arguments: HorovodArguments) -> None:
+        super().__init__(params)
+        self._set_up_exchange(arguments, None, "local")
 
     def _exchange(self) -> None:
         pass

@@ -67,7 +67,8 @@ from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, RunAssu
 from hvd_lowcomm.registry import register
 from hvd_lowcomm.methods.outer_exchange import COMPRESSIONS, Transfer, make_exchange
 from hvd_lowcomm.methods.base import broadcast_model_and_optimizer, exchange_gradients
-from hvd_lowcomm.methods.grouped import GroupedOptions, GroupTrainerMethod, group_traffic, outer_optimizer, trial_sync
+from hvd_lowcomm.methods.grouped import (GroupedOptions, GroupTrainerMethod, group_traffic, outer_optimizer,
+                                         step_inner_optimizer, trial_sync)
 from hvd_lowcomm.schedule import SET_LATER, require_run_length, run_steps
 
 @dataclass
@@ -243,14 +244,18 @@ class DiLoCo:
     steps the inner optimiser and, on the steps the schedule says, runs the outer step of the
     fragments due. `total_steps` lets a `sync_every` below 1 mean a fraction of the run; keyword
     options are those of `DiLoCoOptions`. Every rank starts from rank 0's parameters and
-    optimiser state. Collective: every rank constructs it and takes every step.
+    optimiser state. Collective: every rank constructs it and takes every step. With mixed
+    precision pass the loop's GradScaler (`scaler=`) and call `scaler.scale(loss).backward()`:
+    `step()` unscales, clips, `scaler.step(optimizer)` and `scaler.update()`.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, total_steps: int | None = None,
-                 options: DiLoCoOptions | None = None, clip_grad_norm: float = 0.0, **kwargs: Any) -> None:
+                 options: DiLoCoOptions | None = None, clip_grad_norm: float = 0.0, scaler: Any = None,
+                 **kwargs: Any) -> None:
         o = make_options(DiLoCoOptions, "diloco", options, **kwargs)
         require_run_length(o, ("sync_every",), total_steps, "diloco")
         self.options, self.model, self.optimizer, self.clip_grad_norm = o, model, optimizer, clip_grad_norm
+        self.scaler = scaler
         groups = runtime.default_group_count(o.groups, runtime.size())
         runtime.group_layout(runtime.size(), num_groups=groups)  # a clear error when they do not divide
         self.group, self.all_groups = runtime.split_world(num_groups=groups, label="group")
@@ -314,9 +319,7 @@ class DiLoCo:
         if self.every is None:  # steps only: a fraction needs set_total_steps()
             self._set_every(max(1, run_steps(self.options.sync_every, None, "diloco.sync_every")))
         exchange_gradients(self.inner_named, self.group)
-        if self.clip_grad_norm:
-            torch.nn.utils.clip_grad_norm_([p for _, p in self.inner_named], self.clip_grad_norm)
-        self.optimizer.step()
+        step_inner_optimizer(self.optimizer, [p for _, p in self.inner_named], self.clip_grad_norm, self.scaler)
         self.inner_steps += 1
         self.since_sync = [n + 1 for n in self.since_sync]
         starting = [f for f in range(len(self.fragments))

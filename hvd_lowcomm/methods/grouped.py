@@ -65,6 +65,22 @@ def outer_optimizer(params: Iterable[torch.Tensor], options: GroupedOptions) -> 
                            nesterov=options.outer_nesterov and options.outer_momentum > 0)
 
 
+def step_inner_optimizer(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], clip_grad_norm: float,
+                         scaler: Any) -> None:
+    """The user's optimiser steps on the pooled gradients: a GradScaler's scale taken off
+    first, then clipped, the step skipped where the scaler found inf or NaN (the same on every
+    rank that pooled them), and the scaler's scale updated."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    if clip_grad_norm:
+        torch.nn.utils.clip_grad_norm_(list(params), clip_grad_norm)
+    if scaler is None:
+        optimizer.step()
+        return
+    scaler.step(optimizer)
+    scaler.update()
+
+
 @contextlib.contextmanager
 def trial_sync(model: nn.Module, sync: Callable[[], None], state: Callable[[], Any],
                restore: Callable[[Any], None]) -> Iterator[nn.Module]:

@@ -49,7 +49,8 @@ from hvd_lowcomm.config import Config, ConfigError, make_options, option
 from hvd_lowcomm.costmodel import Link, LayerSample, MethodCost, Prediction, Profile, RunAssumptions, wire
 from hvd_lowcomm.registry import register
 from hvd_lowcomm.methods.adaptive_rank import PROBES, next_rank, probe_residual, probes
-from hvd_lowcomm.methods.base import GradientExchange, wrap_optimizer
+from hvd_lowcomm.methods.drop_in import (GradientExchange, HorovodArguments, NamedParameters, dense_gradient,
+                                        horovod_arguments, wrap_optimizer)
 from hvd_lowcomm.methods.ddp import DataParallel
 
 
@@ -176,6 +177,12 @@ class PowerSGDState:
         self.wire.load_state_dict(state.get("wire", {}))
 
 
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether no tensor holds an inf or a NaN (one check for all of them)."""
+    flags = [torch.isfinite(t).all() for t in tensors]
+    return bool(torch.stack(flags).all()) if flags else True
+
+
 def orthogonalise(matrix: torch.Tensor) -> torch.Tensor:
     """Orthonormal columns spanning `matrix`'s columns (QR; also safe when they are dependent)."""
     return torch.linalg.qr(matrix, mode="reduced").Q
@@ -184,24 +191,23 @@ def orthogonalise(matrix: torch.Tensor) -> torch.Tensor:
 class _PowerSGDExchange(GradientExchange):
     """Mixed into the user's optimiser class by PowerSGDOptimizer."""
 
-    def __init__(self, params: Any, named_parameters: list[tuple[str, torch.nn.Parameter]],
-                 state: PowerSGDState, group: Group | None) -> None:
+    def __init__(self, params: Any, named_parameters: NamedParameters | None, state: PowerSGDState,
+                 arguments: HorovodArguments) -> None:
         super().__init__(params)
         self.powersgd = state
-        self._named = named_parameters
-        self._group = group
+        self._set_up_exchange(arguments, named_parameters, "PowerSGDOptimizer")
 
     def _exchange(self) -> None:
         state, options = self.powersgd, self.powersgd.options
-        grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in self._named}
-        size = self._group.size if self._group is not None else runtime.size()
+        grads = {name: dense_gradient(p) for name, p in self.named_parameters()}
+        size = self.group.size if self.group is not None else runtime.size()
         if state.iter < options.start_iter:
             # The plain mean until compression starts, in factor_dtype on the wire too, each
             # tensor under its own scale (as P and Q): on a short run these steps are a large
             # share of PowerSGD's bytes (10 of a 630-step MLP run: nearly half of them).
             summed, _ = self._sum([(f"powersgd.warmup.{n}", g) for n, g in grads.items()], [], size)
             self._assign(grads, {n: total / size for n, total in zip(grads, summed)})
-            state.iter += 1
+            state.iter += all_finite(summed)  # a step a GradScaler skips (inf or NaN) does not count
             return
 
         matrices, plain, ranks = {}, {}, {}
@@ -216,7 +222,10 @@ class _PowerSGDExchange(GradientExchange):
             else:
                 plain[name] = grad
                 state.numel_after += grad.numel()
-        if options.error_feedback:  # M = gradient + error, built in the error buffer (no new n×m tensor)
+        gradients = dict(matrices)
+        # A non-finite gradient (a GradScaler's overflow) must not reach the error buffers.
+        feed_back = options.error_feedback and all_finite(matrices.values())
+        if feed_back:  # M = gradient + error, built in the error buffer (no new n×m tensor)
             for name, m in matrices.items():
                 error = state.errors.get(name)
                 matrices[name] = error.add_(m) if error is not None and error.shape == m.shape else m.clone()
@@ -232,6 +241,9 @@ class _PowerSGDExchange(GradientExchange):
         # Horovod cycle fewer per step than an allreduce of their own.
         summed, summed_plain = self._sum([(f"powersgd.P.{n}", payload) for n, payload in payloads.items()],
                                          [(f"allreduce.{n}", g) for n, g in plain.items()], size)
+        if not all_finite([*summed, *summed_plain]):  # the same sums on every rank: all skip alike
+            self._skip(grads, gradients, matrices, feed_back, dict(zip(plain, summed_plain)), size)
+            return
         ps = {n: orthogonalise(p[:, :ranks[n]]) for n, p in zip(matrices, summed)}
         probed = {n: p[:, ranks[n]:] / size for n, p in zip(matrices, summed)}  # M̄ S
         averaged = {n: value / size for n, value in zip(plain, summed_plain)}
@@ -244,7 +256,7 @@ class _PowerSGDExchange(GradientExchange):
             q = q_t.T / size
             approximations[name] = ps[name] @ q.T
             if options.error_feedback:
-                state.errors[name] = m.sub_(approximations[name])  # M is this step's buffer
+                state.errors[name] = m.sub_(approximations[name]) if feed_back else m - approximations[name]
             new_qs[name] = q
         if measuring:
             new_qs = self._measure(new_qs, ps, probed, matrices)
@@ -252,6 +264,18 @@ class _PowerSGDExchange(GradientExchange):
             state.qs.update(new_qs)
         self._assign(grads, {**averaged, **approximations})
         state.iter += 1
+
+    def _skip(self, grads: dict[str, torch.Tensor], gradients: dict[str, torch.Tensor],
+              matrices: dict[str, torch.Tensor], fed_back: bool, plain_sums: dict[str, torch.Tensor],
+              size: int) -> None:
+        """A rank's gradient was inf or NaN (a GradScaler's overflow, which then skips the
+        step): the compressed gradients become NaN so that the scaler sees it, and PowerSGD's
+        state is left as before the step (its error buffers given back their error)."""
+        if fed_back:
+            for name, m in matrices.items():
+                self.powersgd.errors[name] = m.sub_(gradients[name])
+        nan = {name: torch.full_like(m, math.nan) for name, m in matrices.items()}
+        self._assign(grads, {**{n: total / size for n, total in plain_sums.items()}, **nan})
 
     def _measure(self, qs: dict[str, torch.Tensor], ps: dict[str, torch.Tensor], probed: dict[str, torch.Tensor],
                  matrices: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -275,7 +299,7 @@ class _PowerSGDExchange(GradientExchange):
                 if options.adaptive else state.ranks[name]
         changed = False
         if options.adaptive:
-            agreed = meter.allreduce_ints(list(proposed.values()), "powersgd.ranks", self._group, op="max")
+            agreed = meter.allreduce_ints(list(proposed.values()), "powersgd.ranks", self.group, op="max")
             for name, rank in zip(proposed, agreed):
                 changed |= rank != state.ranks[name]
                 state.ranks[name] = rank
@@ -300,32 +324,44 @@ class _PowerSGDExchange(GradientExchange):
         Horovod cycle."""
         if self.powersgd.options.factor_dtype == "float16" and size > 1:
             if not exact:
-                return self.powersgd.wire.allreduce(factors, [], self._group)
+                return self.powersgd.wire.allreduce(factors, [], self.group)
             # The uncompressed gradients go as one tensor, under one scale: float16's relative
             # precision does not depend on a number's size, the scale only keeps the largest in
             # range (20 binades below it stay normal).
             flat = torch.cat([t.reshape(-1) for _, t in exact])
-            sums, _ = self.powersgd.wire.allreduce(factors + [("powersgd.uncompressed", flat)], [], self._group)
+            sums, _ = self.powersgd.wire.allreduce(factors + [("powersgd.uncompressed", flat)], [], self.group)
             pieces = sums.pop().split([t.numel() for _, t in exact])
             return sums, [piece.view_as(t) for piece, (_, t) in zip(pieces, exact)]
-        outs = meter.allreduce_many(factors + exact, self._group, op="sum")
+        outs = meter.allreduce_many(factors + exact, self.group, op="sum")
         return outs[:len(factors)], outs[len(factors):]
 
     def _assign(self, grads: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
-        for name, param in self._named:
+        for name, param in self.named_parameters():
             param.grad = new[name].reshape(grads[name].shape)
 
 
-def PowerSGDOptimizer(optimizer: torch.optim.Optimizer,
-                      named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
-                      state: PowerSGDState | None = None, group: Group | None = None) -> torch.optim.Optimizer:
-    """Wrap `optimizer` so step() applies the PowerSGD-compressed mean gradient over `group`.
+def PowerSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters: NamedParameters | None = None,
+                      compression: Any = None, backward_passes_per_step: int = 1, op: Any = None,
+                      gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
+                      sparse_as_dense: bool = False, process_set: Any = None, *, state: PowerSGDState | None = None,
+                      group: Group | None = None) -> torch.optim.Optimizer:
+    """Wrap `optimizer` so step() applies the PowerSGD-compressed mean gradient over the ranks.
 
-    Use it like Horovod's DistributedOptimizer; `opt.powersgd` is the PowerSGDState (error
-    buffers, Q matrices, step count) to checkpoint.
+    Takes `hvd.DistributedOptimizer`'s arguments (hvd_lowcomm.methods.drop_in): compression
+    none, or fp16, which P and Q already are (factor_dtype float16, the default);
+    `state` (a PowerSGDState) holds PowerSGD's own options. Use it like Horovod's
+    DistributedOptimizer; `opt.powersgd` is the PowerSGDState (error buffers, Q matrices, step
+    count) to checkpoint.
     """
-    named = [(n, p) for n, p in named_parameters if p.requires_grad]
-    return wrap_optimizer(optimizer, _PowerSGDExchange, named, state or PowerSGDState(), group)
+    state = state or PowerSGDState()
+    arguments = horovod_arguments("PowerSGDOptimizer", compression, backward_passes_per_step, op,
+                                  gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set, group,
+                                  compressors=("none", "fp16"),
+                                  why_not_compressed="its own low-rank factors are its compression")
+    if arguments.compression == "fp16" and state.options.factor_dtype != "float16":
+        raise ConfigError("PowerSGDOptimizer: compression=fp16 asks for float16 on the wire, but the state's "
+                          "factor_dtype is float32; drop one of the two")
+    return wrap_optimizer(optimizer, _PowerSGDExchange, named_parameters, state, arguments)
 
 
 def powersgd_kernels(sample: LayerSample, options: PowerSGDOptions, cfg: Config) -> dict[str, Any]:
@@ -393,7 +429,8 @@ class PowerSGD(DataParallel):
 
     def distribute(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> torch.optim.Optimizer:
         state = PowerSGDState(self.options, seed=self.cfg.train.seed)
-        return PowerSGDOptimizer(optimizer, model.named_parameters(), state)
+        return PowerSGDOptimizer(optimizer, model.named_parameters(), state=state,
+                                 backward_passes_per_step=self.cfg.train.accumulate)
 
     def epoch_metrics(self) -> dict[str, Any]:
         """The compression rate so far, and each compressed matrix's current rank and kept

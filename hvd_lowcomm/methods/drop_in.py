@@ -1,0 +1,291 @@
+"""What every drop-in optimizer wrapper shares: Horovod's signature and DDP's semantics.
+
+A user changes one line, `hvd.DistributedOptimizer(...)` to `hvd_lowcomm.PowerSGDOptimizer(...)`
+(or DadOptimizer, DistributedOptimizer), and keeps the rest of their loop, whether it was
+written for Horovod or for PyTorch's DistributedDataParallel:
+
+- every wrapper takes `hvd.DistributedOptimizer`'s arguments (`HorovodArguments`) and honours
+  each, or refuses it when it is built, saying why;
+- the exchange runs when the backward pass that completes a step's gradient ends (DDP's
+  rule), so `.grad` holds the pooled gradient when `loss.backward()` returns: clipping,
+  `scaler.unscale_(opt)` and `scaler.step(opt)` act on what the optimizer applies, the same on
+  every rank;
+- accumulation: `backward_passes_per_step=k` (Horovod) exchanges at every k-th backward pass,
+  `with opt.no_sync():` (DDP) or `opt.require_backward_grad_sync = False` holds the exchange
+  back; either way one exchange per optimizer step;
+- `synchronize()` / `skip_synchronize()` keep Horovod's meaning, and PyTorch's optimizer
+  contract holds (`zero_grad(set_to_none=...)`, `state_dict`, `add_param_group`, state loaded
+  into the optimizer before the wrap).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch.autograd import Variable
+
+from hvd_lowcomm.comm import runtime
+from hvd_lowcomm.comm.runtime import Group
+from hvd_lowcomm.config import ConfigError
+
+NamedParameters = Iterable[tuple[str, torch.nn.Parameter]]
+
+
+@dataclass(frozen=True)
+class HorovodArguments:
+    """`hvd.DistributedOptimizer`'s arguments as one wrapper honours them (see
+    `horovod_arguments`): `compression` is "none", "fp16" or a Horovod compressor object,
+    `op` "average" or "sum"."""
+
+    compression: Any = "none"
+    backward_passes_per_step: int = 1
+    op: str = "average"
+    gradient_predivide_factor: float = 1.0
+    groups: Any = None          # Horovod's fusion groups: an int (num_groups) or lists of parameters
+    group: Group | None = None  # the process set's ranks (None: all ranks)
+
+
+def horovod_arguments(wrapper: str, compression: Any = None, backward_passes_per_step: int = 1, op: Any = None,
+                      gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
+                      sparse_as_dense: bool = False, process_set: Any = None, group: Group | None = None,
+                      compressors: tuple[str, ...] = ("none",), why_not_compressed: str = "") -> HorovodArguments:
+    """Check Horovod's arguments for `wrapper` and normalise them; refuse what it cannot honour.
+
+    `compressors`: the compressions the wrapper takes ("none", "fp16", or "any" for any
+    Horovod compressor); `why_not_compressed` ends the refusal of the others. Every wrapper
+    densifies sparse gradients (sparse_as_dense is always in effect) and sends all of a round's
+    tensors in one fused Horovod cycle, so `groups` / `num_groups` only change how the ddp
+    wrapper fuses its allreduces.
+    """
+    del sparse_as_dense  # accepted either way: gradients always travel dense
+    kind = compression_kind(compression)
+    if kind not in compressors and not (kind not in ("none", "fp16") and "any" in compressors):
+        raise ConfigError(f"{wrapper} does not take compression={compression!r}: {why_not_compressed}")
+    if backward_passes_per_step < 1:
+        raise ConfigError(f"{wrapper}: backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+    op_name = op_kind(op)
+    if op_name not in ("average", "sum"):
+        raise ConfigError(f"{wrapper} takes op=hvd.Average (the default) or hvd.Sum, not {op!r}: Adasum and the "
+                          f"other reductions are not gradient means; for Adasum keep hvd.DistributedOptimizer")
+    if gradient_predivide_factor <= 0:
+        raise ConfigError(f"{wrapper}: gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
+    if gradient_predivide_factor != 1.0 and op_name != "average":
+        raise ConfigError(f"{wrapper}: gradient_predivide_factor needs op=hvd.Average (as in Horovod)")
+    if num_groups and groups is not None:
+        raise ConfigError(f"{wrapper}: pass groups or num_groups, not both (as in Horovod)")
+    if num_groups < 0:
+        raise ConfigError(f"{wrapper}: num_groups must be >= 0, got {num_groups}")
+    if process_set is not None and group is not None:
+        raise ConfigError(f"{wrapper}: pass process_set (Horovod's) or group (hvd_lowcomm's), not both")
+    if process_set is not None:
+        group = runtime.group_of_process_set(process_set)
+    return HorovodArguments(compression if kind not in ("none", "fp16") else kind, backward_passes_per_step, op_name,
+                            gradient_predivide_factor, groups if groups is not None else num_groups or None, group)
+
+
+def compression_kind(compression: Any) -> str:
+    """"none", "fp16" or "custom" for a compression given as a string, a Horovod compressor
+    class (hvd.Compression.none / .fp16) or None."""
+    if compression is None:
+        return "none"
+    if isinstance(compression, str):
+        if compression not in ("none", "fp16"):
+            raise ConfigError(f"compression must be 'none', 'fp16' or a Horovod compressor "
+                              f"(hvd.Compression.none / hvd.Compression.fp16), got {compression!r}")
+        return compression
+    name = getattr(compression, "__name__", type(compression).__name__)
+    return {"NoneCompressor": "none", "FP16Compressor": "fp16"}.get(name, "custom")
+
+
+def op_kind(op: Any) -> str:
+    """Horovod's reduction constant (or its name as a string) as a lower-case name."""
+    if op is None:
+        return "average"
+    if isinstance(op, str):
+        return op.lower()
+    import horovod.torch as hvd
+
+    names = {hvd.Average: "average", hvd.Sum: "sum", hvd.Adasum: "adasum"}
+    return names.get(op, f"op {op!r}")
+
+
+def parameter_names(param_groups: list[dict[str, Any]], named_parameters: NamedParameters | None,
+                    wrapper: str) -> dict[torch.nn.Parameter, str]:
+    """A name for every parameter the optimizer holds, the same on every rank: its name in
+    `named_parameters`, else its position in the optimizer (as Horovod names unnamed ones)."""
+    names: dict[torch.nn.Parameter, str] = {}
+    for name, param in named_parameters or ():
+        if name in names.values() and names.get(param) != name:
+            raise ConfigError(f"{wrapper}: parameter names in named_parameters must be unique; {name!r} repeats")
+        names.setdefault(param, name)
+    position = 0
+    for group in param_groups:
+        for param in group["params"]:
+            names.setdefault(param, f"noname.{position}")
+            position += 1
+    return names
+
+
+def dense_gradient(param: torch.nn.Parameter) -> torch.Tensor:
+    """The parameter's gradient as a dense tensor (zeros where backward gave it none: every
+    rank must send the same tensors)."""
+    if param.grad is None:
+        return torch.zeros_like(param)
+    return param.grad.to_dense() if param.grad.is_sparse else param.grad
+
+
+class GradientExchange(torch.optim.Optimizer):
+    """Base of the optimizer wrappers, mixed into the user's optimizer class (`wrap_optimizer`).
+
+    The exchange (`_exchange()`, the subclass's) replaces every local gradient by the pooled
+    one. It runs when the backward pass that completes a step ends (DDP's rule), found with the
+    autograd engine's end-of-backward callback queued from the first gradient hook that fires.
+    Then:
+
+    - `synchronize()` is done already (a call does nothing); `step()` applies `.grad`;
+    - with no backward pass since the last step (Horovod's broadcast_optimizer_state steps once
+      to create the optimizer's state), `step()` applies `.grad` as it is, without an
+      exchange: there is nothing of this step to pool. Gradients set by hand are exchanged by
+      calling `synchronize()`;
+    - `with opt.skip_synchronize(): opt.step()` steps without exchanging what is not yet;
+    - a backward pass after an exchange that no step applied (a GradScaler skipped the step)
+      starts a new step's gradient.
+    """
+
+    _exchange_enabled = True   # DDP's require_backward_grad_sync (no_sync() clears it)
+    _should_synchronize = True
+    _synchronized = False
+    _backward_passes = 0       # since the last exchange or step
+    _end_queued = False        # the end-of-backward callback of the running pass is queued
+    exchange_seconds = 0.0     # spent in exchanges (the built-in loop keeps it out of the backward time)
+    backward_passes_per_step = 1
+    op = "average"
+    sums_natively = False      # op=Sum is the exchange's own (else: the mean times the group's size)
+    group: Group | None = None
+
+    def _exchange(self) -> None:
+        raise NotImplementedError
+
+    def _set_up_exchange(self, arguments: HorovodArguments, named_parameters: NamedParameters | None,
+                         wrapper: str) -> None:
+        """Called by each subclass's __init__ after the optimizer's own."""
+        self.backward_passes_per_step, self.op, self.group = (arguments.backward_passes_per_step, arguments.op,
+                                                              arguments.group)
+        self._names = parameter_names(self.param_groups, named_parameters, wrapper)
+        self._hooked: set[int] = set()
+        self._hook_parameters(p for group in self.param_groups for p in group["params"])
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """(name, parameter) for every parameter the optimizer holds that requires a gradient,
+        in the optimizer's order (one added without a name: by its position, as in Horovod)."""
+        return [(self._names[p], p) for group in self.param_groups for p in group["params"] if p.requires_grad]
+
+    # -- when the exchange runs ---------------------------------------------------------------
+    def _hook_parameters(self, params: Iterable[torch.nn.Parameter]) -> None:
+        for param in params:
+            if param.requires_grad and id(param) not in self._hooked:
+                # A closure that checks its parameter: a deep copy of the model keeps the hook
+                param.register_post_accumulate_grad_hook(
+                    lambda grad_holder, param=param: self._gradient_accumulated(param) if grad_holder is param else None)
+                self._hooked.add(id(param))
+
+    def _gradient_accumulated(self, param: torch.nn.Parameter) -> None:
+        """A parameter's gradient was accumulated into .grad by the running backward pass."""
+        self._backward_running()
+
+    def _backward_running(self) -> None:
+        """Called from every hook a backward pass fires: queue the end-of-backward callback once."""
+        if self._end_queued:
+            return
+        self._end_queued = True
+        self._synchronized = False  # a new pass after an exchange no step applied starts a new step
+        Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        self._end_queued = False
+        self._backward_passes += 1
+        if self.exchanges_this_pass():
+            self.synchronize()
+
+    def exchanges_this_pass(self) -> bool:
+        """Whether the backward pass running (or just ended) completes the step's gradient."""
+        return self._exchange_enabled and self._backward_passes >= self.backward_passes_per_step - (
+            1 if self._end_queued else 0)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's accumulation idiom: backward passes inside only accumulate locally; the first
+        one after the block exchanges the accumulated gradient."""
+        previous, self._exchange_enabled = self._exchange_enabled, False
+        try:
+            yield
+        finally:
+            self._exchange_enabled = previous
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's flag (nanoGPT sets it on the model): False holds the exchange back."""
+        return self._exchange_enabled
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._exchange_enabled = bool(value)
+
+    # -- Horovod's interface ------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Replace every local gradient by the pooled one (once per step)."""
+        if self._synchronized:
+            return
+        start = time.perf_counter()
+        if self.group is None or runtime.rank() in self.group:
+            self._exchange()
+            if self.op == "sum" and not self.sums_natively:  # Horovod's op=Sum: the sum over ranks, which is the mean times their count
+                size = self.group.size if self.group is not None else runtime.size()
+                for group in self.param_groups:
+                    for param in group["params"]:
+                        if param.grad is not None:
+                            param.grad.mul_(size)
+        self._synchronized = True
+        self._backward_passes = 0
+        self.exchange_seconds += time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Any = None) -> Any:
+        if self._should_synchronize and self._backward_passes and not self._synchronized:
+            self.synchronize()  # fewer passes than backward_passes_per_step: pool what there is
+        loss = super().step(closure)  # (a closure's backward pass exchanges as it ends)
+        self._synchronized, self._backward_passes = False, 0
+        return loss
+
+    # -- PyTorch's optimizer contract ---------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._synchronized, self._backward_passes = False, 0
+        super().zero_grad(set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "_hooked"):  # (not while the optimizer's own __init__ adds its groups)
+            named = [(name, param) for param, name in self._names.items()]
+            self._names = parameter_names(self.param_groups, named, "add_param_group")
+            self._hook_parameters(param_group["params"])
+
+
+def wrap_optimizer(optimizer: torch.optim.Optimizer, exchange: type, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
+    """An instance of `optimizer`'s own class with `exchange` (a GradientExchange subclass)
+    mixed in, over the same parameter groups and state: isinstance checks, LR schedulers and
+    state loaded before the wrap keep working."""
+    cls = type(optimizer.__class__.__name__, (exchange, optimizer.__class__), {})
+    wrapped = cls(optimizer.param_groups, *args, **kwargs)
+    wrapped.state = optimizer.state
+    wrapped.defaults = optimizer.defaults
+    return wrapped
