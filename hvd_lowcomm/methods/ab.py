@@ -227,18 +227,19 @@ class ABTraining:
 
     With mixed precision pass the loop's GradScaler (`scaler=`): inside the block call
     `scaler.scale(loss).backward()`; leaving it unscales, clips, `scaler.step(optimizer)` and
-    `scaler.update()`. The first step checks that the model's output fits its labels (or pass
-    `example=(x, y)` to check at construction).
+    `scaler.update()`. The first step checks that the model's output fits its labels with one
+    forward pass of its own (or pass `example=(x, y)` to check at construction).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, total_steps: int | None = None,
                  options: ABOptions | None = None, clip_grad_norm: float = 0.0, scaler: Any = None,
-                 example: tuple[ModelInput, torch.Tensor | None] | None = None, **kwargs: Any) -> None:
+                 example: tuple[ModelInput, torch.Tensor | None] | None = None, check_outputs: bool = True,
+                 **kwargs: Any) -> None:
         o = make_options(ABOptions, "ab", options, **kwargs)
         require_run_length(o, ("warmup", "sync_every", "full_rank_steps", "rebound_steps"), total_steps, "ab")
         self.options, self.model, self.optimizer, self.clip_grad_norm = o, model, optimizer, clip_grad_norm
         self.scaler = scaler
-        self.checked_outputs = example is not None  # whether the model's output was checked against labels
+        self.checked_outputs = example is not None or not check_outputs  # (else at the first step)
         if example is not None:  # before anything changes
             check_outputs_fit_labels(model, *example)
         groups = runtime.default_group_count(o.groups, runtime.size())
@@ -801,6 +802,9 @@ class AB(GroupTrainerMethod):
     """`--method ab`: ABTraining driven by the built-in loop."""
 
     trainer_class = ABTraining
+    # The built-in loop's loss fails on the first step if the model's output does not fit the
+    # task's labels: no probe forward pass of its own
+    trainer_arguments = {"check_outputs": False}
 
     @classmethod
     def check_groups(cls, cfg: Config, groups: int, world_size: int) -> None:

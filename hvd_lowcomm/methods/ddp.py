@@ -90,7 +90,7 @@ class _AllreduceExchange(GradientExchange):
         named, contexts = [], []
         for p in params:
             sent, ctx = self._compressor.compress(dense_gradient(p))
-            named.append((f"allreduce.{self._names[p]}", sent))
+            named.append((self._names[p], sent))
             contexts.append(ctx)
         handle = meter.start_allreduce(named, self.group, op="sum" if self.op == "sum" else "average",
                                        prescale=1.0 / self._predivide, postscale=self._predivide)

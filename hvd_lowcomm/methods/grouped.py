@@ -113,6 +113,7 @@ class GroupTrainerMethod(Method):
     summary_metrics (with `group_traffic`)."""
 
     trainer_class: ClassVar[type]
+    trainer_arguments: ClassVar[dict[str, Any]] = {}  # keywords of the trainer's own for the built-in loop
     trainer: Any
 
     @classmethod
@@ -129,7 +130,7 @@ class GroupTrainerMethod(Method):
         self.model = model
         self.optimizer = make_optimizer(self.cfg, model.parameters())
         self.trainer = self.trainer_class(model, self.optimizer, SET_LATER, options=self.options,
-                                          clip_grad_norm=self.cfg.train.clip_grad_norm)
+                                          clip_grad_norm=self.cfg.train.clip_grad_norm, **self.trainer_arguments)
 
     def set_total_steps(self, total_steps: int) -> None:
         self.trainer.set_total_steps(total_steps)
