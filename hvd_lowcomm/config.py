@@ -144,9 +144,10 @@ class TrainConfig:
     warmup_steps: int = option(0, "linear learning-rate warm-up from 0 over this many steps")
     momentum: float = option(0.9, "SGD momentum")
     weight_decay: float = option(0.0, "weight decay (ab: 0.1 unless set, as the AB-training paper trains)")
-    device: str = option("auto", "where each rank computes: cuda (the GPU of its local rank; collectives on the "
-                                 "GPU with NCCL where Horovod has it), cpu, or auto (cuda when available)",
-                         choices=("auto", "cpu", "cuda"))
+    device: str = option("auto", "where each rank computes: cuda (the GPU the rank is given: the one it sees, else "
+                                 "its local rank's; collectives on the GPU with NCCL where Horovod has it, else "
+                                 "through host memory), cpu, auto (cuda when available), or the name of another "
+                                 "device PyTorch has a backend for")
     seed: int = option(42, "seed for initialisation, shuffling and every random choice")
     max_steps: int = option(-1, "stop after this many training steps (-1: no limit; 0: start up, "
                                 "evaluate once and stop, which measures start-up traffic)")

@@ -103,8 +103,7 @@ def init(seed: int | None = None) -> Group:
         world_ranks = tuple(range(hvd.size()))
         _world = Group("world", 0, world_ranks, hvd.global_process_set, MPI.COMM_WORLD)
         _process_sets[world_ranks] = hvd.global_process_set
-        if torch.cuda.is_available():
-            torch.cuda.set_device(hvd.local_rank())
+        _bind_gpu(hvd.local_rank(), hvd.local_size())
         if "OMP_NUM_THREADS" not in os.environ:  # the user's (or the job script's) choice stands
             torch.set_num_threads(compute_threads(hvd.local_size(), len(os.sched_getaffinity(0)), os.cpu_count() or 1))
     if seed is not None:
@@ -172,22 +171,80 @@ def size() -> int:
 
 
 def device(choice: str = "auto") -> torch.device:
-    """Where this rank computes: `cuda` the GPU bound to its local rank (init() binds it),
-    `cpu`, or `auto` the GPU when CUDA is available, else the CPU."""
+    """Where this rank computes: `cuda` the GPU bound to it (init() binds it: gpu_for_rank),
+    `cpu`, `auto` that GPU when CUDA is available, else the CPU; any other name is a device
+    PyTorch knows (another accelerator's backend), used as it is."""
+    if choice not in ("auto", "cuda", "cpu"):
+        try:
+            return torch.device(choice)
+        except RuntimeError:
+            raise ConfigError(f"train.device {choice!r} is not a device PyTorch knows: use auto, cuda, cpu or the name "
+                              f"of a device type with a backend in this PyTorch") from None
     if choice == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device cuda, but this rank sees no CUDA GPU (torch.cuda.is_available() is "
                           "False): use --train.device auto or cpu, or a CUDA build of torch on a GPU node")
     if choice != "cpu" and torch.cuda.is_available():
-        import horovod.torch as hvd
-
-        if not hvd.nccl_built():
-            raise ConfigError(f"train.device {choice} puts tensors on the GPU, but this Horovod was built without GPU "
-                              f"operations (hvd.nccl_built() is false: built where nvcc was not on PATH), so its first "
-                              f"collective would fail. Rebuild it with the CUDA toolkit loaded (module load cuda; "
-                              f".venv/bin/pip uninstall -y horovod && make install), or train on the CPU with "
-                              f"--train.device cpu")
+        if _gpu_problem:
+            raise ConfigError(_gpu_problem)
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+# Why this rank has no GPU of its own (more ranks than GPUs on its node), or "".
+_gpu_problem = ""
+# Whether the ranks of a node share GPUs (allowed by HVD_LOWCOMM_SHARE_GPUS=1): NCCL then refuses them.
+_gpus_shared = False
+
+
+def gpu_for_rank(local_rank: int, local_size: int, visible: int, share: bool = False) -> int:
+    """The GPU index (among the visible ones) a rank uses: the one GPU it sees when it is given
+    one (Slurm's --gpus-per-task, CUDA_VISIBLE_DEVICES per task), else its local rank when the
+    node has a GPU for every rank. More ranks than GPUs is a ConfigError saying how to fix it,
+    unless `share` (several ranks per GPU: correct, and slow beyond a check)."""
+    if visible == 1:
+        return 0
+    if local_size <= visible:
+        return local_rank
+    if share:
+        return local_rank % visible
+    raise ConfigError(f"{local_size} ranks on this node but {visible} GPUs visible to each: a rank needs a GPU of its "
+                      f"own. Start at most {visible} ranks per node (Slurm: --ntasks-per-node={visible} "
+                      f"--gpus-per-task=1; Open MPI: mpirun --npernode {visible}), or train on the CPU with "
+                      f"--train.device cpu (HVD_LOWCOMM_SHARE_GPUS=1 lets ranks share GPUs, for tests)")
+
+
+def _bind_gpu(local_rank: int, local_size: int) -> None:
+    """Bind this rank's GPU (gpu_for_rank), then find out, by the GPUs' UUIDs, whether ranks of
+    a node share one (each sees a single GPU, but the same). Collective. A problem is kept for
+    device() to raise where the GPU is asked for, not on CPU runs."""
+    from mpi4py import MPI
+
+    global _gpu_problem, _gpus_shared
+    share = os.environ.get("HVD_LOWCOMM_SHARE_GPUS") == "1"
+    uuid = None
+    if torch.cuda.is_available():
+        try:
+            torch.cuda.set_device(gpu_for_rank(local_rank, local_size, torch.cuda.device_count(), share))
+            uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+        except ConfigError as problem:
+            _gpu_problem = str(problem)
+    bound = [(host, gpu) for host, gpu in MPI.COMM_WORLD.allgather((MPI.Get_processor_name(), uuid)) if gpu]
+    _gpus_shared = len(set(bound)) < len(bound)
+    if _gpus_shared and not share and not _gpu_problem:
+        _gpu_problem = ("ranks of one node are bound to the same GPU (each sees one, the same): a rank needs a GPU of "
+                        "its own. Give each task its own (Slurm: --gpus-per-task=1) or start as many ranks per node "
+                        "as it has GPUs, or train on the CPU with --train.device cpu (HVD_LOWCOMM_SHARE_GPUS=1 lets "
+                        "ranks share GPUs, for tests)")
+
+
+def ranks_share_a_gpu() -> bool:
+    return _gpus_shared
+
+
+def horovod_has_gpu_operations() -> bool:
+    import horovod.torch as hvd
+
+    return bool(hvd.nccl_built())
 
 
 def node_of(global_rank: int) -> int:

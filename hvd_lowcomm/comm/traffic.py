@@ -195,8 +195,8 @@ class TrafficMeter:
         self.record("allreduce", name, _nbytes(sent), group)
         op = hvd.Average if average and tensor.is_floating_point() else hvd.Sum
         with self.waiting():
-            out = hvd.allreduce(sent, name=name, op=op, process_set=_process_set(group))
-        return compression.decompress(out, ctx)
+            out = hvd.allreduce(to_wire(sent), name=name, op=op, process_set=_process_set(group))
+        return compression.decompress(out.to(sent.device), ctx)
 
     def allgather(self, tensor: torch.Tensor, name: str, group: Group | None = None) -> torch.Tensor:
         """Concatenate every member's tensor along dim 0 (first dims may differ)."""
@@ -226,9 +226,11 @@ class TrafficMeter:
         else:
             ps = _process_set(group)
             with self.waiting():
-                gathering = [hvd.allgather_async(tensor, name=name, process_set=ps) for name, tensor in gathered]
-                reducing = [hvd.allreduce_async(tensor, name=name, op=hvd_op, process_set=ps) for name, tensor in reduced]
-                outs = [hvd.synchronize(h) for h in gathering], [hvd.synchronize(h) for h in reducing]
+                gathering = [hvd.allgather_async(to_wire(tensor), name=name, process_set=ps) for name, tensor in gathered]
+                reducing = [hvd.allreduce_async(to_wire(tensor), name=name, op=hvd_op, process_set=ps)
+                            for name, tensor in reduced]
+                outs = ([hvd.synchronize(h).to(t.device) for h, (_, t) in zip(gathering, gathered)],
+                        [hvd.synchronize(h).to(t.device) for h, (_, t) in zip(reducing, reduced)])
         for (name, tensor), out in zip(gathered, outs[0]):
             self.record("allgather", name, _nbytes(tensor), group,
                         wire=wire_bytes("allgather", _nbytes(out), size) if size > 1 else 0.0)
@@ -246,19 +248,21 @@ class TrafficMeter:
             self.record("allreduce", name, _nbytes(tensor), group)
         if _members(group) == 1:  # nothing to combine: the scaled tensors themselves
             return [tensor * (prescale * postscale) for _, tensor in named]
-        return hvd.grouped_allreduce_async([tensor for _, tensor in named], name=named[0][0],
-                                           op=hvd.Average if op == "average" else hvd.Sum,
-                                           prescale_factor=prescale, postscale_factor=postscale,
-                                           process_set=_process_set(group))
+        handle = hvd.grouped_allreduce_async([to_wire(tensor) for _, tensor in named], name=named[0][0],
+                                             op=hvd.Average if op == "average" else hvd.Sum,
+                                             prescale_factor=prescale, postscale_factor=postscale,
+                                             process_set=_process_set(group))
+        return handle, [tensor.device for _, tensor in named]
 
     def finish_allreduce(self, handle: Any) -> list[torch.Tensor]:
-        """Wait for an allreduce `start_allreduce` started; its results."""
+        """Wait for an allreduce `start_allreduce` started; its results, on their tensors' devices."""
         import horovod.torch as hvd
 
         if isinstance(handle, list):
             return handle
+        handle, devices = handle
         with self.waiting():
-            return hvd.synchronize(handle)
+            return [out.to(device, non_blocking=True) for out, device in zip(hvd.synchronize(handle), devices)]
 
     def broadcast_(self, tensor: torch.Tensor, root_rank: int, name: str,
                    group: Group | None = None) -> torch.Tensor:
@@ -266,8 +270,12 @@ class TrafficMeter:
         import horovod.torch as hvd
 
         self.record("broadcast", name, _nbytes(tensor), group)
+        wire = to_wire(tensor)
         with self.waiting():
-            return hvd.broadcast_(tensor, root_rank, name=name, process_set=_process_set(group))
+            hvd.broadcast_(wire, root_rank, name=name, process_set=_process_set(group))
+        if wire is not tensor:
+            tensor.copy_(wire)
+        return tensor
 
     def broadcast_tensors(self, tensors: dict[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
                           root_rank: int, group: Group | None = None) -> None:
@@ -334,7 +342,7 @@ class TrafficMeter:
 
     # -- metered point-to-point (mpi4py) -------------------------------------------------------
     def send(self, tensor: torch.Tensor, dest: int, name: str, tag: int = 0) -> None:
-        """Blocking send of a CPU tensor to global rank `dest` over MPI_COMM_WORLD."""
+        """Blocking send of a tensor (through host memory) to global rank `dest` over MPI_COMM_WORLD."""
         from mpi4py import MPI
 
         array = tensor.detach().contiguous().cpu().numpy()
@@ -343,14 +351,61 @@ class TrafficMeter:
             MPI.COMM_WORLD.Send(array, dest=dest, tag=tag)
 
     def recv(self, out: torch.Tensor, source: int, name: str, tag: int = 0) -> torch.Tensor:
-        """Blocking receive into the CPU tensor `out` from global rank `source`."""
+        """Blocking receive into `out` (through host memory when it is on a device) from global
+        rank `source`."""
         from mpi4py import MPI
 
-        array = out.numpy()
+        host = out if out.device.type == "cpu" else torch.empty(out.shape, dtype=out.dtype, pin_memory=_pinned(out))
+        array = host.numpy()
         with self.waiting():
             MPI.COMM_WORLD.Recv(array, source=source, tag=tag)
+        if host is not out:
+            out.copy_(host)
         self.record("recv", name, array.nbytes, None, wire=0)
         return out
+
+
+def to_wire(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as Horovod's collectives take it: itself where they read its device (the CPU; a
+    GPU when Horovod was built with GPU operations and no two local ranks share one), else a
+    copy in host memory (pinned for a GPU, so the copy runs at full speed), which the caller's
+    result goes back from. The one place where device tensors are staged; the meter counts the
+    collective once, whatever path it takes."""
+    if collectives_take(tensor.device):
+        return tensor
+    if _pinned(tensor):
+        return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor)
+    return tensor.cpu()
+
+
+def collectives_take(device: torch.device) -> bool:
+    """Whether Horovod's collectives read tensors on `device` themselves."""
+    if device.type == "cpu":
+        return True
+    if device.type != "cuda":
+        return False
+    takes = runtime.horovod_has_gpu_operations() and not runtime.ranks_share_a_gpu()
+    if not takes and not _warned_staging:
+        _warn_staging()
+    return takes
+
+
+_warned_staging = False
+
+
+def _warn_staging() -> None:
+    global _warned_staging
+    _warned_staging = True
+    why = ("ranks of this node share a GPU, which NCCL refuses" if runtime.ranks_share_a_gpu() else
+           "this Horovod was built without GPU operations (hvd.nccl_built() is false); to rebuild it with NCCL, "
+           "load the CUDA toolkit (e.g. module load cuda) and run: .venv/bin/pip uninstall -y horovod && make install")
+    runtime.announce(f"hvd_lowcomm: warning: GPU tensors go through host memory for every collective (correct, "
+                     f"slower): {why}")
+
+
+def _pinned(tensor: torch.Tensor) -> bool:
+    """Whether host copies of `tensor` should be page-locked (a CUDA tensor's)."""
+    return tensor.device.type == "cuda"
 
 
 def _share_leaving_node(op: str, group: Group | None, dest: int | None) -> float:

@@ -312,9 +312,10 @@ def _canonical_signs(u: torch.Tensor, s: torch.Tensor, vh: torch.Tensor) -> tupl
 
 def leading_svd(w: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The `width` leading singular triplets of w, by a randomized range finder with power
-    iterations (Halko et al. 2011, algorithms 4.4 and 5.1). The test matrix has a fixed seed:
-    ranks holding the same w compute the same factors."""
-    omega = torch.randn(w.shape[1], width, generator=torch.Generator().manual_seed(0), dtype=w.dtype)
+    iterations (Halko et al. 2011, algorithms 4.4 and 5.1). The test matrix has a fixed seed
+    (drawn on the host, then moved to w's device): ranks holding the same w compute the same
+    factors, whatever their device."""
+    omega = torch.randn(w.shape[1], width, generator=torch.Generator().manual_seed(0), dtype=w.dtype).to(w.device)
     basis = torch.linalg.qr(w @ omega).Q
     for _ in range(POWER_ITERATIONS):  # re-orthonormalised each time: the spectrum's decay is steep
         basis = torch.linalg.qr(w @ torch.linalg.qr(w.T @ basis).Q).Q

@@ -242,7 +242,8 @@ def _shapes_after_each(modules: list[nn.Module], input_shape: tuple[int, ...]) -
     """Per-sample shape of the output of each module, from one dry run on two random samples in
     eval mode (BatchNorm1d refuses one sample in training mode); modes are restored."""
     modes = {m: m.training for root in modules for m in root.modules()}
-    shapes, x = [], example_input(2, input_shape, token_vocabulary(modules[0]))
+    device = next((p.device for root in modules for p in root.parameters()), torch.device("cpu"))
+    shapes, x = [], example_input(2, input_shape, token_vocabulary(modules[0])).to(device)
     try:
         with torch.no_grad():
             for module in modules:
@@ -311,7 +312,9 @@ class Layout:
             self.pass_seconds[phase] += time.perf_counter() - start
 
     def receive(self, source: int, rows: int, shape: tuple[int, ...], tag: int, name: str) -> torch.Tensor:
-        return meter.recv(torch.empty(rows, *shape), source, name, tag)
+        """Activations (or their gradients) from another partition, on this partition's device."""
+        device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
+        return meter.recv(torch.empty(rows, *shape, device=device), source, name, tag)
 
     def average_gradients(self) -> None:
         exchange_gradients([(f"partition.grad.{n}", p) for n, p in self.module.named_parameters() if p.requires_grad],

@@ -187,13 +187,20 @@ class SIL:
         k = self.layout.index
         inputs = x
         if k > 0 and self.from_codes:
-            inputs = self._code_as_input(self.codes[k][y], k)
-            if self.noise:
-                inputs = inputs + self.noise * self.kappa * torch.randn(inputs.shape, generator=self.generator)
+            inputs = self._code_as_input(self.codes_on(k, y.device)[y], k)
+            if self.noise:  # drawn on the host: the same numbers whatever the device
+                noise = torch.randn(inputs.shape, generator=self.generator).to(inputs.device, non_blocking=True)
+                inputs = inputs + self.noise * self.kappa * noise
         out = self.module(inputs.to(x.device))
         if self.layout.last:
             return task.loss(out, y)
-        return F.mse_loss(self._as_code(out), self.codes[k + 1][y].to(out.device))
+        return F.mse_loss(self._as_code(out), self.codes_on(k + 1, out.device)[y.to(out.device)])
+
+    def codes_on(self, cut: int, device: torch.device) -> torch.Tensor:
+        """The class codes of `cut` on `device` (moved there once)."""
+        if self.codes[cut].device != device:
+            self.codes[cut] = self.codes[cut].to(device)
+        return self.codes[cut]
 
     def step(self, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
         """One step of this partition: its loss, gradients averaged in its group, optimiser
@@ -231,13 +238,13 @@ class SIL:
     def _evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int, float]:
         if self.layout.last:
             return pipeline_evaluate(self.layout, batches)
-        codes = self.codes[self.layout.index + 1].flatten(1)
         hits, rows, spread, size = 0, 0, [], []
 
         def observe(out: torch.Tensor, y: torch.Tensor) -> None:
             nonlocal hits, rows
             out = self._as_code(out)
-            hits += (torch.cdist(out, codes).argmin(1) == y).sum().item()
+            codes = self.codes_on(self.layout.index + 1, out.device).flatten(1)
+            hits += (torch.cdist(out, codes).argmin(1) == y.to(out.device)).sum().item()
             rows += len(y)
             if len(y) > 1:
                 spread.append(out.std(0).mean().item())
@@ -248,7 +255,8 @@ class SIL:
         # Collapsed: the outputs barely vary across samples for their size (or are all zero),
         # i.e. the partition maps every input to about the same point.
         self.diagnostics = {"code_accuracy": hits / max(rows, 1),
-                            "cut_spread": spread_mean / max(codes.std(0).mean().item(), 1e-12),
+                            "cut_spread": spread_mean / max(self.codes[self.layout.index + 1].flatten(1).std(0).mean().item(),
+                                                            1e-12),
                             "collapsed": spread_mean <= COLLAPSED_SPREAD * size_mean,
                             "spread": spread_mean, "size": size_mean}
         return counts
