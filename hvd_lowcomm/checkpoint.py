@@ -50,13 +50,30 @@ class CheckpointError(ConfigError):
 
 
 def rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Every random generator a run draws from, this rank's GPU's included."""
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def onto(device: torch.device) -> Any:
+    """torch.load's map_location for a rank computing on `device`: what was saved on a GPU comes
+    back on this rank's GPU (or the CPU, where it has none); what was saved on the CPU (random
+    states, host-side buffers) stays there."""
+    def place(storage: Any, location: str) -> Any:
+        if not location.startswith("cuda"):
+            return storage
+        return storage.cuda(device.index) if device.type == "cuda" else storage
+    return place
 
 
 def _fsync_dir(path: Path) -> None:
@@ -201,9 +218,12 @@ def load(path: Path, method: Method) -> dict[str, Any]:
     from mpi4py import MPI
 
     rank = MPI.COMM_WORLD.Get_rank()
-    own = torch.load(path / f"rank-{rank:05d}.pt", weights_only=False)
+    device = next((p.device for p in method.model.parameters()), torch.device("cpu")) if method.model is not None \
+        else torch.device("cpu")
+    own = torch.load(path / f"rank-{rank:05d}.pt", weights_only=False, map_location=onto(device))
     owner = own["owner"]
-    state = own["state"] if owner == rank else torch.load(path / f"rank-{owner:05d}.pt", weights_only=False)["state"]
+    state = own["state"] if owner == rank else \
+        torch.load(path / f"rank-{owner:05d}.pt", weights_only=False, map_location=onto(device))["state"]
     method.load_state_dict(state)
     method.load_local_state_dict(own["local"])
     meter.load_state_dict(own["traffic"])

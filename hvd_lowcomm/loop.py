@@ -171,9 +171,9 @@ def train_epoch(cfg: Config, method: Method, batches: Any, epoch: int, first_bat
         lr = scheduled_lr(cfg, meter.step, total_steps)
         method.set_lr(lr)
         before = copy.deepcopy(method.state_dict()) if cfg.train.skip_nonfinite else None
-        t0 = time.perf_counter()
+        t0 = runtime.clock(x.device)
         loss = method.train_step(x, y)
-        step_seconds = time.perf_counter() - t0
+        step_seconds = runtime.clock(x.device) - t0
         seconds += step_seconds
         where = nonfinite(loss, method.model)
         batch += 1

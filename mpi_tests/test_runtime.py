@@ -191,3 +191,31 @@ def test_the_ranks_of_a_node_do_not_start_more_compute_threads_than_it_has_cores
 @only_from_the_1_rank_suite
 def test_omp_num_threads_set_by_the_user_or_job_script_stands():
     assert compute_threads_of(1, OMP_NUM_THREADS="1")[0][0] == 1
+
+
+@pytest.mark.parametrize("local_rank, local_size, visible, expected", [
+    (3, 4, 1, 0),   # one GPU per task (Slurm --gpus-per-task=1): the one it sees
+    (3, 4, 4, 3),   # the node's GPUs all visible: its local rank's
+    (1, 2, 4, 1),   # fewer ranks than GPUs
+])
+def test_a_rank_uses_the_gpu_it_is_given(local_rank, local_size, visible, expected):
+    assert runtime.gpu_for_rank(local_rank, local_size, visible) == expected
+
+
+def test_more_ranks_than_gpus_on_a_node_is_refused_with_the_line_that_fixes_it():
+    with pytest.raises(runtime.ConfigError, match=r"8 ranks on this node but 4 GPUs.*--ntasks-per-node=4"):
+        runtime.gpu_for_rank(5, 8, 4)
+    assert runtime.gpu_for_rank(5, 8, 4, share=True) == 1  # (HVD_LOWCOMM_SHARE_GPUS=1, for tests)
+
+
+def test_a_device_pytorch_does_not_know_is_refused_with_the_choices():
+    with pytest.raises(runtime.ConfigError, match="not a device PyTorch knows"):
+        runtime.device("warp-drive")
+
+
+def test_a_checkpoint_saved_on_the_cpu_loads_on_the_cpu(tmp_path):
+    from hvd_lowcomm.checkpoint import onto
+
+    torch.save({"w": torch.ones(3)}, tmp_path / "c.pt")
+    loaded = torch.load(tmp_path / "c.pt", map_location=onto(torch.device("cpu")))
+    assert loaded["w"].device.type == "cpu" and torch.equal(loaded["w"], torch.ones(3))

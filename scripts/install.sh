@@ -47,7 +47,7 @@ if ! command -v mpicc >/dev/null 2>&1; then
     fi
 fi
 say "MPI: $(command -v mpicc) ($(mpirun --version 2>/dev/null | head -n1))"
-# shellcheck lints rendered job scripts and iproute2 (ip, tc) emulates slow links in the tests;
+# The linter shellcheck checks rendered job scripts and iproute2 (ip, tc) emulates slow links in the tests;
 # both are optional elsewhere.
 if { ! command -v shellcheck || ! command -v tc; } >/dev/null 2>&1 && [ "$(id -u)" = 0 ] &&
     command -v apt-get >/dev/null 2>&1; then
@@ -104,12 +104,22 @@ PYEOF
         GPU_OPS=none
     fi
     if [ "$TORCH_CUDA" != none ] && [ "$GPU_OPS" = none ]; then
-        # Said loudly: such a Horovod cannot exchange GPU tensors, and training on the GPU
-        # refuses to start (hvd_lowcomm.comm.runtime.device) until it is rebuilt.
+        # Said loudly: such a Horovod cannot read GPU tensors, so every collective of a GPU run
+        # goes through host memory (hvd_lowcomm.comm.traffic.to_wire): correct, slower.
         printf '\033[1;33m[install] WARNING:\033[0m %s\n' \
             "torch is a CUDA build (CUDA $TORCH_CUDA) but nvcc is not on PATH: building a CPU-only Horovod" \
-            "(no NCCL). GPU training will refuse to start. Load the CUDA toolkit (e.g. 'module load cuda')," \
-            "then: .venv/bin/pip uninstall -y horovod && make install" >&2
+            "(no NCCL). GPU training will exchange through host memory, slower. Load the CUDA toolkit" \
+            "(e.g. 'module load cuda'), then: .venv/bin/pip uninstall -y horovod && make install" >&2
+    fi
+    if [ "$GPU_OPS" = NCCL ] && [ -z "${HOROVOD_NCCL_HOME:-}" ]; then
+        # NCCL from a site module (HOROVOD_NCCL_HOME) or, failing that, the nvidia-nccl wheel
+        # torch's CUDA build depends on; Horovod's build looks for include/ and lib/libnccl.so.
+        NCCL_DIR=$("$PY" -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null || true)
+        if [ -n "$NCCL_DIR" ] && [ -f "$NCCL_DIR/include/nccl.h" ]; then
+            [ -e "$NCCL_DIR/lib/libnccl.so" ] || ln -s libnccl.so.2 "$NCCL_DIR/lib/libnccl.so"
+            export HOROVOD_NCCL_HOME="$NCCL_DIR"
+            say "NCCL from the nvidia-nccl package: $NCCL_DIR"
+        fi
     fi
     KEY="horovod-$HOROVOD_VERSION-torch$TORCH_VERSION-cuda$TORCH_CUDA-cxx$CXX_STD-gpu$GPU_OPS-$("$PY" -c 'import sys; print("py%d%d" % sys.version_info[:2])')"
     WHEEL_DIR="$CACHE/wheels/$KEY"

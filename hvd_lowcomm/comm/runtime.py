@@ -15,6 +15,7 @@ import contextlib
 import os
 import random
 import sys
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -235,6 +236,14 @@ def _bind_gpu(local_rank: int, local_size: int) -> None:
                         "its own. Give each task its own (Slurm: --gpus-per-task=1) or start as many ranks per node "
                         "as it has GPUs, or train on the CPU with --train.device cpu (HVD_LOWCOMM_SHARE_GPUS=1 lets "
                         "ranks share GPUs, for tests)")
+
+
+def clock(device: torch.device) -> float:
+    """time.perf_counter() once the work queued on `device` is done: a GPU runs kernels
+    asynchronously, so a phase's time must wait for them to be its own."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def ranks_share_a_gpu() -> bool:

@@ -1,7 +1,6 @@
 """What every training method provides, and the pieces most of them share."""
 from __future__ import annotations
 
-import time
 from typing import Any, Iterable
 
 import torch
@@ -100,14 +99,14 @@ class Method:
         for xs, ys in zip(x.tensor_split(t.accumulate), y.tensor_split(t.accumulate)):
             if len(ys) == 0:
                 continue
-            start = time.perf_counter()
+            start = runtime.clock(x.device)
             with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=t.amp == "bf16"):
                 loss = task.loss(task.logits(self.model(xs)), ys) * (len(ys) / len(y))
-            middle, exchanged = time.perf_counter(), getattr(self.optimizer, "exchange_seconds", 0.0)
+            middle, exchanged = runtime.clock(x.device), getattr(self.optimizer, "exchange_seconds", 0.0)
             loss.backward()  # (a drop-in wrapper's exchange runs as the last one ends: not the pass's time)
             total += loss.item()
             self.pass_seconds["forward"] += middle - start
-            self.pass_seconds["backward"] += time.perf_counter() - middle - (
+            self.pass_seconds["backward"] += runtime.clock(x.device) - middle - (
                 getattr(self.optimizer, "exchange_seconds", 0.0) - exchanged)
         return total
 

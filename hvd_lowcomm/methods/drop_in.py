@@ -20,7 +20,6 @@ written for Horovod or for PyTorch's DistributedDataParallel:
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
@@ -239,7 +238,8 @@ class GradientExchange(torch.optim.Optimizer):
         """Replace every local gradient by the pooled one (once per step)."""
         if self._synchronized:
             return
-        start = time.perf_counter()
+        device = next((p.device for _, p in self.named_parameters()), torch.device("cpu"))
+        start = runtime.clock(device)
         if self.group is None or runtime.rank() in self.group:
             self._exchange()
             if self.op == "sum" and not self.sums_natively:  # Horovod's op=Sum: the sum over ranks, which is the mean times their count
@@ -250,7 +250,7 @@ class GradientExchange(torch.optim.Optimizer):
                             param.grad.mul_(size)
         self._synchronized = True
         self._backward_passes = 0
-        self.exchange_seconds += time.perf_counter() - start
+        self.exchange_seconds += runtime.clock(device) - start
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:

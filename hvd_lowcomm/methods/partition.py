@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import math
 import re
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
@@ -305,11 +304,12 @@ class Layout:
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:
         """Adds the block's wall time to pass_seconds[phase] ('forward' or 'backward')."""
-        start = time.perf_counter()
+        device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
+        start = runtime.clock(device)
         try:
             yield
         finally:
-            self.pass_seconds[phase] += time.perf_counter() - start
+            self.pass_seconds[phase] += runtime.clock(device) - start
 
     def receive(self, source: int, rows: int, shape: tuple[int, ...], tag: int, name: str) -> torch.Tensor:
         """Activations (or their gradients) from another partition, on this partition's device."""
