@@ -6,11 +6,13 @@ same model and training, only the gradient exchange differs) that keep quality b
 exact (ddp, ddp-fp16's rounding, dad) or compressing to an error target (powersgd and rank-dad
 at their default adaptive rank with error feedback; a fixed `rank`, or error feedback off, takes
 them out, as it trades quality without a bound). The printed choice says what quality risk remains. SIL, AB and DiLoCo change how the
-model trains, so they are a user's decision. Rank 0 times the model's forward, backward and optimiser
-step on its batch and, unless `auto.link` describes the network, every rank takes part in a
-short probe of the job's own network: allreduces of a few bytes (latency) and of
-`auto.probe_mb` (bandwidth). The choice, the predicted step of every candidate and why are
-printed before training; every rank trains with the method rank 0 chose.
+model trains, so they are a user's decision. Rank 0 profiles the model on its batch: on a CPU it
+times the forward, backward and optimiser step (a model too large to time quickly: its FLOPs
+at this CPU's measured rates); on a GPU it counts the model's FLOPs and the methods' kernels at
+that GPU's measured rates (costmodel.measured_device). Unless `auto.link` describes the network,
+every rank takes part in a short probe of the job's own network: allreduces of a few bytes
+(latency) and of `auto.probe_mb` (bandwidth). The choice, the predicted step of every candidate
+and why are printed before training; every rank trains with the method rank 0 chose.
 """
 from __future__ import annotations
 
@@ -43,12 +45,12 @@ def choose(cfg: Config, model: torch.nn.Module, data: DatasetInfo, world_size: i
     """Collective: the method the cost model predicts steps fastest here (the same on every rank)."""
     o = cfg.auto
     link = probe_link(o.probe_mb) if not o.link else \
-        costmodel.Link.parse(o.link, o.latency_us, ranks_per_node=o.ranks_per_node or _job_ranks_per_node())
+        costmodel.Link.parse(o.link, None if o.latency_us == -1 else o.latency_us, ranks_per_node=o.ranks_per_node or _job_ranks_per_node())
     decision = None
     if runtime.rank() == 0:
         profile = costmodel.profile_model(model, data.input_shape, cfg.data.batch_size, cfg=cfg,
                                           methods=(*costmodel.quality_keeping_methods(cfg), *OTHERS_SHOWN),
-                                          vocabulary=data.vocabulary)
+                                          vocabulary=data.vocabulary, device=_run_device(cfg))
         if world_size == 1:
             decision = ("ddp", "one rank: nothing to exchange", "")
         else:
@@ -58,6 +60,13 @@ def choose(cfg: Config, model: torch.nn.Module, data: DatasetInfo, world_size: i
         name, why, table = meter.broadcast_object(decision, "auto.decision")
     runtime.announce(f"auto: chose {why}" + (f"\npredicted per step:\n{table}" if table else ""))
     return Choice(name, why)
+
+
+def _run_device(cfg: Config) -> costmodel.Device | None:
+    """The device the run computes on, for the profile: a CUDA GPU by its measured rates; None
+    (timed on this CPU) otherwise."""
+    where = runtime.device(cfg.train.device)
+    return costmodel.measured_device(str(where), cfg.train.amp) if where.type == "cuda" else None
 
 
 # Shown beside the choice but never chosen: they change how the model trains (what it converges

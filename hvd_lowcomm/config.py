@@ -186,18 +186,24 @@ class CommConfig:
 class AutoConfig:
     """--method auto: the cost model chooses the method from the measured compute and network."""
 
-    link: str = option("", "the network between nodes, a rate such as 25gbit (empty: measure this job's own "
+    link: str = option("", "the network between nodes, a rate such as 25gbit, or its kind and rate, ib:200gbit or "
+                           "eth:100gbit (a rate alone is InfiniBand from 100gbit up; empty: measure this job's own "
                            "with a short allreduce probe)")
-    latency_us: float = option(2.0, "message latency with auto.link, in microseconds")
+    latency_us: float = option(-1.0, "message latency with auto.link, in microseconds (-1: the link kind's, 2 for "
+                                     "InfiniBand, 30 for Ethernet)")
     ranks_per_node: int = option(0, "ranks sharing a node, with auto.link (0: this job's own when it spans "
                                     "several nodes, else 1)")
     probe_mb: float = option(8.0, "size of the bandwidth probe's allreduce, in MB")
 
     def validate(self) -> None:
         if self.link:
-            rate_bits(self.link)
-        if self.latency_us < 0 or self.ranks_per_node < 0 or self.probe_mb <= 0:
-            raise ConfigError("auto.latency_us must be >= 0, auto.ranks_per_node >= 0 and auto.probe_mb > 0")
+            kind, _, rate = self.link.rpartition(":")
+            rate_bits(rate)
+            if kind.lower() not in ("", "ib", "eth"):
+                raise ConfigError(f"auto.link {self.link!r}: the kind before the rate is ib or eth (ib:200gbit)")
+        if (self.latency_us < 0 and self.latency_us != -1) or self.ranks_per_node < 0 or self.probe_mb <= 0:
+            raise ConfigError("auto.latency_us must be >= 0 (or -1: the link kind's), auto.ranks_per_node >= 0 and "
+                              "auto.probe_mb > 0")
 
 
 LOGGERS = ("tensorboard", "wandb")  # run.loggers (hvd_lowcomm.trackers)

@@ -1,14 +1,15 @@
 """An α-β cost model of one training step: each method's predicted step time for p ranks on a
-given network, from the model's layer shapes and its compute measured on this machine.
+given network, from the model's layer shapes and its compute, timed on this machine or counted
+at an accelerator's rates.
 
     step = compute + the method's own computation + communication - what hides behind backward
 
 This module holds only what every method shares: the network (`Link`, with Hockney's α-β
-costs of the collectives), the model's profile (layer shapes, compute and the methods' kernels
-timed on this machine), the prediction, and the choices made from predictions (`choose`,
-`break_even`). What one method sends and computes in a step is described in the method's own
-module, as a `MethodCost` registered with it (hvd_lowcomm.methods); this module asks the
-registry for it by name and knows no method itself.
+costs of the collectives), the model's profile (layer shapes, compute and the methods' kernels),
+the devices it is costed for (`Device`), the prediction, and the choices made from predictions
+(`choose`, `break_even`). What one method sends and computes in a step is described in the
+method's own module, as a `MethodCost` registered with it (hvd_lowcomm.methods); this module
+asks the registry for it by name and knows no method itself.
 
 Communication (the algorithms MPI libraries and NCCL use for large messages: Rabenseifner's
 reduce-scatter + allgather, recursive-doubling allgather; the bytes are the ring's, which the
@@ -22,25 +23,36 @@ traffic meter counts too), for a group of g ranks:
 several nodes (a ring leaves each node once, so the node's ranks do not share its link), the
 node's own (`intra_bandwidth`) inside one; for rings of one rank per node that every rank of a
 node runs at once (DiLoCo's columns), the node's link shared among its ranks. α is the latency
-of one message. On a *shared* medium (benchmarks.compare --link without --nodes: one token
-bucket that every rank's bytes cross) the bytes of all ranks add up instead.
+of one message, by default the network kind's (`LATENCY_US`). On a *shared* medium
+(benchmarks.compare --link without --nodes: one token bucket that every rank's bytes cross) the
+bytes of all ranks add up instead.
 
-Compute: forward + backward + optimiser step of one batch (`profile_model` times it, or a
-measured step of `--method local` replaces it). A method's own computation (PowerSGD's
-compression cycle, rank-dAD's factors, AB's SVDs...) is timed per layer with the method's own
-kernels on random data of the layer's shapes, as its cost asks (`MethodCost.layer_kernels`).
+Compute: forward + backward + optimiser step of one batch, and a method's own computation
+(PowerSGD's compression cycle, rank-dAD's factors, AB's SVDs...) per layer with the method's own
+kernels on data of the layer's shapes, as its cost asks (`MethodCost.layer_kernels`). Either
+timed on this machine (`profile_model` without a device; a measured step of `--method local`
+may replace it), or counted for a `Device` (an accelerator of `ACCELERATORS`, this CPU's measured
+rates, or a given rate): every op runs on the meta device, shapes only, and its FLOPs and bytes
+are costed. The step is 3 × the forward pass's FLOPs at the device's peak × UTILISATION; each
+kernel op at the roofline (`Device.seconds`).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from itertools import chain
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.flop_counter import flop_registry
 
 from hvd_lowcomm import task
 from hvd_lowcomm.comm.traffic import wire_bytes
@@ -48,6 +60,25 @@ from hvd_lowcomm.config import Config, ConfigError, apply_presets, default_confi
 from hvd_lowcomm.metrics import human_bytes
 from hvd_lowcomm.registry import specs
 from hvd_lowcomm.models.layer_kinds import kind_of
+
+# Message latency (α) in µs by the network's kind: InfiniBand's RDMA takes one or two, TCP over
+# Ethernet tens (the operating system's network stack on both ends).
+LATENCY_US = {"ib": 2.0, "eth": 30.0}
+# A link named by its rate alone is InfiniBand from this rate (bits/s) up, Ethernet below it.
+IB_FROM = 100e9
+
+
+def link_kind(link: str) -> tuple[str, float]:
+    """(kind, bits per second) of a link named 'RATE' (25gbit) or 'KIND:RATE' (ib:200gbit,
+    eth:100gbit), the kind one of LATENCY_US's; a rate alone is of the kind IB_FROM says."""
+    kind, _, rate = link.rpartition(":")
+    bits = rate_bits(rate)
+    kind = kind.strip().lower() or ("ib" if bits >= IB_FROM else "eth")
+    if kind not in LATENCY_US:
+        raise ConfigError(f"link {link!r}: name its kind {' or '.join(LATENCY_US)} before the rate "
+                          f"(ib:200gbit, eth:100gbit), or give the rate alone (25gbit)")
+    return kind, bits
+
 
 @dataclass(frozen=True)
 class Link:
@@ -64,8 +95,10 @@ class Link:
     overlap: float = 1.0
 
     @classmethod
-    def parse(cls, rate: str, latency_us: float = 2.0, **kwargs: Any) -> "Link":
-        return cls(rate_bits(rate) / 8, latency_us * 1e-6, **kwargs)
+    def parse(cls, link: str, latency_us: float | None = None, **kwargs: Any) -> "Link":
+        """The network `link` names (link_kind), with its kind's latency unless `latency_us` is given."""
+        kind, bits = link_kind(link)
+        return cls(bits / 8, (LATENCY_US[kind] if latency_us is None else latency_us) * 1e-6, **kwargs)
 
     def describe(self) -> str:
         text = f"{self.bandwidth * 8 / 1e9:.3g} Gbit/s, {self.latency * 1e6:.3g} µs"
@@ -131,7 +164,7 @@ class Layer:
     fan_out: int
     rows: int             # rows per sample: 1 for Linear, output positions (H·W) for Conv2d
     params: int           # weight + bias numbers
-    # Seconds of the methods' own kernels for this layer on this machine, by the names the
+    # Seconds of the methods' own kernels for this layer (Profile.device), by the names the
     # methods' costs give them (MethodCost.layer_kernels: e.g. "powersgd", "dad_product").
     kernels: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
 
@@ -143,7 +176,7 @@ class Layer:
 
 @dataclass
 class Profile:
-    """The model as the cost model needs it, and its compute on this machine."""
+    """The model as the cost model needs it, and its compute (timed here, or counted for a device)."""
 
     layers: list[Layer]
     other_params: int                  # parameters outside weight layers (BatchNorm, ...)
@@ -155,17 +188,19 @@ class Profile:
     # What a method's cost found out about the model (MethodCost.model_facts), by method name:
     # e.g. where SIL's default cut falls, which layers dAD can share rows of.
     facts: dict[str, Any] = field(default_factory=dict)
+    flops: float = 0.0                 # the forward pass's on the batch (products, convolutions, attention)
+    device: str = "timed on this machine"  # where the seconds come from (Device.name when counted)
+    tied_params: int = 0               # numbers in two layers' params at once (a tied embedding and output layer)
 
     @property
     def params(self) -> int:
-        return sum(layer.params for layer in self.layers) + self.other_params
+        return sum(layer.params for layer in self.layers) + self.other_params - self.tied_params
 
     @property
     def flop_rate(self) -> float:
-        """Floating-point operations per second the weight layers reached in the timed forward and
-        backward passes (one product forward, two backward)."""
-        return 3 * self.batch * sum(layer.flops for layer in self.layers) / \
-            max(self.forward_seconds + self.backward_seconds, 1e-9)
+        """Floating-point operations per second the forward and backward passes reached (the
+        backward's twice the forward's)."""
+        return 3 * self.flops / max(self.forward_seconds + self.backward_seconds, 1e-9)
 
     def with_compute(self, step: float, forward: float, backward: float) -> "Profile":
         """The same model with measured times (e.g. those of `--method local`, where the ranks
@@ -175,11 +210,6 @@ class Profile:
         layers = [replace(layer, kernels={k: t * scale for k, t in layer.kernels.items()}) for layer in self.layers]
         return replace(self, layers=layers, step_seconds=step, forward_seconds=forward, backward_seconds=backward,
                        fp16_seconds=self.fp16_seconds * scale)
-
-    def at_flop_rate(self, rate: float) -> "Profile":
-        """The same model on a device that reaches `rate` flop/s (every phase scaled alike)."""
-        scale = self.flop_rate / rate
-        return self.with_compute(self.step_seconds * scale, self.forward_seconds * scale, self.backward_seconds * scale)
 
 
 @dataclass(frozen=True)
@@ -241,49 +271,113 @@ def wire(op: str, nbytes_per_rank: float, group: int) -> float:
 
 def profile_model(model: nn.Module, input_shape: tuple[int, ...], batch: int, repeats: int = 5,
                   cfg: Config | None = None, methods: tuple[str, ...] | None = None,
-                  vocabulary: int | None = None) -> Profile:
-    """Layer shapes from one forward pass, the median of `repeats` timed steps (forward,
-    backward, Adam step) of a copy of `model` on random data of `batch` samples (token ids
-    below `vocabulary` for a text dataset's model: DatasetInfo.vocabulary), and, for every
-    method with a cost (or those in `methods`), its kernels per layer and its facts of the
-    model, with the options of `cfg` (the defaults if None)."""
+                  vocabulary: int | None = None, device: Device | None = None) -> Profile:
+    """The model on `batch` samples of random data (token ids below `vocabulary` for a text
+    dataset's model: DatasetInfo.vocabulary): its layer shapes and forward FLOPs from a pass on
+    the meta device; for every method with a cost (or those in `methods`), its kernels per layer
+    and its facts of the model, with the options of `cfg` (the defaults if None); and the
+    compute. For a `device`: counted at its rates (the step: the forward's FLOPs, and twice them
+    backward, at device.step_rate; each kernel by Device.seconds). Without: the median of
+    `repeats` timed steps (forward, backward, Adam step) of a copy of `model`, and the kernels,
+    timed on this machine, unless that would take longer than TIMING_LIMIT: then counted at this
+    CPU's measured rates (measured_device). A model on the meta device (built under
+    `torch.device("meta")`: no weights to initialise) is profiled alike."""
     cfg = cfg or default_config()
     costs = _costs(methods)
-    model = copy.deepcopy(model).train()
-    for module in model.modules():  # a method's hooks (dAD's captures) were copied along: not ours to run
+    x = task.example_input(batch, tuple(input_shape), vocabulary)
+    shapes = _copy(model, meta=True)
+    with _MetaOps() as forward, torch.no_grad():
+        layers, samples, other, tied = _weight_layers(shapes, x)
+    with _MetaOps(), torch.no_grad():
+        facts = {name: cost.model_facts(shapes, tuple(input_shape), options(cfg), cfg)
+                 for name, (cost, options) in costs.items() if cost.model_facts is not None}
+    flops = sum(op_flops for op_flops, _ in forward.ops)
+    if device is None:
+        here = measured_device("cpu", cfg.train.amp)
+        device = here if _timing_seconds(flops, samples, costs, cfg, repeats, here) > TIMING_LIMIT else None
+    if device is None:
+        timed = _copy(model, meta=False)
+        samples = _weight_layers(timed, x)[1]
+        step, forward_seconds, backward_seconds = _time_steps(timed, x, repeats)
+        kernels = _layer_kernels(samples, costs, cfg)
+        gradients = torch.randn(sum(p.numel() for p in timed.parameters()))
+        fp16 = median_seconds(lambda: gradients.half().float())
+    else:
+        forward_seconds = flops / device.step_rate
+        backward_seconds = 2 * forward_seconds  # a product for the inputs' gradient and one for the weights'
+        step = forward_seconds + backward_seconds
+        with costing(device):
+            kernels = _layer_kernels(samples, costs, cfg)
+            gradients = torch.empty(sum(p.numel() for p in shapes.parameters()))
+            fp16 = median_seconds(lambda: gradients.half().float())
+    layers = [replace(layer, kernels=seconds) for layer, seconds in zip(layers, kernels)]
+    return Profile(layers, other, batch, step, forward_seconds, backward_seconds, fp16, facts, flops,
+                   Profile.device if device is None else device.name, tied)
+
+
+def _timing_seconds(flops: float, samples: list[LayerSample], costs: dict[str, tuple[MethodCost, Callable[[Config], Any]]],
+                    cfg: Config, repeats: int, here: Device) -> float:
+    """About how long timing a profile would take on this machine (`here`): its steps, and its
+    layers' kernels run 4 times each (median_seconds), counted at this CPU's rates."""
+    with costing(here):
+        kernels = {id(k): k for k in _layer_kernels(samples, costs, cfg)}.values()  # alike layers' once
+    return (repeats + 2) * 3 * flops / here.step_rate + 4 * sum(sum(k.values()) for k in kernels)
+
+
+def _copy(model: nn.Module, meta: bool) -> nn.Module:
+    """A copy of `model` to profile, in training mode and without the hooks a method put on it
+    (dAD's captures: not ours to run): on the meta device (shapes only: no numbers copied), or
+    on this machine (random weights for a model on the meta device: a step's time does not
+    depend on their values)."""
+    tensors = list(chain(model.parameters(), model.buffers()))
+    on_meta = any(t.is_meta for t in tensors)
+    if meta or on_meta:
+        memo: dict[int, Any] = {id(t): _meta_like(t) for t in tensors}
+        model = copy.deepcopy(model, memo)
+    else:
+        model = copy.deepcopy(model)
+    if on_meta and not meta:
+        model = model.to_empty(device="cpu")
+        with torch.no_grad():
+            for t in chain(model.parameters(), model.buffers()):
+                t.normal_(0.0, 0.02) if t.is_floating_point() else t.zero_()
+    for module in model.modules():
         for hooks in (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
                       getattr(module, "_backward_pre_hooks", {})):
             hooks.clear()
+    return model.train()
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    empty = torch.empty_like(t, device="meta")
+    return nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+
+
+def _weight_layers(model: nn.Module, x: torch.Tensor) -> tuple[list[Layer], list[LayerSample], int, int]:
+    """The model's weight layers (no kernels yet) and their samples, from one forward pass of
+    `x`; the numbers in parameters outside them, and those in a parameter of two of them."""
     children = list(model.children()) if isinstance(model, nn.Sequential) else []
     rows: dict[str, int] = {}
     seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # each weight layer's input and output
     hooks = [m.register_forward_hook(_rows_hook(rows, seen, name)) for name, m in model.named_modules()
              if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() >= 2]
-    x = task.example_input(batch, tuple(input_shape), vocabulary)
     with torch.no_grad():
         model(x)
     for hook in hooks:
         hook.remove()
-    layers, counted = [], set()
+    layers, samples, counted, tied = [], [], set(), 0
     for name, module in model.named_modules():
         if name not in rows:
             continue
         kind = kind_of(module)
         fan_out, fan_in = kind.shape(module) if kind else (module.weight.shape[0], module.weight[0].numel())
         params = [p for p in module.parameters(recurse=False)]
+        tied += sum(p.numel() for p in params if id(p) in counted)
         counted.update(id(p) for p in params)
         index = next((i for i, child in enumerate(children) if any(m is module for m in child.modules())), -1)
-        sample = LayerSample(name, module, *seen[name], fan_in, fan_out, batch * rows[name])
-        layers.append(Layer(name, index, fan_in, fan_out, rows[name], sum(p.numel() for p in params),
-                            _time_kernels(sample, costs, cfg)))
-    other = sum(p.numel() for p in model.parameters() if id(p) not in counted)
-    step, forward, backward = _time_steps(model, x, repeats)
-    gradients = torch.randn(sum(p.numel() for p in model.parameters()))
-    profile = Profile(layers, other, batch, step, forward, backward, median_seconds(lambda: gradients.half().float()))
-    for name, (cost, options) in costs.items():
-        if cost.model_facts is not None:
-            profile.facts[name] = cost.model_facts(model, tuple(input_shape), options(cfg), cfg)
-    return profile
+        samples.append(LayerSample(name, module, *seen[name], fan_in, fan_out, len(x) * rows[name]))
+        layers.append(Layer(name, index, fan_in, fan_out, rows[name], sum(p.numel() for p in params)))
+    return layers, samples, sum(p.numel() for p in model.parameters() if id(p) not in counted), tied
 
 
 def _costs(methods: tuple[str, ...] | None) -> dict[str, tuple[MethodCost, Callable[[Config], Any]]]:
@@ -295,9 +389,27 @@ def _costs(methods: tuple[str, ...] | None) -> dict[str, tuple[MethodCost, Calla
     return found
 
 
-def _time_kernels(sample: LayerSample, costs: dict[str, tuple[MethodCost, Callable[[Config], Any]]],
-                  cfg: Config) -> dict[str, float]:
-    """Seconds of every method's own kernels for one layer (each name timed once)."""
+def _layer_kernels(samples: list[LayerSample], costs: dict[str, tuple[MethodCost, Callable[[Config], Any]]],
+                   cfg: Config) -> list[dict[str, float]]:
+    """Seconds of every method's own kernels for each layer (median_seconds: timed, or counted
+    while `costing`); layers alike (a transformer's blocks) share one figure."""
+    found: dict[tuple[Any, ...], dict[str, float]] = {}
+    for sample in samples:
+        if _alike(sample) not in found:
+            found[_alike(sample)] = _kernels(sample, costs, cfg)
+    return [found[_alike(sample)] for sample in samples]
+
+
+def _alike(sample: LayerSample) -> tuple[Any, ...]:
+    """What a layer's kernels depend on: its kind, its settings and its shapes."""
+    module = sample.module
+    return (type(module), module.extra_repr(), tuple(module.weight.shape), tuple(sample.inputs.shape),
+            tuple(sample.output.shape))
+
+
+def _kernels(sample: LayerSample, costs: dict[str, tuple[MethodCost, Callable[[Config], Any]]],
+             cfg: Config) -> dict[str, float]:
+    """Seconds of every method's own kernels for one layer (each name once)."""
     seconds: dict[str, float] = {}
     for cost, options in costs.values():
         if cost.layer_kernels is None:
@@ -338,6 +450,10 @@ def _time_steps(model: nn.Module, x: torch.Tensor, repeats: int) -> tuple[float,
 
 
 def median_seconds(fn: Callable[[], Any], repeats: int = 3) -> float:
+    """Seconds `fn` takes: the median of `repeats` timed runs after a warm-up; while `costing`
+    for a device, its ops counted at that device's rates instead."""
+    if _costing_for is not None:
+        return _costing_for.seconds(count_ops(fn))
     fn()  # warm-up
     times = []
     for _ in range(repeats):
@@ -345,6 +461,192 @@ def median_seconds(fn: Callable[[], Any], repeats: int = 3) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return sorted(times)[repeats // 2]
+
+
+# ---------------------------------------------------------------------------------------------
+# devices: compute counted at an accelerator's (or this machine's measured) rates
+
+@dataclass(frozen=True)
+class Accelerator:
+    """A GPU's published rates (ACCELERATORS)."""
+
+    bf16_tflops: float     # dense peak in bf16 (fp16 on the V100, which has no bf16)
+    fp32_tflops: float     # dense peak in fp32 (without TF32, which PyTorch leaves off for products)
+    memory_tbps: float     # memory bandwidth, TB/s
+    nvlink_gbit: float     # between the GPUs of one node, each direction
+
+
+# NVIDIA's data sheets for the SXM parts (A100 80GB, H100, H200, V100), without sparsity.
+ACCELERATORS = {
+    "a100": Accelerator(312, 19.5, 2.0, 2400),
+    "h100": Accelerator(989, 67, 3.35, 3600),
+    "h200": Accelerator(989, 67, 4.8, 3600),
+    "v100": Accelerator(125, 15.7, 0.9, 1200),
+}
+# Model FLOPs utilisation: the share of the peak a training step reaches (memory-bound and small
+# ops, waits: never all of it), for the step and the methods' kernels alike.
+UTILISATION = 0.4
+# The least an op costs: launching a GPU kernel (or dispatching a CPU op) takes microseconds
+# however little it computes.
+OP_SECONDS = 5e-6
+# Without a device a profile is timed on this machine (small ops' overheads and all), unless that
+# would take longer than this many seconds: then its ops are counted at this CPU's measured rates.
+TIMING_LIMIT = 20.0
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the compute is costed on: the rates its work reaches."""
+
+    name: str                              # as a report says it
+    step_rate: float                       # flop/s of a training step's products, convolutions, attention
+    kernel_rate: float                     # flop/s of the methods' own kernels (fp32)
+    memory_bandwidth: float = math.inf     # bytes/s
+
+    def seconds(self, ops: list[tuple[float, float]]) -> float:
+        """Each op (FLOPs, bytes) at the roofline: its FLOPs at kernel_rate or its bytes at the
+        memory bandwidth, whichever takes longer, and never less than OP_SECONDS."""
+        return sum(max(flops / self.kernel_rate, nbytes / self.memory_bandwidth, OP_SECONDS) for flops, nbytes in ops)
+
+
+def compute_device(accelerator: str = "", tflops: float = 0.0, amp: str = "none") -> Device | None:
+    """The device to cost a profile's compute on: an `accelerator` of ACCELERATORS, or 'cpu'
+    (this machine's measured rates), at its peak for the run's precision (`amp` bf16: bf16,
+    else fp32; the kernels in fp32) × UTILISATION; `tflops` (achieved TFLOP/s) replaces the
+    step's rate, and without an accelerator is the kernels' rate too. None when neither is
+    given: the compute is timed on this machine."""
+    if not accelerator:
+        return Device(f"{tflops:g} TFLOP/s", tflops * 1e12, tflops * 1e12) if tflops else None
+    if accelerator == "cpu":
+        device = measured_device("cpu", amp)
+    elif accelerator in ACCELERATORS:
+        a = ACCELERATORS[accelerator]
+        peak = a.bf16_tflops if amp == "bf16" else a.fp32_tflops
+        device = Device(f"{accelerator}: {UTILISATION:.0%} of its {peak:g} TFLOP/s {_precision(amp)} peak",
+                        UTILISATION * peak * 1e12, UTILISATION * a.fp32_tflops * 1e12, a.memory_tbps * 1e12)
+    else:
+        raise ConfigError(f"accelerator {accelerator!r}: use one of {', '.join([*ACCELERATORS, 'cpu'])}, or give "
+                          f"the rate yours reaches (--tflops)")
+    return replace(device, name=f"{accelerator} at {tflops:g} TFLOP/s", step_rate=tflops * 1e12) if tflops else device
+
+
+def _precision(amp: str) -> str:
+    return "bf16" if amp == "bf16" else "fp32"
+
+
+@functools.cache
+def measured_device(where: str, amp: str) -> Device:
+    """This machine's CPU, or the GPU `where` names, with its own rates timed: a square
+    product's (in the run's precision for the step, fp32 for the kernels) and a large copy's."""
+    place = torch.device(where)
+    cpu = place.type == "cpu"  # (sizes: long enough to time, yet quick on a CPU's few cores)
+    sync = (lambda: None) if cpu else torch.cuda.synchronize
+
+    def seconds(fn: Callable[[], Any]) -> float:
+        return median_seconds(lambda: (fn(), sync()))
+
+    def product_rate(dtype: torch.dtype) -> float:
+        n = 1024 if cpu else 8192
+        a = torch.randn(n, n, device=place).to(dtype)
+        return 2 * n ** 3 / seconds(lambda: a @ a)
+
+    block = torch.empty(1 << (24 if cpu else 28), device=place)
+    bandwidth = 2 * block.nbytes / seconds(block.clone)  # read and written once
+    fp32 = product_rate(torch.float32)
+    step = product_rate(torch.bfloat16) if amp == "bf16" else fp32
+    return Device(f"{where}: {UTILISATION:.0%} of its measured {step / 1e12:.3g} TFLOP/s {_precision(amp)}",
+                  UTILISATION * step, UTILISATION * fp32, bandwidth)
+
+
+# ---------------------------------------------------------------------------------------------
+# counting: every op on the meta device, its FLOPs and bytes recorded
+
+_costing_for: Device | None = None  # while `costing`: the device median_seconds counts for
+
+
+@contextlib.contextmanager
+def costing(device: Device) -> Iterator[None]:
+    """Inside, every op runs on the meta device (shapes, no data, no time) and median_seconds
+    gives what its function's ops take on `device` (Device.seconds) instead of timing them."""
+    global _costing_for
+    outer, _costing_for = _costing_for, device
+    try:
+        with _MetaOps(), torch.no_grad():
+            yield
+    finally:
+        _costing_for = outer
+
+
+def count_ops(fn: Callable[[], Any]) -> list[tuple[float, float]]:
+    """(FLOPs, bytes read and written) of every kernel `fn` launches, run on the meta device."""
+    with _MetaOps() as counted, torch.no_grad():
+        fn()
+    return counted.ops
+
+
+class _MetaOps(TorchDispatchMode):
+    """Runs every op on the meta device: shapes, no data, no time (tensors and factories of
+    other devices move there; random generators are dropped). Records (FLOPs, bytes) of each op
+    that launches a kernel (not a view, not an allocation). A value read back (`.item()`,
+    `if tensor:`) is 0: an iteration that stops once converged runs its full count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[float, float]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func in _READ_BACK:
+            dtype = args[0].dtype
+            return False if dtype == torch.bool else 0.0 if dtype.is_floating_point else 0
+        args, kwargs = tree_map(_on_meta, (args, dict(kwargs or {})))
+        if "device" in kwargs:
+            kwargs["device"] = torch.device("meta")
+        if "generator" in kwargs:
+            kwargs["generator"] = None
+        out = func(*args, **kwargs)
+        if not func.is_view and not func.__name__.startswith(("empty", "new_empty")):
+            tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+            self.ops.append((_flops(func, args, kwargs, out), float(sum(t.nbytes for t in tensors))))
+        return out
+
+
+_READ_BACK = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
+
+
+def _on_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and not value.is_meta:
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    return value
+
+
+def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> float:
+    """An op's floating-point operations: torch's formulas (products, convolutions, attention)
+    and the factorisations'; elementwise work has none here (its bytes cost it)."""
+    packet = func._overloadpacket
+    if packet in flop_registry:
+        return float(flop_registry[packet](*args, **kwargs, out_val=out))
+    if packet in _FACTORISATIONS:
+        return _FACTORISATIONS[packet](*args, **kwargs)
+    return 0.0
+
+
+def _qr_flops(a: torch.Tensor, mode: str = "reduced") -> float:
+    """Householder QR of each m × n matrix (l the longer side, k the shorter): 2lk² - 2k³/3, and
+    as much again to form Q."""
+    long, short = max(a.shape[-2:]), min(a.shape[-2:])
+    return math.prod(a.shape[:-2]) * (2 * long * short ** 2 - 2 * short ** 3 / 3) * (1 if mode == "r" else 2)
+
+
+def _svd_flops(a: torch.Tensor, full_matrices: bool = False, compute_uv: bool = True, **_: Any) -> float:
+    """R-SVD of each m × n matrix (l, k as for QR): 2lk² + 2k³ for the singular values, 6lk² + 20k³
+    with the thin factors, 4l²k + 22k³ with the full U (Golub and Van Loan, Matrix Computations)."""
+    long, short = max(a.shape[-2:]), min(a.shape[-2:])
+    each = (2 * long * short ** 2 + 2 * short ** 3 if not compute_uv else
+            4 * long ** 2 * short + 22 * short ** 3 if full_matrices else 6 * long * short ** 2 + 20 * short ** 3)
+    return math.prod(a.shape[:-2]) * each
+
+
+_FACTORISATIONS = {torch.ops.aten.linalg_qr: _qr_flops, torch.ops.aten._linalg_svd: _svd_flops}
 
 
 @dataclass(frozen=True)
@@ -428,7 +730,7 @@ def break_even(profile: Profile, method: str, ranks: int, network: Link, cfg: Co
         return 0.0
     if gain(high) > 0:
         return math.inf
-    for _ in range(60):  # bisection in log space
+    for _ in range(16):  # bisection in log space: to 1 part in 10^4 (high / low = 10^5 ^ (1 / 2^16))
         middle = math.sqrt(low * high)
         low, high = (middle, high) if gain(middle) > 0 else (low, middle)
     return math.sqrt(low * high)

@@ -1,19 +1,23 @@
 """`python -m hvd_lowcomm.plan`: predicted step time of every method for your model, batch,
 rank counts and network, from the α-β cost model (hvd_lowcomm.costmodel).
 
-    python -m hvd_lowcomm.plan --ranks 64,256,1024 --links 10gbit,25gbit,100gbit,200gbit \\
-        --latency-us 2 --ranks-per-node 4 --tflops 50 --model.hidden 2048,2048 --data.batch_size 64
+    python -m hvd_lowcomm.plan --accelerator h100 --gpus-per-node 4 --ranks 64,256,1024 \\
+        --links 25gbit,200gbit --model.name gpt --model.layers 12 --model.width 768 \\
+        --model.heads 12 --data.path data/shakespeare.h5 --data.seq_len 1024 --train.amp bf16
 
 Model and data options are those of `python -m hvd_lowcomm.train` (the data file gives the
-input shape and classes). The model's compute is timed on this machine; --tflops replaces it
-by what a device reaching that rate would take (the rate the weight layers reach, not the
-device's peak). AB-training's step is the mean over a run of --run-steps steps with cuts that
-keep --ab-rank-share of each factorised layer's smaller side, never below the cuts' floor
-(ab.min_rank_share) (both unknown before training).
-Prints, and with --out writes (predicted.md, predicted.csv), one table per link
-(step ms per method and rank count, × ddp), the break-even bandwidth of each method (the
-bandwidth below which it steps faster than ddp) and what each may lose against ddp's quality
-(exact, held to an error target, or unbounded: what `--method auto` chooses among).
+input shape and classes). The compute is the model's FLOPs at --accelerator's peak (bf16 with
+--train.amp bf16, else fp32) times the share a training step reaches, or at --tflops, the rate
+it reaches; the methods' own kernels (SVDs, power iterations, row products, QRs) are counted
+too. With neither, the step and the kernels are timed on this machine (a model whose step would
+take long here is counted at this CPU's measured rates instead). AB-training's step is the mean
+over a run of --run-steps steps with cuts that keep --ab-rank-share of each factorised layer's
+smaller side, never below the cuts' floor (ab.min_rank_share) (both unknown before training).
+Prints, and with --out writes (predicted.md, predicted.csv), the compute floor (a step with no
+communication, `--method local`), one table per link (step ms per method and rank count, × ddp),
+the break-even bandwidth of each method (the bandwidth below which it steps faster than ddp) and
+what each may lose against ddp's quality (exact, held to an error target, or unbounded: what
+`--method auto` chooses among).
 """
 from __future__ import annotations
 
@@ -23,24 +27,46 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from hvd_lowcomm import config, costmodel, data, models
 from hvd_lowcomm.config import ConfigError
 from hvd_lowcomm.metrics import write_csv
 
+# The method with no communication: its step is the floor every other method's stands on.
+FLOOR = "local"
+# Between the ranks of one node without NVLink: PCIe or shared memory.
+NODE_LINK = "160gbit"
 
-def main(argv: list[str] | None = None) -> int:
+
+def parser() -> argparse.ArgumentParser:
+    ib, eth = costmodel.LATENCY_US["ib"], costmodel.LATENCY_US["eth"]
+    accelerators = "|".join([*costmodel.ACCELERATORS, "cpu"])
     parser = argparse.ArgumentParser(prog="python -m hvd_lowcomm.plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False)
     parser.add_argument("--ranks", default="64,256,1024", help="comma-separated rank counts (default: %(default)s)")
     parser.add_argument("--links", default="10gbit,25gbit,100gbit,200gbit",
-                        help="comma-separated network rates between nodes (default: %(default)s)")
-    parser.add_argument("--latency-us", type=float, default=2.0, help="message latency (default: %(default)s)")
-    parser.add_argument("--ranks-per-node", type=int, default=1, help="ranks sharing a node (default: %(default)s)")
-    parser.add_argument("--node-link", default="160gbit",
-                        help="rate between the ranks of one node (PCIe or shared memory: the default, "
-                             "20 GB/s; NVLink nodes: 2400gbit or more) (default: %(default)s)")
+                        help="comma-separated networks between nodes: a rate, or ib:RATE / eth:RATE to name "
+                             "InfiniBand or Ethernet (default: %(default)s)")
+    parser.add_argument("--latency-us", type=float, default=None,
+                        help=f"message latency in µs (default: by the link's kind: {ib:g} for InfiniBand, ib:RATE or "
+                             f"a rate from {costmodel.IB_FROM / 1e9:g}gbit up; {eth:g} for Ethernet, eth:RATE or a "
+                             f"slower rate)")
+    parser.add_argument("--accelerator", default="", metavar=accelerators,
+                        help=f"compute at this device's peak for the run's precision (bf16 with --train.amp bf16, "
+                             f"else fp32) x {costmodel.UTILISATION * 100:g}%% (cpu: this machine's measured peak) "
+                             f"(default: timed on this machine)")
     parser.add_argument("--tflops", type=float, default=0.0,
-                        help="compute at this achieved rate, TFLOP/s (default: as timed on this machine)")
+                        help="compute at this achieved rate, TFLOP/s: the step's (with --accelerator), else the "
+                             "step's and the methods' kernels' (default: from --accelerator)")
+    parser.add_argument("--gpus-per-node", type=int, default=0,
+                        help="accelerators per node, a rank each (default: one rank per node)")
+    parser.add_argument("--ranks-per-node", type=int, default=0,
+                        help="ranks sharing a node (default: --gpus-per-node, else 1)")
+    parser.add_argument("--node-link", default="",
+                        help=f"rate between the ranks of one node (default: the --accelerator's NVLink, e.g. h100's "
+                             f"{costmodel.ACCELERATORS['h100'].nvlink_gbit:g}gbit; else {NODE_LINK}, PCIe or shared "
+                             f"memory)")
     parser.add_argument("--run-steps", type=int, default=10_000,
                         help="steps of the run, over which AB's schedule and one-off SVDs spread (default: %(default)s)")
     parser.add_argument("--ab-rank-share", type=float, default=0.02,
@@ -48,9 +74,13 @@ def main(argv: list[str] | None = None) -> int:
                              "side (learned in training; never below ab.min_rank_share, the cuts' floor; default: %(default)s)")
     parser.add_argument("--out", default="", help="directory for predicted.md and predicted.csv")
     parser.add_argument("-h", "--help", action="store_true")
-    args, rest = parser.parse_known_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, rest = parser().parse_known_args(argv)
     if args.help:
-        parser.print_help()
+        parser().print_help()
         print("\nModel and data options: those of python -m hvd_lowcomm.train (see its --help).")
         return 0
     try:
@@ -69,46 +99,48 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dict[str, Any]]]:
+    """The tables (markdown) and their rows (for the CSV) for the parsed options and the
+    training options in `train_argv`."""
     cfg = config.load(train_argv, prog="python -m hvd_lowcomm.plan")
     ranks = [int(r) for r in args.ranks.split(",")]
-    node_link = config.rate_bits(args.node_link) / 8
-    links = [(rate, costmodel.Link.parse(rate, args.latency_us, ranks_per_node=args.ranks_per_node,
-                                         intra_bandwidth=node_link))
-             for rate in args.links.split(",")]
-    if min(ranks) < 2 or args.ranks_per_node < 1:
-        raise ConfigError("--ranks needs counts of at least 2 and --ranks-per-node at least 1")
-    info = data.from_source(cfg.data.source) if cfg.data.source else data.inspect(cfg.data.path, cfg.data.seq_len)
-    model = models.build_model(cfg.model, info.input_shape, info.num_classes, info.task)
+    if min(ranks) < 2:
+        raise ConfigError("--ranks needs counts of at least 2")
+    links = networks(args)
+    device = costmodel.compute_device(args.accelerator, args.tflops, cfg.train.amp)
     if args.run_steps < 1 or not 0 < args.ab_rank_share <= 1:
         raise ConfigError("--run-steps needs at least 1 step and --ab-rank-share a share in (0, 1]")
     assumptions = costmodel.RunAssumptions(run_steps=args.run_steps, rank_share=args.ab_rank_share)
-    profile = costmodel.profile_model(model, info.input_shape, cfg.data.batch_size, cfg=cfg,
-                                       vocabulary=info.vocabulary)
-    device = f"{args.tflops:g} TFLOP/s" if args.tflops else f"this machine ({profile.flop_rate / 1e9:.1f} GFLOP/s)"
-    if args.tflops:
-        profile = profile.at_flop_rate(args.tflops * 1e12)
-    methods = [m for m in costmodel.predicted_methods() if _applies(profile, m, cfg, assumptions)]
+    info = data.from_source(cfg.data.source) if cfg.data.source else data.inspect(cfg.data.path, cfg.data.seq_len)
+    profile = costmodel.profile_model(_model(cfg, info), info.input_shape, cfg.data.batch_size, cfg=cfg,
+                                      vocabulary=info.vocabulary, device=device)
+    methods = [m for m in costmodel.predicted_methods() if m != FLOOR and _applies(profile, m, cfg, assumptions)]
+    timed = profile.device == costmodel.Profile.device
+    where = profile.device + (f" ({profile.flop_rate / 1e9:.1f} GFLOP/s)" if timed else "")
+    node = links[0][1]
     lines = [f"# Predicted step time: {_describe_model(cfg)}, {profile.params:,} parameters, batch "
-             f"{cfg.data.batch_size} per rank, compute {profile.step_seconds * 1e3:.2f} ms per step at {device}; "
-             f"latency {args.latency_us:g} µs, {args.ranks_per_node} rank(s) per node"
-             + (f" linked at {args.node_link}" if args.ranks_per_node > 1 else ""), ""]
+             f"{cfg.data.batch_size} per rank; {node.ranks_per_node} rank(s) per node"
+             + (f" linked at {node.intra_bandwidth * 8 / 1e9:g} Gbit/s" if node.ranks_per_node > 1 else ""), "",
+             f"Compute floor (a step with no communication, as `--method {FLOOR}`): "
+             f"{profile.step_seconds * 1e3:.2f} ms per step ({3 * profile.flops / 1e12:.3g} TFLOP forward and "
+             f"backward; {where})", ""]
     rows: list[dict[str, Any]] = []
-    for rate, link in links:
-        lines += [f"## {rate}", "", "| method | " + " | ".join(f"{p} ranks: ms (× ddp)" for p in ranks) + " |",
-                  "|---|" + "---|" * len(ranks)]
+    for name, link in links:
+        lines += [f"## {name}", "", f"{link.describe()}", "",
+                  "| method | " + " | ".join(f"{p} ranks: ms (× ddp)" for p in ranks) + " |", "|---|" + "---|" * len(ranks)]
         for method in methods:
             cells = []
             for p in ranks:
                 q = costmodel.predict(profile, method, p, link, cfg, assumptions)
                 ddp = costmodel.predict(profile, "ddp", p, link, cfg, assumptions)
                 cells.append(f"{q.step * 1e3:.2f} ({q.step / ddp.step:.2f})")
-                rows.append({"link": rate, "ranks": p, "method": method, "step_ms": q.step * 1e3,
+                rows.append({"link": name, "ranks": p, "method": method, "step_ms": q.step * 1e3,
                              "ratio_to_ddp": q.step / ddp.step, "compute_ms": q.compute * 1e3,
                              "method_compute_ms": q.method_compute * 1e3, "network_ms": q.communication * 1e3,
                              "hidden_ms": q.hidden * 1e3, "bytes_per_rank": q.bytes_per_rank})
             lines.append(f"| {method} | " + " | ".join(cells) + " |")
         lines.append("")
     lines += ["## Break-even bandwidth (below it the method steps faster than ddp)", "",
+              f"With the rest of the first link ({links[0][0]}) as it is.", "",
               "| method | " + " | ".join(f"{p} ranks" for p in ranks) + " |", "|---|" + "---|" * len(ranks)]
     for method in (m for m in methods if m != "ddp"):
         cells = []
@@ -123,9 +155,33 @@ def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dic
     lines += ["", "## What `--method auto` would choose (the fastest of those that keep quality; ddp unless "
               f"another is {costmodel.MIN_GAIN:.0%} faster)", "",
               "| link | " + " | ".join(f"{p} ranks" for p in ranks) + " |", "|---|" + "---|" * len(ranks)]
-    lines += [f"| {rate} | " + " | ".join(costmodel.choose(profile, p, link, cfg)[0] for p in ranks) + " |"
-              for rate, link in links]
+    lines += [f"| {name} | " + " | ".join(costmodel.choose(profile, p, link, cfg)[0] for p in ranks) + " |"
+              for name, link in links]
     return "\n".join(lines), rows
+
+
+def networks(args: argparse.Namespace) -> list[tuple[str, costmodel.Link]]:
+    """Each of --links as the cost model sees it, with --latency-us (default: the link kind's),
+    the ranks per node (--ranks-per-node, else --gpus-per-node, else 1) and --node-link between
+    them (default: the accelerator's NVLink, else NODE_LINK)."""
+    if args.ranks_per_node < 0 or args.gpus_per_node < 0:
+        raise ConfigError("--ranks-per-node and --gpus-per-node need counts of at least 1 (0: the default)")
+    ranks_per_node = args.ranks_per_node or args.gpus_per_node or 1
+    accelerator = costmodel.ACCELERATORS.get(args.accelerator)
+    node_link = args.node_link or (f"{accelerator.nvlink_gbit:g}gbit" if accelerator else NODE_LINK)
+    return [(name, costmodel.Link.parse(name, args.latency_us, ranks_per_node=ranks_per_node,
+                                        intra_bandwidth=config.rate_bits(node_link) / 8))
+            for name in args.links.split(",")]
+
+
+def _model(cfg: config.Config, info: data.DatasetInfo) -> Any:
+    """The model on the meta device: shapes without weights, which the plan does not need (a
+    large model's would take long to initialise); built on this machine if it cannot be."""
+    try:
+        with torch.device("meta"):
+            return models.build_model(cfg.model, info.input_shape, info.num_classes, info.task)
+    except (RuntimeError, NotImplementedError):  # a factory that reads its weights' values back
+        return models.build_model(cfg.model, info.input_shape, info.num_classes, info.task)
 
 
 def _quality(method: str, cfg: config.Config) -> str:

@@ -5,14 +5,18 @@ import csv
 import json
 import math
 
+import numpy as np
 import pytest
+import torch
+import torch.nn as nn
 
 from conftest import RANK, SIZE, needs_ranks
 from hvd_lowcomm import config, costmodel, data, models
 from hvd_lowcomm.config import ConfigError
-from hvd_lowcomm.costmodel import Link, RunAssumptions, predict, profile_model
+from hvd_lowcomm.costmodel import ACCELERATORS, UTILISATION, Link, RunAssumptions, compute_device, predict, profile_model
 from hvd_lowcomm.registry import specs
 from hvd_lowcomm.models import cnn, mlp
+from hvd_lowcomm.models.transformer import gpt
 from hvd_lowcomm.train import main
 
 MB = 1e6
@@ -43,10 +47,23 @@ def test_collective_costs_follow_the_alpha_beta_formulas():
 
 def test_link_rates_parse_and_bad_ones_are_refused():
     assert Link.parse("25gbit", latency_us=3).bandwidth == pytest.approx(25e9 / 8)
-    assert Link.parse("100mbit").latency == pytest.approx(2e-6)
-    for bad in ("fast", "10gb", "xgbit"):
+    assert Link.parse("eth:100gbit").bandwidth == pytest.approx(100e9 / 8)
+    for bad in ("fast", "10gb", "xgbit", "ib:fast"):
         with pytest.raises(ConfigError, match="use a rate such as 1gbit"):
-            config.rate_bits(bad)
+            Link.parse(bad)
+    with pytest.raises(ConfigError, match="name its kind ib or eth before the rate"):
+        Link.parse("fc:100gbit")
+
+
+def test_the_latency_defaults_to_the_link_kinds_and_an_explicit_one_overrides_it():
+    ib, eth = (costmodel.LATENCY_US[kind] * 1e-6 for kind in ("ib", "eth"))
+    assert 1e-6 <= ib <= 2e-6 and 20e-6 <= eth <= 50e-6  # RDMA's microseconds; TCP's tens
+    # a rate alone: Ethernet below 100 Gbit/s, InfiniBand from it; a named kind is that kind
+    assert Link.parse("100mbit").latency == Link.parse("10gbit").latency == Link.parse("25gbit").latency == eth
+    assert Link.parse("100gbit").latency == Link.parse("200gbit").latency == Link.parse("400gbit").latency == ib
+    assert Link.parse("eth:100gbit").latency == eth and Link.parse("ib:50gbit").latency == ib
+    assert Link.parse("200gbit", latency_us=5).latency == pytest.approx(5e-6)
+    assert Link.parse("25gbit", latency_us=0).latency == 0.0
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +83,7 @@ def test_the_profile_counts_every_parameter_and_the_partitions(mlp_profile):
     assert mlp_profile.params == sum(p.numel() for p in model.parameters())
     assert [layer.rows for layer in mlp_profile.layers] == [1, 1, 1, 1]
     assert mlp_profile.step_seconds > 0 and 0 < mlp_profile.backward_seconds < mlp_profile.step_seconds
+    assert mlp_profile.device == costmodel.Profile.device  # quick to time: timed on this machine
     shares = mlp_profile.facts["sil"].flop_shares(mlp_profile)
     assert len(shares) == 2 and sum(shares) == pytest.approx(1.0) and max(shares) < 0.8
     assert mlp_profile.facts["sil"].widths == [256]  # the cut after a hidden layer of 256
@@ -235,7 +253,8 @@ def test_the_planner_command_writes_its_tables(tmp_path, capsys):
     assert code == 0
     text = (tmp_path / "plan" / "predicted.md").read_text()
     assert "## 1gbit" in text and "## 100gbit" in text and "| sil |" in text and "Break-even bandwidth" in text
-    assert "8 ranks: ms (× ddp)" in text and "at 10 TFLOP/s" in text
+    assert "8 ranks: ms (× ddp)" in text and "TFLOP forward and backward; 10 TFLOP/s)" in text
+    assert "Compute floor (a step with no communication, as `--method local`)" in text and "| local |" not in text
     # auto's choice per link and rank count: always one that keeps quality, and on 1 Gbit/s,
     # with 10 TFLOP/s of compute, one that sends less than ddp
     keeping = costmodel.quality_keeping_methods(config.default_config())
@@ -244,7 +263,8 @@ def test_the_planner_command_writes_its_tables(tmp_path, capsys):
     assert set(choices) == {"1gbit", "100gbit"} and all(c in keeping for cells in choices.values() for c in cells)
     assert "ddp" not in choices["1gbit"]
     rows = (tmp_path / "plan" / "predicted.csv").read_text().splitlines()
-    assert len(rows) == 1 + 2 * 2 * len(costmodel.predicted_methods())  # sil6 is an MLP every method trains
+    # sil6 is an MLP every method trains; local is the floor, not a row
+    assert len(rows) == 1 + 2 * 2 * (len(costmodel.predicted_methods()) - 1)
     assert plan_main(["--links", "fast", "--data.path", str(data)]) == 2
     assert "use a rate such as 1gbit" in capsys.readouterr().err
 
@@ -253,9 +273,101 @@ def test_the_planner_command_writes_its_tables(tmp_path, capsys):
         assert plan_main(["--ranks", "16", "--links", "400gbit", "--ranks-per-node", "4", "--node-link", node_link,
                           "--tflops", "10", "--out", str(out), "--model.name", "sil6", "--data.path", str(data)]) == 0
         rows = {row["method"]: row for row in csv.DictReader(open(out / "predicted.csv"))}
-        return float(rows["ddp"]["network_ms"])  # the α-β time alone: compute is timed afresh on each run
+        return float(rows["ddp"]["network_ms"])  # the α-β time alone
 
     # nodes whose own links are slower than the network pace the ring (by their rate); faster ones do not
     slow, fast, faster = ddp_network_ms("40gbit"), ddp_network_ms("4000gbit"), ddp_network_ms("40000gbit")
-    latency_ms = 2 * 4 * 2e-3  # 2⌈log2 16⌉ messages of 2 µs; the bytes' time scales with 1 / the pacing rate
+    # 2⌈log2 16⌉ messages at InfiniBand's latency (400 Gbit/s); the bytes' time scales with 1 / the pacing rate
+    latency_ms = 2 * 4 * costmodel.LATENCY_US["ib"] * 1e-3
     assert slow - latency_ms == pytest.approx(10 * (fast - latency_ms), rel=1e-6) and fast == pytest.approx(faster)
+
+
+def test_the_forward_flops_of_a_linear_a_conv_and_a_gpt_are_their_formulas():
+    at = compute_device(tflops=1)  # counted: nothing is timed
+    linear = profile_model(nn.Sequential(nn.Linear(64, 32)), (64,), 8, methods=(), device=at)
+    assert linear.flops == 2 * 8 * 64 * 32  # 2 · batch · fan_in · fan_out (the bias is not a product)
+    conv = profile_model(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1)), (3, 16, 16), 4, methods=(), device=at)
+    assert conv.flops == 2 * 4 * (16 * 16) * (3 * 3 * 3) * 8  # 2 · batch · positions · patch · channels out
+    vocabulary, context, layers, width, batch = 100, 32, 2, 64, 2
+    model = gpt(vocab_size=vocabulary, context=context, layers=layers, width=width, heads=4)
+    lm = profile_model(model, (context,), batch, methods=(), vocabulary=vocabulary, device=at)
+    # per token and block: q, k, v, out (4 w²) and the MLP (8 w²), 2 FLOPs a multiply-add; attention's
+    # Q Kᵀ and A V over the window (2 · 2 · T · w); then the output layer (2 · w · V)
+    per_token = layers * (2 * 12 * width ** 2 + 4 * context * width) + 2 * width * vocabulary
+    assert lm.flops == batch * context * per_token
+
+
+@pytest.mark.parametrize("accelerator, amp", [("a100", "none"), ("h100", "bf16"), ("h200", "bf16"), ("v100", "none")])
+def test_an_accelerator_costs_the_step_as_its_flops_at_its_peak_times_the_utilisation(accelerator, amp):
+    peak = ACCELERATORS[accelerator].bf16_tflops if amp == "bf16" else ACCELERATORS[accelerator].fp32_tflops
+    cfg = config.load(["--train.amp", amp])
+    profile = profile_model(mlp((64,), 10, [1024, 1024]), (64,), 256, cfg=cfg, methods=("dad",),
+                            device=compute_device(accelerator, amp=amp))
+    assert profile.step_seconds == pytest.approx(3 * profile.flops / (peak * 1e12 * UTILISATION), rel=1e-12)
+    assert profile.backward_seconds == pytest.approx(2 * profile.forward_seconds, rel=1e-12)
+    # The methods' kernels are counted at the fp32 rate: dAD's product of one rank's 256 rows of
+    # the 1024 x 1024 layer is 2 · 256 · 1024² FLOPs (its bytes and a launch take far less).
+    fp32 = ACCELERATORS[accelerator].fp32_tflops * 1e12 * UTILISATION
+    assert profile.layers[1].kernels["dad_product"] == pytest.approx(2 * 256 * 1024 * 1024 / fp32, rel=1e-12)
+
+
+def test_tflops_is_the_achieved_rate_and_an_unknown_accelerator_is_refused():
+    profile = profile_model(mlp((64,), 10, [256]), (64,), 32, methods=(), device=compute_device(tflops=10))
+    assert profile.step_seconds == pytest.approx(3 * profile.flops / 10e12, rel=1e-12)
+    h100 = compute_device("h100", tflops=300)  # the step's rate given; the kernels' still the h100's fp32
+    assert h100.step_rate == 300e12 and h100.kernel_rate == pytest.approx(67e12 * UTILISATION)
+    assert compute_device() is None  # neither: timed on this machine
+    with pytest.raises(ConfigError, match="accelerator 'tpu': use one of a100, h100, h200, v100, cpu"):
+        compute_device("tpu")
+
+
+def test_a_model_too_large_to_time_quickly_is_counted_at_this_cpus_measured_rates():
+    with torch.device("meta"):  # GPT-2 small's shapes; its weights are never needed
+        model = gpt(vocab_size=50257, context=1024, layers=12, width=768, heads=12)
+    profile = profile_model(model, (1024,), 8, methods=("ddp",), vocabulary=50257)
+    here = costmodel.measured_device("cpu", "none")
+    assert profile.device == here.name and profile.step_seconds == pytest.approx(3 * profile.flops / here.step_rate)
+
+
+def test_gpus_per_node_sets_the_ranks_per_node_and_an_accelerator_links_them_by_nvlink():
+    from hvd_lowcomm.plan import networks, parser
+
+    def network(*argv: str) -> Link:
+        (_, link), = networks(parser().parse_known_args(["--links", "25gbit", *argv])[0])
+        return link
+
+    assert network().ranks_per_node == 1
+    assert network("--gpus-per-node", "4").ranks_per_node == 4
+    assert network("--gpus-per-node", "4", "--ranks-per-node", "2").ranks_per_node == 2  # given: it counts
+    assert network("--gpus-per-node", "4").intra_bandwidth == pytest.approx(160e9 / 8)  # PCIe or shared memory
+    assert network("--gpus-per-node", "8", "--accelerator", "h100").intra_bandwidth == pytest.approx(3600e9 / 8)
+    assert network("--latency-us", "7").latency == pytest.approx(7e-6)
+
+
+def test_a_gpt2_sized_plan_for_16_nodes_of_4_gpus_on_25gbit_ethernet(tmp_path):
+    """GPT-2 small (12 layers of width 768, its vocabulary and context, tied embeddings) planned
+    in-process for 64 ranks on 16 nodes of 4 H100s from its FLOPs, the floor apart."""
+    from data_prep.writer import write_text_dataset
+    from hvd_lowcomm.plan import parser, plan
+
+    vocabulary, context, layers, width, batch, params = 50257, 1024, 12, 768, 8, 124_439_808
+    ids = np.random.default_rng(0).integers(0, vocabulary, 4 * context)
+    write_text_dataset(tmp_path / "gpt2.h5", ids, ids, vocabulary, "random ids")
+    args, rest = parser().parse_known_args(
+        ["--accelerator", "h100", "--gpus-per-node", "4", "--ranks", "64", "--links", "25gbit", "--model.name", "gpt",
+         "--model.layers", str(layers), "--model.width", str(width), "--model.heads", "12", "--model.tie_weights",
+         "true", "--data.path", str(tmp_path / "gpt2.h5"), "--data.seq_len", str(context), "--data.batch_size",
+         str(batch), "--train.amp", "bf16"])
+    text, rows = plan(args, rest)
+    assert f"{params:,} parameters" in text and "4 rank(s) per node" in text  # the tied matrix counted once
+    flops = batch * context * (layers * (24 * width ** 2 + 4 * context * width) + 2 * width * vocabulary)
+    floor = 3 * flops / (ACCELERATORS["h100"].bf16_tflops * 1e12 * UTILISATION)
+    assert f"as `--method local`): {floor * 1e3:.2f} ms per step" in text and "| local |" not in text
+    assert "25 Gbit/s, 30 µs, 4 ranks per node" in text  # Ethernet's latency
+    by_method = {row["method"]: row for row in rows}
+    assert {"ddp", "powersgd", "diloco"} <= set(by_method) and "local" not in by_method
+    # ddp's allreduce of every fp32 gradient over 64 ranks across nodes: 2⌈log2 64⌉ messages and
+    # 2·63/64 of the bytes at 25 Gbit/s
+    network = 2 * 6 * costmodel.LATENCY_US["eth"] * 1e-6 + 2 * 63 / 64 * 4 * params / (25e9 / 8)
+    assert by_method["ddp"]["network_ms"] == pytest.approx(network * 1e3, rel=1e-9)
+    assert by_method["ddp"]["compute_ms"] == pytest.approx(floor * 1e3, rel=1e-9)
