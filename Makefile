@@ -11,7 +11,7 @@ PYTEST  = $(MPIRUN) --timeout 1500 -np $(1) $(PY) -m pytest -p no:cacheprovider 
 # (fresh clone, .venv deleted) or older than what the install depends on.
 STAMP   := .venv/.installed
 
-.PHONY: install demo test test-1 test-2 test-4 test-8 test-cluster examples docs clean
+.PHONY: install demo test test-1 test-2 test-4 test-8 test-cluster examples docs clean gpu-check vendor
 
 install:          ## MPI (if missing), .venv, torch, the package, horovod (cached wheel)
 	bash scripts/install.sh
@@ -52,6 +52,17 @@ examples: $(STAMP)
 docs: $(STAMP)
 	$(PY) -m sphinx -E -W --keep-going -q -b html docs docs/_build/html
 	@echo "docs: open docs/_build/html/index.html"
+
+# On a machine with one CUDA GPU: every method a few steps on the GPU against the CPU, at np 1
+# and 2, and one exact resume (scripts/gpu_check.py; builds Horovod from vendor/ if it has none).
+# GPU_CHECK_PY: that machine's own Python, with torch, mpi4py and h5py.
+GPU_CHECK_PY ?= python3
+gpu-check:
+	$(GPU_CHECK_PY) scripts/gpu_check.py
+
+# What gpu-check needs and a machine without network lacks: Horovod's sdist, into vendor/.
+vendor:
+	$(PY) -m pip download -q --no-deps --no-binary :all: horovod==0.28.1 -d vendor
 
 clean:
 	rm -rf runs build *.egg-info docs/_build

@@ -85,9 +85,10 @@ def arguments(description: str, methods: tuple[str, ...] = ()) -> argparse.Names
 def accuracy(model: nn.Module, test_batches) -> tuple[int, int]:
     model.eval()
     correct = count = 0
+    device = next(model.parameters()).device
     with torch.no_grad():
         for x, y in test_batches:
-            correct += (model(x).argmax(1) == y).sum().item()
+            correct += (model(x.to(device)).argmax(1).cpu() == y).sum().item()
             count += len(y)
     model.train()
     return correct, count

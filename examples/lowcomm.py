@@ -13,9 +13,10 @@ from common import accuracy, arguments, batches, resnet18
 
 METHODS = ("ddp", "ddp-fp16", "powersgd", "dad", "rank-dad", "ab", "sil", "diloco")
 args = arguments(__doc__, METHODS)
-hl.init()                                   # MPI + Horovod, instead of hvd.init()
+hl.init()                                   # MPI + Horovod, instead of hvd.init(); binds a GPU per rank
+device = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)                        # every rank builds the same initial model
-model = resnet18(args.width)
+model = resnet18(args.width).to(device)
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 rank, size = hl.rank(), hl.size()
 
@@ -42,6 +43,7 @@ elif args.method == "sil":                  # this rank keeps one partition of t
     rank, size = sil.data_rank, sil.data_replicas   # partners in other partitions read the same samples
 
 for step, (x, y) in enumerate(batches(args, rank, size)):
+    x, y = x.to(device), y.to(device)
     if args.method == "sil":
         loss = sil.step(optimizer, x, y)    # this partition toward its synthetic labels
     elif args.method == "ab":

@@ -13,14 +13,18 @@ from common import accuracy, arguments, batches, resnet18
 
 args = arguments(__doc__)
 hvd.init()
+device = "cuda" if torch.cuda.is_available() else "cpu"
+if device == "cuda":  # a rank per GPU: the one it sees, or its local rank's
+    torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
 torch.manual_seed(0)
-model = resnet18(args.width)
+model = resnet18(args.width).to(device)
 optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
 optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
 for step, (x, y) in enumerate(batches(args, hvd.rank(), hvd.size())):
+    x, y = x.to(device), y.to(device)
     optimizer.zero_grad()
     loss = F.cross_entropy(model(x), y)
     loss.backward()

@@ -68,7 +68,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def onto(device: torch.device) -> Any:
     """torch.load's map_location for a rank computing on `device`: what was saved on a GPU comes
     back on this rank's GPU (or the CPU, where it has none); what was saved on the CPU (random
-    states, host-side buffers) stays there."""
+    states, host-side buffers) stays there. Another accelerator's tensors load where they were
+    saved (None: torch's default)."""
+    if device.type not in ("cpu", "cuda"):
+        return None
+
     def place(storage: Any, location: str) -> Any:
         if not location.startswith("cuda"):
             return storage

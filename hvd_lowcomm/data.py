@@ -460,9 +460,12 @@ class ShardedBatches:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if self.shuffle and hasattr(self.split, "start_epoch"):  # a text split's windows move each epoch
             self.split.start_epoch(self.seed, self.epoch)
+        gpu = self.device.type == "cuda"  # page-locked batches copy to a GPU while it still computes
         for indices in self.batch_indices()[self.start:]:
             x, y = self.split.read(indices)
-            yield x.to(self.device), y.to(self.device)
+            if gpu:
+                x, y = x.pin_memory(), y.pin_memory()
+            yield x.to(self.device, non_blocking=gpu), y.to(self.device, non_blocking=gpu)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -162,3 +162,18 @@ def test_the_command_line_trains_every_method_on_the_device_as_on_the_cpu(shared
     on_device, on_cpu = run(str(DEVICE.type)), run("cpu")
     if RANK == 0:
         assert on_device["final_test_loss"] == pytest.approx(on_cpu["final_test_loss"], rel=1e-4)
+
+
+@pytest.mark.skipif(SIZE > 1 or torch.cuda.is_available(), reason="checks the refusal on one rank without a GPU")
+def test_the_gpu_check_says_there_is_no_gpu_and_fails(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import clean_env
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
+    done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path)], env=clean_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 1 and "no CUDA GPU here" in done.stderr, done.stdout + done.stderr
+    assert "torch " in done.stdout  # what the machine has, first
