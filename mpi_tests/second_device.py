@@ -149,9 +149,6 @@ def register() -> torch.device:
         return DEVICE
     module = _backend_module()
     torch.utils.backend_registration._setup_privateuseone_for_python_backend(backend_module=module)
-    # Module.to() swaps a parameter for its device copy (a wrapper subclass cannot share the
-    # CPU parameter's storage), keeping tied weights one Parameter.
-    torch.__future__.set_swap_module_params_on_conversion(True)
     library = torch.library.Library("aten", "IMPL")
     for qualified, op in _factories():
         library.impl(qualified, _factory_kernel(op), "PrivateUse1")

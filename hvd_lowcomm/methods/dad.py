@@ -790,7 +790,7 @@ def _predict_sharing(profile: Profile, p: int, link: Link, rank: "RankDadOptions
                 skipped += layer.kernels["dad_product"]
         else:
             reduced += layer.params
-    reduced += profile.other_params + 1  # + the pooled batch size, for the N_s/N scale
+    reduced += profile.other_params - profile.tied_params + 1  # (a tied weight once) + the pooled batch size
     comm = link.allgather(gathered, p, p) + link.allreduce(FLOAT_BYTES * reduced, p, p)
     sent = wire("allgather", gathered, p) + wire("allreduce", FLOAT_BYTES * reduced, p)
     return Prediction("", p, profile.step_seconds, own - skipped, comm, 0.0, sent, sent * link.node_share(p))

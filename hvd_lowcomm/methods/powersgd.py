@@ -398,7 +398,7 @@ def predict_powersgd(profile: Profile, p: int, link: Link, options: PowerSGDOpti
             matrices += 1
         else:
             plain += layer.params
-    plain += profile.other_params
+    plain += profile.other_params - profile.tied_params  # a tied weight travels once
     half = options.factor_dtype == "float16" and p > 1
     factor_bytes = 2 if half else FLOAT_BYTES
     p_round, q_round = factor_bytes * (compressed_p + plain), factor_bytes * compressed_q
