@@ -320,6 +320,34 @@ def test_horovods_synchronize_then_skip_synchronize_idiom_still_clips_the_pooled
 
 
 @pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_a_state_dict_loaded_after_the_wrap_with_tensor_swapping_still_exchanges(world, wrapper):
+    """torch.__future__.set_swap_module_params_on_conversion(True) makes load_state_dict swap a
+    parameter's contents, its gradient hook with them: the step must still pool the gradient."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    reference = copy.deepcopy(model)
+    opt = wrap(wrapper, torch.optim.SGD(model.parameters(), lr=0.5), model)
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.load_state_dict(copy.deepcopy(model.state_dict()))
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+    x = torch.randn(runtime.size(), 8, 6, generator=torch.Generator().manual_seed(4))
+    for _ in range(2):
+        opt.zero_grad()
+        model(x[runtime.rank()]).pow(2).mean().backward()
+        opt.step()
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for _ in range(2):
+        reference_opt.zero_grad()
+        reference(x.flatten(0, 1)).pow(2).mean().backward()
+        reference_opt.step()
+    same_on_every_rank(model)
+    assert_close_to(model, reference, *TOLERANCE[wrapper])
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
 def test_a_sparse_embedding_gradient_is_pooled_dense(world, wrapper):
     torch.manual_seed(0)
     embedding = nn.Embedding(10, 4, sparse=True)
@@ -509,3 +537,17 @@ def test_an_overflow_the_gradscaler_skips_changes_no_model_and_no_method_state(w
     step(False)
     same_on_every_rank(model)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_ddp_fusion_groups_average_every_gradient(world):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    reference = copy.deepcopy(model)
+    opt = hl.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model.named_parameters(),
+                                  num_groups=2)
+    x = torch.randn(runtime.size(), 8, 6, generator=torch.Generator().manual_seed(4))
+    model(x[runtime.rank()]).pow(2).mean().backward()
+    reference(x.flatten(0, 1)).pow(2).mean().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    opt.step()

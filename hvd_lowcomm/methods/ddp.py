@@ -81,6 +81,8 @@ class _AllreduceExchange(GradientExchange):
             return
         index = self._fusion_of[param]
         ready = self._ready.setdefault(index, [])
+        if index in self._pending or any(p is param for p in ready):  # started already: one allreduce per step
+            return
         ready.append(param)
         if len(ready) == len(self._fusions[index]):  # start it while backward goes on
             self._start(index)

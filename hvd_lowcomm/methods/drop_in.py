@@ -174,7 +174,7 @@ class GradientExchange(torch.optim.Optimizer):
         self.backward_passes_per_step, self.op, self.group = (arguments.backward_passes_per_step, arguments.op,
                                                               arguments.group)
         self._names = parameter_names(self.param_groups, named_parameters, wrapper)
-        self._hooked: set[int] = set()
+        self._hooks: dict[torch.nn.Parameter, int] = {}  # hooked parameters -> their tensor when hooked
         self._hook_parameters(p for group in self.param_groups for p in group["params"])
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -185,11 +185,29 @@ class GradientExchange(torch.optim.Optimizer):
     # -- when the exchange runs ---------------------------------------------------------------
     def _hook_parameters(self, params: Iterable[torch.nn.Parameter]) -> None:
         for param in params:
-            if param.requires_grad and id(param) not in self._hooked:
-                # A closure that checks its parameter: a deep copy of the model keeps the hook
-                param.register_post_accumulate_grad_hook(
-                    lambda grad_holder, param=param: self._gradient_accumulated(param) if grad_holder is param else None)
-                self._hooked.add(id(param))
+            if param.requires_grad and not self._hooked(param):
+                if param in self._hooks:  # swapped: the hooks it lists are no longer installed
+                    stale = list((param._post_accumulate_grad_hooks or {}).values())
+                    param._post_accumulate_grad_hooks = None
+                    for hook in stale:
+                        if getattr(hook, "exchange", None) is not self:
+                            param.register_post_accumulate_grad_hook(hook)
+                param.register_post_accumulate_grad_hook(self._gradient_hook(param))
+                self._hooks[param] = param._cdata
+
+    def _gradient_hook(self, param: torch.nn.Parameter) -> Any:
+        # A closure that checks its parameter: a deep copy of the model keeps the hook
+        def hook(grad_holder: torch.Tensor) -> None:
+            if grad_holder is param:
+                self._gradient_accumulated(param)
+        hook.exchange = self
+        return hook
+
+    def _hooked(self, param: torch.nn.Parameter) -> bool:
+        """Whether `param` still holds its gradient hook: under torch.__future__'s
+        swap_module_params_on_conversion, load_state_dict and Module.to swap a parameter's
+        tensor for another (a new _cdata), which has no hooks installed."""
+        return self._hooks.get(param) == param._cdata
 
     def _gradient_accumulated(self, param: torch.nn.Parameter) -> None:
         """A parameter's gradient was accumulated into .grad by the running backward pass."""
@@ -261,6 +279,10 @@ class GradientExchange(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure: Any = None) -> Any:
+        lost = [p for group in self.param_groups for p in group["params"] if p.requires_grad and not self._hooked(p)]
+        if lost:  # their backward went unseen: hook them again, and pool what it left in .grad now
+            self._hook_parameters(lost)
+            self._backward_passes += any(p.grad is not None for p in lost)
         if self._should_synchronize and self._backward_passes and not self._synchronized:
             self.synchronize()  # fewer passes than backward_passes_per_step: pool what there is
         loss = super().step(closure)  # (a closure's backward pass exchanges as it ends)
@@ -274,7 +296,7 @@ class GradientExchange(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        if hasattr(self, "_hooked"):  # (not while the optimizer's own __init__ adds its groups)
+        if hasattr(self, "_hooks"):  # (not while the optimizer's own __init__ adds its groups)
             named = [(name, param) for param, name in self._names.items()]
             self._names = parameter_names(self.param_groups, named, "add_param_group")
             self._hook_parameters(param_group["params"])
