@@ -178,12 +178,16 @@ def run_training(args: argparse.Namespace, ranks: int, device: str, argv: list[s
 def run_one(device: str, argv: list[str]) -> int:
     """Inside the launch: the training program, on the tests' second device where asked."""
     if device == "testdev":
-        sys.path.insert(0, str(ROOT / "mpi_tests"))
-        from second_device import register
-        register()
+        register_second_device()
     from hvd_lowcomm.train import main as train
 
     return train(argv)
+
+
+def register_second_device() -> None:
+    sys.path.insert(0, str(ROOT / "mpi_tests"))
+    from second_device import register
+    register()
 
 
 def train_args(args: argparse.Namespace, method: str, device: str, data: Path, run_dir: Path, name: str,
@@ -224,8 +228,11 @@ def resume_check(args: argparse.Namespace, data: Path, out: Path) -> dict:
     problems = [output.strip().splitlines()[-1] for status, _, output in results if status and output.strip()]
     difference = None
     if not problems:
-        a, b = (torch.load(run_dir / name / "model.pt", map_location="cpu") for name in ("whole", "parts"))
-        difference = max(float((a[key] - b[key]).abs().max()) for key in a)
+        if args.device == "testdev":  # its tensors load only where the device is registered
+            register_second_device()
+        a, b = (torch.load(run_dir / name / "model.pt", weights_only=args.device != "testdev",
+                           map_location="cpu" if args.device != "testdev" else None) for name in ("whole", "parts"))
+        difference = max(float((a[key].cpu() - b[key].cpu()).abs().max()) for key in a)
     return {"ranks": 2, "method": "ddp resume", "device_loss": None, "cpu_loss": None, "difference": difference,
             "seconds": sum(r[1] for r in results), "ok": difference is not None and difference <= 1e-6,
             "problems": problems}

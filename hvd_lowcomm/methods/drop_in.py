@@ -260,7 +260,7 @@ class GradientExchange(torch.optim.Optimizer):
         start = runtime.clock(device)
         if self.group is None or runtime.rank() in self.group:
             self._exchange()
-            if self.op == "sum" and not self.sums_natively:  # Horovod's op=Sum: the sum over ranks, which is the mean times their count
+            if self.op == "sum" and not self.sums_natively:  # Horovod's op=Sum: the mean times the rank count
                 size = self.group.size if self.group is not None else runtime.size()
                 for group in self.param_groups:
                     for param in group["params"]:
