@@ -244,10 +244,10 @@ class TrafficMeter:
         before and `postscale` after) without waiting: a handle for `finish_allreduce`."""
         import horovod.torch as hvd
 
+        if _members(group) == 1:  # nothing to combine or send (as Horovod, which skips it): the scaled tensors
+            return [tensor * (prescale * postscale) for _, tensor in named]
         for name, tensor in named:
             self.record("allreduce", name, _nbytes(tensor), group)
-        if _members(group) == 1:  # nothing to combine: the scaled tensors themselves
-            return [tensor * (prescale * postscale) for _, tensor in named]
         handle = hvd.grouped_allreduce_async([to_wire(tensor) for _, tensor in named], name=named[0][0],
                                              op=hvd.Average if op == "average" else hvd.Sum,
                                              prescale_factor=prescale, postscale_factor=postscale,
@@ -258,10 +258,10 @@ class TrafficMeter:
         """Wait for an allreduce `start_allreduce` started; its results, on their tensors' devices."""
         import horovod.torch as hvd
 
-        if isinstance(handle, list):
-            return handle
-        handle, devices = handle
         with self.waiting():
+            if isinstance(handle, list):
+                return handle
+            handle, devices = handle
             return [out.to(device, non_blocking=True) for out, device in zip(hvd.synchronize(handle), devices)]
 
     def broadcast_(self, tensor: torch.Tensor, root_rank: int, name: str,

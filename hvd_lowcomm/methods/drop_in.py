@@ -145,10 +145,9 @@ class GradientExchange(torch.optim.Optimizer):
     Then:
 
     - `synchronize()` is done already (a call does nothing); `step()` applies `.grad`;
-    - with no backward pass since the last step (Horovod's broadcast_optimizer_state steps once
-      to create the optimizer's state), `step()` applies `.grad` as it is, without an
-      exchange: there is nothing of this step to pool. Gradients set by hand are exchanged by
-      calling `synchronize()`;
+    - gradients set by hand (no backward pass) are exchanged by `synchronize()` or `step()`, as
+      in Horovod, except the zeros hvd.broadcast_optimizer_state steps on to create an empty
+      optimizer's state: that step exchanges nothing;
     - `with opt.skip_synchronize(): opt.step()` steps without exchanging what is not yet;
     - a backward pass after an exchange that no step applied (a GradScaler skipped the step)
       starts a new step's gradient.
@@ -157,6 +156,7 @@ class GradientExchange(torch.optim.Optimizer):
     _exchange_enabled = True   # DDP's require_backward_grad_sync (no_sync() clears it)
     _should_synchronize = True
     _synchronized = False
+    _pooled_by_backward = False  # the exchange of this step ran as its last backward pass ended
     _backward_passes = 0       # since the last exchange or step
     _end_queued = False        # the end-of-backward callback of the running pass is queued
     exchange_seconds = 0.0     # spent in exchanges (the built-in loop keeps it out of the backward time)
@@ -218,14 +218,16 @@ class GradientExchange(torch.optim.Optimizer):
         if self._end_queued:
             return
         self._end_queued = True
-        self._synchronized = False  # a new pass after an exchange no step applied starts a new step
+        if self._synchronized:  # a new pass after an exchange no step applied starts a new step
+            self._start_step()
         Variable._execution_engine.queue_callback(self._backward_ended)
 
     def _backward_ended(self) -> None:
         self._end_queued = False
         self._backward_passes += 1
         if self.exchanges_this_pass():
-            self.synchronize()
+            self._pool()
+            self._pooled_by_backward = True
 
     def exchanges_this_pass(self) -> bool:
         """Whether the backward pass running (or just ended) completes the step's gradient."""
@@ -253,9 +255,12 @@ class GradientExchange(torch.optim.Optimizer):
 
     # -- Horovod's interface ------------------------------------------------------------------
     def synchronize(self) -> None:
-        """Replace every local gradient by the pooled one (once per step)."""
-        if self._synchronized:
-            return
+        """Replace every local gradient by the pooled one; nothing to do after the backward
+        pass that completes the step (it pooled them)."""
+        if not (self._synchronized and self._pooled_by_backward):
+            self._pool()
+
+    def _pool(self) -> None:
         device = next((p.device for _, p in self.named_parameters()), torch.device("cpu"))
         start = runtime.clock(device)
         if self.group is None or runtime.rank() in self.group:
@@ -283,15 +288,25 @@ class GradientExchange(torch.optim.Optimizer):
         if lost:  # their backward went unseen: hook them again, and pool what it left in .grad now
             self._hook_parameters(lost)
             self._backward_passes += any(p.grad is not None for p in lost)
-        if self._should_synchronize and self._backward_passes and not self._synchronized:
-            self.synchronize()  # fewer passes than backward_passes_per_step: pool what there is
+        if self._should_synchronize and not self._synchronized and not self._making_state():
+            self._pool()  # (fewer passes than backward_passes_per_step, or gradients set by hand)
         loss = super().step(closure)  # (a closure's backward pass exchanges as it ends)
-        self._synchronized, self._backward_passes = False, 0
+        self._start_step()
         return loss
+
+    def _making_state(self) -> bool:
+        """Whether this step is hvd.broadcast_optimizer_state's: no backward pass, no state yet,
+        every gradient zero."""
+        return not self._backward_passes and not self.state and all(
+            p.grad is None or not p.grad.any() for group in self.param_groups for p in group["params"])
+
+    def _start_step(self) -> None:
+        self._synchronized = self._pooled_by_backward = False
+        self._backward_passes = 0
 
     # -- PyTorch's optimizer contract ---------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._synchronized, self._backward_passes = False, 0
+        self._start_step()
         super().zero_grad(set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
