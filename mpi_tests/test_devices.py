@@ -38,9 +38,12 @@ def on_host(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().cpu() for p in model.parameters()]
 
 
-def assert_same_run(device_params: list[torch.Tensor], cpu_params: list[torch.Tensor]) -> None:
+def assert_same_run(device_params: list[torch.Tensor], cpu_params: list[torch.Tensor], half_sums: bool = False) -> None:
+    """The same to float32 rounding; with float16 sums on the wire (`half_sums`) to theirs:
+    from 3 ranks on, Horovod's fusion may add the ranks' parts in another order."""
+    rtol, atol = (1e-3, 1e-4) if half_sums else (1e-5, 1e-6)
     for got, expected in zip(device_params, cpu_params):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
 
 
 def test_a_device_tensor_is_staged_through_host_memory_and_metered_once(world, fresh_meter):
@@ -85,7 +88,7 @@ def test_every_wrapper_trains_a_model_on_the_device_as_on_the_cpu(world, name):
             opt.step()
         return on_host(model)
 
-    assert_same_run(run(DEVICE), run(torch.device("cpu")))
+    assert_same_run(run(DEVICE), run(torch.device("cpu")), half_sums=name in ("ddp-fp16", "powersgd", "rank-dad"))
 
 
 def test_ab_training_cuts_and_syncs_a_model_on_the_device_as_on_the_cpu(world):
@@ -122,7 +125,7 @@ def test_diloco_in_every_form_trains_a_model_on_the_device_as_on_the_cpu(world, 
             diloco.step()
         return on_host(diloco.full_model())
 
-    assert_same_run(run(DEVICE), run(torch.device("cpu")))
+    assert_same_run(run(DEVICE), run(torch.device("cpu")), half_sums=form != "fp32")
 
 
 @pytest.mark.skipif(SIZE < 2, reason="SIL needs a rank per partition")
