@@ -164,7 +164,7 @@ def test_the_command_line_trains_every_method_on_the_device_as_on_the_cpu(shared
 
     on_device, on_cpu = run(str(DEVICE.type)), run("cpu")
     if RANK == 0:
-        assert on_device["final_test_loss"] == pytest.approx(on_cpu["final_test_loss"], rel=1e-4)
+        assert on_device["final_test_loss"] == pytest.approx(on_cpu["final_test_loss"], rel=1e-3)  # (float16 sums)
 
 
 @pytest.mark.skipif(SIZE > 1 or torch.cuda.is_available(), reason="checks the refusal on one rank without a GPU")
