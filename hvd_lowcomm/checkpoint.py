@@ -222,8 +222,7 @@ def load(path: Path, method: Method) -> dict[str, Any]:
     from mpi4py import MPI
 
     rank = MPI.COMM_WORLD.Get_rank()
-    device = next((p.device for p in method.model.parameters()), torch.device("cpu")) if method.model is not None \
-        else torch.device("cpu")
+    device = runtime.device_of(method.model.parameters() if method.model is not None else ())
     own = torch.load(path / f"rank-{rank:05d}.pt", weights_only=False, map_location=onto(device))
     owner = own["owner"]
     state = own["state"] if owner == rank else \

@@ -238,6 +238,11 @@ def _bind_gpu(local_rank: int, local_size: int) -> None:
                         "ranks share GPUs, for tests)")
 
 
+def device_of(tensors: Any) -> torch.device:
+    """Where the first of `tensors` (a module's parameters, say) lives; the CPU when there is none."""
+    return next((t.device for t in tensors), torch.device("cpu"))
+
+
 def clock(device: torch.device) -> float:
     """time.perf_counter() once the work queued on `device` is done: a GPU runs kernels
     asynchronously, so a phase's time must wait for them to be its own."""

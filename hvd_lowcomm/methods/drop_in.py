@@ -261,7 +261,7 @@ class GradientExchange(torch.optim.Optimizer):
             self._pool()
 
     def _pool(self) -> None:
-        device = next((p.device for _, p in self.named_parameters()), torch.device("cpu"))
+        device = runtime.device_of(p for group in self.param_groups for p in group["params"])
         start = runtime.clock(device)
         if self.group is None or runtime.rank() in self.group:
             self._exchange()

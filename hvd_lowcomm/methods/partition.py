@@ -241,7 +241,7 @@ def _shapes_after_each(modules: list[nn.Module], input_shape: tuple[int, ...]) -
     """Per-sample shape of the output of each module, from one dry run on two random samples in
     eval mode (BatchNorm1d refuses one sample in training mode); modes are restored."""
     modes = {m: m.training for root in modules for m in root.modules()}
-    device = next((p.device for root in modules for p in root.parameters()), torch.device("cpu"))
+    device = runtime.device_of(p for root in modules for p in root.parameters())
     shapes, x = [], example_input(2, input_shape, token_vocabulary(modules[0])).to(device)
     try:
         with torch.no_grad():
@@ -304,7 +304,7 @@ class Layout:
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:
         """Adds the block's wall time to pass_seconds[phase] ('forward' or 'backward')."""
-        device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
+        device = runtime.device_of(self.module.parameters())
         start = runtime.clock(device)
         try:
             yield
@@ -313,7 +313,7 @@ class Layout:
 
     def receive(self, source: int, rows: int, shape: tuple[int, ...], tag: int, name: str) -> torch.Tensor:
         """Activations (or their gradients) from another partition, on this partition's device."""
-        device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
+        device = runtime.device_of(self.module.parameters())
         return meter.recv(torch.empty(rows, *shape, device=device), source, name, tag)
 
     def average_gradients(self) -> None:
