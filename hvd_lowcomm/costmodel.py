@@ -54,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from hvd_lowcomm import task
+from hvd_lowcomm import heldout, task
 from hvd_lowcomm.comm.traffic import wire_bytes
 from hvd_lowcomm.config import Config, ConfigError, apply_presets, default_config, rate_bits
 from hvd_lowcomm.metrics import human_bytes
@@ -709,10 +709,36 @@ def quality_risk(method: str, cfg: Config | None = None) -> str | None:
     return spec.cost.quality(cfg.method_options.get(spec.section), cfg)
 
 
+def measured_quality(method: str, cfg: Config | None = None) -> heldout.Measured | None:
+    """The held-out suite's verdict on `method`, when cfg runs it with the options that were
+    measured (its defaults); None when it was not measured so."""
+    spec = specs()[method]
+    measured = heldout.measured().get(method)
+    if measured is None or spec.options is None:
+        return measured
+    ran = (cfg or default_config()).method_options.get(spec.section)
+    return measured if ran is None or ran == _with_presets(spec, None).method_options.get(spec.section) else None
+
+
+def left_out(method: str, cfg: Config | None = None) -> str | None:
+    """Why `--method auto` does not choose `method` (None: it may). An exact exchange always
+    may; a compression only with an error target, and only where its defaults held on every
+    set of the held-out suite, at the options it was measured with."""
+    risk = quality_risk(method, cfg)
+    if risk is None:
+        return "a fixed rank, or no error feedback: no bound on what it loses"
+    if not risk:
+        return None
+    measured = measured_quality(method, cfg)
+    if measured is None:
+        return "not measured on the held-out suite at these options"
+    return None if measured.held else measured.risk()
+
+
 def quality_keeping_methods(cfg: Config | None = None) -> tuple[str, ...]:
-    """The drop-in methods whose result is ddp's, or held to an error target: what `--method
-    auto` chooses among (a compression without a target would trade quality silently)."""
-    return tuple(m for m in drop_in_methods() if quality_risk(m, cfg) is not None)
+    """The drop-in methods `--method auto` chooses among: exact ones, and compressions to an
+    error target whose defaults held on the held-out suite."""
+    return tuple(m for m in drop_in_methods() if left_out(m, cfg) is None)
 
 
 def break_even(profile: Profile, method: str, ranks: int, network: Link, cfg: Config | None = None,
@@ -762,8 +788,8 @@ def choose(profile: Profile, ranks: int, link: Link, cfg: Config | None = None,
         if runner is not None:
             why += f"; the next best, {runner.method}, {runner.step * 1e3:.1f} ms (a method is chosen over " \
                    f"ddp only when {MIN_GAIN:.0%} faster)"
-    risk = quality_risk(best.method, cfg)
-    why += f". Quality: {risk or 'the same gradient as ddp'}"
+    risk, measured = quality_risk(best.method, cfg), measured_quality(best.method, cfg)
+    why += f". Quality: {risk or 'the same gradient as ddp'}" + (f"; {measured.risk()}" if measured and risk else "")
     return best.method, predictions, why
 
 

@@ -16,8 +16,8 @@ smaller side, never below the cuts' floor (ab.min_rank_share) (both unknown befo
 Prints, and with --out writes (predicted.md, predicted.csv), the compute floor (a step with no
 communication, `--method local`), one table per link (step ms per method and rank count, × ddp),
 the break-even bandwidth of each method (the bandwidth below which it steps faster than ddp) and
-what each may lose against ddp's quality (exact, held to an error target, or unbounded: what
-`--method auto` chooses among).
+what each may lose against ddp's quality: exact, or its error target and its measured result on
+the held-out suite (what `--method auto` chooses among: exact methods and those that held).
 """
 from __future__ import annotations
 
@@ -149,7 +149,8 @@ def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dic
             cells.append("never" if bandwidth == 0 else "always" if math.isinf(bandwidth) else
                          f"{bandwidth * 8 / 1e9:.3g} Gbit/s")
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    lines += ["", "## Quality against ddp (`--method auto` chooses only among the first two kinds)", "",
+    lines += ["", "## Quality against ddp (`--method auto` chooses only exact methods and those whose defaults held on "
+              "the held-out suite)", "",
               "| method | quality |", "|---|---|"]
     lines += [f"| {method} | {_quality(method, cfg)} |" for method in methods]
     lines += ["", "## What `--method auto` would choose (the fastest of those that keep quality; ddp unless "
@@ -188,10 +189,12 @@ def _quality(method: str, cfg: config.Config) -> str:
     """What the method's result may lose against ddp's, as `--method auto` sees it."""
     if method not in costmodel.drop_in_methods():
         return "not a drop-in gradient exchange: your choice, never auto's"
-    risk = costmodel.quality_risk(method, cfg)
-    if risk is None:
-        return "compresses without an error target (a fixed rank): auto leaves it out"
-    return f"bounded: {risk}" if risk else "exact: the same gradient as ddp"
+    risk, why_not = costmodel.quality_risk(method, cfg), costmodel.left_out(method, cfg)
+    if not risk and risk is not None:
+        return "exact: the same gradient as ddp"
+    measured = costmodel.measured_quality(method, cfg)
+    verdict = f"measured: {measured.risk()}" if measured else "not measured on the held-out suite at these options"
+    return f"{risk or 'no error target (a fixed rank)'}; {verdict}" + ("; auto leaves it out" if why_not else "")
 
 
 def _describe_model(cfg: config.Config) -> str:

@@ -117,6 +117,9 @@ def eager_reference(world_size: int, groups: int, steps: int, every: int, outer_
 
 
 def train(steps: int, **options) -> tuple[nn.Sequential, DiLoCo]:
+    """DiLoCo on small_model for `steps` steps; the exchange is fp32 unless `compression` says
+    otherwise, as the references compute it."""
+    options.setdefault("compression", "none")
     model = small_model()
     diloco = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=INNER_LR), **options)
     for step in range(1, steps + 1):

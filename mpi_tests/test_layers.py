@@ -21,7 +21,7 @@ PACKAGE = ROOT / "hvd_lowcomm"
 # run time, so everything that asks for a method by name may sit above it.
 LAYERS = [
     ("registry", ["hvd_lowcomm.registry"]),
-    ("foundation", ["hvd_lowcomm.config", "hvd_lowcomm.metrics", "hvd_lowcomm.schedule", "hvd_lowcomm.task",
+    ("foundation", ["hvd_lowcomm.config", "hvd_lowcomm.metrics", "hvd_lowcomm.schedule", "hvd_lowcomm.task", "hvd_lowcomm.heldout",
                     "hvd_lowcomm.trackers"]),
     ("comm", ["hvd_lowcomm.comm", "hvd_lowcomm.comm.runtime", "hvd_lowcomm.comm.traffic", "hvd_lowcomm.comm.half_wire"]),
     ("data and models", ["hvd_lowcomm.data", "hvd_lowcomm.models", "hvd_lowcomm.models.*"]),

@@ -191,8 +191,11 @@ def test_bad_options_are_rejected(options, message):
 
 
 def test_the_adaptive_rank_is_bounded_where_compression_stops_paying():
-    options = PowerSGDState(min_compression_rate=2.0, max_rank=64).options
+    options = PowerSGDState(min_compression_rate=2.0, max_rank=64, min_rank=1).options
     assert options.adaptive and compresses(100, 100, options) == (True, 1)  # starts at min_rank
+    # the default floor: a matrix is compressed only where rank 16 pays
+    assert compresses(100, 100, PowerSGDState().options) == (True, 16)
+    assert compresses(60, 60, PowerSGDState().options) == (False, 16)
     assert highest_rank(100, 100, options) == 24     # (100+100)*24*2 = 9600 < 10000 <= 200*25*2
     assert highest_rank(1000, 1000, options) == 64   # max_rank
     assert highest_rank(100, 100, PowerSGDState(rank=3).options) == 3  # a fixed rank stays put
@@ -234,7 +237,8 @@ def adaptive_run(world, fresh_meter, grads_of_step, steps, **state):
     """An adaptive-rank PowerSGD on a Linear(48 -> 40) whose gradients are set by hand."""
     layer = torch.nn.Linear(48, 40)
     opt = PowerSGDOptimizer(torch.optim.SGD(layer.parameters(), lr=0.1), layer.named_parameters(),
-                            state=PowerSGDState(**{"start_iter": 0, "adapt_every": 3, "factor_dtype": "float32", **state}))
+                            state=PowerSGDState(**{"start_iter": 0, "adapt_every": 3, "factor_dtype": "float32",
+                                                   "min_rank": 1, **state}))
     history = []
     for step in range(steps):
         layer.weight.grad = grads_of_step(step)(world.comm.Get_rank()).clone()
@@ -302,7 +306,7 @@ def test_training_with_powersgd_compresses_and_learns(shared_tmp):
     if RANK == 0:
         rows = [json.loads(line) for line in (shared_tmp / "runs" / "psgd" / "metrics.jsonl").read_text().splitlines()]
         last = [r for r in rows if r["type"] == "epoch"][-1]
-        assert last["test_acc"] > 0.85 and last["powersgd_compression_rate"] > 5
+        assert last["test_acc"] > 0.85 and last["powersgd_compression_rate"] > 3
         assert np.isfinite(last["train_loss"])
 
 
@@ -322,3 +326,19 @@ def test_step_after_synchronize_does_not_exchange_again(world, fresh_meter):
     (plain, plain_records), (synced, synced_records) = results
     assert synced_records == plain_records > 0
     torch.testing.assert_close(synced, plain, rtol=0, atol=0)
+
+
+
+def test_compression_starts_at_the_rank_and_subspace_of_the_last_plain_mean(world, fresh_meter):
+    # adaptive, one plain step: the mean has rank 2, so compression starts at rank 2 (not
+    # min_rank 1) with Q in the mean's row space, and its first step is already exact
+    layer, mean_weight, _ = layer_with_grads(world, rank2_grads())
+    opt = wrap(layer, start_iter=1, min_rank=1)
+    opt.synchronize()
+    assert opt.powersgd.ranks == {"weight": 2}
+    opt.step()  # applies the plain mean, so that the next synchronize() is a new step
+    layer2, mean_weight2, _ = layer_with_grads(world, rank2_grads())
+    layer.weight.grad, layer.bias.grad = layer2.weight.grad, layer2.bias.grad
+    opt.synchronize()
+    assert opt.powersgd.iter == 2 and opt.powersgd.ranks["weight"] == 2
+    torch.testing.assert_close(layer.weight.grad, mean_weight2, rtol=1e-4, atol=1e-5)

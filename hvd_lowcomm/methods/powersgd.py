@@ -48,7 +48,7 @@ from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
 from hvd_lowcomm.config import Config, ConfigError, make_options, option
 from hvd_lowcomm.costmodel import Link, LayerSample, MethodCost, Prediction, Profile, RunAssumptions, wire
 from hvd_lowcomm.registry import register
-from hvd_lowcomm.methods.adaptive_rank import PROBES, next_rank, probe_residual, probes
+from hvd_lowcomm.methods.adaptive_rank import PROBES, next_rank, probe_residual, probes, smallest_rank_within
 from hvd_lowcomm.methods.drop_in import (GradientExchange, HorovodArguments, NamedParameters, dense_gradient,
                                         horovod_arguments, wrap_optimizer)
 from hvd_lowcomm.methods.ddp import DataParallel
@@ -67,7 +67,12 @@ class PowerSGDOptions:
     # of ddp's loss at np 2 and 2.3-2.6 % at np 4; 15 % lost 1.4 % and 1.8 % at 0.12x ddp's bytes.
     error_target: float = option(0.15, "adaptive rank: the largest share of a compressed matrix's energy (its "
                                        "error-fed mean over ranks) that P Qᵀ may leave out")
-    min_rank: int = option(1, "adaptive rank: the smallest rank (and where every matrix starts)")
+    # A floor, not 1: the energy rule alone let a transformer's matrices fall to ranks 1-3, and
+    # what that dropped cost validation loss that no later rank won back (docs: powersgd,
+    # "Defaults"); a matrix too small to pay at this rank goes uncompressed.
+    min_rank: int = option(16, "adaptive rank: the smallest rank, and where every matrix starts if start_iter is 0 "
+                               "(else at what the last plain mean needs); a matrix is compressed only if this rank "
+                               "pays (see min_compression_rate)")
     max_rank: int = option(64, "adaptive rank: the largest rank (also capped where compression stops paying, "
                                "see min_compression_rate)")
     adapt_every: int = option(10, "steps between measurements of each matrix's missed energy (random probe "
@@ -206,8 +211,12 @@ class _PowerSGDExchange(GradientExchange):
             # tensor under its own scale (as P and Q): on a short run these steps are a large
             # share of PowerSGD's bytes (10 of a 630-step MLP run: nearly half of them).
             summed, _ = self._sum([(f"powersgd.warmup.{n}", g) for n, g in grads.items()], [], size)
-            self._assign(grads, {n: total / size for n, total in zip(grads, summed)})
-            state.iter += all_finite(summed)  # a step a GradScaler skips (inf or NaN) does not count
+            means = {n: total / size for n, total in zip(grads, summed)}
+            self._assign(grads, means)
+            finite = all_finite(summed)  # a step a GradScaler skips (inf or NaN) does not count
+            if finite and state.iter == options.start_iter - 1 and options.adaptive:
+                self._start_from(means)
+            state.iter += finite
             return
 
         matrices, plain, ranks = {}, {}, {}
@@ -306,6 +315,28 @@ class _PowerSGDExchange(GradientExchange):
         # Measure again at once after a change (a doubling may not be enough), else adapt_every on.
         state.next_measurement = state.iter + (1 if changed else options.adapt_every)
         return sorted_qs
+
+    def _start_from(self, means: dict[str, torch.Tensor]) -> None:
+        """Each matrix's first rank and Q from the last plain mean (the same on every rank): its
+        SVD's fewest components within error_target, and their right singular vectors. Growing
+        from min_rank instead leaves the first compressed steps far below the rank they need,
+        and the error fed back from them lasts."""
+        state, options = self.powersgd, self.powersgd.options
+        proposed = {}
+        for name, mean in means.items():
+            n = mean.shape[0] if mean.dim() else 1
+            if not compresses(n, mean.numel() // n, options)[0]:
+                continue
+            matrix = mean.reshape(n, -1)
+            _, sigma, vh = torch.linalg.svd(matrix.float(), full_matrices=False)
+            highest = highest_rank(*matrix.shape, options)
+            energies = sigma.pow(2)
+            wanted = smallest_rank_within(energies, float(energies.sum()), options.error_target)
+            proposed[name] = max(min(options.min_rank, *matrix.shape), min(wanted, highest))
+            state.qs[name] = (vh[:highest].T * sigma[:highest]).to(mean.dtype)
+        if proposed:
+            agreed = meter.allreduce_ints(list(proposed.values()), "powersgd.ranks", self.group, op="max")
+            state.ranks.update(zip(proposed, agreed))
 
     def _start_q(self, name: str, m: int, rank: int, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """The warm-start Q (its first `rank` columns, topped up with random ones after a rank

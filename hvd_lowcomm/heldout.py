@@ -1,0 +1,107 @@
+"""What each method's defaults measured on the held-out suite (benchmarks/heldout.py), as data.
+
+A method's defaults *held* when, on every judged set, they stayed within LOSS_BOUND_PCT of ddp's
+validation loss (language models) or ACC_BOUND_POINTS of its accuracy (classifiers). `--method
+auto` only chooses among methods that held (or are exact), and `plan` prints each method's
+worst judged result beside its predicted time. The figures come from SUMMARY, which the
+benchmark writes from its results (`python -m benchmarks.heldout --package`); nothing here is
+typed by hand.
+"""
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+LOSS_BOUND_PCT = 2.0    # a language model's validation loss, % above ddp's
+ACC_BOUND_POINTS = 1.0  # a classifier's accuracy, points below ddp's
+SUMMARY = Path(__file__).with_name("heldout.csv")
+
+
+def excess(metric: str, value: float) -> float:
+    """How far a result is past its bound, in bounds (<= 0: within it): a loss % above ddp's
+    or accuracy points below it."""
+    return value / LOSS_BOUND_PCT - 1 if metric == "loss_pct" else -value / ACC_BOUND_POINTS - 1
+
+
+def describe(metric: str, value: float) -> str:
+    return f"{value:+.1f} % loss" if metric == "loss_pct" else f"{value:+.1f} points"
+
+
+def read_rows(path: Path) -> list[dict[str, str]]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One method's defaults on the judged sets: whether they held, and the worst result."""
+
+    method: str
+    sets: int
+    held: bool
+    worst_set: str
+    worst: str
+    bytes_vs_ddp: float  # the median over the judged sets
+
+    def risk(self) -> str:
+        verdict = "held" if self.held else "failed"
+        return f"{verdict} on {self.sets} held-out sets (worst: {self.worst} on {self.worst_set})"
+
+
+def summarize(rows: list[dict[str, str]]) -> list[Measured]:
+    """Per method, over the judged rows: held on all, its worst result, its median bytes."""
+    judged: dict[str, list[dict[str, str]]] = {}
+    for row in rows:
+        if row["split"] == "judged" and row["vs_ddp"] not in ("", "nan"):
+            judged.setdefault(row["method"], []).append(row)
+    out = []
+    for method, results in judged.items():
+        worst = max(results, key=lambda r: excess(r["metric"], float(r["vs_ddp"])))
+        ratios = sorted(float(r["bytes_vs_ddp"]) for r in results)
+        out.append(Measured(method, len(results), excess(worst["metric"], float(worst["vs_ddp"])) <= 0,
+                            worst["set"], describe(worst["metric"], float(worst["vs_ddp"])),
+                            ratios[len(ratios) // 2]))
+    return out
+
+
+def write_summary(rows: list[dict[str, str]], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["method", "sets", "held", "worst_set", "worst", "bytes_vs_ddp"])
+        for m in summarize(rows):
+            writer.writerow([m.method, m.sets, int(m.held), m.worst_set, m.worst, f"{m.bytes_vs_ddp:.4g}"])
+
+
+def measured() -> dict[str, Measured]:
+    """The committed summary, by method (empty when the package ships none)."""
+    if not SUMMARY.exists():
+        return {}
+    return {r["method"]: Measured(r["method"], int(r["sets"]), r["held"] == "1", r["worst_set"], r["worst"],
+                                  float(r["bytes_vs_ddp"])) for r in read_rows(SUMMARY)}
+
+
+def markdown(rows: list[dict[str, str]]) -> str:
+    """The method × set table: quality against ddp (and DiLoCo's default against fp32 DiLoCo),
+    bytes as a multiple of ddp's."""
+    sets = list(dict.fromkeys(r["set"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    cell = {(r["method"], r["set"]): r for r in rows}
+    split = {r["set"]: r["split"] for r in rows}
+
+    def text(method: str, name: str) -> str:
+        r = cell.get((method, name))
+        if r is None or r["vs_ddp"] in ("", "nan"):
+            return "–"
+        value = float(r["vs_ddp"])
+        mark = "" if excess(r["metric"], value) <= 0 else " ✗"
+        out = f"{describe(r['metric'], value)}{mark}, {float(r['bytes_vs_ddp']):.3g}×"
+        if r["vs_fp32_diloco"] not in ("", "nan") and not math.isnan(float(r["vs_fp32_diloco"])):
+            out += f" (vs fp32 DiLoCo {float(r['vs_fp32_diloco']):+.1f}, {float(r['bytes_vs_fp32_diloco']):.3g}× bytes)"
+        return out
+
+    lines = ["| method | " + " | ".join(f"{n} ({split[n]})" for n in sets) + " |",
+             "|---|" + "---|" * len(sets)]
+    lines += [f"| {m} | " + " | ".join(text(m, n) for n in sets) + " |" for m in methods if m != "ddp"]
+    return "\n".join(lines)
