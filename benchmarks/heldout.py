@@ -93,9 +93,9 @@ SETS = {s.name: s for s in (
     HeldOutSet("gpt-perl-pod", "judged", "perl-pod", "gpt"),
     HeldOutSet("gpt-gnu-info", "judged", "gnu-info", "gpt"),
     HeldOutSet("gpt6x96-gnu-info", "judged", "gnu-info", "gpt", extra=("--model.layers", "6", "--model.width", "96"),
-               methods=METHODS[:4]),
-    HeldOutSet("hf-gpt2-python-stdlib", "judged", "python-stdlib", HF.format("gpt2"), methods=METHODS[:4]),
-    HeldOutSet("hf-llama-perl-pod", "judged", "perl-pod", HF.format("llama"), methods=METHODS[:4]),
+               methods=METHODS[:3]),
+    HeldOutSet("hf-gpt2-python-stdlib", "judged", "python-stdlib", HF.format("gpt2"), methods=METHODS[:3]),
+    HeldOutSet("hf-llama-perl-pod", "judged", "perl-pod", HF.format("llama"), methods=METHODS[:3]),
     HeldOutSet("mlp-digits", "judged", "digits", "mlp", "256,256", epochs=20),
     HeldOutSet("cnn-animals", "judged", "animals", "cnn", epochs=3),
     HeldOutSet("vit-mnist5k", "judged", "mnist5k", "vit", epochs=5),
@@ -146,7 +146,7 @@ def rows_of(s: HeldOutSet, out: Path) -> list[dict[str, str]]:
             if language:
                 row["vs_fp32_diloco"] = str(100 * (float(r["final_test_loss"]) / float(fp32["final_test_loss"]) - 1))
             else:
-                row["vs_fp32_diloco"] = str(100 * (float(fp32["final_test_acc"]) - float(r["final_test_acc"])))
+                row["vs_fp32_diloco"] = str(100 * (float(r["final_test_acc"]) - float(fp32["final_test_acc"])))
             row["bytes_vs_fp32_diloco"] = str(float(r["bytes_per_step"]) / float(fp32["bytes_per_step"]))
         rows.append(row)
     return rows

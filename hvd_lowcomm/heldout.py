@@ -10,12 +10,12 @@ typed by hand.
 from __future__ import annotations
 
 import csv
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 LOSS_BOUND_PCT = 2.0    # a language model's validation loss, % above ddp's
 ACC_BOUND_POINTS = 1.0  # a classifier's accuracy, points below ddp's
+DILOCO_BYTES = 0.1      # DiLoCo's default exchange, as a share of fp32 DiLoCo's bytes
 SUMMARY = Path(__file__).with_name("heldout.csv")
 
 
@@ -23,6 +23,13 @@ def excess(metric: str, value: float) -> float:
     """How far a result is past its bound, in bounds (<= 0: within it): a loss % above ddp's
     or accuracy points below it."""
     return value / LOSS_BOUND_PCT - 1 if metric == "loss_pct" else -value / ACC_BOUND_POINTS - 1
+
+
+def compressed_diloco_held(metric: str, against_fp32: float, bytes_ratio: float) -> bool:
+    """DiLoCo's compressed default against fp32 DiLoCo: at most DILOCO_BYTES of its bytes,
+    within 1 % of its loss (1 point of its accuracy)."""
+    worse = against_fp32 if metric == "loss_pct" else -against_fp32
+    return bytes_ratio <= DILOCO_BYTES and worse <= 1.0
 
 
 def describe(metric: str, value: float) -> str:
@@ -82,26 +89,30 @@ def measured() -> dict[str, Measured]:
                                   float(r["bytes_vs_ddp"])) for r in read_rows(SUMMARY)}
 
 
-def markdown(rows: list[dict[str, str]]) -> str:
-    """The method × set table: quality against ddp (and DiLoCo's default against fp32 DiLoCo),
-    bytes as a multiple of ddp's."""
-    sets = list(dict.fromkeys(r["set"] for r in rows))
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    cell = {(r["method"], r["set"]): r for r in rows}
-    split = {r["set"]: r["split"] for r in rows}
-
-    def text(method: str, name: str) -> str:
-        r = cell.get((method, name))
-        if r is None or r["vs_ddp"] in ("", "nan"):
-            return "–"
+def cells(rows: list[dict[str, str]]) -> dict[tuple[str, str], str]:
+    """Each (method, set)'s result as text: quality against ddp (✗ past its bound), bytes as a
+    multiple of ddp's, and for DiLoCo's default its quality and bytes against fp32 DiLoCo."""
+    out = {}
+    for r in rows:
+        if r["vs_ddp"] in ("", "nan"):
+            continue
         value = float(r["vs_ddp"])
-        mark = "" if excess(r["metric"], value) <= 0 else " ✗"
-        out = f"{describe(r['metric'], value)}{mark}, {float(r['bytes_vs_ddp']):.3g}×"
-        if r["vs_fp32_diloco"] not in ("", "nan") and not math.isnan(float(r["vs_fp32_diloco"])):
-            out += f" (vs fp32 DiLoCo {float(r['vs_fp32_diloco']):+.1f}, {float(r['bytes_vs_fp32_diloco']):.3g}× bytes)"
-        return out
+        text = f"{describe(r['metric'], value)}{'' if excess(r['metric'], value) <= 0 else ' ✗'}, " \
+               f"{float(r['bytes_vs_ddp']):.3g}× bytes"
+        if r["vs_fp32_diloco"] not in ("", "nan"):
+            against, ratio = float(r["vs_fp32_diloco"]), float(r["bytes_vs_fp32_diloco"])
+            text += f"; vs fp32 DiLoCo {describe(r['metric'], against)}, {ratio:.3g}× bytes" + \
+                ("" if compressed_diloco_held(r["metric"], against, ratio) else " ✗")
+        out[(r["method"], r["set"])] = text
+    return out
 
-    lines = ["| method | " + " | ".join(f"{n} ({split[n]})" for n in sets) + " |",
-             "|---|" + "---|" * len(sets)]
-    lines += [f"| {m} | " + " | ".join(text(m, n) for n in sets) + " |" for m in methods if m != "ddp"]
+
+def markdown(rows: list[dict[str, str]]) -> str:
+    """The method × set table (ddp, the reference, left out) in Markdown."""
+    sets = list(dict.fromkeys(r["set"] for r in rows))
+    split = {r["set"]: r["split"] for r in rows}
+    text = cells(rows)
+    lines = ["| method | " + " | ".join(f"{n} ({split[n]})" for n in sets) + " |", "|---|" + "---|" * len(sets)]
+    lines += [f"| {m} | " + " | ".join(text.get((m, n), "–") for n in sets) + " |"
+              for m in dict.fromkeys(r["method"] for r in rows) if m != "ddp"]
     return "\n".join(lines)
