@@ -164,12 +164,17 @@ def test_adaptive_rank_dad_is_exact_at_a_tight_target_and_keeps_the_fewest_compo
     model = mlp()
     local_grads = copy.deepcopy(model)
     F.cross_entropy(local_grads(x[local]), y[local]).backward()
-    opt, _ = pooled_and_distributed_grads(world, model, x, y, local, mode="rank", error_target=0.5, plan="all")
+    opt, _ = pooled_and_distributed_grads(world, model, x, y, local, mode="rank", error_target=0.5, plan="all",
+                                          min_rank=1)
     for name in ("1", "3", "5"):
         energies = torch.linalg.svdvals(local_grads.get_submodule(name).weight.grad).pow(2)
         missed = 1 - energies.cumsum(0) / energies.sum()
         k = opt.effective_ranks[name][-1]
         assert missed[k - 1] <= 0.5 + 1e-6 and (k == 1 or missed[k - 2] > 0.5), (name, k, missed)
+    # the floor: at least min_rank components where the layer has them, whatever the target
+    opt, _ = pooled_and_distributed_grads(world, mlp(), x, y, local, mode="rank", error_target=0.5, plan="all",
+                                          min_rank=3)
+    assert opt.effective_ranks["1"] == opt.effective_ranks["3"] == [3], opt.effective_ranks
 
 
 @pytest.mark.parametrize("factor_dtype", ["float32", "float16"])
@@ -262,6 +267,7 @@ def test_edad_refuses_models_where_it_would_not_be_exact():
 @pytest.mark.parametrize("options, message", [
     ({"rank": -1}, "rank must be >= 0 \\(0: adaptive\\), got -1"),
     ({"rank": 4, "tol": 0.0}, "rank-dad.tol must be > 0, got 0.0"),
+    ({"mode": "rank", "min_rank": 40}, "rank-dad needs 1 <= min_rank <= max_rank, got 40 and 32"),
     ({"mode": "rank", "error_target": 1.0}, "error_target must be between 0 and 1"),
     ({"mode": "edad", "rank": 4}, "mode 'edad' is exact and takes no rank options"),
     ({"mode": "fast"}, "mode must be one of exact, rank, edad, got 'fast'"),
@@ -292,7 +298,7 @@ def test_training_with_dad_methods_reports_plan_and_layer_bytes(shared_tmp, meth
         if SIZE > 1:
             assert any(k.startswith("layer_payload_bytes/") for k in epochs[-1])
         if method == "rank-dad":
-            assert 1 <= epochs[-1]["effective_rank/1"] <= 8
+            assert 1 <= epochs[-1]["effective_rank/1"] <= 32  # within min_rank (16, where it has them) and max_rank
 
 
 def test_edad_on_a_cnn_is_rejected_before_training(shared_tmp, capsys):

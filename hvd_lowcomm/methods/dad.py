@@ -427,7 +427,7 @@ class FactorRows(_Sharing):
         """Components to compute for layer `name` this step."""
         if not self.adaptive:
             return self.options.rank
-        return min(self.options.max_rank, 2 * self.last_rank.get(name, PLANNED_ADAPTIVE_RANK // 2))
+        return min(self.options.max_rank, max(self.options.min_rank, 2 * self.last_rank.get(name, PLANNED_ADAPTIVE_RANK // 2)))
 
     def from_gradient(self, exchange: _DadExchange, name: str) -> bool:
         """Whether the factors come from the local weight gradient autograd formed (iterating on
@@ -467,7 +467,7 @@ class FactorRows(_Sharing):
             b_rows, c_rows = gradient_power_iteration(gradient, *iterate)
             energy = float(gradient.pow(2).sum())
         if self.adaptive:
-            k = smallest_rank_within(b_rows.pow(2).sum(1), energy, self.options.error_target)
+            k = max(self.options.min_rank, smallest_rank_within(b_rows.pow(2).sum(1), energy, self.options.error_target))
             b_rows, c_rows = b_rows[:k], c_rows[:k]
         wire: tuple[torch.Tensor, torch.Tensor | None] = (torch.cat([b_rows, c_rows], dim=1), None)
         if self.half_rows(exchange.group_size()):
@@ -617,6 +617,9 @@ class RankDadOptions(DadOptions):
     # 0.16x its bytes, 5 % lost 1.3 % at 0.20x (benchmarks/results/adaptive-gpt-shakespeare-np4).
     error_target: float = option(0.05, "adaptive rank: the largest share of a layer's local gradient energy its "
                                        "factors may leave out")
+    # A floor, as PowerSGD's: the energy rule alone kept one or two components of a transformer's
+    # layers, and what they dropped cost loss no later step won back (docs: dad, "Defaults").
+    min_rank: int = option(16, "adaptive rank: the fewest components per layer (where the layer has them)")
     max_rank: int = option(32, "adaptive rank: the most components per layer")
     error_feedback: bool = option(True, "add what a rank's factors left out of its gradient to its next one "
                                         "(factors then come from the gradient autograd forms)")
@@ -635,8 +638,8 @@ class RankDadOptions(DadOptions):
             raise ConfigError(f"rank-dad.rank must be >= 0 (0: adaptive), got {self.rank}")
         if not 0 < self.error_target < 1:
             raise ConfigError(f"rank-dad.error_target must be between 0 and 1, got {self.error_target}")
-        if self.max_rank < 1:
-            raise ConfigError(f"rank-dad.max_rank must be >= 1, got {self.max_rank}")
+        if not 1 <= self.min_rank <= self.max_rank:
+            raise ConfigError(f"rank-dad needs 1 <= min_rank <= max_rank, got {self.min_rank} and {self.max_rank}")
         if self.iterations < 1:
             raise ConfigError(f"rank-dad.iterations must be >= 1, got {self.iterations}")
         if self.tol <= 0:
@@ -651,8 +654,8 @@ PLANNED_ADAPTIVE_RANK = 8
 
 def planned_rank(options: "RankDadOptions") -> int:
     """The k per rank the plan and the cost model assume: the fixed rank, or
-    PLANNED_ADAPTIVE_RANK (at most max_rank) when adaptive."""
-    return options.rank or min(options.max_rank, PLANNED_ADAPTIVE_RANK)
+    PLANNED_ADAPTIVE_RANK (at least min_rank, at most max_rank) when adaptive."""
+    return options.rank or min(options.max_rank, max(options.min_rank, PLANNED_ADAPTIVE_RANK))
 
 
 def DadOptimizer(optimizer: torch.optim.Optimizer, named_parameters: NamedParameters | nn.Module | None = None,
@@ -883,7 +886,7 @@ class DistributedAutoDiff(DataParallel):
 
 @register("rank-dad", options=RankDadOptions,
           cost=MethodCost(predict_rank_dad, lambda *a: {**dad_kernels(*a), **rank_dad_kernels(*a)}, shared_layers,
-                          rank_dad_quality),
+                          rank_dad_quality, judged=True),
           drop_in=True)
 class RankDistributedAutoDiff(DistributedAutoDiff):
     """rank-dAD: each rank shares k <= r power-iteration factors per planned layer."""
