@@ -255,12 +255,16 @@ class MethodCost:
         what its result may lose against ddp's with these options: "" when nothing (the same
         gradient), a sentence when a compression is held to an error target, None when it is
         not (a fixed rank: `--method auto` does not choose it). Not given: None.
+    judged: whether `--method auto` needs the held-out suite's verdict on the method's defaults
+        (hvd_lowcomm.heldout) before choosing it: true for a compression whose loss depends on
+        the model and data (an error target), false for an exact exchange or a rounding.
     """
 
     predict: Callable[..., "Prediction"]
     layer_kernels: Callable[..., dict[str, Any]] | None = None
     model_facts: Callable[..., Any] | None = None
     quality: Callable[..., str | None] | None = None
+    judged: bool = False
 
 
 def wire(op: str, nbytes_per_rank: float, group: int) -> float:
@@ -721,13 +725,13 @@ def measured_quality(method: str, cfg: Config | None = None) -> heldout.Measured
 
 
 def left_out(method: str, cfg: Config | None = None) -> str | None:
-    """Why `--method auto` does not choose `method` (None: it may). An exact exchange always
-    may; a compression only with an error target, and only where its defaults held on every
-    set of the held-out suite, at the options it was measured with."""
+    """Why `--method auto` does not choose `method` (None: it may). An exact exchange or a
+    rounding always may; a compression only with an error target, and only where its defaults
+    held on every judged set of the held-out suite, at the options it was measured with."""
     risk = quality_risk(method, cfg)
     if risk is None:
         return "a fixed rank, or no error feedback: no bound on what it loses"
-    if not risk:
+    if not specs()[method].cost.judged:
         return None
     measured = measured_quality(method, cfg)
     if measured is None:

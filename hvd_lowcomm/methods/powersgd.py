@@ -452,7 +452,8 @@ def powersgd_quality(options: PowerSGDOptions, cfg: Config) -> str | None:
 
 
 @register("powersgd", options=PowerSGDOptions,
-          cost=MethodCost(predict_powersgd, powersgd_kernels, quality=powersgd_quality), drop_in=True)
+          cost=MethodCost(predict_powersgd, powersgd_kernels, quality=powersgd_quality, judged=True),
+          drop_in=True)
 class PowerSGD(DataParallel):
     """Gradients compressed to rank-r factors before they are averaged (PowerSGD)."""
 
