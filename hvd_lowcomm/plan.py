@@ -127,7 +127,8 @@ def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dic
     rows: list[dict[str, Any]] = []
     for name, link in links:
         lines += [f"## {name}", "", f"{link.describe()}", "",
-                  "| method | " + " | ".join(f"{p} ranks: ms (× ddp)" for p in ranks) + " |", "|---|" + "---|" * len(ranks)]
+                  "| method | " + " | ".join(f"{p} ranks: ms (× ddp)" for p in ranks) + " | quality risk (held-out suite) |",
+                  "|---|" + "---|" * (len(ranks) + 1)]
         for method in methods:
             cells = []
             for p in ranks:
@@ -137,8 +138,9 @@ def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dic
                 rows.append({"link": name, "ranks": p, "method": method, "step_ms": q.step * 1e3,
                              "ratio_to_ddp": q.step / ddp.step, "compute_ms": q.compute * 1e3,
                              "method_compute_ms": q.method_compute * 1e3, "network_ms": q.communication * 1e3,
-                             "hidden_ms": q.hidden * 1e3, "bytes_per_rank": q.bytes_per_rank})
-            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+                             "hidden_ms": q.hidden * 1e3, "bytes_per_rank": q.bytes_per_rank,
+                             "quality_risk": _measured_risk(method, cfg)})
+            lines.append(f"| {method} | " + " | ".join(cells) + f" | {_measured_risk(method, cfg)} |")
         lines.append("")
     lines += ["## Break-even bandwidth (below it the method steps faster than ddp)", "",
               f"With the rest of the first link ({links[0][0]}) as it is.", "",
@@ -184,6 +186,17 @@ def _model(cfg: config.Config, info: data.DatasetInfo) -> Any:
             return models.build_model(cfg.model, info.input_shape, info.num_classes, info.task)
     except (RuntimeError, NotImplementedError):  # a factory that reads its weights' values back
         return models.build_model(cfg.model, info.input_shape, info.num_classes, info.task)
+
+
+def _measured_risk(method: str, cfg: config.Config) -> str:
+    """What the held-out suite measured of the method's defaults against ddp: its worst judged
+    result, or exact, or that it was not measured (at these options)."""
+    if method == "ddp" or costmodel.quality_risk(method, cfg) == "":
+        return "exact"
+    measured = costmodel.measured_quality(method, cfg)
+    if measured is None:
+        return "not measured"
+    return f"{'held' if measured.held else 'failed'}: worst {measured.worst} ({measured.sets} sets)"
 
 
 def _quality(method: str, cfg: config.Config) -> str:
