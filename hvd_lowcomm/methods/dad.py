@@ -618,7 +618,7 @@ class RankDadOptions(DadOptions):
     error_target: float = option(0.05, "adaptive rank: the largest share of a layer's local gradient energy its "
                                        "factors may leave out")
     # A floor, as PowerSGD's: the energy rule alone kept one or two components of a transformer's
-    # layers, and what they dropped cost loss no later step won back (docs: dad, "Defaults").
+    # layers, and what they dropped cost loss no later step won back (docs: dad, "How many").
     min_rank: int = option(16, "adaptive rank: the fewest components per layer (where the layer has them)")
     max_rank: int = option(32, "adaptive rank: the most components per layer")
     error_feedback: bool = option(True, "add what a rank's factors left out of its gradient to its next one "

@@ -69,7 +69,7 @@ class PowerSGDOptions:
                                        "error-fed mean over ranks) that P Qᵀ may leave out")
     # A floor, not 1: the energy rule alone let a transformer's matrices fall to ranks 1-3, and
     # what that dropped cost validation loss that no later rank won back (docs: powersgd,
-    # "Defaults"); a matrix too small to pay at this rank goes uncompressed.
+    # "Choosing the defaults"); a matrix too small to pay at this rank goes uncompressed.
     min_rank: int = option(16, "adaptive rank: the smallest rank, and where every matrix starts if start_iter is 0 "
                                "(else at what the last plain mean needs); a matrix is compressed only if this rank "
                                "pays (see min_compression_rate)")
