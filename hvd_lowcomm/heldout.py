@@ -10,6 +10,7 @@ typed by hand.
 from __future__ import annotations
 
 import csv
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,10 +84,16 @@ def write_summary(rows: list[dict[str, str]], path: Path) -> None:
 
 def measured() -> dict[str, Measured]:
     """The committed summary, by method (empty when the package ships none)."""
-    if not SUMMARY.exists():
+    return _summary(SUMMARY)
+
+
+@functools.lru_cache(maxsize=4)
+def _summary(path: Path) -> dict[str, Measured]:
+    """The summary at `path`, read once (auto and plan ask for it per method and link)."""
+    if not path.exists():
         return {}
     return {r["method"]: Measured(r["method"], int(r["sets"]), r["held"] == "1", r["worst_set"], r["worst"],
-                                  float(r["bytes_vs_ddp"])) for r in read_rows(SUMMARY)}
+                                  float(r["bytes_vs_ddp"])) for r in read_rows(path)}
 
 
 def cells(rows: list[dict[str, str]]) -> dict[tuple[str, str], str]:

@@ -130,7 +130,7 @@ def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dic
                   "| method | " + " | ".join(f"{p} ranks: ms (× ddp)" for p in ranks) + " | quality risk (held-out suite) |",
                   "|---|" + "---|" * (len(ranks) + 1)]
         for method in methods:
-            cells = []
+            cells, risk = [], _measured_risk(method, cfg)
             for p in ranks:
                 q = costmodel.predict(profile, method, p, link, cfg, assumptions)
                 ddp = costmodel.predict(profile, "ddp", p, link, cfg, assumptions)
@@ -139,8 +139,8 @@ def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dic
                              "ratio_to_ddp": q.step / ddp.step, "compute_ms": q.compute * 1e3,
                              "method_compute_ms": q.method_compute * 1e3, "network_ms": q.communication * 1e3,
                              "hidden_ms": q.hidden * 1e3, "bytes_per_rank": q.bytes_per_rank,
-                             "quality_risk": _measured_risk(method, cfg)})
-            lines.append(f"| {method} | " + " | ".join(cells) + f" | {_measured_risk(method, cfg)} |")
+                             "quality_risk": risk})
+            lines.append(f"| {method} | " + " | ".join(cells) + f" | {risk} |")
         lines.append("")
     lines += ["## Break-even bandwidth (below it the method steps faster than ddp)", "",
               f"With the rest of the first link ({links[0][0]}) as it is.", "",
