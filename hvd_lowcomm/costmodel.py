@@ -219,8 +219,8 @@ class RunAssumptions:
     # The run's length: schedules given as fractions of the run, and one-off work (AB's full
     # SVDs), spread over it.
     run_steps: int = 10_000
-    # The share of each factorised layer's smaller side that a learned cut keeps (AB-training;
-    # this project's MLPs kept 7-27 of 1024 and 13-14 of 2048: 1-3 %).
+    # The share of each factorised layer's smaller side that a learned cut keeps (AB-training): what
+    # the rank rule alone kept on this project's MLPs (docs: which-method, "Which method for my cluster?").
     rank_share: float = 0.02
 
 
@@ -267,7 +267,7 @@ class MethodCost:
     judged: bool = False
 
 
-def wire(op: str, nbytes_per_rank: float, group: int) -> float:
+def sent_bytes(op: str, nbytes_per_rank: float, group: int) -> float:
     """Bytes one rank puts on the wire for `op` of `nbytes_per_rank` in a group of `group`
     ranks: the traffic meter's rule (an allgather's is counted on the gathered total)."""
     return wire_bytes(op, nbytes_per_rank * group if op == "allgather" else nbytes_per_rank, group)

@@ -87,6 +87,7 @@ def train(cfg: Config, method: Method, info: data.DatasetInfo, model: torch.nn.M
     if rank == 0:
         (run_dir / "PREEMPTED").unlink(missing_ok=True)
 
+    start = time.perf_counter()  # the run's wall clock, which the evaluations below report
     eval_seconds = [0.0]  # evaluation's share of the wall clock, so far
 
     def timed_evaluate(mean_loss: float) -> dict[str, Any]:
@@ -109,7 +110,6 @@ def train(cfg: Config, method: Method, info: data.DatasetInfo, model: torch.nn.M
     if cfg.train.max_steps >= 0:
         total_steps = min(total_steps, cfg.train.max_steps)
     method.set_total_steps(total_steps)
-    start = time.perf_counter()
     for epoch in range(state.epoch, epochs + 1):
         first_batch = state.batch if epoch == state.epoch else 0
         if first_batch == 0:  # a resumed epoch's start-of-epoch state is in the checkpoint
@@ -274,15 +274,16 @@ def summarize(cfg: Config, method: Method, state: TrainState, elapsed: float, pa
     last, step_seconds, wait_seconds = state.record, state.step_seconds, state.wait_seconds
     best_acc, skipped = state.best_acc, state.skipped
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports kB
+    own = {"peak_rss": peak_rss, "train": meter.total("train"),
+           "train_between_nodes": meter.total("train", field="between_nodes_bytes"),
+           "between_nodes": meter.total(None, field="between_nodes_bytes"),
+           "after_setup": meter.total(None) - meter.total("setup"),
+           "between_nodes_after_setup": meter.total(None, field="between_nodes_bytes")
+           - meter.total("setup", field="between_nodes_bytes")}
     with meter.in_phase("control"):
-        per_rank = meter.allgather(torch.tensor([[peak_rss, meter.total("train"),
-                                                  meter.total("train", field="between_nodes_bytes"),
-                                                  meter.total(None, field="between_nodes_bytes"),
-                                                  meter.total(None) - meter.total("setup"),
-                                                  meter.total(None, field="between_nodes_bytes")
-                                                  - meter.total("setup", field="between_nodes_bytes")]],
-                                                dtype=torch.float64), "summary.per_rank")
-    peak_rss_max = int(per_rank[:, 0].max().item())
+        gathered = meter.allgather(torch.tensor([list(own.values())], dtype=torch.float64), "summary.per_rank")
+    per_rank = {name: gathered[:, column] for column, name in enumerate(own)}  # one column per figure
+    peak_rss_max = int(per_rank["peak_rss"].max().item())
     steps = max(meter.step, 1)
     summary = {
         "method": cfg.method, "world_size": runtime.size(), "epochs": method.epochs(), "steps": meter.step,
@@ -292,15 +293,18 @@ def summarize(cfg: Config, method: Method, state: TrainState, elapsed: float, pa
         "data_wait_fraction": wait_seconds / max(wait_seconds + step_seconds, 1e-12),
         "skipped_nonfinite_steps": skipped,
         "train_wire_bytes_per_step": meter.total("train") / steps,
-        "train_wire_bytes_all_ranks": per_rank[:, 1].sum().item(),
+        "train_wire_bytes_all_ranks": per_rank["train"].sum().item(),
         # What the job's network carried: the bytes every rank sent to another node.
-        "nodes": runtime.node_count(), "train_between_nodes_bytes_all_ranks": per_rank[:, 2].sum().item(),
-        "between_nodes_bytes_all_ranks": per_rank[:, 3].sum().item(),  # every phase: what a link counter sees
+        "nodes": runtime.node_count(),
+        "train_between_nodes_bytes_all_ranks": per_rank["train_between_nodes"].sum().item(),
+        # every phase: what a link counter sees
+        "between_nodes_bytes_all_ranks": per_rank["between_nodes"].sum().item(),
         # what links carry once training starts (setup's broadcasts are done): training, evaluation, control
-        "wire_bytes_all_ranks_after_setup": per_rank[:, 4].sum().item(),
-        "between_nodes_bytes_all_ranks_after_setup": per_rank[:, 5].sum().item(),
+        "wire_bytes_all_ranks_after_setup": per_rank["after_setup"].sum().item(),
+        "between_nodes_bytes_all_ranks_after_setup": per_rank["between_nodes_after_setup"].sum().item(),
         "process_sets": [list(ranks) for ranks in runtime.process_sets()],
-        "peak_rss_bytes_max_rank": peak_rss_max, "peak_rss_bytes_per_rank": [int(v) for v in per_rank[:, 0].tolist()],
+        "peak_rss_bytes_max_rank": peak_rss_max,
+        "peak_rss_bytes_per_rank": [int(v) for v in per_rank["peak_rss"].tolist()],
         **meter.summary(),
         # Where a step's time goes on this rank (rank 0): forward and backward passes (methods
         # that use Method.forward_backward), blocked in communication (the meter's timers), and

@@ -58,7 +58,7 @@ def test_quantised_bytes_per_rank_stay_flat_in_the_number_of_groups():
     for kind, per_number in (("int8", 1 + 4 / BLOCK), ("fp16", 2)):
         options = DiLoCoOptions(compression=kind)
         for groups in (2, 4, 8, 16):
-            sent = sum(t.wire(groups) for t in make_exchange(None, options, members=groups).transfers(numbers, [], 0))
+            sent = sum(t.sent_bytes(groups) for t in make_exchange(None, options, members=groups).transfers(numbers, [], 0))
             assert sent == pytest.approx(2 * (groups - 1) / groups * numbers * per_number, rel=1e-3)
             assert sent < 2 * numbers * per_number
 
@@ -110,7 +110,7 @@ def test_a_kept_value_costs_under_a_byte_at_eight_percent():
 @pytest.mark.parametrize("owner_density", [0.0, 0.05])
 def test_sparse_exchange_averages_the_groups_tops_and_loses_nothing(world, fresh_meter, owner_density):
     """Each group sends the top of its accumulator: at 2 groups to every other (allgather); beyond,
-    part j to member j, which sends back the top (owner_density; 0: 3 x density) of the mean
+    part j to member j, which sends back the top (owner_density; 0: three times density) of the mean
     of what it received. What either selection leaves out is sent later, so (error decay 1) everything
     delivered plus what is still pending equals the mean of every pseudo-gradient so far."""
     density, by_owner = 0.02, SIZE > 2
@@ -173,7 +173,7 @@ def test_sparse_bytes_per_rank_stay_flat_in_the_number_of_groups():
     for groups in (2, 3, 4, 8, 16):
         transfers = make_exchange(None, options, members=groups).transfers(numbers, [], 0)
         assert [t.op for t in transfers] == (["allgather"] if groups == 2 else ["alltoall", "allgather"])
-        sent = sum(t.wire(groups) for t in transfers)
+        sent = sum(t.sent_bytes(groups) for t in transfers)
         expected = one if groups == 2 else (groups - 1) / groups * (one + owners)
         assert sent == pytest.approx(expected, rel=1e-2)
         assert sent < one + owners
@@ -266,7 +266,7 @@ def test_lowrank_ranks_from_the_byte_budget_spend_it_evenly(share):
         for members, ranks_per_group in ((2, 1), (4, 1), (8, 1), (4, 2), (2, 4)):
             size = -(-numbers // ranks_per_group)
             for start in range(0, numbers, size):
-                sent, fp32 = (sum(t.wire(members) for t in make_exchange(None, options, members=members).transfers(
+                sent, fp32 = (sum(t.sent_bytes(members) for t in make_exchange(None, options, members=members).transfers(
                     size, shapes, start)) for options in (DiLoCoOptions(compression="lowrank", factor_share=share),
                                                           DiLoCoOptions(compression="none")))
                 assert 0.8 * share <= sent / fp32 <= share

@@ -145,8 +145,8 @@ def compute_threads(local_ranks: int, cores_allowed: int, cores_on_node: int) ->
     share of the node when it shares them with the node's other ranks. torch's default, a
     thread per core in every process, puts local_ranks x cores threads on the node's cores when
     mpirun does not bind ranks (it does not once they outnumber cores): the threads then wait
-    for one another's time slices, which made the no-communication step 2.2x slower with 4
-    ranks on 2 cores. A rank bound to its own cores (srun --cpus-per-task, mpirun --map-by
+    for one another's time slices, which slows even a step without communication several
+    times over. A rank bound to its own cores (srun --cpus-per-task, mpirun --map-by
     slot:PE=n) sees just those, and uses them all. Like torchrun, which sets one thread."""
     return max(1, min(cores_allowed, cores_on_node // max(local_ranks, 1)))
 

@@ -56,7 +56,7 @@ from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
 from hvd_lowcomm.config import Config, ConfigError, make_options, option
 from hvd_lowcomm.costmodel import (Link, LayerSample, MethodCost, Prediction, Profile, RunAssumptions, median_seconds,
-                                   wire)
+                                   sent_bytes)
 from hvd_lowcomm.registry import register
 from hvd_lowcomm.methods.base import broadcast_model_and_optimizer, exchange_gradients
 from hvd_lowcomm.methods.grouped import (GroupedOptions, GroupTrainerMethod, group_traffic, outer_optimizer,
@@ -81,8 +81,8 @@ class ABOptions(GroupedOptions):
 
     section: ClassVar[str] = "ab"
 
-    # Schedule lengths: steps, or below 1 a fraction of the run's steps (so the defaults fit a
-    # run of any length: the reference syncs about every 5 % of its run).
+    # Schedule lengths: steps, or below 1 a fraction of the run's steps, so the defaults fit a
+    # run of any length (sync_every: the reference syncs about every twentieth of its run).
     warmup: float = option(0.1, "full-rank data-parallel steps before the first factorisation (< 1: fraction "
                                 "of the run's steps)")
     sync_every: float = option(0.05, "group-phase steps between global syncs (< 1: fraction of the run)")
@@ -96,17 +96,12 @@ class ABOptions(GroupedOptions):
                                            "(of its weight for convolutions without unfolded inputs)")
     max_accuracy_drop: float = option(0.03, "undo a cut (keep more rank) that lowers the step's pooled batch "
                                              "accuracy by more than this")
-    # The cuts' ranks are a ceiling: W = A B keeps rank r through the sync, and the short
-    # full-rank phases add few directions, so a layer cut to rank 4 of 128 cannot learn more.
-    # On a 4-layer GPT the rule's cuts (ranks 2-15 of 128, each raising the batch loss < 0.5 %)
-    # ended 4.4 % above AB without cuts. A floor of a quarter of the smaller side still
-    # compresses a square layer 2x and a 4x-wide one 3.2x.
-    # Sharing the floor's parameters across layers by output energy instead (tried: ranks 5-86
-    # instead of 32 everywhere on that GPT) ended 0.16 % lower at the same compression: the
-    # total rank costs, not how it is spread.
+    # A cut's rank is a ceiling (W = A B keeps it through syncs, full-rank phases add few directions),
+    # so a floor keeps room for what the layer learns later, one share for every layer: the total rank
+    # costs, not how it is spread (docs: transformers, "At the adaptive defaults").
     min_rank_share: float = option(0.25, "a cut keeps at least this share of a layer's smaller side")
-    # Accuracy alone let transformers' cuts through: next-token accuracy moved < 1 point at each
-    # cut of a 4-layer GPT while its loss rose, and the run ended 4.4 % above AB without cuts.
+    # Beside the accuracy guard: a language model's cut shows in its loss, while its next-token
+    # accuracy barely moves (docs: ab, "Rank").
     max_loss_rise: float = option(0.01, "undo a cut (keep more rank) that raises the step's pooled batch loss by "
                                         "more than this share")
     sync_mode: str = option("with-stale", "how factors are combined at a sync", choices=SYNC_MODES)
@@ -116,19 +111,13 @@ class ABOptions(GroupedOptions):
                                   "(the reference's init)", choices=INITS)
     full_rank: list[str] = option(["first", "last"], "layers never factorised (names, or first/last)")
     first_full_rank: bool = option(True, "keep every singular value at the first factorisation")
-    # A layer goes on learning directions long after warm-up: on a 4-layer GPT (600 steps,
-    # cosine LR) the singular values above the initialisation's bulk kept growing in number
-    # until 55-70 % of the run. What is cut away cannot be learned any more, so the cut's cost
-    # follows the share of the run trained after it: the first cut at 16 % of the run (the
-    # first re-factorisation) ended 2.2 % above AB without cuts, at 30 % 1.5 %, at half the
-    # run 0.98 % (seed 1: 0.98 %), each at the same 2.26x compression at the end and within
-    # 4 % of the inter-group bytes (benchmarks/results/ab-first-cut-gpt-shakespeare).
+    # What a cut removes cannot be learned any more, and a layer goes on learning directions long
+    # after warm-up, so the first cut waits until they have mostly settled (docs: ab, "Schedule").
     first_cut: float = option(0.5, "re-factorisations before this step keep every singular value; the "
                                    "first one from it on cuts (< 1: fraction of the run's steps; 0: every "
                                    "re-factorisation cuts)")
-    # Off by default: measured on MNIST-5k (CNN 32,64,64, 15 epochs, np 4) a rebound over 2 % of
-    # the run cost 1.0 point against none (95.5 vs 96.5 %), 0.5 % of the run 0.5 points; cycles
-    # here are tens of steps, and a third of each spent at a reduced rate is lost learning.
+    # Off by default: cycles here are tens of steps, and a third of each spent at a reduced rate is
+    # lost learning (docs: ab, "Schedule").
     rebound_steps: float = option(0.0, "steps to ramp the LR back after a switch (0: no rebound; < 1: "
                                        "fraction of the run; the reference uses about a third of a cycle)")
     rebound_lr: float = option(1e-5, "LR right after a switch")
@@ -723,7 +712,7 @@ def _svd_seconds(rows: int, cols: int, largest: int = 1024) -> float:
     return seconds * (rows * cols * cols) / (small[0] * small[1] * small[1])
 
 
-def predict_ab(profile: Profile, p: int, link: Link, o: ABOptions, cfg: Config,
+def predict_ab(profile: Profile, world_size: int, link: Link, o: ABOptions, cfg: Config,
                assumptions: RunAssumptions) -> Prediction:
     """AB-training's mean step over a run of assumptions.run_steps steps (its default layers:
     every weight layer but the first and last is factorised). Warm-up and full-rank steps are
@@ -737,9 +726,9 @@ def predict_ab(profile: Profile, p: int, link: Link, o: ABOptions, cfg: Config,
     factorised = profile.layers[1:-1]
     if not factorised:
         raise ConfigError("ab: the model needs a weight layer besides the first and the last to factorise")
-    groups = runtime.groups_for(o.groups, p, link.ranks_per_node)
-    if p % groups or groups < 2:
-        raise ConfigError(f"ab: {p} ranks do not split into {groups} groups")
+    groups = runtime.groups_for(o.groups, world_size, link.ranks_per_node)
+    if world_size % groups or groups < 2:
+        raise ConfigError(f"ab: {world_size} ranks do not split into {groups} groups")
     runs = max(assumptions.run_steps, 1)
     schedule = Schedule(o, runs)
     # Walk the schedule: per step its phase and whether the factors are cut yet; count the
@@ -772,26 +761,26 @@ def predict_ab(profile: Profile, p: int, link: Link, o: ABOptions, cfg: Config,
         return (sum(max(layer.fan_in, layer.fan_out) * r for layer, r in zip(factorised, ranks)),
                 sum(min(layer.fan_in, layer.fan_out) * r for layer, r in zip(factorised, ranks)))
 
-    g = p // groups
+    g = world_size // groups
     # A group averages its trained factor (the larger one sets the pace).
     in_group = [FLOAT_BYTES * (max(factors(cut)) + dense) for cut in (False, True)]
     at_sync = [FLOAT_BYTES * (sum(factors(cut)) + dense) for cut in (False, True)]
     ddp_bytes = FLOAT_BYTES * profile.params  # a warm-up or full-rank step: ddp's allreduce
-    ddp_comm = link.allreduce(ddp_bytes, p, p)
+    ddp_comm = link.allreduce(ddp_bytes, world_size, world_size)
     # Re-factorisations after the first cut take the leading triplets; each checks its cut with
     # two forward passes.
     own = (leading_svds * sum(layer.kernels["ab_leading"] for layer in factorised)
            + full_svds * sum(layer.kernels["ab_svd"] for layer in factorised) + cycles * 2 * profile.forward_seconds) / runs
     group_steps = (uncut_group_steps, cut_group_steps)
-    comm = (sum(n * link.allreduce(in_group[c], g, p) for c, n in enumerate(group_steps)) + full_steps * ddp_comm
-            + sum(n * link.allreduce(at_sync[c], p, p) for c, n in enumerate(syncs))) / runs
-    in_groups = sum(n * wire("allreduce", in_group[c], g) for c, n in enumerate(group_steps))
-    on_world = (full_steps * wire("allreduce", ddp_bytes, p)
-                + sum(n * wire("allreduce", at_sync[c], p) for c, n in enumerate(syncs)))
+    comm = (sum(n * link.allreduce(in_group[c], g, world_size) for c, n in enumerate(group_steps)) + full_steps * ddp_comm
+            + sum(n * link.allreduce(at_sync[c], world_size, world_size) for c, n in enumerate(syncs))) / runs
+    in_groups = sum(n * sent_bytes("allreduce", in_group[c], g) for c, n in enumerate(group_steps))
+    on_world = (full_steps * sent_bytes("allreduce", ddp_bytes, world_size)
+                + sum(n * sent_bytes("allreduce", at_sync[c], world_size) for c, n in enumerate(syncs)))
     sent = (in_groups + on_world) / runs
-    between_nodes = (in_groups * link.node_share(g) + on_world * link.node_share(p)) / runs
+    between_nodes = (in_groups * link.node_share(g) + on_world * link.node_share(world_size)) / runs
     hidden = full_steps * min(ddp_comm, link.overlap * profile.backward_seconds) / runs  # ddp's overlap in its steps
-    return Prediction("ab", p, profile.step_seconds, own, comm, hidden, sent, between_nodes)
+    return Prediction("ab", world_size, profile.step_seconds, own, comm, hidden, sent, between_nodes)
 
 
 # The paper trains with AdamW and weight decay 0.1: decay shrinks the directions the gradient

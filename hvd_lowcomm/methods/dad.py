@@ -41,7 +41,7 @@ from hvd_lowcomm.comm.half_wire import from_half_rows, to_half_rows
 from hvd_lowcomm.comm.runtime import Group
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter, wire_bytes
 from hvd_lowcomm.config import Config, ConfigError, make_options, option
-from hvd_lowcomm.costmodel import Link, LayerSample, MethodCost, Prediction, Profile, RunAssumptions, wire
+from hvd_lowcomm.costmodel import Link, LayerSample, MethodCost, Prediction, Profile, RunAssumptions, sent_bytes
 from hvd_lowcomm.metrics import human_bytes
 from hvd_lowcomm.registry import register
 from hvd_lowcomm.methods.drop_in import (GradientExchange, HorovodArguments, NamedParameters, dense_gradient,
@@ -308,13 +308,13 @@ class _DadExchange(GradientExchange):
         return self._layers[name]
 
     def _make_plan(self, rows: dict[str, tuple[torch.Tensor, torch.Tensor]], local_batch: int,
-                   total_batch: int, p: int) -> None:
+                   total_batch: int, world_size: int) -> None:
         for name, (acts, _) in rows.items():
             module = self._layers[name]
             positions = acts.shape[0] // local_batch
-            shared_rows, extra = self.sharing.planned_rows(module, positions, total_batch, p)
-            self.plan[name] = plan_layer(name, module, shared_rows, p, extra, force=self._force_all,
-                                         half_rows=self.sharing.half_rows(p))
+            shared_rows, extra = self.sharing.planned_rows(module, positions, total_batch, world_size)
+            self.plan[name] = plan_layer(name, module, shared_rows, world_size, extra, force=self._force_all,
+                                         half_rows=self.sharing.half_rows(world_size))
             if not module.weight.requires_grad:  # frozen by the user: no gradient to form for it
                 self.frozen.add(name)
                 if not self.sharing.shares_every_layer:  # (edAD still needs its rows for the deltas below)
@@ -353,14 +353,14 @@ class _Sharing:
     shares_every_layer = False  # share every supported layer whatever the plan's cost rule says
     carries_bias = True         # the shared rows give the bias gradient too
 
-    def planned_rows(self, module: nn.Module, positions: int, total_batch: int, p: int) -> tuple[int, int]:
+    def planned_rows(self, module: nn.Module, positions: int, total_batch: int, world_size: int) -> tuple[int, int]:
         """Rows all ranks share per step for this layer, and numbers still allreduced beside them."""
         return positions * total_batch, 0
 
     def needs_rows(self, exchange: _DadExchange, name: str) -> bool:
         return True
 
-    def half_rows(self, p: int) -> bool:
+    def half_rows(self, world_size: int) -> bool:
         """Whether the shared rows travel as float16 among `p` ranks."""
         return False
 
@@ -420,8 +420,8 @@ class FactorRows(_Sharing):
         self.errors: dict[str, torch.Tensor] = {}  # error feedback: what the factors left out
         self.errors_before: dict[str, torch.Tensor] = {}  # the errors before this step's exchange
 
-    def planned_rows(self, module: nn.Module, positions: int, total_batch: int, p: int) -> tuple[int, int]:
-        return p * planned_rank(self.options), module.bias.numel() if module.bias is not None else 0
+    def planned_rows(self, module: nn.Module, positions: int, total_batch: int, world_size: int) -> tuple[int, int]:
+        return world_size * planned_rank(self.options), module.bias.numel() if module.bias is not None else 0
 
     def iterated_rank(self, name: str) -> int:
         """Components to compute for layer `name` this step."""
@@ -441,8 +441,8 @@ class FactorRows(_Sharing):
     def needs_rows(self, exchange: _DadExchange, name: str) -> bool:
         return not self.from_gradient(exchange, name)
 
-    def half_rows(self, p: int) -> bool:
-        return self.options.factor_dtype == "float16" and p > 1
+    def half_rows(self, world_size: int) -> bool:
+        return self.options.factor_dtype == "float16" and world_size > 1
 
     def keeps_weight_gradient(self, exchange: _DadExchange, name: str) -> bool:
         return self.error_feedback or self.from_gradient(exchange, name)
@@ -469,17 +469,17 @@ class FactorRows(_Sharing):
         if self.adaptive:
             k = max(self.options.min_rank, smallest_rank_within(b_rows.pow(2).sum(1), energy, self.options.error_target))
             b_rows, c_rows = b_rows[:k], c_rows[:k]
-        wire: tuple[torch.Tensor, torch.Tensor | None] = (torch.cat([b_rows, c_rows], dim=1), None)
+        packed: tuple[torch.Tensor, torch.Tensor | None] = (torch.cat([b_rows, c_rows], dim=1), None)
         if self.half_rows(exchange.group_size()):
             # b (σ b: the gradient's scale) and c (unit length) each with their own power of two;
             # decoded here as every rank will, so that the error below includes the rounding
             (b_half, b_scales), (c_half, c_scales) = to_half_rows(b_rows), to_half_rows(c_rows)
-            wire = torch.cat([b_half, c_half], dim=1), torch.cat([b_scales, c_scales], dim=1)
+            packed = torch.cat([b_half, c_half], dim=1), torch.cat([b_scales, c_scales], dim=1)
             b_rows, c_rows = from_half_rows(b_half, b_scales), from_half_rows(c_half, c_scales)
         if self.error_feedback and name not in rows and bool(torch.isfinite(gradient).all()):
             self.errors[name] = (gradient - b_rows.T @ c_rows) / scale
         self.last_rank[name] = max(1, b_rows.shape[0])
-        return wire
+        return packed
 
     def non_finite_row(self, exchange: _DadExchange, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One NaN row in place of a non-finite local gradient's factors (which an SVD refuses):
@@ -606,15 +606,11 @@ class DadOptions:
 class RankDadOptions(DadOptions):
     """rank-dAD: share the top singular triplets of each layer's local gradient as factor rows."""
 
-    # A fixed rank is right for few layers: the 4-layer GPT lost 9.1 % of its loss at 8 and
-    # 1.2 % at 32, where MLPs kept DDP's accuracy at 4. Dropping what the factors miss is what
-    # cost it: with error feedback rank 8 came within 1.3 % (600 steps, np 2), and an energy
-    # target without it collapsed to one component per layer (half a transformer's local
-    # gradient energy is in its first) and lost 50 %.
+    # Adaptive by default: no one rank suits every layer and model; what holds quality is feeding
+    # back what the factors miss (docs: dad, "Error feedback"; docs: transformers, "Measured").
     rank: int = option(0, "components per layer; 0: adaptive, each layer keeps the fewest that leave out at "
                           "most error_target of its local gradient's energy, at most max_rank")
-    # Measured on the GPT at np 4 (300 steps, float16 rows): 10 % lost 4.2 % of ddp's loss at
-    # 0.16x its bytes, 5 % lost 1.3 % at 0.20x (benchmarks/results/adaptive-gpt-shakespeare-np4).
+    # A tight target, paid for by the float16 rows' halved bytes (docs: dad, "Float16 rows").
     error_target: float = option(0.05, "adaptive rank: the largest share of a layer's local gradient energy its "
                                        "factors may leave out")
     # A floor, as PowerSGD's: the energy rule alone kept one or two components of a transformer's
@@ -764,13 +760,13 @@ def _factors_from_gradient(rows: int, fan_in: int, fan_out: int, options: "RankD
         cheapest_way(rows, fan_in, fan_out, planned_rank(options), options.iterations) == "gradient"
 
 
-def _predict_sharing(profile: Profile, p: int, link: Link, rank: "RankDadOptions | None") -> Prediction:
+def _predict_sharing(profile: Profile, world_size: int, link: Link, rank: "RankDadOptions | None") -> Prediction:
     """dAD (rank None) or rank-dAD: per layer the same choice as the plan 'auto' (share rows, or
     factors, where that sends fewer numbers than allreducing the gradient), then one allgather
     and one allreduce. Autograd skips the local weight gradient of layers whose gradient is
     formed from rows: the product of one rank's rows, taken off the measured backward pass.
     rank-dAD's float16 rows are 2 bytes a number and 8 a row for its two scales."""
-    half = rank is not None and FactorRows(rank).half_rows(p)
+    half = rank is not None and FactorRows(rank).half_rows(world_size)
     gathered = reduced = 0
     own = skipped = 0.0
     shareable = profile.facts.get("dad" if rank is None else "rank-dad", set())
@@ -779,37 +775,37 @@ def _predict_sharing(profile: Profile, p: int, link: Link, rank: "RankDadOptions
         planned = local_rows if rank is None else planned_rank(rank)  # the plan's rows per rank
         width = local_rows if rank is None else min(planned, local_rows, layer.fan_in, layer.fan_out)
         extra = 0 if rank is None else layer.fan_out  # rank-dAD allreduces the bias
-        if layer.name in shareable and sharing_is_cheaper(p * planned, layer.fan_in, layer.fan_out, layer.params,
+        if layer.name in shareable and sharing_is_cheaper(world_size * planned, layer.fan_in, layer.fan_out, layer.params,
                                                           extra, half):
             gathered += width * shared_row_bytes(layer.fan_in, layer.fan_out, half)
             reduced += extra
             from_gradient = rank is not None and _factors_from_gradient(local_rows, layer.fan_in, layer.fan_out, rank)
             if rank is None:
-                own += layer.kernels["rows"] + p * layer.kernels["dad_product"]
+                own += layer.kernels["rows"] + world_size * layer.kernels["dad_product"]
             else:
-                own += (0.0 if from_gradient else layer.kernels["rows"]) + p * layer.kernels["rank_product"]
+                own += (0.0 if from_gradient else layer.kernels["rows"]) + world_size * layer.kernels["rank_product"]
                 own += layer.kernels["rank_factors"]
             if not from_gradient:
                 skipped += layer.kernels["dad_product"]
         else:
             reduced += layer.params
     reduced += profile.other_params - profile.tied_params + 1  # (a tied weight once) + the pooled batch size
-    comm = link.allgather(gathered, p, p) + link.allreduce(FLOAT_BYTES * reduced, p, p)
-    sent = wire("allgather", gathered, p) + wire("allreduce", FLOAT_BYTES * reduced, p)
-    return Prediction("", p, profile.step_seconds, own - skipped, comm, 0.0, sent, sent * link.node_share(p))
+    comm = link.allgather(gathered, world_size, world_size) + link.allreduce(FLOAT_BYTES * reduced, world_size, world_size)
+    sent = sent_bytes("allgather", gathered, world_size) + sent_bytes("allreduce", FLOAT_BYTES * reduced, world_size)
+    return Prediction("", world_size, profile.step_seconds, own - skipped, comm, 0.0, sent, sent * link.node_share(world_size))
 
 
-def predict_dad(profile: Profile, p: int, link: Link, options: "DadOptions", cfg: Config,
+def predict_dad(profile: Profile, world_size: int, link: Link, options: "DadOptions", cfg: Config,
                 assumptions: RunAssumptions) -> Prediction:
-    return _predict_sharing(profile, p, link, None)
+    return _predict_sharing(profile, world_size, link, None)
 
 
-def predict_rank_dad(profile: Profile, p: int, link: Link, options: "RankDadOptions", cfg: Config,
+def predict_rank_dad(profile: Profile, world_size: int, link: Link, options: "RankDadOptions", cfg: Config,
                      assumptions: RunAssumptions) -> Prediction:
-    return _predict_sharing(profile, p, link, options)
+    return _predict_sharing(profile, world_size, link, options)
 
 
-def predict_edad(profile: Profile, p: int, link: Link, options: None, cfg: Config,
+def predict_edad(profile: Profile, world_size: int, link: Link, options: None, cfg: Config,
                  assumptions: RunAssumptions) -> Prediction:
     """edAD: every layer's activation rows and the output layer's delta rows, one allgather (and
     the pooled batch size); each rank forms every layer's product of the pooled rows and
@@ -819,10 +815,10 @@ def predict_edad(profile: Profile, p: int, link: Link, options: None, cfg: Confi
         raise ConfigError("edad: exact only for MLPs of Linear layers")
     gathered = sum(profile.batch * layer.rows * layer.fan_in for layer in profile.layers)
     gathered += profile.batch * profile.layers[-1].rows * profile.layers[-1].fan_out
-    own = sum(layer.kernels["rows"] + (2 * p - 1) * layer.kernels["dad_product"] for layer in profile.layers)
-    comm = link.allgather(FLOAT_BYTES * gathered, p, p) + link.allreduce(FLOAT_BYTES, p, p)
-    sent = wire("allgather", FLOAT_BYTES * gathered, p) + wire("allreduce", FLOAT_BYTES, p)
-    return Prediction("", p, profile.step_seconds, own, comm, 0.0, sent, sent * link.node_share(p))
+    own = sum(layer.kernels["rows"] + (2 * world_size - 1) * layer.kernels["dad_product"] for layer in profile.layers)
+    comm = link.allgather(FLOAT_BYTES * gathered, world_size, world_size) + link.allreduce(FLOAT_BYTES, world_size, world_size)
+    sent = sent_bytes("allgather", FLOAT_BYTES * gathered, world_size) + sent_bytes("allreduce", FLOAT_BYTES, world_size)
+    return Prediction("", world_size, profile.step_seconds, own, comm, 0.0, sent, sent * link.node_share(world_size))
 
 
 def edad_layers(model: nn.Module, input_shape: tuple[int, ...], options: Any, cfg: Config) -> set[str]:
@@ -835,8 +831,8 @@ def edad_layers(model: nn.Module, input_shape: tuple[int, ...], options: Any, cf
 
 def rank_dad_quality(options: RankDadOptions, cfg: Config) -> str | None:
     """Held to its error target when adaptive with error feedback; a fixed rank has no target,
-    and without error feedback the target alone lost 50 % of a small GPT's loss (one component
-    per layer holds half of a transformer's local gradient energy)."""
+    and without error feedback the target alone keeps too few components (one per layer holds
+    half of a transformer's local gradient energy; docs: dad, "Error feedback")."""
     if options.rank or not options.error_feedback:
         return None
     return (f"low-rank local gradients, each layer's rank adapted so that it leaves out at most "

@@ -13,7 +13,7 @@ import torch
 from hvd_lowcomm.comm.runtime import Group
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
 from hvd_lowcomm.config import Config
-from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, RunAssumptions, wire
+from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, RunAssumptions, sent_bytes
 from hvd_lowcomm.registry import register, register_variant
 from hvd_lowcomm.methods.base import Method, broadcast_model_and_optimizer, make_optimizer
 from hvd_lowcomm.methods.drop_in import (GradientExchange, HorovodArguments, NamedParameters, dense_gradient,
@@ -113,22 +113,22 @@ class _AllreduceExchange(GradientExchange):
         self._pending.clear()
 
 
-def predict_ddp(profile: Profile, p: int, link: Link, options: None, cfg: Config,
+def predict_ddp(profile: Profile, world_size: int, link: Link, options: None, cfg: Config,
                 assumptions: RunAssumptions) -> Prediction:
     """Every gradient allreduced over all ranks (in fp16 with comm.compression fp16), overlapping
     the backward pass: Horovod starts each allreduce as its gradient appears."""
     fp16 = cfg.comm.compression == "fp16"
     nbytes = profile.params * (2 if fp16 else FLOAT_BYTES)
-    comm = link.allreduce(nbytes, p, p)
-    sent = wire("allreduce", nbytes, p)
-    return Prediction("ddp", p, profile.step_seconds, profile.fp16_seconds if fp16 else 0.0, comm,
-                      min(comm, link.overlap * profile.backward_seconds), sent, sent * link.node_share(p))
+    comm = link.allreduce(nbytes, world_size, world_size)
+    sent = sent_bytes("allreduce", nbytes, world_size)
+    return Prediction("ddp", world_size, profile.step_seconds, profile.fp16_seconds if fp16 else 0.0, comm,
+                      min(comm, link.overlap * profile.backward_seconds), sent, sent * link.node_share(world_size))
 
 
-def predict_local(profile: Profile, p: int, link: Link, options: None, cfg: Config,
+def predict_local(profile: Profile, world_size: int, link: Link, options: None, cfg: Config,
                   assumptions: RunAssumptions) -> Prediction:
     """Nothing exchanged: the step is the compute alone."""
-    return Prediction("local", p, profile.step_seconds, 0.0, 0.0, 0.0, 0.0)
+    return Prediction("local", world_size, profile.step_seconds, 0.0, 0.0, 0.0, 0.0)
 
 
 def ddp_quality(options: None, cfg: Config) -> str:

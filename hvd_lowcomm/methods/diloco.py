@@ -63,7 +63,7 @@ import torch.nn as nn
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
 from hvd_lowcomm.config import Config, ConfigError, make_options, option
-from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, RunAssumptions, wire
+from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, RunAssumptions, sent_bytes
 from hvd_lowcomm.registry import register
 from hvd_lowcomm.methods.outer_exchange import COMPRESSIONS, Transfer, make_exchange
 from hvd_lowcomm.methods.base import broadcast_model_and_optimizer, exchange_gradients
@@ -78,8 +78,8 @@ class DiLoCoOptions(GroupedOptions):
 
     section: ClassVar[str] = "diloco"
 
-    # A fraction, like AB-training's schedule, so the default fits a run of any length: 5 % of
-    # a 10,000-step run is the paper's H = 500.
+    # A fraction, like AB-training's schedule, so the default fits a run of any length: a twentieth
+    # of a 10,000-step run is the paper's H = 500.
     sync_every: float = option(0.05, "inner steps between outer steps, H (< 1: fraction of the run's steps)")
     # A pseudo-gradient's error-fed top-k carries what matters of it; the held-out suite compares
     # it with fp32 (docs: benchmarks, "Held-out defaults").
@@ -88,48 +88,31 @@ class DiLoCoOptions(GroupedOptions):
                                         "on the held-out suite), lowrank (PowerSGD factors of each matrix in 4 bits, "
                                         "error feedback), int8 (per-block scaling, error feedback), fp16 or none (fp32)",
                               choices=COMPRESSIONS)
-    # 0.12, not SparseLoCo's 0.01-0.03: at 50-60 outer steps on small models 0.02 lost 1.8-2.5 points
-    # and 3.3 % of a GPT's loss against fp32 DiLoCo. With positions by Elias-Fano (about half the
-    # bytes of 12-bit offsets), 0.12 with the owner at 3x sends 1/37 of fp32's bytes at 2 groups and
-    # 1/22.7-1/22.6 beyond, where 0.08 with 12-bit offsets sent 1/28 and 1/22-1/20.6, and came closer:
-    # GPT +0.43/+0.25/+1.31 % at 2/4/8 groups (was +0.8/+1.0/+2.0), MNIST-5k -0.5/-0.9/-0.5 points
-    # (was -0.6/-0.9/-0.7; benchmarks/results/diloco-sparse-ef-*); with keep_unsent since, GPT
-    # +0.22/-0.51/+0.78 %, MNIST-5k +0.1/-0.3/+0.3. The papers' 1-3 % had far more outer steps.
+    # Denser than SparseLoCo's: its densities lost quality over the tens of outer steps of runs here (the
+    # papers ran far more), and Elias-Fano positions pay for the difference (docs: benchmarks, "DiLoCo's
+    # exchange between groups").
     density: float = option(0.12, "sparse: the share of each chunk's numbers sent (SparseLoCo used 0.01-0.03 on "
                                   "large models with many outer steps)")
-    # 3 x density: the mean of G groups' sparse parts holds up to G times their numbers, and what the
-    # owner's second selection leaves out is what cost most beyond 2 groups (GPT at 8 groups against fp32
-    # DiLoCo, at 1/21-1/23 of its bytes: density 0.12 with the owner at 3 x +1.28 %, 3.3 x +1.29 %; 0.16
-    # and 0.30 +1.12 %, 0.18 and 0.27 +1.45 %, 0.20 and 0.30 +1.42 %, all within the scatter of such
-    # runs (these with each part's last chunk padded; the default in chunks of one length: +1.31 %); every
-    # group sending its 4 % to every other, no owner, +1.96 %; benchmarks/results/diloco-sparse-ef-gpt-
-    # shakespeare-np8).
+    # Three times density: the mean of G groups' sparse parts holds up to G times their numbers, and what
+    # the owner's second selection leaves out is what cost most beyond two groups; other splits of the same
+    # bytes did no better (docs: benchmarks, "DiLoCo's exchange between groups").
     owner_density: float = option(0.0, "sparse beyond 2 groups: the share of each chunk of the groups' mean that its "
                                         "owner sends back (the mean of G sparse parts is up to G times denser "
-                                        "than one); 0: 3 x density")
-    # benchmarks/results/diloco-sparse-keep-unsent: against fp32 DiLoCo, the GPT at 8 groups of one
-    # rank +0.78 % (seed 1 +0.94 %) where restarting from the global model lost +1.31 % (+1.78 %);
-    # 2 and 4 groups +0.22 and -0.51 % (were +0.43, +0.25), MNIST-5k +0.1/-0.3/+0.3 points (were
-    # -0.5/-0.9/-0.5), the same bytes. A pseudo-gradient's signal is not sparse in coordinates, so
-    # at 12 % a group's small but real progress waits in its accumulator for exchanges; kept on
-    # its own model, the group trains on from it meanwhile, and only the other groups see it late.
-    # Not a gain everywhere: a Hugging Face GPT-2 at 3 groups lost about 0.3 % more with it (+1.21
-    # and +0.54 % on two seeds, restarting +1.00 and +0.16 %). Sparse only: low-rank leaves mostly
-    # the update's noisy tail unsent, and keeping it gained nothing (GPT, 8 groups: +0.52 % vs +0.34 %).
+                                        "than one); 0: three times density")
+    # A pseudo-gradient's signal is not sparse in coordinates, so much of a group's progress waits unsent;
+    # kept on its own model, the group trains on from it and only the other groups see it late. Sparse only:
+    # low-rank leaves mostly noise unsent (docs: diloco, on keep_unsent).
     keep_unsent: bool = option(True, "sparse: each group keeps on its own model what its exchange has not sent yet "
                                      "(its error feedback) instead of restarting from the global model without it "
                                      "(not with eager)")
     error_decay: float = option(1.0, "sparse: the error-feedback accumulator's decay, e <- decay*e + Δ")
-    # 0, a rank per matrix from a byte budget: one fixed rank spends the bytes unevenly (rank 8 sent
-    # 1/38.8 of fp32's bytes on a GPT of 128-wide matrices, 1/34-1/68 on an MLP of 256-1024) and
-    # missed the GPT at 2 groups (+1.58 % over three seeds; rank 16, 1/20.2, +1.04 %), where rank 31
-    # (1/5.4) was level: the pseudo-gradient's tail needs more rank wherever the bytes allow it.
-    # The budget's ranks in int8 came to +0.81 % there (benchmarks/results/diloco-lowrank-budget).
+    # 0, a rank per matrix from a byte budget: one fixed rank spends the bytes unevenly between models, and
+    # the pseudo-gradient's tail needs rank wherever the bytes allow (docs: benchmarks, "DiLoCo's exchange
+    # between groups").
     rank: int = option(0, "lowrank: columns of P and Q per matrix; 0: each matrix's own, what its share of the "
                           "byte budget (factor_share) buys")
-    # 4: the same bytes buy 1.8 times int8's rank, and with the mean's rounding fed back by its owner
-    # nothing is lost: GPT at 2 groups +0.44 % over three seeds (int8 +0.81 %; P in int8, Q in 4 bits
-    # +0.61 %, so rank buys more than P's precision)
+    # 4: the same bytes buy nearly twice int8's rank, at equal bytes rank buys more than precision, and
+    # the mean's rounding, fed back by its owner, is not lost (docs: benchmarks, "DiLoCo's exchange between groups").
     factor_bits: int = option(4, "lowrank: bits a factor's number takes on the wire (4 or 8; dense numbers go in "
                                  "int8)", choices=(4, 8))
     factor_share: float = option(0.05, "lowrank with rank 0: the share of fp32's bytes the exchange sends (dense "
@@ -141,13 +124,12 @@ class DiLoCoOptions(GroupedOptions):
                                 "fragment_sync_delay): the exchange runs behind them; 0 blocks; < H / fragments")
     update_alpha: float = option(1.0, "with sync_delay: the share of the local progress made while the exchange "
                                       "ran that the fragment keeps on top of the new global parameters")
-    # benchmarks/results/diloco-eager-gpt-shakespeare: GPT, H = 10, against the blocking exchange:
-    # 2 groups +0.98 % with the whole period hidden (sync_delay 5 +2.10 %, 9 +4.37 %); 4 groups +4.29 %;
-    # 8 groups +6.90 % (sync_delay 5 +2.82 %): the other groups' 7/8 of each step come a period late.
+    # Off by default: the other groups' part of each step comes a period late, which costs more the more
+    # groups there are (docs: diloco, on diloco.eager).
     eager: bool = option(False, "hide each exchange behind the whole next period (eager updates): step at once with "
                                 "this group's own pseudo-gradient and the other groups' from one period earlier; "
                                 "plain averaging only (outer_momentum 0), not with sync_delay; pays at few groups "
-                                "(a GPT: better than sync_delay at 2 groups, worse at 8)")
+                                "(the other groups' part, a period late, grows with their number)")
 
     def validate(self) -> None:
         super().validate()
@@ -159,7 +141,7 @@ class DiLoCoOptions(GroupedOptions):
         if not 0 < self.density <= 1:
             raise ConfigError(f"diloco.density must be in (0, 1], got {self.density}")
         if not 0 <= self.owner_density <= 1:
-            raise ConfigError(f"diloco.owner_density must be in [0, 1] (0: 3 x density), got {self.owner_density}")
+            raise ConfigError(f"diloco.owner_density must be in [0, 1] (0: three times density), got {self.owner_density}")
         if not 0 <= self.error_decay <= 1:
             raise ConfigError(f"diloco.error_decay must be in [0, 1], got {self.error_decay}")
         if self.keeps_unsent and self.error_decay != 1:
@@ -295,7 +277,7 @@ class DiLoCo:
         delay = f", applied {o.sync_delay} steps later (alpha {o.update_alpha})" if o.sync_delay else \
             ", behind the whole next period (eager)" if o.eager else ""
         if o.compression in ("sparse", "lowrank") and o.outer_momentum:
-            # benchmarks/results/diloco-forms-*: -10 to -15 points on MNIST-5k, +30 % loss on a GPT
+            # Far worse than plain averaging wherever measured (docs: benchmarks, "DiLoCo's exchange between groups")
             runtime.announce(f"diloco: warning: {o.compression} with outer momentum {o.outer_momentum} trained far "
                              f"worse than with plain averaging in every measurement here: its error feedback already "
                              f"carries what momentum would (SparseLoCo); consider --diloco.outer_momentum 0 "
@@ -567,22 +549,22 @@ def diloco_facts(model: nn.Module, input_shape: tuple[int, ...], options: DiLoCo
             "buffers": sum(b.numel() for b in model.buffers() if b.is_floating_point())}
 
 
-def predict_diloco(profile: Profile, p: int, link: Link, o: DiLoCoOptions, cfg: Config,
+def predict_diloco(profile: Profile, world_size: int, link: Link, o: DiLoCoOptions, cfg: Config,
                    assumptions: RunAssumptions) -> Prediction:
     """The mean step over a run of assumptions.run_steps steps: every step the gradients are
     allreduced inside the group (on the node's links when a group fits in a node); each
     fragment's syncs average its slice over the column (one rank per group, across the network
     once groups fill nodes) by the exchange's own collectives, then the group allgathers the
     fragment. Bytes are the busiest position's (low-rank slices differ in their matrices)."""
-    groups = runtime.groups_for(o.groups, p, link.ranks_per_node)
-    if p % groups:
-        raise ConfigError(f"diloco: {p} ranks do not split into {groups} groups")
-    g, runs = p // groups, max(assumptions.run_steps, 1)
+    groups = runtime.groups_for(o.groups, world_size, link.ranks_per_node)
+    if world_size % groups:
+        raise ConfigError(f"diloco: {world_size} ranks do not split into {groups} groups")
+    g, runs = world_size // groups, max(assumptions.run_steps, 1)
     every = max(1, run_steps(o.sync_every, runs, "diloco.sync_every"))
     facts = profile.facts["diloco"]
     inner = FLOAT_BYTES * profile.params
-    comm = runs * link.allreduce(inner, g, p)
-    sent = runs * wire("allreduce", inner, g)
+    comm = runs * link.allreduce(inner, g, world_size)
+    sent = runs * sent_bytes("allreduce", inner, g)
     between_nodes = sent * link.node_share(g)
     across = g >= link.ranks_per_node  # a column's ranks sit on different nodes once groups fill nodes
     exchange = make_exchange(None, o, members=groups)
@@ -592,25 +574,25 @@ def predict_diloco(profile: Profile, p: int, link: Link, o: DiLoCoOptions, cfg: 
         applied = len(starts) if o.eager else sum(s + o.sync_delay <= runs for s in starts)
         length = shard_length(sum(math.prod(s) for s in shapes), g)
         transfers = max((exchange.transfers(length, shapes, position * length) for position in range(g)),
-                        key=lambda ts: sum(t.wire(groups) for t in ts))
+                        key=lambda ts: sum(t.sent_bytes(groups) for t in ts))
         landing = [Transfer("allreduce", FLOAT_BYTES * facts["buffers"])] if f == 0 and facts["buffers"] else []
-        column = [sum(t.wire(groups) for t in ts) for ts in (transfers, landing)]
+        column = [sum(t.sent_bytes(groups) for t in ts) for ts in (transfers, landing)]
         # an alltoall's time is an allgather's of its parts
-        cost = [sum(link.allreduce(t.payload, groups, p, spans_nodes=across) if t.op == "allreduce" else
-                    link.allgather(t.payload / (groups if t.op == "alltoall" else 1), groups, p, spans_nodes=across)
+        cost = [sum(link.allreduce(t.payload, groups, world_size, spans_nodes=across) if t.op == "allreduce" else
+                    link.allgather(t.payload / (groups if t.op == "alltoall" else 1), groups, world_size, spans_nodes=across)
                     for t in ts) for ts in (transfers, landing)]
-        gather = wire("allgather", FLOAT_BYTES * length, g)  # the group's, inside it
-        cost[1] += link.allgather(FLOAT_BYTES * length, g, p)
+        gather = sent_bytes("allgather", FLOAT_BYTES * length, g)  # the group's, inside it
+        cost[1] += link.allgather(FLOAT_BYTES * length, g, world_size)
         between_nodes += (len(starts) * column[0] + applied * column[1]) * link.node_share(groups, across) \
             + applied * gather * link.node_share(g)
         # A delayed exchange waits on the network behind sync_delay inner steps, an eager one
         # behind the whole period (its thread needs no core of its own: it mostly waits); what
         # they do not cover is exposed.
         behind = every if o.eager else o.sync_delay
-        exposed = max(0.0, cost[0] - behind * (profile.step_seconds + link.allreduce(inner, g, p)))
+        exposed = max(0.0, cost[0] - behind * (profile.step_seconds + link.allreduce(inner, g, world_size)))
         comm += len(starts) * exposed + applied * cost[1]
         sent += len(starts) * column[0] + applied * (column[1] + gather)
-    return Prediction("diloco", p, profile.step_seconds, 0.0, comm / runs, 0.0, sent / runs, between_nodes / runs)
+    return Prediction("diloco", world_size, profile.step_seconds, 0.0, comm / runs, 0.0, sent / runs, between_nodes / runs)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,14 +31,10 @@ class GroupedOptions:
     section: ClassVar[str] = "?"  # the options' section, for messages
 
     groups: int = option(0, "independent groups of contiguous ranks (0: one per node on several nodes, else 2)")
-    # Plain averaging by default, not DiLoCo's lr 0.7 with Nesterov momentum 0.9: that outer
-    # step moves the model lr/(1 - momentum) = 7 times the groups' mean progress once syncs
-    # agree in direction. Measured with >= 50 outer steps (benchmarks/results/diloco-forms-*,
-    # diloco-outer-*): on a GPT (Shakespeare, 2 groups, H = 10) the paper's step ended +4.2 %
-    # in loss against plain averaging; on an MLP (MNIST-5k) it gained 0.7-1.3 points at H = 10
-    # and lost 0.3-1.0 at H = 30 and 100; in shorter runs (ab-vs-diloco-*) it lost 12-16
-    # points at 8 groups; with sparse or low-rank exchanges 10-15 points (their error
-    # feedback already carries what momentum would).
+    # Plain averaging by default, not DiLoCo's lr 0.7 with Nesterov momentum 0.9: once syncs agree in
+    # direction that step moves the model lr/(1 - momentum) = 7 times the groups' mean progress, which pays
+    # for long, smooth pseudo-gradients, not for short ones or error-fed exchanges (docs: benchmarks,
+    # "DiLoCo's exchange between groups").
     outer_lr: float = option(1.0, "outer learning rate at a sync (1 with outer_momentum 0: the plain average; "
                                   "DiLoCo's paper: 0.7)")
     outer_momentum: float = option(0.0, "outer momentum at a sync, kept across syncs (DiLoCo's paper: 0.9)")

@@ -23,7 +23,7 @@ class per `diloco.compression`:
             would send G-1 times a slice's sparse bytes, so it is reduced like the quantised
             forms and stays flat in G (Ok-Topk, Li and Hoefler 2022, does the same): member j
             receives every member's sparse part j, sums them in fp32, and sends back the top
-            `owner_density` (3 x density unless set) of that mean at 2 bits; its own error
+            `owner_density` (three times density unless set) of that mean at 2 bits; its own error
             feedback keeps what this second selection leaves out (the groups' supports differ,
             so the mean is up to G times denser) for the next exchange. With
             `diloco.keep_unsent` (the default) DiLoCo takes a group's accumulator after each
@@ -83,7 +83,7 @@ class Transfer:
     op: str
     payload: int
 
-    def wire(self, members: int) -> float:
+    def sent_bytes(self, members: int) -> float:
         if self.op == "allgather":
             return wire_bytes("allgather", self.payload * members, members)
         return wire_bytes(self.op, self.payload, members)
@@ -127,7 +127,7 @@ class Exchange:
     def _record(self, fragment: int, transfers: list[Transfer]) -> None:
         for t in transfers:
             meter.record(t.op, f"diloco.outer.{fragment}.{self.name}.{t.op}", t.payload, self.column,
-                         wire=t.wire(self.members))
+                         wire=t.sent_bytes(self.members))
 
     def _feedback(self, fragment: int, delta: torch.Tensor, decay: float = 1.0) -> torch.Tensor:
         """Δ plus (decay times) what earlier exchanges of this fragment left out."""
@@ -309,8 +309,8 @@ class Quantised(Exchange):
 def sparse_layout(numbers: int, density: float) -> tuple[int, int, int]:
     """(chunks, chunk length, kept per chunk) of a slice of `numbers`: the fewest chunks of at
     most CHUNK, all of one length, so at most chunks - 1 numbers are padding (a last chunk
-    padded to CHUNK would send `density` of CHUNK for what may be a few numbers: 14 % more
-    than density on a 57 k-parameter CNN's slices)."""
+    padded to CHUNK would send `density` of CHUNK for what may be a few numbers, which costs
+    a small model's slices most)."""
     chunks = max(1, -(-numbers // CHUNK))
     chunk = max(1, -(-numbers // chunks))
     return chunks, chunk, max(1, round(density * chunk))
@@ -324,10 +324,10 @@ def sparse_bytes(numbers: int, density: float) -> int:
 
 # Positions by Elias-Fano (Elias 1974, Fano 1971): k ascending offsets below u cost k·(2 +
 # log2(u/k)) bits at most, a fixed size (so the meter and the cost model know it before sending),
-# close to the entropy of choosing k of u (0.5 bits a position above it at 8 %, 1 at 50 %). Each offset's low
+# close to the entropy of choosing k of u (docs: diloco, on the sparse form). Each offset's low
 # floor(log2(u/k)) bits go as they are; the rest, its "high part", as a unary run: bit
-# high_i + i of a k + u/2^low bit vector is set for the i-th offset. At 8 % of a 4096-number
-# chunk that is 5.6 bits a position where 12-bit offsets took 12.
+# high_i + i of a k + u/2^low bit vector is set for the i-th offset. At the default density
+# that is under half the bits of 12-bit offsets.
 
 def elias_fano_layout(chunk: int, k: int) -> tuple[int, int, int]:
     """(low bits per offset, bits of the high parts' vector, bytes of the low parts) for k
@@ -422,7 +422,7 @@ class Sparse(Exchange):
         super().__init__(column, options, members)
         # At 2 groups a reduce-scatter sends what an allgather does, (G-1) slices' sparse bytes, and
         # its second selection only loses; beyond, it sends (G-1)/G of them at density and (G-1)/G
-        # at owner_density (under 4 slices' at the default 3x) where an allgather sends G-1.
+        # at owner_density (under four slices' worth at the default owner_density) where an allgather sends G-1.
         self.by_owner = self.members > 2
         self.owner_density = options.owner_density or min(1.0, OWNER_DENSITY_SHARE * options.density)
         self.owner_errors: dict[int, torch.Tensor] = {}  # per fragment: what this owner's mean part left out
@@ -575,7 +575,7 @@ class LowRank(Exchange):
         return pieces
 
     def _wire(self, transfers: list[Transfer]) -> float:
-        return sum(t.wire(self.members) for t in transfers)
+        return sum(t.sent_bytes(self.members) for t in transfers)
 
     def transfers(self, numbers: int, shapes: list[tuple[int, ...]], start: int) -> list[Transfer]:
         return self._transfers(self.pieces(shapes, start, numbers))

@@ -22,7 +22,7 @@ from hvd_lowcomm import task
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
 from hvd_lowcomm.config import ConfigError, option
-from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, wire
+from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, sent_bytes
 from hvd_lowcomm.data import ShardedBatches
 from hvd_lowcomm.methods.base import exchange_gradients
 from hvd_lowcomm.task import example_input
@@ -198,8 +198,7 @@ def _refuse_between_token_blocks(partitions: int) -> list[int]:
         f"between blocks and trains end to end), or give --sil.cuts yourself to accept the accuracy risk")
 
 
-# Measured on animal silhouettes (benchmarks/results/sil-animals-cnn), the cut after the third
-# of four conv blocks, 5 epochs, np 2.
+# The measurement the refusals of cuts inside a conv net quote (docs: sil, "Where it cuts").
 CONV_CUT_MEASURED = ("measured on animal silhouettes with cnn 16,32,32,64 cut after its third block, 5 epochs: "
                      "86% with channel-mean codes, 89% in sequential mode, against 96% for data-parallel training")
 
@@ -446,13 +445,13 @@ def partitioned_cost(method: str, exchanges_activations: bool, need_depth: bool,
                 return None
         return default_cut(model, input_shape, options, need_depth)
 
-    def predict(profile: Profile, p: int, link: Link, options: PartitionOptions, cfg: Any,
+    def predict(profile: Profile, world_size: int, link: Link, options: PartitionOptions, cfg: Any,
                 assumptions: Any) -> Prediction:
-        return predict_partitioned(profile, p, link, options, method, exchanges_activations)
+        return predict_partitioned(profile, world_size, link, options, method, exchanges_activations)
     return MethodCost(predict, model_facts=facts)
 
 
-def predict_partitioned(profile: Profile, p: int, link: Link, options: PartitionOptions, method: str,
+def predict_partitioned(profile: Profile, world_size: int, link: Link, options: PartitionOptions, method: str,
                         exchanges_activations: bool) -> Prediction:
     """The K groups average their partitions' gradients at the same time. SIL
     (`exchanges_activations` False): each rank computes its partition alone. mp: the partitions
@@ -462,17 +461,17 @@ def predict_partitioned(profile: Profile, p: int, link: Link, options: Partition
     if cut is None:
         raise ConfigError(f"{method}: cannot train this model (no default cut into {k} partitions, or a model "
                           f"it refuses, e.g. sil and a language model)")
-    if p % k:
-        raise ConfigError(f"{method}: {p} ranks do not split into {k} partitions")
-    g = p // k
+    if world_size % k:
+        raise ConfigError(f"{method}: {world_size} ranks do not split into {k} partitions")
+    g = world_size // k
     share, params = max(cut.flop_shares(profile)), max(cut.params)
     # On separate links the largest partition's allreduce takes longest; on one shared medium
     # all of their bytes cross it.
     each = [link.allreduce(FLOAT_BYTES * n, g, g) for n in cut.params]
     reduce = sum(each) if link.shared else max(each)
-    sent = wire("allreduce", FLOAT_BYTES * params, g)
+    sent = sent_bytes("allreduce", FLOAT_BYTES * params, g)
     if not exchanges_activations:
-        return Prediction(method, p, profile.step_seconds * share, 0.0, reduce, 0.0, sent, sent * link.node_share(g))
+        return Prediction(method, world_size, profile.step_seconds * share, 0.0, reduce, 0.0, sent, sent * link.node_share(g))
     width = max(cut.widths)
     # Partners are g ranks apart: on different nodes once a group fills whole nodes. Forward
     # then backward, each time the g ranks of one group send at once.
@@ -481,5 +480,5 @@ def predict_partitioned(profile: Profile, p: int, link: Link, options: Partition
     directions = 2 if k > 2 else 1
     activations = directions * FLOAT_BYTES * profile.batch * width
     across = g >= link.ranks_per_node  # then every rank of a node sends to another node at once
-    return Prediction(method, p, profile.step_seconds, 0.0, reduce + sends, 0.0, sent + activations,
+    return Prediction(method, world_size, profile.step_seconds, 0.0, reduce + sends, 0.0, sent + activations,
                       sent * link.node_share(g) + (link.ranks_per_node * activations if across else 0.0))

@@ -46,7 +46,7 @@ from hvd_lowcomm.comm.half_wire import HalfSums
 from hvd_lowcomm.comm.runtime import Group
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
 from hvd_lowcomm.config import Config, ConfigError, make_options, option
-from hvd_lowcomm.costmodel import Link, LayerSample, MethodCost, Prediction, Profile, RunAssumptions, wire
+from hvd_lowcomm.costmodel import Link, LayerSample, MethodCost, Prediction, Profile, RunAssumptions, sent_bytes
 from hvd_lowcomm.registry import register
 from hvd_lowcomm.methods.adaptive_rank import PROBES, next_rank, probe_residual, probes, smallest_rank_within
 from hvd_lowcomm.methods.drop_in import (GradientExchange, HorovodArguments, NamedParameters, dense_gradient,
@@ -58,13 +58,12 @@ from hvd_lowcomm.methods.ddp import DataParallel
 class PowerSGDOptions:
     """PowerSGD (Vogels et al. 2019): rank-r P Qᵀ approximations of gradients, error feedback."""
 
-    # A fixed rank is right for few layers (PyTorch's hook defaults to 1; this project's MLPs
-    # kept DDP's accuracy at 2 while a 4-layer transformer lost 12.8 % of its loss at 2 and
-    # 2.2 % at 8), so by default each matrix's rank follows error_target.
+    # Adaptive by default (PyTorch's hook defaults to rank 1): no one rank suits every layer and model,
+    # so each matrix's rank follows error_target (docs: powersgd, "Adaptive rank"; docs: transformers, "Measured").
     rank: int = option(0, "columns of P and Q per compressed matrix; 0: adaptive, each matrix's rank follows "
                           "error_target between min_rank and max_rank")
-    # Measured on the GPT (benchmarks/results/adaptive-gpt-*, float16 factors): 25 % lost 2.1 %
-    # of ddp's loss at np 2 and 2.3-2.6 % at np 4; 15 % lost 1.4 % and 1.8 % at 0.12x ddp's bytes.
+    # A tight target, paid for by the float16 factors' halved bytes (docs: transformers, "At the adaptive
+    # defaults").
     error_target: float = option(0.15, "adaptive rank: the largest share of a compressed matrix's energy (its "
                                        "error-fed mean over ranks) that P Qᵀ may leave out")
     # A floor, not 1: the energy rule alone let a transformer's matrices fall to ranks 1-3, and
@@ -78,7 +77,7 @@ class PowerSGDOptions:
     adapt_every: int = option(10, "steps between measurements of each matrix's missed energy (random probe "
                                   "columns ride with P on those steps; also measured at a fixed rank, for the "
                                   "metrics)")
-    # PyTorch: 1000 (its docs suggest ~10 % of training); runs here are hundreds of steps.
+    # PyTorch: 1000 (its docs suggest a tenth of training); runs here are hundreds of steps.
     start_iter: int = option(10, "steps of plain allreduce before compression starts")
     min_compression_rate: float = option(2.0, "compress a matrix only if (n+m)*rank*rate < n*m")
     # P and Q are sums of low-rank factors that are re-orthogonalised (P) or fed back (Q's
@@ -163,7 +162,7 @@ class PowerSGDState:
         self.ranks: dict[str, int] = {}
         self.kept_energy: dict[str, float] = {}
         self.next_measurement = self.options.start_iter  # then every adapt_every steps
-        self.wire = HalfSums("powersgd")  # P's and Q's scales on the wire (factor_dtype float16)
+        self.half_sums = HalfSums("powersgd")  # P's and Q's scales on the wire (factor_dtype float16)
         self.numel_before = 0   # gradient numbers per compressed step, before / after compression
         self.numel_after = 0
 
@@ -173,13 +172,13 @@ class PowerSGDState:
     def state_dict(self) -> dict[str, Any]:
         return {"iter": self.iter, "errors": dict(self.errors), "qs": dict(self.qs), "ranks": dict(self.ranks),
                 "kept_energy": dict(self.kept_energy), "next_measurement": self.next_measurement,
-                "wire": self.wire.state_dict()}
+                "wire": self.half_sums.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.iter, self.errors, self.qs = state["iter"], dict(state["errors"]), dict(state["qs"])
         self.ranks, self.kept_energy = dict(state.get("ranks", {})), dict(state.get("kept_energy", {}))
         self.next_measurement = state.get("next_measurement", self.iter)
-        self.wire.load_state_dict(state.get("wire", {}))
+        self.half_sums.load_state_dict(state.get("wire", {}))
 
 
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
@@ -355,12 +354,12 @@ class _PowerSGDExchange(GradientExchange):
         Horovod cycle."""
         if self.powersgd.options.factor_dtype == "float16" and size > 1:
             if not exact:
-                return self.powersgd.wire.allreduce(factors, [], self.group)
+                return self.powersgd.half_sums.allreduce(factors, [], self.group)
             # The uncompressed gradients go as one tensor, under one scale: float16's relative
             # precision does not depend on a number's size, the scale only keeps the largest in
             # range (20 binades below it stay normal).
             flat = torch.cat([t.reshape(-1) for _, t in exact])
-            sums, _ = self.powersgd.wire.allreduce(factors + [("powersgd.uncompressed", flat)], [], self.group)
+            sums, _ = self.powersgd.half_sums.allreduce(factors + [("powersgd.uncompressed", flat)], [], self.group)
             pieces = sums.pop().split([t.numel() for _, t in exact])
             return sums, [piece.view_as(t) for piece, (_, t) in zip(pieces, exact)]
         outs = meter.allreduce_many(factors + exact, self.group, op="sum")
@@ -410,7 +409,7 @@ def powersgd_kernels(sample: LayerSample, options: PowerSGDOptions, cfg: Config)
     return {"powersgd": cycle}
 
 
-def predict_powersgd(profile: Profile, p: int, link: Link, options: PowerSGDOptions, cfg: Config,
+def predict_powersgd(profile: Profile, world_size: int, link: Link, options: PowerSGDOptions, cfg: Config,
                      assumptions: RunAssumptions) -> Prediction:
     """A compressed step (after start_iter): P with the uncompressed gradients in one allreduce,
     then Q; each compressed layer's cycle as the method's own work; nothing overlaps backward.
@@ -430,16 +429,16 @@ def predict_powersgd(profile: Profile, p: int, link: Link, options: PowerSGDOpti
         else:
             plain += layer.params
     plain += profile.other_params - profile.tied_params  # a tied weight travels once
-    half = options.factor_dtype == "float16" and p > 1
+    half = options.factor_dtype == "float16" and world_size > 1
     factor_bytes = 2 if half else FLOAT_BYTES
     p_round, q_round = factor_bytes * (compressed_p + plain), factor_bytes * compressed_q
-    comm = sum(link.allreduce(nbytes, p, p) for nbytes in (p_round, q_round) if nbytes)
+    comm = sum(link.allreduce(nbytes, world_size, world_size) for nbytes in (p_round, q_round) if nbytes)
     # float16: each round's scales are agreed once, at the first step (a number per matrix, and
     # one for the uncompressed gradients)
     scales = 2 * matrices + (1 if plain else 0)
     agreement = FLOAT_BYTES * scales / assumptions.run_steps if half else 0.0
-    sent = sum(wire("allreduce", nbytes, p) for nbytes in (p_round, q_round, agreement))
-    return Prediction("powersgd", p, profile.step_seconds, own, comm, 0.0, sent, sent * link.node_share(p))
+    sent = sum(sent_bytes("allreduce", nbytes, world_size) for nbytes in (p_round, q_round, agreement))
+    return Prediction("powersgd", world_size, profile.step_seconds, own, comm, 0.0, sent, sent * link.node_share(world_size))
 
 
 def powersgd_quality(options: PowerSGDOptions, cfg: Config) -> str | None:

@@ -69,9 +69,8 @@ class SILOptions(PartitionOptions):
     batch_size: list[int] = option([], "batch size per partition (empty: data.batch_size for all)")
     epochs: list[int] = option([], "epochs per partition (empty: train.epochs for each)")
     recovery_epochs: int = option(0, "end-to-end epochs of the joined network at the end (sends activations)")
-    # Measured with a fresh optimiser state at the start of recovery (sil6, np 2, 18 + 2 epochs;
-    # DDP 20 epochs: MNIST-5k 95.00 %, animals 91.65 %): at 0.1 94.2 / 90.0 %, at 0.3 94.9 / 90.6 %,
-    # at 1 94.5 / 89.7 %.
+    # A fraction of train.lr, with a fresh optimiser state: recovery fine-tunes the joined network,
+    # it does not retrain it (docs: sil, on sil.recovery_lr).
     recovery_lr: float = option(0.3, "recovery's peak learning rate, a fraction of train.lr (a cosine of "
                                      "its own over the recovery steps, as for fine-tuning)")
 
@@ -96,8 +95,7 @@ def class_codes(seed: int, cut: int, classes: int, shape: tuple[int, ...], kappa
     return kappa * draw(classes, *shape, generator=generator)
 
 
-# Measured on Shakespeare (benchmarks/results/lm-shakespeare-loopback): gpt 4 layers x 128,
-# windows of 64 bytes, 600 steps, np 2, with one code per vocabulary entry at every position.
+# The measurement the refusal quotes (docs: transformers, "What each method does to a transformer").
 LANGUAGE_MODEL_MEASURED = ("validation loss 7.09 against ddp's 2.07 and uniform guessing's 5.55 (gpt 4x128 on "
                            "Shakespeare, 600 steps, np 2), although the first partition put 31% of positions "
                            "nearest the code of their next token")
@@ -164,8 +162,8 @@ class SIL:
     def _as_code(self, out: torch.Tensor) -> torch.Tensor:
         """A partition's output as it is compared with the codes: its per-channel mean over the
         positions of a C×H×W cut. Matching random codes position by position would ask every
-        position, which sees only part of the input, to know the class: measured on animal
-        silhouettes (cnn 16,32,32,64, 5 epochs) that reached 67%, the channel means 86%."""
+        position, which sees only part of the input, to know the class, and trained far worse
+        (docs: sil, "Where it cuts")."""
         return out.flatten(2).mean(2) if out.dim() > 2 else out
 
     @property
