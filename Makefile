@@ -3,15 +3,16 @@ PY      ?= .venv/bin/python
 NP      ?= 2
 # --allow-run-as-root: containers and CI run as root; --oversubscribe: more ranks than cores.
 MPIRUN  ?= mpirun --allow-run-as-root --oversubscribe
-# Every suite runs under mpirun on CPU processes; a failing rank aborts its job (see
-# mpi_tests/conftest.py) and --timeout ends a job that still hangs.
-PYTEST  = $(MPIRUN) --timeout 1500 -np $(1) $(PY) -m pytest -p no:cacheprovider --timeout=600 $(PYTEST_ARGS) mpi_tests
+# The MPI suites run under mpirun on CPU processes; a failing rank aborts its job (see
+# mpi_tests/conftest.py) and --timeout ends a job that still hangs. The unit tier is not theirs.
+PYTEST  = $(MPIRUN) --timeout 1500 -np $(1) $(PY) -m pytest -p no:cacheprovider --timeout=600 $(PYTEST_ARGS) \
+          --ignore=mpi_tests/unit mpi_tests
 
 # Written by a successful install; demo and the tests install first when it is missing
 # (fresh clone, .venv deleted) or older than what the install depends on.
 STAMP   := .venv/.installed
 
-.PHONY: install demo test test-1 test-2 test-4 test-8 test-cluster examples docs clean gpu-check vendor
+.PHONY: install demo test test-unit test-1 test-2 test-4 test-8 test-cluster examples docs clean gpu-check vendor
 
 install:          ## MPI (if missing), .venv, torch, the package, horovod (cached wheel)
 	bash scripts/install.sh
@@ -23,7 +24,11 @@ $(STAMP): setup.cfg scripts/install.sh
 demo: $(STAMP)    ## the embedded default: MLP on handwritten digits, data-parallel on NP ranks
 	$(MPIRUN) -np $(NP) $(PY) -m hvd_lowcomm.train
 
-test: test-1 test-2 test-4 test-8
+test: test-unit test-1 test-2 test-4 test-8
+
+# Pure functions under plain pytest, no mpirun: seconds, so it runs first.
+test-unit: $(STAMP)
+	$(PY) -m pytest -p no:cacheprovider --timeout=120 $(PYTEST_ARGS) mpi_tests/unit
 
 test-1: $(STAMP)
 	$(call PYTEST,1)

@@ -6,6 +6,9 @@
 - Only rank 0 shows pytest's normal report; other ranks print their failures themselves.
 - Every rank gets its own pytest temporary directory; `shared_tmp` is one directory that all
   ranks see (rank 0 makes it and broadcasts its path).
+- Tests under `mpi_tests/unit/` are the unit tier: pure functions under plain `pytest`, no
+  mpirun (`make test-unit`). Run alone, importing MPI or Horovod fails them, and MPI is not
+  started; the MPI suites (`make test-N`) leave them out.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -32,8 +35,27 @@ def _launcher_rank_and_size() -> tuple[int, int]:
 RANK, SIZE = _launcher_rank_and_size()
 
 
+UNIT_DIR = Path(__file__).parent / "unit"
+MPI_MODULES = ("mpi4py", "horovod")
+
+
+class RefuseMPI:
+    """A meta-path finder that refuses MPI's and Horovod's modules: the unit tier must not need them."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name.split(".")[0] in MPI_MODULES:
+            raise ImportError(f"{name}: a unit test must not need MPI or Horovod (move it to an MPI suite)")
+
+
+def is_unit(item: pytest.Item) -> bool:
+    return UNIT_DIR in Path(item.path).parents
+
+
 @pytest.hookimpl(trylast=True)  # after the terminal reporter has registered itself
 def pytest_configure(config: pytest.Config) -> None:
+    paths = [Path(arg.split("::")[0]).resolve() for arg in config.args]
+    if paths and all(path == UNIT_DIR or UNIT_DIR in path.parents for path in paths):
+        sys.meta_path.insert(0, RefuseMPI())  # `make test-unit`: only the unit tier runs
     if config.option.basetemp is None:
         config.option.basetemp = os.path.join(tempfile.gettempdir(), f"hvd_lowcomm-pytest-{os.getppid()}-rank{RANK}")
     if RANK != 0:
@@ -52,7 +74,11 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def world():
+def world(request: pytest.FixtureRequest):
+    """MPI and Horovod, started once before the first test; not when only the unit tier runs,
+    whose tests must not need them."""
+    if all(is_unit(item) for item in request.session.items):
+        return None
     from hvd_lowcomm.comm import runtime
 
     return runtime.init(seed=0)
@@ -113,3 +139,21 @@ def member_parts(values: torch.Tensor, members: int) -> list[torch.Tensor]:
 
     part = -(-len(values) // members)
     return list(torch.cat([values, values.new_zeros(part * members - len(values))]).split(part))
+
+
+@pytest.fixture(scope="module")
+def mlp_profile():
+    """The cost model's profile of a small MLP (64 inputs, three hidden layers of 256)."""
+    from hvd_lowcomm.costmodel import profile_model
+    from hvd_lowcomm.models import mlp
+
+    return profile_model(mlp((64,), 10, [256, 256, 256]), (64,), 32, repeats=3)
+
+
+@pytest.fixture
+def run_yaml(tmp_path):
+    """A training config of three steps on the digits, its run directory under tmp_path."""
+    path = tmp_path / "run.yaml"
+    path.write_text(f"train: {{epochs: 1, max_steps: 3}}\ndata: {{path: {tmp_path / 'digits.h5'}}}\n"
+                    f"run: {{dir: {tmp_path / 'runs'}, name: job, progress: false}}\n")
+    return path

@@ -9,18 +9,6 @@ import hvd_lowcomm
 from conftest import RANK, SIZE
 
 
-def test_every_exported_name_resolves_to_the_implementation():
-    from hvd_lowcomm.comm import runtime, traffic
-    from hvd_lowcomm.methods import dad, ddp, powersgd
-
-    assert hvd_lowcomm.init is runtime.init and hvd_lowcomm.meter is traffic.meter
-    assert hvd_lowcomm.DistributedOptimizer is ddp.DistributedOptimizer
-    assert hvd_lowcomm.PowerSGDOptimizer is powersgd.PowerSGDOptimizer
-    assert hvd_lowcomm.DadOptimizer is dad.DadOptimizer
-    with pytest.raises(AttributeError, match="no attribute 'ABTrainer'"):
-        hvd_lowcomm.ABTrainer  # noqa: B018
-
-
 @pytest.mark.parametrize("wrapper", ["DistributedOptimizer", "PowerSGDOptimizer", "DadOptimizer"])
 def test_a_users_own_loop_switches_method_by_the_optimizer_line(world, fresh_meter, wrapper):
     """The front page's example (README.rst): the same loop, one line changed; ranks end with the same model
@@ -106,28 +94,6 @@ def test_sil_in_a_users_own_loop_sends_nothing_between_partitions(world, fresh_m
         assert (correct, count) == (0, 0) and sil.diagnostics["code_accuracy"] > 0.7
     with pytest.raises(ValueError, match="SIL cut 'fc9' is not a child of the model"):
         hvd_lowcomm.SIL(model, (6,), 3, cuts=["fc9"])
-
-
-def test_library_options_come_through_one_door_checked_the_same_way():
-    from hvd_lowcomm.config import ConfigError
-    from hvd_lowcomm.methods.ab import ABTraining
-    from hvd_lowcomm.methods.diloco import DiLoCo, DiLoCoOptions
-    from hvd_lowcomm.methods.powersgd import PowerSGDOptions, PowerSGDState
-
-    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ConfigError, match="diloco.compression must be one of none, fp16, int8, sparse, lowrank; got 'int4'"):
-        DiLoCo(model, opt, total_steps=10, options=DiLoCoOptions(compression="int4"))
-    with pytest.raises(ConfigError, match="diloco.fragments must be >= 1"):
-        DiLoCo(model, opt, total_steps=10, options=DiLoCoOptions(), fragments=0)
-    with pytest.raises(ConfigError, match="diloco.sync_every = 0.05 is a fraction of the run.*pass total_steps"):
-        DiLoCo(model, opt)  # the default H is 5 % of a run whose length it was not told
-    with pytest.raises(ConfigError, match="ab.warmup = 0.1 is a fraction of the run"):
-        ABTraining(model, opt)
-    state = PowerSGDState(options=PowerSGDOptions(rank=3), start_iter=7)  # options= and a keyword merge
-    assert (state.options.rank, state.options.start_iter) == (3, 7)
-    with pytest.raises(ConfigError, match="unknown powersgd option"):
-        PowerSGDState(options=PowerSGDOptions(), rnak=2)
 
 
 @pytest.mark.skipif(SIZE < 2, reason="groups of the world")

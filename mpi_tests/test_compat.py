@@ -188,13 +188,6 @@ def test_ab_keeps_frozen_layers_dense_and_untouched(world):
     assert torch.equal(model[3].weight.detach(), frozen)
 
 
-@pytest.mark.parametrize("name", ["powersgd", "dad", "rank-dad", "ab", "sil", "mp"])
-def test_comm_compression_is_refused_by_methods_that_would_ignore_it(name):
-    with pytest.raises(ConfigError, match=f"comm.compression fp16 is for ddp's allreduce; {name} sends"):
-        config.load(["--method", name, "--comm.compression", "fp16"])
-    assert config.load(["--method", "ddp", "--comm.compression", "fp16"]).comm.compression == "fp16"
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_asking_for_a_gpu_without_one_is_refused_before_training(shared_tmp, capsys):
     from hvd_lowcomm.train import main

@@ -8,10 +8,7 @@ import torch
 
 from conftest import RANK, SIZE, member_parts, needs_ranks
 from hvd_lowcomm.methods.diloco import DiLoCoOptions
-from hvd_lowcomm.methods.outer_exchange import (BLOCK, INT4, elias_fano_decode, elias_fano_encode, int4_bytes, int8_bytes,
-                                                make_exchange,
-                                                positions_bytes, slice_pieces, sparse_bytes, sparse_decode,
-                                                sparse_encode, sparse_layout)
+from hvd_lowcomm.methods.outer_exchange import (int4_bytes, int8_bytes, make_exchange, slice_pieces, sparse_bytes, sparse_encode)
 
 SHAPES = [(48, 40), (48,), (30, 24)]  # a fragment: two matrices and a bias
 NUMBERS = 48 * 40 + 48 + 30 * 24
@@ -49,61 +46,6 @@ def test_a_quantised_exchange_returns_the_mean_on_every_rank(world, fresh_meter,
     if kind == "fp16":  # 2 bytes a number and a scale per chunk, both ways
         chunk = -(-NUMBERS // SIZE)
         assert fresh_meter.total(group="world", field="payload_bytes") == (SIZE + 1) * (2 * chunk + 4)
-
-
-def test_quantised_bytes_per_rank_stay_flat_in_the_number_of_groups():
-    """Reduce-scatter + allgather: 2 (G-1)/G of the quantised slice, below twice it for any G;
-    the allgather of every group's slice it replaced sent (G-1) times it."""
-    numbers = 1 << 20
-    for kind, per_number in (("int8", 1 + 4 / BLOCK), ("fp16", 2)):
-        options = DiLoCoOptions(compression=kind)
-        for groups in (2, 4, 8, 16):
-            sent = sum(t.sent_bytes(groups) for t in make_exchange(None, options, members=groups).transfers(numbers, [], 0))
-            assert sent == pytest.approx(2 * (groups - 1) / groups * numbers * per_number, rel=1e-3)
-            assert sent < 2 * numbers * per_number
-
-
-def test_sparse_sends_the_top_of_each_chunk_at_two_bits():
-    values = torch.randn(10_000, generator=torch.Generator().manual_seed(3))
-    payload, sent = sparse_encode(values, 0.02)
-    assert len(payload) == sparse_bytes(10_000, 0.02) and torch.equal(sparse_decode(payload, 10_000, 0.02), sent)
-    kept = sent != 0
-    assert sparse_layout(10_000, 0.02) == (3, 3334, 67)  # three equal chunks of at most 4096, 2 numbers padding
-    assert int(kept.sum()) == 3 * 67
-    assert bool((torch.sign(sent[kept]) == torch.sign(values[kept])).all())
-    for chunk, chunk_sent in zip(values.split(3334), sent.split(3334)):  # each chunk keeps its own largest
-        threshold = chunk.abs().topk(67).values[-1]
-        assert bool((chunk_sent.ne(0) == chunk.abs().ge(threshold)).all())
-    # two magnitudes per chunk, each the mean of the half it stands for
-    magnitudes = sent[:3334][kept[:3334]].abs().unique()
-    assert len(magnitudes) == 2
-    top = values[:3334].abs().topk(67).values
-    # the median of 67 is the middle one: the larger half holds 34
-    assert magnitudes.max() == pytest.approx(float(top[:34].mean()), rel=1e-5)
-    assert magnitudes.min() == pytest.approx(float(top[34:].mean()), rel=1e-5)
-
-
-@pytest.mark.parametrize("chunk, k", [(4096, 328), (4096, 1), (4096, 4096), (4096, 2048), (1000, 80), (7, 3)])
-def test_sparse_positions_travel_by_elias_fano_in_a_fixed_size(chunk, k):
-    """Any k distinct ascending offsets below `chunk` come back as they were, in exactly
-    positions_bytes(chunk, k) bytes: at most k (2 + log2(chunk / k)) bits and whole bytes."""
-    generator = torch.Generator().manual_seed(k)
-    rows = [torch.randperm(chunk, generator=generator)[:k].sort().values for _ in range(5)]
-    rows += [torch.arange(k), torch.arange(chunk - k, chunk)]  # both ends of the range
-    offsets = torch.stack(rows)
-    packed = elias_fano_encode(offsets, chunk)
-    assert packed.shape == (len(rows), positions_bytes(chunk, k))
-    assert torch.equal(elias_fano_decode(packed, chunk, k), offsets)
-    assert positions_bytes(chunk, k) <= (k * (2 + math.log2(chunk / k))) / 8 + 2
-
-
-def test_a_kept_value_costs_under_a_byte_at_eight_percent():
-    """328 kept of a chunk of 4096: 3 low bits each (123 bytes) and a 328 + 512 bit vector of high
-    parts (105 bytes), 2-bit codes (82 bytes), two fp32 magnitudes: 0.97 bytes a kept value,
-    where 12-bit offsets cost 1.75."""
-    assert positions_bytes(4096, 328) == 123 + 105
-    assert sparse_bytes(4096, 0.08) == 123 + 105 + 82 + 8
-    assert sparse_bytes(3 * 4096, 0.02) == 3 * (positions_bytes(4096, 82) + 21 + 8)
 
 
 @needs_ranks(2)
@@ -161,29 +103,6 @@ def test_sparse_accumulator_decays_by_error_decay(world, fresh_meter):
     parts = member_parts(accumulated, SIZE) if SIZE > 2 else [accumulated]
     sent = torch.cat([sparse_encode(part, 0.02)[1] for part in parts])[:NUMBERS]
     torch.testing.assert_close(exchange.errors[0], accumulated - sent)
-
-
-def test_sparse_bytes_per_rank_stay_flat_in_the_number_of_groups():
-    """Allgathered at 2 groups (one slice's sparse bytes, what a reduce-scatter would send);
-    reduced by owner beyond: (G-1)/G of them at density plus (G-1)/G of them at the owner's
-    density (3 x density by default) at any G, where an allgather of every group's
-    contribution sends (G-1) times them."""
-    numbers, options = 1 << 22, DiLoCoOptions(compression="sparse")
-    one, owners = sparse_bytes(numbers, options.density), sparse_bytes(numbers, 3 * options.density)
-    for groups in (2, 3, 4, 8, 16):
-        transfers = make_exchange(None, options, members=groups).transfers(numbers, [], 0)
-        assert [t.op for t in transfers] == (["allgather"] if groups == 2 else ["alltoall", "allgather"])
-        sent = sum(t.sent_bytes(groups) for t in transfers)
-        expected = one if groups == 2 else (groups - 1) / groups * (one + owners)
-        assert sent == pytest.approx(expected, rel=1e-2)
-        assert sent < one + owners
-
-
-def test_a_slice_cuts_matrices_into_whole_row_blocks():
-    pieces = slice_pieces([(64, 32), (64,), (10, 32)], 50, 2000, 4, 0.05)
-    assert pieces.matrices == ((14, 62, 32, 4),)  # rows 2..63 of the first matrix
-    assert pieces.dense == ((0, 14), (1998, 2))  # the cut row's tail, the start of the bias
-    assert slice_pieces([(8, 8)], 0, 64, 4, 0.05).dense == ((0, 64),)  # rank 4 does not pay on 8 × 8
 
 
 @needs_ranks(2)
@@ -251,39 +170,6 @@ def test_lowrank_exchange_is_powersgd_on_each_matrix_with_error_feedback_and_war
     chunk = [-(-numbers // SIZE) for numbers in ((48 + 30) * rank, 48, (40 + 24) * rank)]
     each = factor_bytes(chunk[0]) + int8_bytes(chunk[1]) + factor_bytes(chunk[2])
     assert fresh_meter.total(group="world", field="payload_bytes") == len(inputs) * (SIZE + 1) * each
-
-
-@pytest.mark.parametrize("share", [0.05, 0.02])
-def test_lowrank_ranks_from_the_byte_budget_spend_it_evenly(share):
-    # rank 0: each matrix's rank is what its share of the budget buys, so a GPT's 128-wide
-    # matrices and an MLP's 1024-wide ones are compressed alike, within the budget, dense numbers
-    # and int8 scales included
-    for shapes in ([(65, 128), (384, 128), (384,), (128, 128), (512, 128), (128, 512), (128,)],
-                   [(1024, 784), (1024,), (1024, 1024), (10, 1024), (10,)],
-                   [(256, 784), (256,), (256, 256), (256,), (10, 256), (10,)]):
-        numbers = sum(math.prod(s) for s in shapes)
-        # whole, and each slice of groups of 2 and 4 ranks (short slices round up the most)
-        for members, ranks_per_group in ((2, 1), (4, 1), (8, 1), (4, 2), (2, 4)):
-            size = -(-numbers // ranks_per_group)
-            for start in range(0, numbers, size):
-                sent, fp32 = (sum(t.sent_bytes(members) for t in make_exchange(None, options, members=members).transfers(
-                    size, shapes, start)) for options in (DiLoCoOptions(compression="lowrank", factor_share=share),
-                                                          DiLoCoOptions(compression="none")))
-                assert 0.8 * share <= sent / fp32 <= share
-        pieces = slice_pieces(shapes, 0, numbers, 0, share)
-        assert len(pieces.matrices) == sum(len(s) == 2 for s in shapes)
-        # every matrix at the same compression (4-bit factors, scales included, at `share` of
-        # fp32's 4 bytes a number, less the dense numbers' part), up to the rounding down of its
-        # rank; at least rank 1 (a 10-row head at 2 %)
-        for _, rows, cols, r in pieces.matrices:
-            factor_bytes = [(rows + cols) * rank * INT4.per_number / (4 * rows * cols) for rank in (r, r + 1)]
-            assert r == 1 or factor_bytes[0] <= share
-            assert share < factor_bytes[1] / 0.9
-    # a generous share stops where factors stop paying (PowerSGD's rule), and a slice of a few
-    # rows of a matrix is still compressed as a block of its own
-    generous = slice_pieces([(64, 64)], 0, 4096, 0, 1.0).matrices
-    assert generous and all((rows + cols) * r * 2 < rows * cols for _, rows, cols, r in generous)
-    assert slice_pieces([(64, 64)], 1000, 2000, 0, 0.05).matrices[0][1:3] == (30, 64)  # rows 16..45
 
 
 @needs_ranks(2)

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from conftest import RANK
-from hvd_lowcomm.config import ConfigError
-from hvd_lowcomm.methods.adaptive_rank import PROBES, next_rank, probe_residual, probes, smallest_rank_within
-from hvd_lowcomm.methods.powersgd import PowerSGDOptimizer, PowerSGDState, compresses, highest_rank
+from hvd_lowcomm.methods.adaptive_rank import PROBES
+from hvd_lowcomm.methods.powersgd import PowerSGDOptimizer, PowerSGDState
 from hvd_lowcomm.train import main
 
 N_OUT, N_IN = 10, 12
@@ -171,58 +170,6 @@ def test_plain_mean_until_start_iter_then_compression(world, fresh_meter, factor
     assert opt.powersgd.iter == 2 and opt.powersgd.qs["weight"].shape == (N_IN, 1)  # kept for warm start
 
 
-def test_the_min_compression_rate_rule_decides_which_layers_are_compressed():
-    options = PowerSGDState(rank=2, min_compression_rate=2.0).options
-    assert compresses(100, 100, options) == (True, 2)     # (100+100)*2*2 = 800 < 10000
-    assert compresses(10, 12, options) == (True, 2)       # (10+12)*2*2 = 88 < 120
-    assert compresses(6, 8, options) == (False, 2)        # (6+8)*2*2 = 56 >= 48
-    assert compresses(1, 50, options) == (False, 1)       # rank capped at min(n, m) = 1: 102 >= 50
-
-
-@pytest.mark.parametrize("options, message", [
-    ({"rank": -1}, "powersgd.rank must be >= 0"),
-    ({"error_target": 0.0}, "error_target must be between 0 and 1"),
-    ({"min_rank": 4, "max_rank": 2}, "min_rank <= max_rank"),
-    ({"adapt_every": 0}, "adapt_every must be >= 1"),
-])
-def test_bad_options_are_rejected(options, message):
-    with pytest.raises(ConfigError, match=message):
-        PowerSGDState(**options)
-
-
-def test_the_adaptive_rank_is_bounded_where_compression_stops_paying():
-    options = PowerSGDState(min_compression_rate=2.0, max_rank=64, min_rank=1).options
-    assert options.adaptive and compresses(100, 100, options) == (True, 1)  # starts at min_rank
-    # the default floor: a matrix is compressed only where rank 16 pays
-    assert compresses(100, 100, PowerSGDState().options) == (True, 16)
-    assert compresses(60, 60, PowerSGDState().options) == (False, 16)
-    assert highest_rank(100, 100, options) == 24     # (100+100)*24*2 = 9600 < 10000 <= 200*25*2
-    assert highest_rank(1000, 1000, options) == 64   # max_rank
-    assert highest_rank(100, 100, PowerSGDState(rank=3).options) == 3  # a fixed rank stays put
-
-
-def test_probes_estimate_the_energy_a_basis_misses():
-    generator = torch.Generator().manual_seed(3)
-    m = torch.randn(60, 8, generator=generator) @ torch.randn(8, 50, generator=generator)
-    basis = torch.linalg.svd(m, full_matrices=False).U[:, :3]
-    truth = float((m - basis @ (basis.T @ m)).pow(2).sum())
-    estimates = [probe_residual(basis, m @ probes(50, generator, m)) for _ in range(400)]
-    assert abs(np.mean(estimates) / truth - 1) < 0.05     # unbiased: the mean of 400 within 5 %
-    assert np.std(estimates) / truth < 2 / PROBES ** 0.5  # and one estimate is not wild
-
-
-def test_next_rank_doubles_on_a_miss_shrinks_with_a_margin_and_keeps_within_its_bounds():
-    energies = torch.tensor([50.0, 30.0, 10.0, 5.0])  # 95 kept at rank 4, 5 missed: 100 in all
-    # a shrink keeps within half the allowance: 25 (two leave out 20), 15 (three leave out 10)
-    assert next_rank(4, energies, missed=5.0, allowed=50.0, lowest=1, highest=32) == 2
-    assert next_rank(4, energies, missed=5.0, allowed=30.0, lowest=1, highest=32) == 3
-    assert next_rank(4, energies, missed=5.0, allowed=50.0, lowest=3, highest=32) == 3
-    assert next_rank(4, energies, missed=5.0, allowed=4.0, lowest=1, highest=32) == 8  # 5 missed > 4 allowed
-    assert next_rank(4, energies, missed=5.0, allowed=4.0, lowest=1, highest=6) == 6
-    assert next_rank(4, energies, missed=5.0, allowed=8.0, lowest=1, highest=32) == 4  # within, no room to shrink
-    assert smallest_rank_within(energies, 100.0, 0.5) == 1 and smallest_rank_within(energies, 200.0, 0.5) == 4
-
-
 def signal_and_noise(true_rank, step, noise=0.01, n=40, m=48):
     """Rank r's gradient: a shared rank-`true_rank` signal A B (A new each step, B fixed, as a
     layer's gradients keep their directions) plus a little noise of its own."""
@@ -326,7 +273,6 @@ def test_step_after_synchronize_does_not_exchange_again(world, fresh_meter):
     (plain, plain_records), (synced, synced_records) = results
     assert synced_records == plain_records > 0
     torch.testing.assert_close(synced, plain, rtol=0, atol=0)
-
 
 
 def test_compression_starts_at_the_rank_and_subspace_of_the_last_plain_mean(world, fresh_meter):

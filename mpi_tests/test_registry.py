@@ -33,16 +33,6 @@ def grouped_method():
     registry.unregister("grouped-test")
 
 
-def test_a_registered_method_gets_a_config_section_and_cli_options(grouped_method, tmp_path):
-    path = tmp_path / "run.yaml"
-    path.write_text("method: grouped-test\ngrouped-test:\n  groups: 5\n")
-    cfg = config.load(["--config", str(path)])
-    assert cfg.options.groups == 5 and isinstance(cfg.options, GroupedOptions)
-    assert config.load(["--method", "grouped-test", "--grouped-test.groups", "2"]).options.groups == 2
-    text = config.build_parser(config.default_config(), "prog").format_help()
-    assert "--grouped-test.groups INT" in text and "independent groups of ranks (default: 3)" in text
-
-
 @pytest.mark.skipif(SIZE % 3 == 0, reason="needs a world size that 3 groups do not divide")
 def test_a_group_count_that_does_not_divide_the_world_stops_before_training(grouped_method, shared_tmp, capsys):
     code = main(["--method", "grouped-test", "--grouped-test.groups", "3",
@@ -52,3 +42,13 @@ def test_a_group_count_that_does_not_divide_the_world_stops_before_training(grou
         assert (f"error (all ranks): cannot split {SIZE} ranks into 3 equal groups: use a group count that "
                 f"divides {SIZE}") in capsys.readouterr().err
     assert not (shared_tmp / "runs").exists()
+
+
+def test_a_registered_method_gets_a_config_section_and_cli_options(grouped_method, tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("method: grouped-test\ngrouped-test:\n  groups: 5\n")
+    cfg = config.load(["--config", str(path)])
+    assert cfg.options.groups == 5 and isinstance(cfg.options, GroupedOptions)
+    assert config.load(["--method", "grouped-test", "--grouped-test.groups", "2"]).options.groups == 2
+    text = config.build_parser(config.default_config(), "prog").format_help()
+    assert "--grouped-test.groups INT" in text and "independent groups of ranks (default: 3)" in text

@@ -8,7 +8,8 @@ import pytest
 
 from hvd_lowcomm import config, costmodel, heldout
 
-ROOT = Path(__file__).resolve().parent.parent
+
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "heldout" / "results.csv"
 FIELDS = ["set", "split", "method", "metric", "vs_ddp", "bytes_vs_ddp", "vs_fp32_diloco", "bytes_vs_fp32_diloco"]
 

@@ -11,7 +11,8 @@ import hvd_lowcomm
 from hvd_lowcomm.config import build_parser, default_config, describe_options
 from hvd_lowcomm.registry import option_sections
 
-ROOT = Path(__file__).resolve().parent.parent
+
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 sys.path.insert(0, str(DOCS / "_ext"))
 from hvd_options import option_table  # noqa: E402  (the Sphinx directive's renderer)
