@@ -15,7 +15,7 @@ extensions = [
     "sphinx.ext.napoleon",      # Google/NumPy-style docstring sections
     "sphinx.ext.viewcode",
     "hvd_options",              # .. hvd-options:: the option reference from the config dataclasses
-    "hvd_results",              # .. hvd-heldout:: the held-out suite's table from its CSV
+    "hvd_results",              # .. hvd-heldout::, .. hvd-results:: tables generated from results CSVs
 ]
 # The wrappers subclass torch and Horovod classes: document what this package adds.
 autodoc_default_options = {"members": True, "show-inheritance": True}
