@@ -159,7 +159,7 @@ def test_a_delayed_exchange_lands_sync_delay_steps_later_keeping_alpha_of_the_pr
     for (name, got), want in zip(model.named_parameters(), expected.parameters()):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
     # on the worker thread; fragment 0's exchange started at step 12 would land at 14
-    assert diloco.worker is not None and list(diloco.in_flight) == [0]
+    assert diloco.worker is not None and in_flight(diloco) == [0]
     final = diloco.full_model()  # settles what is in flight; every rank gets one model
     flat = torch.cat([p.detach().flatten() for p in final.parameters()])
     assert all(torch.equal(other, flat) for other in world.comm.allgather(flat))
@@ -174,7 +174,7 @@ def test_eager_updates_apply_the_own_part_at_once_and_the_others_one_period_late
     for (name, got), want in zip(model.named_parameters(), models[diloco.group.index].parameters()):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
     # the exchange started at step 12 is still on the worker thread
-    assert diloco.outer_steps == 3 and diloco.worker is not None and list(diloco.in_flight) == [0]
+    assert diloco.outer_steps == 3 and diloco.worker is not None and in_flight(diloco) == [0]
     final = diloco.full_model()  # adds the other groups' parts: every group gets the same model
     for (name, got), want in zip(final.named_parameters(), synced):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
@@ -218,6 +218,11 @@ def test_groups_differ_between_syncs_and_agree_after_one(world):
     assert diloco.agreement_group() is None  # the world met in this step
 
 
+def in_flight(diloco: DiLoCo) -> list[int]:
+    """The fragments whose exchange is in flight."""
+    return [f.index for f in diloco.fragments if f.in_flight is not None]
+
+
 def flat_parameters(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
@@ -235,16 +240,17 @@ def test_sparse_groups_keep_what_they_did_not_send_and_nothing_is_lost(world):
     F.cross_entropy(model(x), y).backward()
     before = flat_parameters(model) - INNER_LR * torch.cat([p.grad.flatten() for p in model.parameters()])
     numbers, part = len(before), -(-len(before) // SIZE)
-    delta = diloco.global_slices[0].detach()[:numbers] - before  # the first outer step: no error yet
+    delta = diloco.fragments[0].global_slice.detach()[:numbers] - before  # the first outer step: no error yet
     parts = member_parts(delta, SIZE) if SIZE > 2 else [delta]
     unsent = delta - torch.cat([sparse_encode(p, 0.1)[1] for p in parts])[:numbers]
     diloco.step()  # the fourth step: inner SGD, then the outer step
     after = flat_parameters(model)
-    assert not diloco.exchange.errors  # handed to the model: the next Δ carries it
-    torch.testing.assert_close(diloco.global_slices[0].detach()[:numbers] - after, unsent, atol=1e-6, rtol=1e-5)
+    assert not diloco.fragments[0].exchange.errors  # handed to the model: the next Δ carries it
+    torch.testing.assert_close(diloco.fragments[0].global_slice.detach()[:numbers] - after, unsent, atol=1e-6, rtol=1e-5)
     # beyond 2 groups each column member owns a part of the mean and holds back what its second
     # selection left out (in Δ's units: the global model stays that much above the mean)
-    owners = torch.cat(world.comm.allgather(diloco.exchange.owner_errors.get(0, torch.zeros(part))))[:numbers]
+    owned = diloco.fragments[0].exchange.owner_errors.get(0, torch.zeros(part))
+    owners = torch.cat(world.comm.allgather(owned))[:numbers]
     mean_after, mean_before = (torch.stack(world.comm.allgather(v)).mean(0) for v in (after, before))
     torch.testing.assert_close(mean_after - owners, mean_before, atol=1e-6, rtol=1e-5)
     gathered = world.comm.allgather(after)
@@ -258,7 +264,7 @@ def test_without_keep_unsent_sparse_groups_restart_from_the_global_model(world):
     model, diloco = train(4, groups=SIZE, sync_every=4, compression="sparse", density=0.1, keep_unsent=False)
     after = flat_parameters(model)
     assert all(torch.equal(after, other) for other in world.comm.allgather(after))
-    assert diloco.exchange.errors[0].abs().max() > 0  # the exchange holds the unsent part instead
+    assert diloco.fragments[0].exchange.errors[0].abs().max() > 0  # the exchange holds the unsent part instead
 
 
 @needs_ranks(2)
@@ -277,7 +283,7 @@ def test_the_exchange_between_groups_is_sharded_and_int8_sends_a_quarter(world, 
     chunk_bytes = chunk + 4 * -(-chunk // BLOCK)
     assert column["alltoall"].payload_bytes == groups * chunk_bytes
     assert column["allgather"].payload_bytes == chunk_bytes  # the mean of its own chunk, requantised
-    assert quantised.exchange.errors[0].abs().max() > 0  # what rounding dropped waits for the next sync
+    assert quantised.fragments[0].exchange.errors[0].abs().max() > 0  # what rounding dropped waits for the next sync
     reference_model, _ = train(4, groups=groups, sync_every=4)
     for got, want in zip(model.parameters(), reference_model.parameters()):  # int8 is close to fp32's step
         assert (got - want).abs().max() < 0.02 * want.abs().max() + 1e-3

@@ -1,0 +1,446 @@
+"""`diloco`: DiLoCo-style local SGD (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication
+Training of Language Models"; Streaming DiLoCo, 2025), with the semantics of torchft's DiLoCo:
+the method a user whose nodes are joined by a slow link picks today.
+
+The world is split into G groups of contiguous ranks (one per node when the job spans nodes,
+else 2). Each group trains on its own: every step the gradients are averaged inside the group
+(data parallel over the node's own links) and the user's inner optimiser steps. Every
+H = `sync_every` inner steps the groups meet:
+
+    Δ = θ_global - θ_local          the pseudo-gradient of this group's last H steps
+    Δ̄ = mean of Δ over the groups
+    θ_global <- outer optimiser step with gradient Δ̄ (SGD, Nesterov momentum, lr outer_lr)
+    θ_local <- θ_global              on every rank; the inner optimiser's state is kept
+
+With outer_lr 1 and outer_momentum 0 (the defaults) this is plain periodic model averaging
+(local SGD); the paper's outer optimiser is outer_lr 0.7, outer_momentum 0.9.
+
+The exchange between groups is sharded: the ranks of a group hold the same θ_local, so rank i
+of every group averages only its 1/|group| slice of Δ with rank i of the other groups (its
+"column", one rank per group), steps its slice of θ_global, and the group allgathers the new
+slices: a rank sends model/|group| across the network per sync, not the whole model. Options:
+
+- compression (hvd_lowcomm.methods.outer_exchange): none (fp32 allreduce); fp16 or int8 by a
+  quantised reduce-scatter and allgather whose bytes per rank stay below twice the slice's
+  whatever the number of groups; sparse (SparseLoCo: top-k of each chunk at 2 bits from an
+  error-feedback accumulator; with keep_unsent, the default, a group keeps on its own model
+  what its exchange left unsent, θ_local <- θ_global - e, so its next Δ carries it and the
+  group trains on from it meanwhile) or lowrank (PowerSGD factors of each matrix in 4 bits at a rank that
+  spends factor_share of fp32's bytes, error feedback);
+- fragments F (Streaming DiLoCo): the parameters in F contiguous parts of about equal size,
+  part f synced at inner steps f·H/F + k·H, so the network carries 1/F of the model at a time;
+- sync_delay τ (Streaming DiLoCo's overlap, torchft's fragment_sync_delay): a fragment's
+  exchange starts at its sync step on a background thread and is applied τ inner steps later,
+  so the network time hides behind those steps; update_alpha α keeps α of the progress the
+  fragment made meanwhile on top of the new global parameters (θ_local <- θ_global +
+  α (θ_local - θ_local at the start); 0 discards it, as torchft does);
+- eager (eager updates, Kale, Douillard & Donchev 2025): the exchange runs behind the whole next
+  period. At a sync a group starts the exchange of its pseudo-gradient and at once steps its
+  global copy with its own part of the mean fresh and the other groups' part one period old:
+
+      Δ̄ ≈ Δ_own(t) / G + (Δ̄(t-1) - Δ_own(t-1) / G)
+
+  Each contribution is applied once, so the groups' copies differ only by their latest own
+  parts (plain averaging only: outer momentum would let their outer states drift apart);
+  evaluation and the final model add the other groups' outstanding parts.
+
+Floating-point buffers (BatchNorm statistics) are averaged plainly with fragment 0. Evaluation
+and the final model use the model a sync of every fragment would give now (as AB-training's).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import copy
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+
+from hvd_lowcomm.comm import runtime
+from hvd_lowcomm.comm.traffic import meter
+from hvd_lowcomm.config import ConfigError, make_options
+from hvd_lowcomm.methods.base import broadcast_model_and_optimizer, exchange_gradients
+from hvd_lowcomm.methods.diloco.options import DiLoCoOptions, fragment_bounds, shard_length, sync_due
+from hvd_lowcomm.methods.grouped import group_traffic, outer_optimizer, step_inner_optimizer, trial_sync
+from hvd_lowcomm.methods.outer_exchange import Exchange, make_exchange
+from hvd_lowcomm.schedule import SET_LATER, require_run_length, run_steps
+
+
+class DiLoCo:
+    """DiLoCo for any training loop: the caller's optimiser is the inner one; `step()` replaces
+    its `optimizer.step()`::
+
+        model = Net()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        diloco = hvd_lowcomm.DiLoCo(model, opt, total_steps=epochs * len(loader))
+        for x, y in loader:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            diloco.step()              # gradients averaged in the group, opt.step(); every H: outer step
+        final = diloco.full_model()    # the model after a sync of every fragment (collective)
+
+    `step()` averages the gradients inside this rank's group, clips them (`clip_grad_norm`),
+    steps the inner optimiser and, on the steps the schedule says, runs the outer step of the
+    fragments due. `total_steps` lets a `sync_every` below 1 mean a fraction of the run; keyword
+    options are those of `DiLoCoOptions`. Every rank starts from rank 0's parameters and
+    optimiser state. Collective: every rank constructs it and takes every step. With mixed
+    precision pass the loop's GradScaler (`scaler=`) and call `scaler.scale(loss).backward()`:
+    `step()` unscales, clips, `scaler.step(optimizer)` and `scaler.update()`.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, total_steps: int | None = None,
+                 options: DiLoCoOptions | None = None, clip_grad_norm: float = 0.0, scaler: Any = None,
+                 **kwargs: Any) -> None:
+        o = make_options(DiLoCoOptions, "diloco", options, **kwargs)
+        require_run_length(o, ("sync_every",), total_steps, "diloco")
+        self.options, self.model, self.optimizer, self.clip_grad_norm = o, model, optimizer, clip_grad_norm
+        self.scaler = scaler
+        groups = runtime.default_group_count(o.groups, runtime.size())
+        runtime.group_layout(runtime.size(), num_groups=groups)  # a clear error when they do not divide
+        self.group, self.all_groups = runtime.split_world(num_groups=groups, label="group")
+        self.column, _ = runtime.split_by_position(groups, label="column")
+        self.position = self.group.rank_of(runtime.rank())
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        bounds = fragment_bounds([p.numel() for _, p in named], o.fragments)
+        parts = [named[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        self.inner_named = [(f"diloco.inner.{name}", p) for name, p in named]  # what the group averages
+        self.buffers = [(name, b) for name, b in model.named_buffers() if b.is_floating_point()]
+        broadcast_model_and_optimizer(model, optimizer)
+        # Per fragment: this rank's slice of its global copy (rank 0's now), its outer optimiser, its exchange.
+        self.fragments = [Fragment.make(f, params, self._local_slice(params), self.column, o)
+                          for f, params in enumerate(parts)]
+        self.worker: concurrent.futures.ThreadPoolExecutor | None = None  # runs delayed exchanges
+        self.exchange_wait_seconds = 0.0  # what steps waited for exchanges between groups
+        self.inner_steps = 0
+        self.outer_steps = 0
+        self.synced_now = False  # whether the step just taken ended with an outer step
+        self.every: int | None = None
+        if total_steps not in (None, SET_LATER):
+            self.set_total_steps(total_steps)
+        elif o.sync_every >= 1:  # steps: the schedule is known now
+            self._set_every(int(o.sync_every))
+
+    def set_total_steps(self, total_steps: int) -> None:
+        """Fix H for a run of `total_steps` steps (resolves a fractional sync_every)."""
+        self._set_every(max(1, run_steps(self.options.sync_every, total_steps, "diloco.sync_every")))
+        o = self.options
+        delay = f", applied {o.sync_delay} steps later (alpha {o.update_alpha})" if o.sync_delay else \
+            ", behind the whole next period (eager)" if o.eager else ""
+        if o.compression in ("sparse", "lowrank") and o.outer_momentum:
+            # Far worse than plain averaging wherever measured (docs: benchmarks, "DiLoCo's exchange between groups")
+            runtime.announce(f"diloco: warning: {o.compression} with outer momentum {o.outer_momentum} trained far "
+                             f"worse than with plain averaging in every measurement here: its error feedback already "
+                             f"carries what momentum would (SparseLoCo); consider --diloco.outer_momentum 0 "
+                             f"--diloco.outer_lr 1")
+        runtime.announce(f"diloco: {len(self.all_groups)} groups of {self.group.size} rank(s); an outer step every "
+                         f"{self.every} inner steps ({len(self.fragments)} fragment(s), {o.compression} exchange"
+                         f"{delay}; outer lr {o.outer_lr}, momentum {o.outer_momentum})")
+
+    def _set_every(self, every: int) -> None:
+        self.options.check_schedule(every)
+        if (self.options.sync_delay or self.options.eager) and self.worker is None:
+            from mpi4py import MPI
+
+            if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+                raise ConfigError("diloco.sync_delay and diloco.eager run the exchange on a second thread, which needs MPI "
+                                  "initialised with MPI_THREAD_MULTIPLE (mpi4py's default; check mpi4py.rc)")
+            self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="diloco-exchange")
+        self.every = every
+
+    # -- one step ------------------------------------------------------------------------------
+    def step(self) -> None:
+        """After the caller's backward pass: the inner step, then the outer step of every
+        fragment due (see the class)."""
+        if self.every is None:  # steps only: a fraction needs set_total_steps()
+            self._set_every(max(1, run_steps(self.options.sync_every, None, "diloco.sync_every")))
+        exchange_gradients(self.inner_named, self.group)
+        step_inner_optimizer(self.optimizer, [p for _, p in self.inner_named], self.clip_grad_norm, self.scaler)
+        self.inner_steps += 1
+        for f in self.fragments:
+            f.since_sync += 1
+        starting = [f for f in self.fragments if sync_due(self.inner_steps, f.index, self.every, len(self.fragments))]
+        if self.options.eager:
+            if starting:
+                self._eager_step(starting)
+                self.outer_steps += 1
+            self.synced_now = bool(starting)
+            return
+        for f in starting:
+            self._start(f, background=bool(self.options.sync_delay))
+        due = [f for f in self.fragments if f.in_flight is not None and f.in_flight.apply_at == self.inner_steps]
+        if due:
+            self._apply(due)
+            self.outer_steps += 1
+        self.synced_now = bool(due)
+
+    def agreement_group(self) -> runtime.Group | None:
+        """Where the loop's per-step checks run: the whole world right after an outer step (all
+        ranks met in it), else this rank's group (the groups run free)."""
+        return None if self.synced_now else self.group
+
+    # -- the outer step ------------------------------------------------------------------------
+    def _flat(self, params: list[tuple[str, nn.Parameter]]) -> torch.Tensor:
+        """A fragment's parameters as one vector, padded with zeros to a whole number of slices."""
+        flat = torch.cat([p.detach().reshape(-1) for _, p in params])
+        length = shard_length(len(flat), self.group.size) * self.group.size
+        return torch.cat([flat, flat.new_zeros(length - len(flat))])
+
+    def _local_slice(self, params: list[tuple[str, nn.Parameter]]) -> torch.Tensor:
+        length = shard_length(sum(p.numel() for _, p in params), self.group.size)
+        return self._flat(params)[self.position * length:(self.position + 1) * length].clone()
+
+    def _start(self, fragment: Fragment, background: bool, delta: torch.Tensor | None = None) -> None:
+        """Start averaging the fragment's pseudo-gradient slice (`delta`, or global - local now)
+        over the column: at once, or on the worker thread, to be applied `sync_delay` steps
+        later (eager: at the fragment's next sync)."""
+        if delta is None:
+            delta = fragment.global_slice.detach() - self._local_slice(fragment.params)
+        shapes = [tuple(p.shape) for _, p in fragment.params]
+        collective = fragment.exchange.start(fragment.index, delta, shapes, self.position * len(delta))
+        keeps = background and bool(self.options.sync_delay) and self.options.update_alpha > 0
+        prepared = [p.detach().clone() for _, p in fragment.params] if keeps else None
+        if background:
+            result = self.worker.submit(collective)
+        else:
+            with self._waiting():
+                result = collective()
+        later = (self.every if self.options.eager else self.options.sync_delay) if background else 0
+        fragment.in_flight = InFlight(result, self.inner_steps + later, prepared)
+
+    def _settle(self) -> None:
+        """Wait for every exchange in flight (its result is kept for its own step)."""
+        for f in self.fragments:
+            if f.in_flight is not None:
+                self._result(f.in_flight)
+
+    def _result(self, flight: InFlight) -> torch.Tensor:
+        """An exchange's mean, waited for if it is still on the worker thread."""
+        if isinstance(flight.result, concurrent.futures.Future):
+            with self._waiting():
+                flight.result = flight.result.result()
+        return flight.result
+
+    def _eager_step(self, due: list[Fragment]) -> None:
+        """Eager updates (see the module): start each due fragment's exchange behind the next
+        period and step its global copy now with this group's own part of the mean and the other
+        groups' part of the previous exchange's."""
+        own = [f.global_slice.detach() - self._local_slice(f.params) for f in due]
+        for f, mine in zip(due, own):
+            outer_gradient = mine / len(self.all_groups)
+            if f.in_flight is not None:
+                outer_gradient = outer_gradient + self._others_part(f, f.in_flight)
+            f.in_flight = InFlight(outer_gradient, self.inner_steps, None)
+        self._apply(due)
+        for f, mine in zip(due, own):
+            self._start(f, background=True, delta=mine)
+            f.own_previous = mine
+
+    def _others_part(self, fragment: Fragment, flight: InFlight) -> torch.Tensor:
+        """Eager: the other groups' part of an exchange's mean (the mean less this group's own)."""
+        return self._result(flight) - fragment.own_previous / len(self.all_groups)
+
+    @contextlib.contextmanager
+    def _waiting(self) -> Iterator[None]:
+        """Time blocked on the exchange between groups: the meter's, and in training (not in
+        an evaluation's trial sync) this trainer's exchange_wait_seconds."""
+        start = time.perf_counter()
+        with meter.waiting():
+            yield
+        if meter.phase == "train":
+            self.exchange_wait_seconds += time.perf_counter() - start
+
+    def _apply(self, due: list[Fragment], keep_unsent: bool = True) -> None:
+        """Step the due fragments' global slices with their averaged pseudo-gradients and give
+        every rank of the group the new global parameters (plus update_alpha of the progress
+        made since the exchange started, when it ran behind inner steps; with keep_unsent, less
+        what the exchange left unsent: Δ is global - local, so the group's model keeps that
+        progress, and its next Δ carries it as the accumulator would have)."""
+        self._settle()
+        flights = [f.in_flight for f in due]
+        models = []
+        for f, flight in zip(due, flights):
+            f.in_flight = None
+            f.outer.zero_grad(set_to_none=True)
+            f.global_slice.grad = flight.result
+            f.outer.step()
+            unsent = f.exchange.take_unsent(f.index) if keep_unsent and self.options.keeps_unsent else None
+            own = f.global_slice.detach()
+            models.append((f"diloco.global.{f.index}", own if unsent is None else own - unsent.to(own.device)))
+        gathered = meter.allgather_many(models, self.group)
+        with torch.no_grad():
+            for f, flat, flight in zip(due, gathered, flights):
+                offset = 0
+                for i, (_, p) in enumerate(f.params):
+                    new = flat[offset:offset + p.numel()].view_as(p)
+                    if flight.prepared is not None:  # keep alpha of what was learned meanwhile
+                        new = new + self.options.update_alpha * (p - flight.prepared[i])
+                    p.copy_(new)
+                    offset += p.numel()
+                f.since_sync = self.options.sync_delay if flight.prepared is not None else 0
+            if self.fragments[0] in due and self.buffers:
+                averaged_buffers = meter.allreduce_many([(f"diloco.buffer.{n}", b) for n, b in self.buffers],
+                                                        self.column, op="average")
+                for (_, b), value in zip(self.buffers, averaged_buffers):
+                    b.copy_(value)
+
+    # -- evaluation, the final model, checkpoints ---------------------------------------------
+    @contextlib.contextmanager
+    def synced(self) -> Iterator[nn.Module]:
+        """The model a blocking outer step of every fragment with inner steps since its last
+        sync would give now (with keep_unsent of every fragment: a group's model differs from
+        the global one even right after a sync), with eager the other groups' parts still in
+        flight added too (collective; its traffic counts in the current meter phase); the
+        groups' own state, and any exchange in flight, are restored afterwards."""
+        pending = [f for f in self.fragments
+                   if f.since_sync or (self.options.eager and f.in_flight is not None) or self.options.keeps_unsent]
+        if not pending:
+            yield self.model
+            return
+        self._settle()  # the exchange in flight uses the same state: let it finish first
+        with trial_sync(self.model, lambda: self._sync_now(pending), self._sync_state, self._load_sync_state) as model:
+            yield model
+
+    def _sync_now(self, fragments: list[Fragment]) -> None:
+        in_flight = [f.in_flight for f in self.fragments]  # set aside: restored with the rest
+        for f in self.fragments:
+            f.in_flight = None
+        for f in fragments:
+            self._start(f, background=False)
+            held = in_flight[f.index]
+            if self.options.eager and held is not None:  # and the other groups' parts not yet applied
+                f.in_flight.result = f.in_flight.result + self._others_part(f, held)
+        self._apply(fragments, keep_unsent=False)  # the synced model itself, the same on every rank
+        for f, held in zip(self.fragments, in_flight):
+            f.in_flight = held
+
+    def _sync_state(self) -> list[tuple[Any, ...]]:
+        return [(f.global_slice.detach().clone(), copy.deepcopy(f.outer.state_dict()), f.exchange.state_dict(),
+                 f.since_sync) for f in self.fragments]
+
+    def _load_sync_state(self, state: list[tuple[Any, ...]]) -> None:
+        with torch.no_grad():
+            for f, (global_slice, outer_state, exchange_state, since) in zip(self.fragments, state):
+                f.global_slice.copy_(global_slice)
+                f.outer.load_state_dict(outer_state)
+                f.exchange.load_state_dict(exchange_state)
+                f.since_sync = since
+
+    def full_model(self) -> nn.Module:
+        """The synced model, the same on every rank (collective; its traffic counts as eval)."""
+        with meter.in_phase("eval"):
+            with self.synced() as model:
+                final = copy.deepcopy(model)
+            self._settle()  # nothing may be left on the wire when the job ends
+            # The sync's last collective is the group's own allgather: without this, a group that
+            # finishes first may exit, and Horovod's shutdown then fails another group's gather.
+            meter.barrier("diloco.full_model")
+        return final
+
+    between_groups = ("column", "world")  # the column exchange, and the loop's checks at outer steps
+
+    def epoch_metrics(self) -> dict[str, Any]:
+        return {"outer_steps": self.outer_steps, "sync_every": self.every,
+                "exchange_wait_seconds": round(self.exchange_wait_seconds, 4), **group_traffic(self.between_groups)}
+
+    summary_metrics = epoch_metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the ranks of one group share: model, inner optimiser, position in the cycle."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "diloco": {"inner_steps": self.inner_steps, "since_sync": [f.since_sync for f in self.fragments],
+                           "outer_steps": self.outer_steps, "synced_now": self.synced_now}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        d = state["diloco"]
+        self.inner_steps = d["inner_steps"]
+        for f, since in zip(self.fragments, d["since_sync"]):
+            f.since_sync = since
+        self.outer_steps, self.synced_now = d["outer_steps"], d["synced_now"]
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """What is this rank's own: its slices of the global copy, their outer momentum, the
+        exchange's error feedback (and warm start), and any exchange in flight (waited for, so
+        a run resumed from here applies the same result at the same step)."""
+        self._settle()
+        return {"global_slices": [f.global_slice.detach().clone() for f in self.fragments],
+                "outer": joined_outer_state([f.outer for f in self.fragments]),
+                "exchange": joined_exchange_state([f.exchange for f in self.fragments]),
+                "own_previous": {f.index: f.own_previous.clone() for f in self.fragments if f.own_previous is not None},
+                "in_flight": {f.index: (f.in_flight.result.clone(), f.in_flight.apply_at, f.in_flight.prepared)
+                              for f in self.fragments if f.in_flight is not None}}
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        in_flight = {int(f): InFlight(*flight) for f, flight in state["in_flight"].items()}
+        own_previous = {int(f): own.clone() for f, own in state.get("own_previous", {}).items()}
+        with torch.no_grad():
+            for f, global_slice in zip(self.fragments, state["global_slices"]):
+                f.global_slice.copy_(global_slice)
+                f.outer.load_state_dict(outer_state_of(state["outer"], f.index))
+                f.exchange.load_state_dict(exchange_state_of(state["exchange"], f.index))
+                f.in_flight, f.own_previous = in_flight.get(f.index), own_previous.get(f.index)
+
+
+@dataclass
+class InFlight:
+    """A fragment's started exchange: its result (a Future while it runs on the worker thread),
+    the inner step it is applied after, and the fragment's parameters when it started (where
+    update_alpha keeps the progress made since)."""
+
+    result: Any
+    apply_at: int
+    prepared: list[torch.Tensor] | None
+
+
+@dataclass(eq=False)
+class Fragment:
+    """One part of the model that syncs on its own schedule (Streaming DiLoCo), and all this
+    rank holds for it (torchft's _StreamingDiLoCoFragment): with one fragment, the whole model."""
+
+    index: int                              # its place among the fragments: its sync offset, its exchange's key
+    params: list[tuple[str, nn.Parameter]]  # its parameters, a contiguous run of the model's
+    global_slice: nn.Parameter              # this rank's slice of its global copy: what the outer step steps
+    outer: torch.optim.Optimizer            # the outer optimiser over global_slice (its momentum)
+    exchange: Exchange                      # its exchange between groups (error feedback, warm start)
+    since_sync: int = 0                     # inner steps since its last sync
+    in_flight: InFlight | None = None       # its started exchange, until applied
+    own_previous: torch.Tensor | None = None  # eager: this group's part of the exchange in flight
+
+    @classmethod
+    def make(cls, index: int, params: list[tuple[str, nn.Parameter]], local_slice: torch.Tensor,
+             column: runtime.Group, options: DiLoCoOptions) -> "Fragment":
+        """A fragment whose global copy starts as this rank's `local_slice` of it."""
+        global_slice = nn.Parameter(local_slice)
+        return cls(index, params, global_slice, outer_optimizer([global_slice], options), make_exchange(column, options))
+
+
+# The checkpoint holds the fragments' outer optimisers as one SGD's state over every global slice,
+# and their exchanges' states as one exchange's, keyed by fragment: a checkpoint loads whichever
+# way the fragments' state is held.
+
+def joined_outer_state(outers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+    """The fragments' outer optimisers' states as one optimiser's over all global slices, in order."""
+    states = [o.state_dict() for o in outers]
+    return {"state": {f: entry for f, s in enumerate(states) for entry in s["state"].values()},
+            "param_groups": [{**states[0]["param_groups"][0], "params": list(range(len(states)))}]}
+
+
+def outer_state_of(joined: dict[str, Any], fragment: int) -> dict[str, Any]:
+    """One fragment's outer optimiser state from `joined_outer_state`'s form."""
+    entry = {int(f): s for f, s in joined["state"].items()}.get(fragment)
+    return {"state": {} if entry is None else {0: entry}, "param_groups": [{**joined["param_groups"][0], "params": [0]}]}
+
+
+def joined_exchange_state(exchanges: list[Exchange]) -> dict[str, Any]:
+    """The fragments' exchange states (each a dict of per-fragment dicts) as one."""
+    states = [e.state_dict() for e in exchanges]
+    return {key: {f: v for s in states for f, v in s[key].items()} for key in states[0]}
+
+
+def exchange_state_of(joined: dict[str, Any], fragment: int) -> dict[str, Any]:
+    """One fragment's exchange state from `joined_exchange_state`'s form."""
+    return {key: {f: v for f, v in value.items() if int(f) == fragment} for key, value in joined.items()}

@@ -1,0 +1,70 @@
+"""DiLoCo's cost: the facts it needs of a model, and its predicted bytes and step time."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch.nn as nn
+
+from hvd_lowcomm.comm import runtime
+from hvd_lowcomm.comm.traffic import FLOAT_BYTES
+from hvd_lowcomm.config import Config, ConfigError
+from hvd_lowcomm.costmodel import Link, Prediction, Profile, RunAssumptions, sent_bytes
+from hvd_lowcomm.methods.diloco.options import DiLoCoOptions, fragment_bounds, shard_length, sync_due
+from hvd_lowcomm.methods.outer_exchange import Transfer, make_exchange
+from hvd_lowcomm.schedule import run_steps
+
+
+def diloco_facts(model: nn.Module, input_shape: tuple[int, ...], options: DiLoCoOptions, cfg: Config
+                 ) -> dict[str, Any]:
+    """The shapes of each fragment's tensors, and the numbers in the floating-point buffers."""
+    shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+    bounds = fragment_bounds([math.prod(s) for s in shapes], options.fragments)
+    return {"fragments": [shapes[a:b] for a, b in zip(bounds[:-1], bounds[1:])],
+            "buffers": sum(b.numel() for b in model.buffers() if b.is_floating_point())}
+
+
+def predict_diloco(profile: Profile, world_size: int, link: Link, o: DiLoCoOptions, cfg: Config,
+                   assumptions: RunAssumptions) -> Prediction:
+    """The mean step over a run of assumptions.run_steps steps: every step the gradients are
+    allreduced inside the group (on the node's links when a group fits in a node); each
+    fragment's syncs average its slice over the column (one rank per group, across the network
+    once groups fill nodes) by the exchange's own collectives, then the group allgathers the
+    fragment. Bytes are the busiest position's (low-rank slices differ in their matrices)."""
+    groups = runtime.groups_for(o.groups, world_size, link.ranks_per_node)
+    if world_size % groups:
+        raise ConfigError(f"diloco: {world_size} ranks do not split into {groups} groups")
+    g, runs = world_size // groups, max(assumptions.run_steps, 1)
+    every = max(1, run_steps(o.sync_every, runs, "diloco.sync_every"))
+    facts = profile.facts["diloco"]
+    inner = FLOAT_BYTES * profile.params
+    comm = runs * link.allreduce(inner, g, world_size)
+    sent = runs * sent_bytes("allreduce", inner, g)
+    between_nodes = sent * link.node_share(g)
+    across = g >= link.ranks_per_node  # a column's ranks sit on different nodes once groups fill nodes
+    exchange = make_exchange(None, o, members=groups)
+    for f, shapes in enumerate(facts["fragments"]):
+        starts = [s for s in range(1, runs + 1) if sync_due(s, f, every, len(facts["fragments"]))]
+        # a delayed exchange may land after the run; an eager step lands at once
+        applied = len(starts) if o.eager else sum(s + o.sync_delay <= runs for s in starts)
+        length = shard_length(sum(math.prod(s) for s in shapes), g)
+        transfers = max((exchange.transfers(length, shapes, position * length) for position in range(g)),
+                        key=lambda ts: sum(t.sent_bytes(groups) for t in ts))
+        landing = [Transfer("allreduce", FLOAT_BYTES * facts["buffers"])] if f == 0 and facts["buffers"] else []
+        column = [sum(t.sent_bytes(groups) for t in ts) for ts in (transfers, landing)]
+        # an alltoall's time is an allgather's of its parts
+        cost = [sum(link.allreduce(t.payload, groups, world_size, spans_nodes=across) if t.op == "allreduce" else
+                    link.allgather(t.payload / (groups if t.op == "alltoall" else 1), groups, world_size, spans_nodes=across)
+                    for t in ts) for ts in (transfers, landing)]
+        gather = sent_bytes("allgather", FLOAT_BYTES * length, g)  # the group's, inside it
+        cost[1] += link.allgather(FLOAT_BYTES * length, g, world_size)
+        between_nodes += (len(starts) * column[0] + applied * column[1]) * link.node_share(groups, across) \
+            + applied * gather * link.node_share(g)
+        # A delayed exchange waits on the network behind sync_delay inner steps, an eager one
+        # behind the whole period (its thread needs no core of its own: it mostly waits); what
+        # they do not cover is exposed.
+        behind = every if o.eager else o.sync_delay
+        exposed = max(0.0, cost[0] - behind * (profile.step_seconds + link.allreduce(inner, g, world_size)))
+        comm += len(starts) * exposed + applied * cost[1]
+        sent += len(starts) * column[0] + applied * (column[1] + gather)
+    return Prediction("diloco", world_size, profile.step_seconds, 0.0, comm / runs, 0.0, sent / runs, between_nodes / runs)
