@@ -45,148 +45,26 @@ import copy
 import math
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, ClassVar, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.nn as nn
 
 from hvd_lowcomm import task
 from hvd_lowcomm.comm import runtime
-from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
-from hvd_lowcomm.config import Config, ConfigError, make_options, option
-from hvd_lowcomm.costmodel import (Link, LayerSample, MethodCost, Prediction, Profile, RunAssumptions, median_seconds,
-                                   sent_bytes)
-from hvd_lowcomm.registry import register
+from hvd_lowcomm.comm.traffic import meter
+from hvd_lowcomm.config import ConfigError, make_options
+from hvd_lowcomm.methods.ab.options import ABOptions, Schedule, check_groups
 from hvd_lowcomm.methods.base import broadcast_model_and_optimizer, exchange_gradients
-from hvd_lowcomm.methods.grouped import (GroupedOptions, GroupTrainerMethod, group_traffic, outer_optimizer,
-                                         step_inner_optimizer, trial_sync)
-from hvd_lowcomm.methods.factorized import (RANK_RULES, FactorizedLayer, choose_rank,
-                                            dropped_fraction, factorize_model, leading_svd, noise_edge,
-                                            unfactorized_copy)
+from hvd_lowcomm.methods.factorized import (FactorizedLayer, choose_rank, dropped_fraction, factorize_model,
+                                            noise_edge, unfactorized_copy)
+from hvd_lowcomm.methods.grouped import group_traffic, outer_optimizer, step_inner_optimizer, trial_sync
 from hvd_lowcomm.models.layer_kinds import kind_of
-from hvd_lowcomm.schedule import SET_LATER, require_run_length, run_steps
+from hvd_lowcomm.schedule import SET_LATER, require_run_length
 
-SYNC_MODES = ("with-stale", "only-learned", "only-b", "full")
 # What `ABTraining.step` measures a cut on: the model's input, or its keyword arguments (an
 # encoder-decoder needs the decoder's too: {"input_ids": x, "labels": y} for a Hugging Face T5).
 ModelInput = torch.Tensor | Mapping[str, Any]
-COMM_SETUPS = ("groups", "individual")
-INITS = ("default", "ortho-sigma")
-
-
-@dataclass
-class ABOptions(GroupedOptions):
-    """AB-training: low-rank factors A, B trained by independent groups of ranks."""
-
-    section: ClassVar[str] = "ab"
-
-    # Schedule lengths: steps, or below 1 a fraction of the run's steps, so the defaults fit a
-    # run of any length (sync_every: the reference syncs about every twentieth of its run).
-    warmup: float = option(0.1, "full-rank data-parallel steps before the first factorisation (< 1: fraction "
-                                "of the run's steps)")
-    sync_every: float = option(0.05, "group-phase steps between global syncs (< 1: fraction of the run)")
-    full_rank_steps: float = option(0.01, "full-rank data-parallel steps after each sync (< 1: fraction of the run)")
-    rank_rule: str = option("noise", "which singular values a re-factorisation keeps: noise (those above the "
-                                     "random bulk's edge, Gavish-Donoho threshold on the median) or tau "
-                                     "(sigma_i > tau * sigma_1, the reference's rule)", choices=RANK_RULES)
-    tau: float = option(0.15, "rank_rule tau: keep singular values > tau * sigma_1")
-    max_output_error: float = option(0.25, "floor beside the rank rule: a cut drops at most this share "
-                                           "(relative Frobenius norm) of a layer's output on the step's batch "
-                                           "(of its weight for convolutions without unfolded inputs)")
-    max_accuracy_drop: float = option(0.03, "undo a cut (keep more rank) that lowers the step's pooled batch "
-                                             "accuracy by more than this")
-    # A cut's rank is a ceiling (W = A B keeps it through syncs, full-rank phases add few directions),
-    # so a floor keeps room for what the layer learns later, one share for every layer: the total rank
-    # costs, not how it is spread (docs: transformers, "At the adaptive defaults").
-    min_rank_share: float = option(0.25, "a cut keeps at least this share of a layer's smaller side")
-    # Beside the accuracy guard: a language model's cut shows in its loss, while its next-token
-    # accuracy barely moves (docs: ab, "Rank").
-    max_loss_rise: float = option(0.01, "undo a cut (keep more rank) that raises the step's pooled batch loss by "
-                                        "more than this share")
-    sync_mode: str = option("with-stale", "how factors are combined at a sync", choices=SYNC_MODES)
-    comm: str = option("groups", "groups: a group averages its trained factor every step; individual: every "
-                                 "rank trains its own copy until the sync", choices=COMM_SETUPS)
-    init: str = option("default", "ortho-sigma: set every weight's singular values to 1 before training "
-                                  "(the reference's init)", choices=INITS)
-    full_rank: list[str] = option(["first", "last"], "layers never factorised (names, or first/last)")
-    first_full_rank: bool = option(True, "keep every singular value at the first factorisation")
-    # What a cut removes cannot be learned any more, and a layer goes on learning directions long
-    # after warm-up, so the first cut waits until they have mostly settled (docs: ab, "Schedule").
-    first_cut: float = option(0.5, "re-factorisations before this step keep every singular value; the "
-                                   "first one from it on cuts (< 1: fraction of the run's steps; 0: every "
-                                   "re-factorisation cuts)")
-    # Off by default: cycles here are tens of steps, and a third of each spent at a reduced rate is
-    # lost learning (docs: ab, "Schedule").
-    rebound_steps: float = option(0.0, "steps to ramp the LR back after a switch (0: no rebound; < 1: "
-                                       "fraction of the run; the reference uses about a third of a cycle)")
-    rebound_lr: float = option(1e-5, "LR right after a switch")
-    reset_optimizer: bool = option(False, "drop the factors' optimiser moments at re-factorisation")
-    # The outer step (GroupedOptions' outer_*) at every sync: the change the groups made to every
-    # weight (W = A B) and dense parameter since the group phase began is a pseudo-gradient,
-    # and SGD with momentum steps the weights from where the phase began. lr 1 and momentum
-    # 0: the sync's plain average (the paper's AB-training).
-
-    def validate(self) -> None:
-        super().validate()
-        if self.warmup < 0 or self.full_rank_steps < 0 or self.rebound_steps < 0:
-            raise ConfigError("ab.warmup, ab.full_rank_steps and ab.rebound_steps must be >= 0")
-        if self.sync_every <= 0:
-            raise ConfigError(f"ab.sync_every must be > 0, got {self.sync_every}")
-        if self.first_cut < 0:
-            raise ConfigError(f"ab.first_cut must be >= 0, got {self.first_cut}")
-        for name in ("warmup", "sync_every", "full_rank_steps", "rebound_steps", "first_cut"):
-            value = getattr(self, name)
-            if value > 1 and value != int(value):
-                raise ConfigError(f"ab.{name} must be a whole number of steps or a fraction below 1, got {value}")
-        if not 0.0 < self.tau < 1.0:
-            raise ConfigError(f"ab.tau must be in (0, 1), got {self.tau}")
-        if not 0.0 <= self.max_output_error < 1.0:
-            raise ConfigError(f"ab.max_output_error must be in [0, 1), got {self.max_output_error}")
-        if not 0.0 <= self.min_rank_share <= 1.0:
-            raise ConfigError(f"ab.min_rank_share must be in [0, 1], got {self.min_rank_share}")
-        if self.max_loss_rise < 0:
-            raise ConfigError(f"ab.max_loss_rise must be >= 0, got {self.max_loss_rise}")
-        if not 0.0 <= self.max_accuracy_drop <= 1.0:
-            raise ConfigError(f"ab.max_accuracy_drop must be in [0, 1], got {self.max_accuracy_drop}")
-        if self.rebound_lr <= 0:
-            raise ConfigError(f"ab.rebound_lr must be > 0, got {self.rebound_lr}")
-
-
-class Schedule:
-    """Which phase global step t is in, and what happens when entering it."""
-
-    def __init__(self, o: ABOptions, total_steps: int | None = None) -> None:
-        self.warmup, self.sync_every, self.full_rank_steps, self.rebound_steps, self.first_cut = (
-            run_steps(o.warmup, total_steps, "ab.warmup"), max(1, run_steps(o.sync_every, total_steps, "ab.sync_every")),
-            run_steps(o.full_rank_steps, total_steps, "ab.full_rank_steps"),
-            run_steps(o.rebound_steps, total_steps, "ab.rebound_steps"), run_steps(o.first_cut, total_steps, "ab.first_cut"))
-
-    def phase(self, t: int) -> str:
-        if t < self.warmup:
-            return "warmup"
-        return "group" if self.position(t) < self.sync_every else "full"
-
-    def position(self, t: int) -> int:
-        return (t - self.warmup) % (self.sync_every + self.full_rank_steps)
-
-    def cuts(self, t: int) -> bool:
-        """Whether a re-factorisation at the start of step t cuts (else it keeps every singular value)."""
-        return t >= self.first_cut
-
-    def transitions(self, t: int) -> list[str]:
-        """Actions at the start of step t: factorize-first, sync, refactorize."""
-        now = self.phase(t)
-        before = self.phase(t - 1) if t > 0 else "warmup"
-        if now == "group" and before == "warmup":
-            return ["factorize-first"]
-        if now == "full" and before == "group":
-            return ["sync"]
-        if now == "group" and before == "full":
-            return ["refactorize"]
-        if now == "group" and t > self.warmup and self.position(t) == 0:  # full_rank_steps == 0
-            return ["sync", "refactorize"]
-        return []
 
 
 class ABTraining:
@@ -633,14 +511,6 @@ def check_outputs_fit_labels(model: nn.Module, x: ModelInput, y: torch.Tensor | 
             f"the cut is then judged against the dense model's own predictions") from None
 
 
-def check_groups(options: ABOptions, groups: int, world_size: int) -> None:
-    if groups < 2 and options.sync_mode != "only-b":
-        raise ConfigError(f"AB-training needs at least 2 groups (A-groups and B-groups), got {groups}: pass "
-                          f"--ab.groups 2 (or more) with a rank count it divides, or --ab.sync_mode only-b, "
-                          f"which trains B alone and allows one group")
-    runtime.group_layout(world_size, num_groups=groups)
-
-
 def check_factorizable(model: nn.Module, full_rank: list[str], example: torch.Tensor) -> None:
     """Factorise a copy and check it computes what the model does, dense and as A B at full
     rank: a module that reads a child's weight itself would not see A and B."""
@@ -677,138 +547,6 @@ def _add_factors_to_optimizer(optimizer: torch.optim.Optimizer, layers: Iterable
                               f"with full_rank")
         present = {id(p) for p in group["params"]}
         group["params"].extend(p for p in (layer.A, layer.B) if id(p) not in present)
-
-
-# ---------------------------------------------------------------------------------------------
-# the cost model's view (hvd_lowcomm.costmodel)
-
-def assumed_rank(fan_in: int, fan_out: int, assumptions: RunAssumptions, o: ABOptions) -> int:
-    """The rank the cost model assumes AB's cuts keep for a fan_in × fan_out layer: the assumed
-    share of its smaller side, and never below the cuts' floor (min_rank_share)."""
-    side = min(fan_in, fan_out)
-    return max(1, round(assumptions.rank_share * side), math.ceil(o.min_rank_share * side))
-
-
-def ab_kernels(sample: LayerSample, options: ABOptions, cfg: Config) -> dict[str, Any]:
-    """A re-factorisation's leading triplets and residual at the assumed rank, and a full SVD
-    (the first factorisation's and the first cut's)."""
-    tall = torch.randn(max(sample.fan_in, sample.fan_out), min(sample.fan_in, sample.fan_out),
-                       generator=torch.Generator().manual_seed(0))
-    width = min(2 * assumed_rank(sample.fan_in, sample.fan_out, RunAssumptions(), options) + 16, tall.shape[1])
-
-    def leading() -> None:
-        u, s, vh = leading_svd(tall, width)
-        _ = tall - (u * s) @ vh
-    return {"ab_leading": leading, "ab_svd": _svd_seconds(*tall.shape)}
-
-
-def _svd_seconds(rows: int, cols: int, largest: int = 1024) -> float:
-    """A full SVD of a rows × cols matrix (rows >= cols), O(rows cols²): timed at most
-    `largest` columns wide and scaled, so that profiling a wide model stays quick."""
-    scale = min(1.0, largest / cols)
-    small = (max(1, round(rows * scale)), max(1, round(cols * scale)))
-    matrix = torch.randn(*small, generator=torch.Generator().manual_seed(0))
-    seconds = median_seconds(lambda: torch.linalg.svd(matrix, full_matrices=False))
-    return seconds * (rows * cols * cols) / (small[0] * small[1] * small[1])
-
-
-def predict_ab(profile: Profile, world_size: int, link: Link, o: ABOptions, cfg: Config,
-               assumptions: RunAssumptions) -> Prediction:
-    """AB-training's mean step over a run of assumptions.run_steps steps (its default layers:
-    every weight layer but the first and last is factorised). Warm-up and full-rank steps are
-    ddp steps; a group step allreduces the trained factor (the larger of A's and B's, which sets
-    the pace at the next sync) and the dense parameters inside its group (on the node's own
-    links when a group fits in a node); once per cycle a sync allreduces A, B and the rest over
-    all ranks, and a re-factorisation computes each layer's leading triplets and checks the cut
-    with two forward passes; the first factorisation and every re-factorisation up to the first
-    cut (first_cut) take full SVDs, and until then the factors are full-rank. The bytes are an
-    A-group rank's (B-group ranks send less)."""
-    factorised = profile.layers[1:-1]
-    if not factorised:
-        raise ConfigError("ab: the model needs a weight layer besides the first and the last to factorise")
-    groups = runtime.groups_for(o.groups, world_size, link.ranks_per_node)
-    if world_size % groups or groups < 2:
-        raise ConfigError(f"ab: {world_size} ranks do not split into {groups} groups")
-    runs = max(assumptions.run_steps, 1)
-    schedule = Schedule(o, runs)
-    # Walk the schedule: per step its phase and whether the factors are cut yet; count the
-    # syncs of full-rank and of cut factors, and the factorisations that take full SVDs.
-    uncut_group_steps = cut_group_steps = full_steps = 0
-    syncs, full_svds, leading_svds, cut = [0, 0], 0, 0, False
-    for t in range(runs):
-        for action in schedule.transitions(t):
-            if action == "sync":
-                syncs[cut] += 1
-                continue
-            truncate = schedule.cuts(t) if action == "refactorize" else not o.first_full_rank
-            if truncate and cut:  # a cut after a cut: the leading triplets near the last rank
-                leading_svds += 1
-            else:
-                full_svds += 1
-            cut = truncate
-        if schedule.phase(t) != "group":
-            full_steps += 1
-        elif cut:
-            cut_group_steps += 1
-        else:
-            uncut_group_steps += 1
-    cycles = sum(syncs)
-    dense = profile.params - sum(layer.fan_in * layer.fan_out for layer in factorised)  # biases, dense layers...
-
-    def factors(cut: bool) -> tuple[int, int]:  # numbers in A and in B: at the assumed rank, or all of it
-        ranks = [assumed_rank(layer.fan_in, layer.fan_out, assumptions, o) if cut else min(layer.fan_in, layer.fan_out)
-                 for layer in factorised]
-        return (sum(max(layer.fan_in, layer.fan_out) * r for layer, r in zip(factorised, ranks)),
-                sum(min(layer.fan_in, layer.fan_out) * r for layer, r in zip(factorised, ranks)))
-
-    g = world_size // groups
-    # A group averages its trained factor (the larger one sets the pace).
-    in_group = [FLOAT_BYTES * (max(factors(cut)) + dense) for cut in (False, True)]
-    at_sync = [FLOAT_BYTES * (sum(factors(cut)) + dense) for cut in (False, True)]
-    ddp_bytes = FLOAT_BYTES * profile.params  # a warm-up or full-rank step: ddp's allreduce
-    ddp_comm = link.allreduce(ddp_bytes, world_size, world_size)
-    # Re-factorisations after the first cut take the leading triplets; each checks its cut with
-    # two forward passes.
-    own = (leading_svds * sum(layer.kernels["ab_leading"] for layer in factorised)
-           + full_svds * sum(layer.kernels["ab_svd"] for layer in factorised) + cycles * 2 * profile.forward_seconds) / runs
-    group_steps = (uncut_group_steps, cut_group_steps)
-    comm = (sum(n * link.allreduce(in_group[c], g, world_size) for c, n in enumerate(group_steps)) + full_steps * ddp_comm
-            + sum(n * link.allreduce(at_sync[c], world_size, world_size) for c, n in enumerate(syncs))) / runs
-    in_groups = sum(n * sent_bytes("allreduce", in_group[c], g) for c, n in enumerate(group_steps))
-    on_world = (full_steps * sent_bytes("allreduce", ddp_bytes, world_size)
-                + sum(n * sent_bytes("allreduce", at_sync[c], world_size) for c, n in enumerate(syncs)))
-    sent = (in_groups + on_world) / runs
-    between_nodes = (in_groups * link.node_share(g) + on_world * link.node_share(world_size)) / runs
-    hidden = full_steps * min(ddp_comm, link.overlap * profile.backward_seconds) / runs  # ddp's overlap in its steps
-    return Prediction("ab", world_size, profile.step_seconds, own, comm, hidden, sent, between_nodes)
-
-
-# The paper trains with AdamW and weight decay 0.1: decay shrinks the directions the gradient
-# does not sustain, which is what a cut removes.
-@register("ab", options=ABOptions, presets={"train.optimizer": "adamw", "train.weight_decay": 0.1},
-          cost=MethodCost(predict_ab, ab_kernels))
-class AB(GroupTrainerMethod):
-    """`--method ab`: ABTraining driven by the built-in loop."""
-
-    trainer_class = ABTraining
-    # The built-in loop's loss fails on the first step if the model's output does not fit the
-    # task's labels: no probe forward pass of its own
-    trainer_arguments = {"check_outputs": False}
-
-    @classmethod
-    def check_groups(cls, cfg: Config, groups: int, world_size: int) -> None:
-        check_groups(cfg.options, groups, world_size)
-
-    def check_model(self, model: nn.Module) -> None:
-        example = task.example_input(2, tuple(self.data.input_shape), self.data.vocabulary,
-                                     torch.Generator().manual_seed(0))
-        check_factorizable(model, self.options.full_rank, example)
-
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        with self.trainer.step(x, y):
-            self.optimizer.zero_grad()
-            loss = self.forward_backward(x, y)
-        return loss
 
 
 def _ortho_sigma(model: nn.Module) -> None:
