@@ -102,13 +102,18 @@ def group_traffic(between: tuple[str, ...]) -> dict[str, float]:
 class GroupTrainerMethod(Method):
     """A method whose training lives in a library object that owns the run's groups and
     schedule (ABTraining, DiLoCo), made in `setup` as `self.trainer` from `trainer_class`: the
-    loop's calls go to it. The trainer provides set_total_steps, agreement_group, synced() (the
-    model a sync would give now, for evaluation), full_model(), epoch_metrics(), state_dict /
-    load_state_dict (the same on the ranks of a group), local_state_dict /
+    loop's calls named in FORWARDED go to it as they are; the methods below hold what the
+    grouped methods share (the group checks, the trainer's setup, evaluation on a trial sync,
+    the final model, the state's owner). The trainer provides set_total_steps,
+    agreement_group, synced() (the model a sync would give now, for evaluation), full_model(),
+    state_dict / load_state_dict (the same on the ranks of a group), local_state_dict /
     load_local_state_dict (each rank's own), `group` and `all_groups`, and epoch_metrics /
     summary_metrics (with `group_traffic`)."""
 
     trainer_class: ClassVar[type]
+    # The loop's calls the trainer answers as they are (the Method contract's names and arguments).
+    FORWARDED: ClassVar[tuple[str, ...]] = ("set_total_steps", "agreement_group", "epoch_metrics", "state_dict",
+                                            "load_state_dict", "local_state_dict", "load_local_state_dict")
     trainer_arguments: ClassVar[dict[str, Any]] = {}  # keywords of the trainer's own for the built-in loop
     trainer: Any
 
@@ -128,12 +133,6 @@ class GroupTrainerMethod(Method):
         self.trainer = self.trainer_class(model, self.optimizer, SET_LATER, options=self.options,
                                           clip_grad_norm=self.cfg.train.clip_grad_norm, **self.trainer_arguments)
 
-    def set_total_steps(self, total_steps: int) -> None:
-        self.trainer.set_total_steps(total_steps)
-
-    def agreement_group(self) -> runtime.Group | None:
-        return self.trainer.agreement_group()
-
     def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int, float]:
         """Accuracy of the model a sync would give now."""
         with self.trainer.synced():
@@ -143,24 +142,22 @@ class GroupTrainerMethod(Method):
         model = self.trainer.full_model()  # collective
         return model.state_dict() if runtime.rank() == 0 else None
 
-    def epoch_metrics(self) -> dict[str, Any]:
-        return self.trainer.epoch_metrics()
-
     def summary_metrics(self) -> dict[str, Any]:
         """How many groups trained (one per node by default), and the trainer's own figures."""
         return {"groups": len(self.trainer.all_groups), **self.trainer.summary_metrics()}
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.trainer.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.trainer.load_state_dict(state)
-
     def state_owner(self) -> int:
         return self.trainer.group.ranks[0]  # groups differ between syncs; the ranks of a group agree
 
-    def local_state_dict(self) -> dict[str, Any]:
-        return self.trainer.local_state_dict()
 
-    def load_local_state_dict(self, state: dict[str, Any]) -> None:
-        self.trainer.load_local_state_dict(state)
+def _forwarded(name: str) -> Callable[..., Any]:
+    """The Method call `name`, answered by the trainer's method of that name."""
+    def forward(self: GroupTrainerMethod, *args: Any) -> Any:
+        return getattr(self.trainer, name)(*args)
+    forward.__name__, forward.__qualname__ = name, f"GroupTrainerMethod.{name}"
+    forward.__doc__ = getattr(Method, name).__doc__
+    return forward
+
+
+for _name in GroupTrainerMethod.FORWARDED:
+    setattr(GroupTrainerMethod, _name, _forwarded(_name))
