@@ -67,3 +67,36 @@ def test_readme_links_into_the_docs_resolve():
     index = (DOCS / "index.rst").read_text() + (DOCS / "methods" / "index.rst").read_text()
     orphans = [p for p in pages if Path(p).stem not in index and not p.endswith("index.rst")]
     assert not orphans, f"docs pages in no toctree: {orphans}"
+
+
+NARRATIVE_WORDS = 12_000  # the whole site's prose: a reader gets through it in an hour
+
+
+def narrative_words(text: str) -> int:
+    """Words of prose in an rst page: code blocks, directives (generated tables included) and
+    their indented bodies, and section underlines left out."""
+    words, skip_deeper_than = [], None
+    for line in text.splitlines():
+        stripped, indent = line.strip(), len(line) - len(line.lstrip())
+        if skip_deeper_than is not None:
+            if not stripped or indent > skip_deeper_than:
+                continue
+            skip_deeper_than = None
+        if stripped.startswith(".. ") or stripped.endswith("::"):
+            if not stripped.startswith(".. "):
+                words.append(stripped[:-2])  # "text::" keeps its text
+            skip_deeper_than = indent
+            continue
+        if not re.fullmatch(r"[=\-~^]+(\s+[=\-~^]+)*", stripped):
+            words.append(line)
+    return len(" ".join(words).split())
+
+
+def test_narrative_words_skip_code_and_directives():
+    page = "Title\n=====\n\nTwo words.\n\n.. code-block:: python\n\n    not counted here\n\nThree more words::\n\n    x = 1\n"
+    assert narrative_words(page) == 1 + 2 + 3
+
+
+def test_the_docs_narrative_is_at_most_twelve_thousand_words():
+    counts = {p.relative_to(DOCS).as_posix(): narrative_words(p.read_text()) for p in DOCS.rglob("*.rst")}
+    assert sum(counts.values()) <= NARRATIVE_WORDS, sorted(counts.items(), key=lambda kv: -kv[1])[:5]
