@@ -33,7 +33,7 @@ ROWS = (
 def _saves(m: heldout.Measured | None) -> str:
     if m is None:
         return "activations at the cuts"
-    return "1× (the reference)" if m.method == "ddp" else f"{m.bytes_vs_ddp:.3g}×"
+    return "1 (the reference)" if m.method == "ddp" else f"{m.bytes_vs_ddp:.3g}"
 
 
 def _costs(m: heldout.Measured | None) -> str:
@@ -41,13 +41,14 @@ def _costs(m: heldout.Measured | None) -> str:
         return "see the method's page"
     if m.method == "ddp":
         return "none"
-    return f"{m.worst}{'' if m.held else ', past the bound'} ({m.sets} sets)"
+    worst = m.worst.replace(" points", " accuracy points").replace("% loss", "% validation loss")
+    return f"{worst}{'' if m.held else ', past the bound'} ({m.sets} sets)"
 
 
 def decision_table(measured: dict[str, heldout.Measured] | None = None) -> str:
     """The README's table: situation, method, what it saves and what it costs at its defaults."""
     measured = heldout.measured() if measured is None else measured
-    rows = [("Your situation", "Method", "Bytes sent", "Worst quality loss")]
+    rows = [("Your situation", "Method", "Bytes sent, × ddp", "Worst result against ddp")]
     rows += [(situation, method, _saves(measured.get(key) if key else None),
               _costs(measured.get(key) if key else None)) for situation, method, key in ROWS]
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]

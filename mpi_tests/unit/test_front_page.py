@@ -38,8 +38,8 @@ def test_decision_table_figures_come_from_the_heldout_summary():
     powersgd = heldout.Measured("powersgd", 7, True, "x", "+1.7 % loss", 0.123)
     diloco = heldout.Measured("diloco", 4, False, "y", "-3.0 points", 0.0042)
     table = front_page.decision_table({"powersgd": powersgd, "diloco": diloco})
-    assert "0.123×" in table and "+1.7 % loss (7 sets)" in table
-    assert "-3.0 points, past the bound (4 sets)" in table and "0.0042×" in table
+    assert "  0.123  " in table and "+1.7 % validation loss (7 sets)" in table
+    assert "-3.0 accuracy points, past the bound (4 sets)" in table and "  0.0042  " in table
 
 
 def test_readme_is_a_front_page():
