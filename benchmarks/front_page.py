@@ -24,7 +24,7 @@ RESULTS = "benchmarks/results/heldout/results.csv"
 ROWS = (
     ("Fast fabric: InfiniBand, NVLink, 100 Gbit/s and up", "``ddp`` or ``ddp-fp16``", "ddp"),
     ("Nodes on 10-25 GbE, any model (16 GPU nodes on 10 GbE)", "``powersgd`` (or ``auto``)", "powersgd"),
-    ("Dense layers (MLP, CNN, ViT) wider than a step's batch rows", "``rank-dad``; ``dad`` exact", "rank-dad"),
+    ("Dense layers (MLP, CNN, ViT) wider than a step's batch rows", "``dad`` exact, or ``rank-dad``", "rank-dad"),
     ("Groups of nodes behind a slow link (1 Gbit/s and below)", "``diloco``", "diloco"),
     ("A model too large for one device", "``mp``; ``sil`` for CNNs", None),
 )
