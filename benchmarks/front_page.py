@@ -42,7 +42,7 @@ def _costs(m: heldout.Measured | None) -> str:
     if m.method == "ddp":
         return "none"
     worst = m.worst.replace(" points", " accuracy points").replace("% loss", "% validation loss")
-    return f"{worst}{'' if m.held else ', past the bound'} ({m.sets} sets)"
+    return f"{worst}{'' if m.held else ', past the bound'}"
 
 
 def decision_table(measured: dict[str, heldout.Measured] | None = None) -> str:
