@@ -104,6 +104,8 @@ FORMATS: dict[str, tuple[str, Callable[[float], str] | None]] = {
     "world_bytes_ratio_to_ddp": ("inter-group bytes × ddp", ratio),
     "step_ms": ("step ms", fixed(1)),
     "step_time_ratio_to_ddp": ("step × ddp", ratio),
+    "ratio_to_ddp": ("step × ddp", ratio),
+    "quality_risk": ("quality risk (held-out suite)", None),
     "step_time_ratio_to_floor": ("step × floor", ratio),
     "time_to_target_ratio_to_ddp": ("time to ddp's quality × ddp", ratio),
     "seconds_to_90pct_of_ddp": ("s to 90 % of ddp", fixed(1)),
