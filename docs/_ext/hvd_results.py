@@ -32,6 +32,7 @@ from sphinx.util.docutils import SphinxDirective
 from sphinx.util.nodes import nested_parse_with_titles
 
 from hvd_lowcomm import heldout
+from hvd_lowcomm.metrics import human_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
@@ -61,14 +62,6 @@ def ratio(value: float) -> str:
 def fraction(value: float) -> str:
     """A share below 1 as 1/N (1/20.1), else as a ratio."""
     return f"1/{ratio(1 / value)}" if 0 < value < 1 else ratio(value)
-
-
-def human_bytes(value: float) -> str:
-    """Bytes with a decimal unit (kB, MB, GB)."""
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(value) >= size:
-            return f"{value / size:.2f} {unit}"
-    return f"{value:.0f} B"
 
 
 def fixed(digits: int, suffix: str = "") -> Callable[[float], str]:
