@@ -262,7 +262,7 @@ def test_training_with_dad_methods_reports_plan_and_layer_bytes(shared_tmp, meth
         if SIZE > 1:
             assert any(k.startswith("layer_payload_bytes/") for k in epochs[-1])
         if method == "rank-dad":
-            assert 1 <= epochs[-1]["effective_rank/1"] <= 32  # within min_rank (16, where it has them) and max_rank
+            assert 1 <= epochs[-1]["effective_rank/1"] <= 32  # at most max_rank; below min_rank where the gradient has fewer
 
 
 def test_edad_on_a_cnn_is_rejected_before_training(shared_tmp, capsys):
