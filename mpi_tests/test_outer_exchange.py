@@ -41,8 +41,10 @@ def test_a_quantised_exchange_returns_the_mean_on_every_rank(world, fresh_meter,
     scale = want.abs().max()
     assert (mean - want).abs().max() <= tolerance * scale
     assert all(torch.equal(mean, other) for other in world.comm.allgather(mean))  # one mean everywhere
-    if kind == "int8":  # what the first rounding dropped waits for the next exchange
-        assert 0 < exchange.errors[0].abs().max() <= (delta.abs().max() / 127) / 2 + 1e-7
+    if kind == "int8":  # what either rounding dropped (a member's own, the mean's by its owner) waits:
+        pending = everyones(world, exchange.errors[0]).mean(0)  # a later mean returns the members' mean
+        assert 0 < exchange.errors[0].abs().max()
+        assert (mean + pending - want).abs().max() <= 1e-6 * scale  # delivered and pending: nothing lost
     if kind == "fp16":  # 2 bytes a number and a scale per chunk, both ways
         chunk = -(-NUMBERS // SIZE)
         assert fresh_meter.total(group="world", field="payload_bytes") == (SIZE + 1) * (2 * chunk + 4)

@@ -11,7 +11,8 @@ class per `diloco.compression`:
             mean; an allgather returns every mean chunk. A rank sends 2(G-1)/G of its slice's
             quantised bytes, as a ring allreduce would: flat in the number of groups G, where an
             allgather of every group's slice sends (G-1) times it. int8 scales each block of
-            256 numbers by its absmax; error feedback keeps what the first rounding dropped.
+            256 numbers by its absmax; error feedback keeps what both roundings dropped (a
+            member's own, and on the chunk it owns the mean's, as lowrank's).
             fp16 scales each chunk by a power of two (a float32 beside it), so that the
             pseudo-gradients of a small learning rate keep float16's full precision.
 - sparse (`Sparse`, SparseLoCo, arXiv 2508.15706): an error-feedback accumulator e <- βe + Δ;
@@ -93,6 +94,19 @@ Collective = Callable[[], torch.Tensor]
 Encode = Callable[[torch.Tensor], torch.Tensor]        # a chunk of numbers -> bytes
 Decode = Callable[[torch.Tensor, int], torch.Tensor]   # bytes, how many numbers -> the numbers
 Encoded = TypeVar("Encoded")  # what an encoder makes of a chunk: its bytes, or (bytes, what they decode to)
+
+
+@dataclass(frozen=True)
+class Means:
+    """A reduce-scatter's result for one part: the `mean` every member got, what this member's
+    own chunks carried after rounding (`sent`), and `owner_lost`: G times what rounding the mean
+    took from the chunk this member owns (zero elsewhere). Fed back into this member's error, a
+    later exchange's mean (a sum over G members divided by G) returns it: nothing that rounding
+    takes is lost, which in 4 bits is several % of a factor."""
+
+    mean: torch.Tensor
+    sent: torch.Tensor
+    owner_lost: torch.Tensor
 
 
 class Exchange:
@@ -177,6 +191,30 @@ class Exchange:
         differs from the first encoding)."""
         mean = torch.stack([decode(p, chunk) for p in self._alltoall(payload)]).sum(0) / self.members
         return torch.cat([(decode_mean or decode)(p, chunk) for p in self._allgather(encode(mean))])[:numbers]
+
+    def _means(self, parts: list[tuple[torch.Tensor, Codec]]) -> list[Means]:
+        """The column's mean of each of `parts` in one reduce-scatter (chunks in the part's
+        number format reduced in fp32; each part on blocks of its own, so that
+        a bias never shares a scale with a factor's numbers), with what rounding took from it:
+        this member's own chunks' and, on the chunk it owns, the mean's (see `Means`). An empty
+        part sends nothing."""
+        cut = [(self._encode_chunks(v, codec.encode), codec) for v, codec in parts]
+        sizes = [codec.size(chunk) for (_, chunk), codec in cut]
+        payload = torch.cat([encoded[j] for j in range(self.members) for (encoded, _), _ in cut])
+        received = [p.split(sizes) for p in self._alltoall(payload)]  # every member's chunk j of each part
+        means = [sum(codec.decode(r[i], chunk) for r in received) / self.members
+                 for i, ((_, chunk), codec) in enumerate(cut)]
+        mine = [codec.encode(m) for m, (_, codec) in zip(means, cut)]
+        gathered = [g.split(sizes) for g in self._allgather(torch.cat(mine))]
+        owned = self.column.comm.Get_rank() if self.members > 1 else 0
+        out = []
+        for i, ((v, _), ((encoded, chunk), codec)) in enumerate(zip(parts, cut)):
+            lost = torch.zeros(chunk * self.members)
+            lost[owned * chunk:(owned + 1) * chunk] = means[i] - codec.decode(mine[i], chunk)
+            out.append(Means(torch.cat([codec.decode(g[i], chunk) for g in gathered])[:len(v)],
+                             torch.cat([codec.decode(e, chunk) for e in encoded])[:len(v)],
+                             self.members * lost[:len(v)]))
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"errors": {f: e.clone() for f, e in self.errors.items()}}
@@ -288,18 +326,13 @@ class Quantised(Exchange):
 
     def start(self, fragment: int, delta: torch.Tensor, shapes: list[tuple[int, ...]], start: int) -> Collective:
         corrected = self._feedback(fragment, delta)
-        encoded, chunk = self._encode_chunks(corrected, self.codec.encode)
-        if self.name == "int8":  # fp16's rounding is far below the signal; int8's is fed back
-            sent = torch.cat([self.codec.decode(e, chunk) for e in encoded])[: len(corrected)]
-            self.errors[fragment] = corrected - sent
-        payload = torch.cat(encoded)
-        transfers = self.transfers(len(corrected), shapes, start)
-        assert len(payload) == transfers[0].payload, "the meter must count what is sent"
-        self._record(fragment, transfers)
+        self._record(fragment, self.transfers(len(corrected), shapes, start))
 
         def collective() -> torch.Tensor:
-            return self._reduce_scatter_mean(payload, chunk, len(corrected), self.codec.encode,
-                                             self.codec.decode).to(delta.device)
+            result, = self._means([(corrected, self.codec)])
+            if self.name == "int8":  # fp16's rounding is far below the signal; both of int8's are fed back
+                self.errors[fragment] = corrected - result.sent + result.owner_lost
+            return result.mean.to(delta.device)
         return collective
 
 
@@ -537,19 +570,6 @@ def _pays(rows: int, cols: int, rank: int) -> bool:
     return (rows + cols) * rank * MIN_COMPRESSION < rows * cols
 
 
-@dataclass(frozen=True)
-class Means:
-    """A reduce-scatter's result for one part: the `mean` every member got, what this member's
-    own chunks carried after rounding (`sent`), and `owner_lost`: G times what rounding the mean
-    took from the chunk this member owns (zero elsewhere). Fed back into this member's error, a
-    later exchange's mean (a sum over G members divided by G) returns it: nothing that rounding
-    takes is lost, which in 4 bits is several % of a factor."""
-
-    mean: torch.Tensor
-    sent: torch.Tensor
-    owner_lost: torch.Tensor
-
-
 class LowRank(Exchange):
     name = "lowrank"
 
@@ -585,30 +605,6 @@ class LowRank(Exchange):
                  (sum(n for _, n in pieces.dense), INT8)]
         second = [(sum(cols * r for _, _, cols, r in pieces.matrices), self.factor)]
         return self._reduce_scatter_transfers(first) + (self._reduce_scatter_transfers(second) if pieces.matrices else [])
-
-    def _means(self, parts: list[tuple[torch.Tensor, Codec]]) -> list[Means]:
-        """The column's mean of each of `parts` in one reduce-scatter (chunks in the part's
-        number format reduced in fp32, as the int8 form; each part on blocks of its own, so that
-        a bias never shares a scale with a factor's numbers), with what rounding took from it:
-        this member's own chunks' and, on the chunk it owns, the mean's (see `Means`). An empty
-        part sends nothing."""
-        cut = [(self._encode_chunks(v, codec.encode), codec) for v, codec in parts]
-        sizes = [codec.size(chunk) for (_, chunk), codec in cut]
-        payload = torch.cat([encoded[j] for j in range(self.members) for (encoded, _), _ in cut])
-        received = [p.split(sizes) for p in self._alltoall(payload)]  # every member's chunk j of each part
-        means = [sum(codec.decode(r[i], chunk) for r in received) / self.members
-                 for i, ((_, chunk), codec) in enumerate(cut)]
-        mine = [codec.encode(m) for m, (_, codec) in zip(means, cut)]
-        gathered = [g.split(sizes) for g in self._allgather(torch.cat(mine))]
-        owned = self.column.comm.Get_rank() if self.members > 1 else 0
-        out = []
-        for i, ((v, _), ((encoded, chunk), codec)) in enumerate(zip(parts, cut)):
-            lost = torch.zeros(chunk * self.members)
-            lost[owned * chunk:(owned + 1) * chunk] = means[i] - codec.decode(mine[i], chunk)
-            out.append(Means(torch.cat([codec.decode(g[i], chunk) for g in gathered])[:len(v)],
-                             torch.cat([codec.decode(e, chunk) for e in encoded])[:len(v)],
-                             self.members * lost[:len(v)]))
-        return out
 
     def _initial_qs(self, fragment: int, pieces: Pieces) -> list[torch.Tensor]:
         """Random orthonormal Qs, the same on every member of the column (same seed, same slice)."""
