@@ -23,7 +23,8 @@ class DiLoCoOptions(GroupedOptions):
     # it with fp32 (docs: benchmarks, "Held-out defaults").
     compression: str = option("sparse", "pseudo-gradients between groups: sparse (the default: top-k of each chunk at "
                                         "2 bits with error feedback, a small share of fp32's bytes at fp32's quality "
-                                        "on the held-out suite), lowrank (PowerSGD factors of each matrix in 4 bits, "
+                                        "on the held-out suite's text, MLP and CNN sets but not on its ViT: pass none "
+                                        "there), lowrank (PowerSGD factors of each matrix in 4 bits, "
                                         "error feedback), int8 (per-block scaling, error feedback), fp16 or none (fp32)",
                               choices=COMPRESSIONS)
     # Denser than SparseLoCo's: its densities lost quality over the tens of outer steps of runs here (the
