@@ -43,8 +43,9 @@ class per `diloco.compression`:
             times it into its own error, which a later mean divides by G), so 4 bits lose
             nothing but time.
 
-`start()` runs on the training thread: error feedback and encoding, and the meter's records
-(what the exchange will send is known before it is sent). It returns the collective part as a
+`start()` runs on the training thread: error feedback and the meter's records (what the exchange
+will send is known before it is sent), and sparse's encoding; fp16, int8 and lowrank encode in
+the collective part, which needs the mean to feed back its rounding. It returns that part as a
 function of no arguments, which the caller runs at once or on a background thread
 (`diloco.sync_delay`): that part uses only mpi4py on the column's communicator and this
 exchange's own state for the fragment, so it runs beside Horovod's collectives of the group.
