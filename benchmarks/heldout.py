@@ -1,7 +1,7 @@
 """The held-out suite: every method's defaults judged on work they were not chosen on.
 
-    python -m benchmarks.heldout                       # every judged set (and the chosen ones)
-    python -m benchmarks.heldout --sets python-stdlib,mlp-digits --split judged
+    python -m benchmarks.heldout                       # every set, every seed
+    python -m benchmarks.heldout --sets gpt-python-stdlib,mlp-digits --split judged --seeds 42
 
 Defaults are chosen on the sets marked "chosen" and judged on the sets marked "judged". The
 split is fixed here, before any tuning, and a set never moves from judged to chosen: a default
@@ -12,14 +12,19 @@ animal-mnist's images), prepared once under --data-dir with `python -m data_prep
 licence texts (/usr/share/common-licenses) are deliberately not used: they are kept back to judge
 the final defaults by someone who did not pick them.
 
-Every method runs at its defaults (benchmarks.compare, one `mpirun` job each, --np ranks, the
-same seed), and the table records for each method and set its quality against ddp's (validation
-loss in %, accuracy in points) and its bytes per step as a multiple of ddp's; DiLoCo's default is
-also compared with fp32 DiLoCo (`diloco:compression=none`), whose bytes it must cut tenfold.
+Every method runs at its defaults (benchmarks.compare, one `mpirun` job each, --np ranks), once
+per seed of the set (SEEDS: the same seeds for every set, whatever its results), and the table
+records for each method and set its quality against ddp's at the same seed (validation loss in %,
+accuracy in points), averaged over the seeds run, and its bytes per step as a multiple of ddp's;
+DiLoCo's default is also compared with fp32 DiLoCo (`diloco:compression=none`), whose bytes it
+must cut tenfold. One seed is not enough: a short run's result moves with its seed by more than
+the bounds (a small test split alone makes a point of accuracy noise), so a verdict on one seed
+says more about the seed than about the method.
 
 Writes --out/results.csv and results.md (method × set), each set's own comparison under
---out/<set>/, and with --package the summary that `--method auto` and `plan` read
-(hvd_lowcomm/heldout.csv: per method, its worst judged result and whether it held).
+--out/<set>/ (its first seed) and --out/<set>/seed<N>/ (the others), and with --package the
+summary that `--method auto` and `plan` read (hvd_lowcomm/heldout.csv: per method, its worst
+judged result and whether it held).
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ from hvd_lowcomm import heldout
 
 CORPUS_BYTES = 120_000  # each judged corpus: about 13 steps an epoch at np 2, batch 32, 128 tokens
 METHODS = ("ddp", "powersgd", "rank-dad", "diloco", "diloco:compression=none")
+SEEDS = (42, 43, 44)  # every set's; a verdict is the mean over them of the result against ddp
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,11 @@ class HeldOutSet:
     epochs: int = 10
     extra: tuple[str, ...] = ()  # more train options
     methods: tuple[str, ...] = METHODS
+    seeds: tuple[int, ...] = SEEDS
+
+    def results(self, out: Path, seed: int) -> Path:
+        """Where the set's comparison at `seed` goes (the first seed's at the set's own top)."""
+        return out / self.name if seed == self.seeds[0] else out / self.name / f"seed{seed}"
 
 
 HF = "hf:benchmarks/configs/hf-{}-4x128.json"
@@ -118,38 +129,60 @@ def prepare(data: str, data_dir: Path) -> Path:
     return path
 
 
-def run_set(s: HeldOutSet, args: argparse.Namespace) -> Path:
-    """Every method of `s` at its defaults (finished runs are reused); its results directory."""
-    out = Path(args.out) / s.name
+def run_set(s: HeldOutSet, seed: int, args: argparse.Namespace) -> Path:
+    """Every method of `s` at its defaults and `seed` (finished runs are reused); its results
+    directory."""
+    out = s.results(Path(args.out), seed)
     argv = ["--methods", ",".join(s.methods), "--np", str(args.np), "--data", str(prepare(s.data, Path(args.data_dir))),
-            "--model", s.model, "--hidden", s.hidden, "--epochs", str(s.epochs), "--out", str(out), "--reuse",
-            "--title", f"held-out set {s.name} ({s.split}): {s.model} on {s.data}, defaults, {s.epochs} epochs"]
+            "--model", s.model, "--hidden", s.hidden, "--epochs", str(s.epochs), "--seed", str(seed),
+            "--out", str(out), "--reuse", "--title",
+            f"held-out set {s.name} ({s.split}): {s.model} on {s.data}, defaults, {s.epochs} epochs, seed {seed}"]
     code = compare.main(argv + (["--", *s.extra] if s.extra else []))
     if code:
         print(f"heldout: some runs of {s.name} failed (see {out}/runs/*.log)", file=sys.stderr)
     return out
 
 
-def rows_of(s: HeldOutSet, out: Path) -> list[dict[str, str]]:
-    """The set's comparison as held-out rows: one per method, against ddp (and DiLoCo's
-    default against fp32 DiLoCo)."""
+def seed_results(out: Path) -> dict[str, dict[str, float | str]]:
+    """One seed's comparison (`out`/results.csv) as held-out results, by method: quality and
+    bytes against ddp, and for DiLoCo's default against fp32 DiLoCo."""
     with open(out / "results.csv") as f:
         found = {r["method"]: r for r in csv.DictReader(f)}
     fp32 = found.get("diloco:compression=none")
-    rows = []
+    results: dict[str, dict[str, float | str]] = {}
     for method, r in found.items():
         language = r.get("final_test_loss", "") not in ("", "nan")
-        row = {"set": s.name, "split": s.split, "method": method,
-               "metric": "loss_pct" if language else "acc_points",
-               "vs_ddp": r["loss_diff_to_ddp_pct"] if language else r["acc_diff_to_ddp_points"],
-               "bytes_vs_ddp": r["bytes_ratio_to_ddp"], "vs_fp32_diloco": "", "bytes_vs_fp32_diloco": ""}
+        value = r["loss_diff_to_ddp_pct"] if language else r["acc_diff_to_ddp_points"]
+        if value in ("", "nan"):
+            continue
+        result: dict[str, float | str] = {"metric": "loss_pct" if language else "acc_points", "vs_ddp": float(value),
+                                          "bytes_vs_ddp": float(r["bytes_ratio_to_ddp"])}
         if method == "diloco" and fp32 is not None:
-            if language:
-                row["vs_fp32_diloco"] = str(100 * (float(r["final_test_loss"]) / float(fp32["final_test_loss"]) - 1))
-            else:
-                row["vs_fp32_diloco"] = str(100 * (float(r["final_test_acc"]) - float(fp32["final_test_acc"])))
-            row["bytes_vs_fp32_diloco"] = str(float(r["bytes_per_step"]) / float(fp32["bytes_per_step"]))
-        rows.append(row)
+            result["vs_fp32_diloco"] = 100 * (float(r["final_test_loss"]) / float(fp32["final_test_loss"]) - 1) \
+                if language else 100 * (float(r["final_test_acc"]) - float(fp32["final_test_acc"]))
+            result["bytes_vs_fp32_diloco"] = float(r["bytes_per_step"]) / float(fp32["bytes_per_step"])
+        results[method] = result
+    return results
+
+
+def rows_of(s: HeldOutSet, out: Path) -> list[dict[str, str]]:
+    """The set's held-out rows, one per method: each figure the mean over the seeds whose
+    results are under `out`, the seeds and each one's result against ddp beside it."""
+    per_seed = {seed: seed_results(s.results(out, seed)) for seed in s.seeds
+                if (s.results(out, seed) / "results.csv").exists()}
+    rows = []
+    for method in dict.fromkeys(m for found in per_seed.values() for m in found):
+        runs = {seed: found[method] for seed, found in per_seed.items() if method in found}
+
+        def mean(key: str) -> str:
+            values = [float(r[key]) for r in runs.values() if key in r]
+            return str(sum(values) / len(values)) if values else ""
+
+        rows.append({"set": s.name, "split": s.split, "method": method,
+                     "metric": str(next(iter(runs.values()))["metric"]), "vs_ddp": mean("vs_ddp"),
+                     "bytes_vs_ddp": mean("bytes_vs_ddp"), "vs_fp32_diloco": mean("vs_fp32_diloco"),
+                     "bytes_vs_fp32_diloco": mean("bytes_vs_fp32_diloco"), "seeds": " ".join(map(str, runs)),
+                     "vs_ddp_per_seed": " ".join(f"{float(r['vs_ddp']):.4g}" for r in runs.values())})
     return rows
 
 
@@ -168,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sets", default="all", help=f"comma-separated sets, or all ({', '.join(SETS)})")
     parser.add_argument("--split", choices=("chosen", "judged", "both"), default="both",
                         help="run only the sets of this half")
+    parser.add_argument("--seeds", default="all",
+                        help=f"comma-separated seeds to run this time, or all (each set's: {', '.join(map(str, SEEDS))}); "
+                             "the table covers every seed with results")
     parser.add_argument("--np", type=int, default=2, help="ranks per run (default: %(default)s)")
     parser.add_argument("--data-dir", default="data/heldout", help="where the prepared sets go (default: %(default)s)")
     parser.add_argument("--out", default="benchmarks/results/heldout", help="output directory (default: %(default)s)")
@@ -178,12 +214,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in SETS]
     if unknown:
         raise SystemExit(f"heldout: unknown set(s) {', '.join(unknown)}; the sets are {', '.join(SETS)}")
+    seeds = None if args.seeds == "all" else [int(seed) for seed in args.seeds.split(",")]
     chosen = [SETS[n] for n in names if args.split in ("both", SETS[n].split)]
     for s in chosen:
-        run_set(s, args)
-    # The table covers every set with results, run now or before.
-    rows = [row for s in SETS.values() if (Path(args.out) / s.name / "results.csv").exists()
-            for row in rows_of(s, Path(args.out) / s.name)]
+        for seed in s.seeds:
+            if seeds is None or seed in seeds:
+                run_set(s, seed, args)
+    # The table covers every set and seed with results, run now or before.
+    rows = [row for s in SETS.values() for row in rows_of(s, Path(args.out))]
     if not rows:
         raise SystemExit("heldout: no set has results yet")
     write(rows, Path(args.out))

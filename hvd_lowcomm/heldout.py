@@ -1,7 +1,8 @@
 """What each method's defaults measured on the held-out suite (benchmarks/heldout.py), as data.
 
 A method's defaults *held* when, on every judged set, they stayed within LOSS_BOUND_PCT of ddp's
-validation loss (language models) or ACC_BOUND_POINTS of its accuracy (classifiers). `--method
+validation loss (language models) or ACC_BOUND_POINTS of its accuracy (classifiers), on average
+over the seeds the set was run with (a row's vs_ddp is that mean). `--method
 auto` only chooses among methods that held (or are exact), and `plan` prints each method's
 worst judged result beside its predicted time. The figures come from SUMMARY, which the
 benchmark writes from its results (`python -m benchmarks.heldout --package`); nothing here is
@@ -96,15 +97,23 @@ def _summary(path: Path) -> dict[str, Measured]:
                                   float(r["bytes_vs_ddp"])) for r in read_rows(path)}
 
 
+def seeds_of(row: dict[str, str]) -> str:
+    """' (mean of n seeds: a, b, c)' where a row averages several seeds' results, else ''."""
+    per_seed = row.get("vs_ddp_per_seed", "").split()
+    if len(per_seed) < 2:
+        return ""
+    return f" (mean of {len(per_seed)} seeds: {', '.join(f'{float(v):+.1f}' for v in per_seed)})"
+
+
 def cells(rows: list[dict[str, str]]) -> dict[tuple[str, str], str]:
-    """Each (method, set)'s result as text: quality against ddp (✗ past its bound), bytes as a
-    multiple of ddp's, and for DiLoCo's default its quality and bytes against fp32 DiLoCo."""
+    """Each (method, set)'s result as text: quality against ddp (✗ past its bound; a mean over
+    seeds with each seed's beside it), bytes as a multiple of ddp's, and for DiLoCo's default its quality and bytes against fp32 DiLoCo."""
     out = {}
     for r in rows:
         if r["vs_ddp"] in ("", "nan"):
             continue
         value = float(r["vs_ddp"])
-        text = f"{describe(r['metric'], value)}{'' if excess(r['metric'], value) <= 0 else ' ✗'}, " \
+        text = f"{describe(r['metric'], value)}{'' if excess(r['metric'], value) <= 0 else ' ✗'}{seeds_of(r)}, " \
                f"{float(r['bytes_vs_ddp']):.3g}× bytes"
         if r["vs_fp32_diloco"] not in ("", "nan"):
             against, ratio = float(r["vs_fp32_diloco"]), float(r["bytes_vs_fp32_diloco"])

@@ -55,3 +55,40 @@ def test_the_committed_summary_is_the_committed_results_summarised(tmp_path):
     # every set in the results is the suite's, on the side of the split the suite puts it
     from benchmarks.heldout import SETS
     assert {r["set"]: r["split"] for r in rows} == {r["set"]: SETS[r["set"]].split for r in rows}
+
+
+def write_comparison(out, accuracies, ratios):
+    """A benchmarks.compare results.csv of classifiers: accuracy per method, bytes × ddp's."""
+    out.mkdir(parents=True)
+    fields = ["method", "final_test_loss", "final_test_acc", "acc_diff_to_ddp_points", "loss_diff_to_ddp_pct",
+              "bytes_ratio_to_ddp", "bytes_per_step"]
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for method, acc in accuracies.items():
+            writer.writerow({"method": method, "final_test_loss": "", "final_test_acc": acc,
+                             "acc_diff_to_ddp_points": 100 * (acc - accuracies["ddp"]), "loss_diff_to_ddp_pct": "",
+                             "bytes_ratio_to_ddp": ratios[method], "bytes_per_step": 1000 * ratios[method]})
+
+
+def test_a_sets_verdict_is_the_mean_over_its_seeds_against_ddp_at_the_same_seed(tmp_path):
+    from benchmarks.heldout import SETS, rows_of
+
+    s = SETS["vit-mnist5k"]
+    assert len(s.seeds) >= 3  # one seed of a short run judges the seed, not the method
+    ratios = {"ddp": 1.0, "rank-dad": 0.1, "diloco": 0.002, "diloco:compression=none": 0.04}
+    # seed by seed, rank-dad is -5, -1 and +0 points against that seed's ddp (mean -2)
+    for seed, ddp, rank_dad, diloco, fp32 in zip(s.seeds, (0.50, 0.60, 0.55), (0.45, 0.59, 0.55),
+                                                 (0.40, 0.50, 0.45), (0.42, 0.50, 0.44)):
+        write_comparison(s.results(tmp_path, seed), {"ddp": ddp, "rank-dad": rank_dad, "diloco": diloco,
+                                                     "diloco:compression=none": fp32}, ratios)
+    assert s.results(tmp_path, s.seeds[0]) == tmp_path / s.name  # the first seed where one seed went before
+    rows = {r["method"]: r for r in rows_of(s, tmp_path)}
+    assert float(rows["rank-dad"]["vs_ddp"]) == pytest.approx(-2.0)
+    assert rows["rank-dad"]["seeds"] == " ".join(map(str, s.seeds)) and rows["rank-dad"]["vs_ddp_per_seed"] == "-5 -1 0"
+    assert float(rows["diloco"]["vs_fp32_diloco"]) == pytest.approx(-1.0 / 3)  # -2, 0, +1 against fp32
+    assert float(rows["diloco"]["bytes_vs_fp32_diloco"]) == pytest.approx(0.05)
+    measured = {m.method: m for m in heldout.summarize(list(rows.values()))}
+    assert not measured["rank-dad"].held and measured["rank-dad"].worst == "-2.0 points"
+    assert heldout.cells(list(rows.values()))[("rank-dad", s.name)] == \
+        "-2.0 points ✗ (mean of 3 seeds: -5.0, -1.0, +0.0), 0.1× bytes"
