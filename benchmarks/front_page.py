@@ -23,7 +23,7 @@ RESULTS = "benchmarks/results/heldout/results.csv"
 # (your situation, the method, the held-out summary row that measures it, or None)
 ROWS = (
     ("Fast fabric: InfiniBand, NVLink, 100 Gbit/s and up", "``ddp`` or ``ddp-fp16``", "ddp"),
-    ("Nodes on 10-25 GbE, any model (16 GPU nodes on 10 GbE)", "``powersgd`` (or ``auto``)", "powersgd"),
+    ("Nodes on 10-25 GbE, any model (16 GPU nodes on 10 GbE)", "``powersgd``", "powersgd"),
     ("Dense layers (MLP, CNN, ViT) wider than a step's batch rows", "``dad`` exact, or ``rank-dad``", "rank-dad"),
     ("Groups of nodes behind a slow link (1 Gbit/s and below)", "``diloco``", "diloco"),
     ("A model too large for one device", "``mp``; ``sil`` for CNNs", None),
@@ -42,13 +42,13 @@ def _costs(m: heldout.Measured | None) -> str:
     if m.method == "ddp":
         return "none"
     worst = m.worst.replace(" points", " accuracy points").replace("% loss", "% validation loss")
-    return f"{worst}{'' if m.held else ', past the bound'}"
+    return f"{worst} on {m.worst_set}{'' if m.held else ', past the bound'}"
 
 
 def decision_table(measured: dict[str, heldout.Measured] | None = None) -> str:
     """The README's table: situation, method, what it saves and what it costs at its defaults."""
     measured = heldout.measured() if measured is None else measured
-    rows = [("Your situation", "Method", "Bytes sent, × ddp", "Worst result against ddp")]
+    rows = [("Your situation", "Method", "Bytes sent, × ddp", "Worst set's result against ddp")]
     rows += [(situation, method, _saves(measured.get(key) if key else None),
               _costs(measured.get(key) if key else None)) for situation, method, key in ROWS]
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]

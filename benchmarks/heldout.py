@@ -100,7 +100,7 @@ class HeldOutSet:
 HF = "hf:benchmarks/configs/hf-{}-4x128.json"
 SETS = {s.name: s for s in (
     HeldOutSet("gpt-changelogs", "chosen", "debian-changelogs", "gpt", methods=METHODS[:3]),
-    HeldOutSet("vit-animals", "chosen", "animals", "vit", epochs=3, methods=("ddp", "rank-dad", *METHODS[3:])),
+    HeldOutSet("vit-animals", "chosen", "animals", "vit", epochs=3),
     HeldOutSet("gpt-python-stdlib", "judged", "python-stdlib", "gpt"),
     HeldOutSet("gpt-perl-pod", "judged", "perl-pod", "gpt"),
     HeldOutSet("gpt-gnu-info", "judged", "gnu-info", "gpt"),

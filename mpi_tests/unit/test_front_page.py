@@ -39,7 +39,7 @@ def test_decision_table_figures_come_from_the_heldout_summary():
     diloco = heldout.Measured("diloco", 4, False, "y", "-3.0 points", 0.0042)
     table = front_page.decision_table({"powersgd": powersgd, "diloco": diloco})
     assert "  0.123  " in table and "+1.7 % validation loss" in table
-    assert "-3.0 accuracy points, past the bound" in table and "  0.0042  " in table
+    assert "-3.0 accuracy points on y, past the bound" in table and "  0.0042  " in table
 
 
 def test_readme_is_a_front_page():
