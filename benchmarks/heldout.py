@@ -214,11 +214,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in SETS]
     if unknown:
         raise SystemExit(f"heldout: unknown set(s) {', '.join(unknown)}; the sets are {', '.join(SETS)}")
-    seeds = None if args.seeds == "all" else [int(seed) for seed in args.seeds.split(",")]
+    seeds = None if args.seeds == "all" else args.seeds.split(",")
+    if seeds is not None and not set(seeds) <= set(map(str, SEEDS)):
+        raise SystemExit(f"heldout: --seeds {args.seeds}: every set runs at seeds {', '.join(map(str, SEEDS))}; "
+                         "choose among them (a seed outside them would judge nothing)")
     chosen = [SETS[n] for n in names if args.split in ("both", SETS[n].split)]
     for s in chosen:
         for seed in s.seeds:
-            if seeds is None or seed in seeds:
+            if seeds is None or str(seed) in seeds:
                 run_set(s, seed, args)
     # The table covers every set and seed with results, run now or before.
     rows = [row for s in SETS.values() for row in rows_of(s, Path(args.out))]

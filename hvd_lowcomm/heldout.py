@@ -2,9 +2,9 @@
 
 A method's defaults *held* when, on every judged set, they stayed within LOSS_BOUND_PCT of ddp's
 validation loss (language models) or ACC_BOUND_POINTS of its accuracy (classifiers), on average
-over the seeds the set was run with (a row's vs_ddp is that mean). `--method
-auto` only chooses among methods that held (or are exact), and `plan` prints each method's
-worst judged result beside its predicted time. The figures come from SUMMARY, which the
+over the seeds the set was run with (a row's vs_ddp is that mean). `--method auto` only chooses
+among methods that held (or are exact), and `plan` prints each method's worst judged result
+beside its predicted time. The figures come from SUMMARY, which the
 benchmark writes from its results (`python -m benchmarks.heldout --package`); nothing here is
 typed by hand.
 """
@@ -107,7 +107,8 @@ def seeds_of(row: dict[str, str]) -> str:
 
 def cells(rows: list[dict[str, str]]) -> dict[tuple[str, str], str]:
     """Each (method, set)'s result as text: quality against ddp (✗ past its bound; a mean over
-    seeds with each seed's beside it), bytes as a multiple of ddp's, and for DiLoCo's default its quality and bytes against fp32 DiLoCo."""
+    seeds with each seed's beside it), bytes as a multiple of ddp's, and for DiLoCo's default
+    its quality and bytes against fp32 DiLoCo."""
     out = {}
     for r in rows:
         if r["vs_ddp"] in ("", "nan"):

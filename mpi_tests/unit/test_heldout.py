@@ -92,3 +92,11 @@ def test_a_sets_verdict_is_the_mean_over_its_seeds_against_ddp_at_the_same_seed(
     assert not measured["rank-dad"].held and measured["rank-dad"].worst == "-2.0 points"
     assert heldout.cells(list(rows.values()))[("rank-dad", s.name)] == \
         "-2.0 points ✗ (mean of 3 seeds: -5.0, -1.0, +0.0), 0.1× bytes"
+
+
+def test_a_seed_outside_the_suites_is_refused_before_anything_runs(tmp_path):
+    from benchmarks.heldout import main
+
+    with pytest.raises(SystemExit, match="every set runs at seeds 42, 43, 44"):
+        main(["--seeds", "43,x", "--out", str(tmp_path)])
+    assert not any(tmp_path.iterdir())
