@@ -22,7 +22,8 @@ RESULTS = "benchmarks/results/heldout/results.csv"
 
 # (your situation, the method, the held-out summary row that measures it, or None)
 ROWS = (
-    ("Fast fabric: InfiniBand, NVLink, 100 Gbit/s and up", "``ddp`` or ``ddp-fp16``", "ddp"),
+    ("Fast fabric: InfiniBand, NVLink, 100 Gbit/s and up", "``ddp``", "ddp"),
+    ("The same, at half the bytes", "``ddp-fp16``", "ddp-fp16"),
     ("Nodes on 10-25 GbE, any model (16 GPU nodes on 10 GbE)", "``powersgd``", "powersgd"),
     ("Dense layers (MLP, CNN, ViT) wider than a step's batch rows", "``dad`` exact, or ``rank-dad``", "rank-dad"),
     ("Groups of nodes behind a slow link (1 Gbit/s and below)", "``diloco``", "diloco"),

@@ -3,7 +3,7 @@ batch, rank count and network, before training starts; the run then trains with 
 
 Candidates are the methods registered as drop-in (ddp, ddp-fp16, powersgd, dad, rank-dad: the
 same model and training, only the gradient exchange differs) that keep quality: exact ones (ddp,
-ddp-fp16's rounding, dad), and compressions to an error target (powersgd, rank-dad) whose
+dad), and fp16's rounding and compressions to an error target (powersgd, rank-dad) whose
 defaults held on every judged set of the held-out suite (hvd_lowcomm.heldout: within 2 % of
 ddp's validation loss, 1 point of its accuracy). A fixed `rank`, error feedback off, or any
 option changed from what was measured takes a compression out; the printed choice says what

@@ -257,7 +257,7 @@ class MethodCost:
         not (a fixed rank: `--method auto` does not choose it). Not given: None.
     judged: whether `--method auto` needs the held-out suite's verdict on the method's defaults
         (hvd_lowcomm.heldout) before choosing it: true for a compression whose loss depends on
-        the model and data (an error target), false for an exact exchange or a rounding.
+        the model and data (an error target, or fp16's rounding), false for an exact exchange.
     """
 
     predict: Callable[..., "Prediction"]
@@ -725,9 +725,9 @@ def measured_quality(method: str, cfg: Config | None = None) -> heldout.Measured
 
 
 def left_out(method: str, cfg: Config | None = None) -> str | None:
-    """Why `--method auto` does not choose `method` (None: it may). An exact exchange or a
-    rounding always may; a compression only with an error target, and only where its defaults
-    held on every judged set of the held-out suite, at the options it was measured with."""
+    """Why `--method auto` does not choose `method` (None: it may). An exact exchange always
+    may; a compression only with an error target; both it and fp16's rounding only where their
+    defaults held on every judged set of the held-out suite, at the options they were measured with."""
     risk = quality_risk(method, cfg)
     if risk is None:
         return "a fixed rank, or no error feedback: no bound on what it loses"
@@ -740,8 +740,8 @@ def left_out(method: str, cfg: Config | None = None) -> str | None:
 
 
 def quality_keeping_methods(cfg: Config | None = None) -> tuple[str, ...]:
-    """The drop-in methods `--method auto` chooses among: exact ones, and compressions to an
-    error target whose defaults held on the held-out suite."""
+    """The drop-in methods `--method auto` chooses among: exact ones, and roundings and
+    compressions to an error target whose defaults held on the held-out suite."""
     return tuple(m for m in drop_in_methods() if left_out(m, cfg) is None)
 
 

@@ -32,7 +32,6 @@ import torch
 from hvd_lowcomm import config, costmodel, data, models
 from hvd_lowcomm.config import ConfigError
 from hvd_lowcomm.metrics import write_csv
-from hvd_lowcomm.registry import specs
 
 # The method with no communication: its step is the floor every other method's stands on.
 FLOOR = "local"
@@ -207,8 +206,7 @@ def _quality(method: str, cfg: config.Config) -> str:
     if not risk and risk is not None:
         return "exact: the same gradient as ddp"
     measured = costmodel.measured_quality(method, cfg)
-    verdict = f"measured: {measured.risk()}" if measured else "not measured on the held-out suite at these options" \
-        if specs()[method].cost.judged else "a rounding, not measured"
+    verdict = f"measured: {measured.risk()}" if measured else "not measured on the held-out suite at these options"
     return f"{risk or 'no error target (a fixed rank)'}; {verdict}" + ("; auto leaves it out" if why_not else "")
 
 

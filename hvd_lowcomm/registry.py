@@ -61,10 +61,12 @@ def register(name: str, *, options: type | None = None, presets: dict[str, Any] 
     return decorate
 
 
-def register_variant(name: str, of: str, presets: dict[str, Any], drop_in: bool | None = None) -> None:
-    """Register `name` as method `of` with `presets` applied (its options, cost and class)."""
+def register_variant(name: str, of: str, presets: dict[str, Any], drop_in: bool | None = None,
+                     cost: Any = None) -> None:
+    """Register `name` as method `of` with `presets` applied (its options and class; its cost
+    too unless `cost` replaces it)."""
     base = _registry[of]
-    _add(MethodSpec(name, base.method, base.options, base.section, {**base.presets, **presets}, base.cost,
+    _add(MethodSpec(name, base.method, base.options, base.section, {**base.presets, **presets}, cost or base.cost,
                     base.drop_in if drop_in is None else drop_in))
 
 

@@ -6,6 +6,7 @@ allreduce and back afterwards. `local` trains without any exchange: the compute 
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -136,7 +137,10 @@ def ddp_quality(options: None, cfg: Config) -> str:
     return "ddp's gradient, rounded to fp16 on the wire" if cfg.comm.compression == "fp16" else ""
 
 
-@register("ddp", cost=MethodCost(predict_ddp, quality=ddp_quality), drop_in=True)
+DDP_COST = MethodCost(predict_ddp, quality=ddp_quality)
+
+
+@register("ddp", cost=DDP_COST, drop_in=True)
 class DataParallel(Method):
     """Every gradient averaged over all ranks at every step (Horovod allreduce)."""
 
@@ -165,7 +169,9 @@ class DataParallel(Method):
         return loss
 
 
-register_variant("ddp-fp16", "ddp", {"comm.compression": "fp16"})
+# Judged like a compression: fp16 keeps 11 bits of each gradient and flushes the smallest to
+# zero, and Adam scales every coordinate to its own history, so what that costs depends on the model.
+register_variant("ddp-fp16", "ddp", {"comm.compression": "fp16"}, cost=replace(DDP_COST, judged=True))
 
 
 @register("local", cost=MethodCost(predict_local))

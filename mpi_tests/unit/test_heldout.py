@@ -20,7 +20,8 @@ def row(name, split, method, metric, value, ratio=0.1):
 
 ROWS = [row("a", "judged", "powersgd", "loss_pct", 1.9), row("b", "judged", "powersgd", "acc_points", -0.9),
         row("c", "chosen", "powersgd", "loss_pct", 9.0),  # a set defaults were chosen on does not judge them
-        row("a", "judged", "rank-dad", "loss_pct", -3.0), row("b", "judged", "rank-dad", "acc_points", -1.2)]
+        row("a", "judged", "rank-dad", "loss_pct", -3.0), row("b", "judged", "rank-dad", "acc_points", -1.2),
+        row("a", "judged", "ddp-fp16", "loss_pct", 0.1, 0.5), row("b", "judged", "ddp-fp16", "acc_points", -0.5, 0.5)]
 
 
 def test_a_method_held_only_within_both_bounds_on_every_judged_set():
@@ -45,6 +46,18 @@ def test_auto_chooses_exact_methods_and_compressions_that_held(summary):
     changed = config.load(["--powersgd.error_target", "0.3"])
     assert costmodel.left_out("powersgd", changed) == "not measured on the held-out suite at these options"
     assert "powersgd" not in costmodel.quality_keeping_methods(changed)
+
+
+def test_auto_leaves_out_fp16_where_its_rounding_failed_a_judged_set(tmp_path, monkeypatch):
+    failed = [r if r["method"] != "ddp-fp16" or r["set"] != "b" else {**r, "vs_ddp": "-2.5"} for r in ROWS]
+    heldout.write_summary(failed, tmp_path / "heldout.csv")
+    monkeypatch.setattr(heldout, "SUMMARY", tmp_path / "heldout.csv")
+    assert set(costmodel.quality_keeping_methods()) == {"ddp", "dad", "powersgd"}
+    assert costmodel.left_out("ddp-fp16") == "failed on 2 held-out sets (worst: -2.5 points on b)"
+    # not measured at all: not vouched for either
+    heldout.write_summary([r for r in ROWS if r["method"] != "ddp-fp16"], tmp_path / "unmeasured.csv")
+    monkeypatch.setattr(heldout, "SUMMARY", tmp_path / "unmeasured.csv")
+    assert costmodel.left_out("ddp-fp16") == "not measured on the held-out suite at these options"
 
 
 def test_the_committed_summary_is_the_committed_results_summarised(tmp_path):
