@@ -135,7 +135,7 @@ def run_set(s: HeldOutSet, seed: int, args: argparse.Namespace) -> Path:
     """Every method of `s` at its defaults and `seed` (finished runs are reused); its results
     directory."""
     out = s.results(Path(args.out), seed)
-    argv = ["--methods", ",".join(s.methods), "--np", str(args.np), "--data", str(prepare(s.data, Path(args.data_dir))),
+    argv = ["--methods", args.methods or ",".join(s.methods), "--np", str(args.np), "--data", str(prepare(s.data, Path(args.data_dir))),
             "--model", s.model, "--hidden", s.hidden, "--epochs", str(s.epochs), "--seed", str(seed),
             "--out", str(out), "--reuse", "--title",
             f"held-out set {s.name} ({s.split}): {s.model} on {s.data}, defaults, {s.epochs} epochs, seed {seed}"]
@@ -206,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="all",
                         help=f"comma-separated seeds to run this time, or all (each set's: {', '.join(map(str, SEEDS))}); "
                              "the table covers every seed with results")
+    parser.add_argument("--methods", default="",
+                        help="comma-separated method entries to run instead of each set's own (a rule tried on the "
+                             "suite: write it to another --out, with ddp among them)")
     parser.add_argument("--np", type=int, default=2, help="ranks per run (default: %(default)s)")
     parser.add_argument("--data-dir", default="data/heldout", help="where the prepared sets go (default: %(default)s)")
     parser.add_argument("--out", default="benchmarks/results/heldout", help="output directory (default: %(default)s)")
