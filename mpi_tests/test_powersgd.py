@@ -34,8 +34,8 @@ def rank2_grads(step=0):
 
 
 def wrap(layer, **state):
-    """PowerSGD on `layer`, compressing from the first step. The algorithm's arithmetic is
-    checked in float32; float16 factors on the wire (the default) have tests of their own."""
+    """PowerSGD on `layer`, compressing from the first step, in float32 (the default; float16
+    factors on the wire have tests of their own)."""
     return PowerSGDOptimizer(torch.optim.SGD(layer.parameters(), lr=0.1), layer.named_parameters(),
                              state=PowerSGDState(**{"start_iter": 0, "min_compression_rate": 1.0, "factor_dtype": "float32",
                                               **state}))
@@ -85,6 +85,15 @@ def test_bytes_recorded_are_n_plus_m_times_r_per_compressed_layer_and_probes_whe
     assert payload == {"powersgd.P.weight": ("allreduce", N_OUT * (3 + PROBES) * 4),
                        "powersgd.Q.weight": ("allreduce", N_IN * 3 * 4),
                        "allreduce.bias": ("allreduce", N_OUT * 4)}  # 1-D tensors are never compressed
+
+
+def test_float32_factors_are_the_default_and_horovods_fp16_compression_asks_for_float16(world):
+    layer = torch.nn.Linear(N_IN, N_OUT)
+    assert PowerSGDState().options.factor_dtype == "float32"
+    state = PowerSGDState()
+    opt = PowerSGDOptimizer(torch.optim.SGD(layer.parameters(), lr=0.1), layer.named_parameters(),
+                            compression="fp16", state=state)
+    assert opt.powersgd.options.factor_dtype == "float16"
 
 
 def test_float16_factors_halve_the_bytes_and_agree_their_scales_once(world, fresh_meter):

@@ -12,12 +12,10 @@ step after them:
    every rank; orthogonalise.
 4. P = M Q; allreduce P (sum); orthogonalise P.
 5. Q = Mᵀ P; allreduce Q (sum); divide by the number of ranks.
-   P and Q travel as float16 by default (`factor_dtype`), each matrix scaled by a power of two
-   that keeps its sum in range (hvd_lowcomm.comm.half_wire): P is re-orthogonalised and Q's
-   rounding is part of what error feedback adds back, so 16 bits cost no accuracy and halve the
-   bytes. The uncompressed gradients ride with P in float16 too (one scale for all of them), as
-   Horovod's fp16 compression sends them: a relative 2**-11 per number, not fed back. So do
-   the start_iter steps' plain means, each tensor under its own scale.
+   P and Q travel in `factor_dtype`: float32 by default, as PyTorch's hook sends them. With
+   float16 (half the bytes) each matrix is scaled by a power of two that keeps its sum in range
+   (hvd_lowcomm.comm.half_wire), and the uncompressed gradients and the start_iter steps' plain
+   means ride in float16 too, as Horovod's fp16 compression sends them.
 6. M̂ = P Qᵀ, the same rank-r approximation of the mean gradient on every rank; e <- M - M̂.
 
 Adaptive rank (the default, `rank 0`): every `adapt_every` steps a few random probe columns S
@@ -35,7 +33,7 @@ zero over ranks and so never changes the allreduced result.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 import math
 from typing import Any, Iterable
 
@@ -62,8 +60,8 @@ class PowerSGDOptions:
     # so each matrix's rank follows error_target (docs: powersgd, "Adaptive rank"; docs: transformers, "Measured").
     rank: int = option(0, "columns of P and Q per compressed matrix; 0: adaptive, each matrix's rank follows "
                           "error_target between min_rank and max_rank")
-    # A tight target, paid for by the float16 factors' halved bytes (docs: transformers, "At the adaptive
-    # defaults").
+    # A tight target: no one rank suits every layer, and a loose one cost transformers quality
+    # (docs: transformers, "At the adaptive defaults").
     error_target: float = option(0.15, "adaptive rank: the largest share of a compressed matrix's energy (its "
                                        "error-fed mean over ranks) that P Qᵀ may leave out")
     # A floor, not 1: the energy rule alone let a transformer's matrices fall to ranks 1-3, and
@@ -80,13 +78,12 @@ class PowerSGDOptions:
     # PyTorch: 1000 (its docs suggest a tenth of training); runs here are hundreds of steps.
     start_iter: int = option(10, "steps of plain allreduce before compression starts")
     min_compression_rate: float = option(2.0, "compress a matrix only if (n+m)*rank*rate < n*m")
-    # P and Q are sums of low-rank factors that are re-orthogonalised (P) or fed back (Q's
-    # rounding joins the error), so 16 bits per number lose nothing error feedback does not add
-    # back; they halve the bytes, which buys twice the rank.
-    factor_dtype: str = option("float16", "number format on the wire of P, Q, the uncompressed gradients and the "
-                                          "start_iter steps' plain means: "
-                                          "float16 (half the bytes; scaled by a power of two per matrix to stay in "
-                                          "range, redone in float32 if a sum overflows) or float32",
+    # float32, as PyTorch's hook: float16's rounding, which Adam rescales coordinate by coordinate,
+    # cost a ViT on the held-out suite (docs: powersgd, "Choosing the defaults").
+    factor_dtype: str = option("float32", "number format on the wire of P, Q, the uncompressed gradients and the "
+                                          "start_iter steps' plain means: float32, or float16 (half the bytes; "
+                                          "scaled by a power of two per matrix to stay in range, redone in float32 "
+                                          "if a sum overflows)",
                                choices=("float16", "float32"))
     error_feedback: bool = option(True, "add back what compression dropped at earlier steps")
     warm_start: bool = option(True, "reuse the previous step's Q")
@@ -378,7 +375,7 @@ def PowerSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters: NamedP
     """Wrap `optimizer` so step() applies the PowerSGD-compressed mean gradient over the ranks.
 
     Takes `hvd.DistributedOptimizer`'s arguments (hvd_lowcomm.methods.drop_in): compression
-    none, or fp16, which P and Q already are (factor_dtype float16, the default);
+    none, or fp16, which sends P, Q and the rest in float16 (factor_dtype float16);
     `state` (a PowerSGDState) holds PowerSGD's own options. Use it like Horovod's
     DistributedOptimizer; `opt.powersgd` is the PowerSGDState (error buffers, Q matrices, step
     count) to checkpoint.
@@ -388,9 +385,8 @@ def PowerSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters: NamedP
                                   gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set, group,
                                   compressors=("none", "fp16"),
                                   why_not_compressed="its own low-rank factors are its compression")
-    if arguments.compression == "fp16" and state.options.factor_dtype != "float16":
-        raise ConfigError("PowerSGDOptimizer: compression=fp16 asks for float16 on the wire, but the state's "
-                          "factor_dtype is float32; drop one of the two")
+    if arguments.compression == "fp16":
+        state.options = replace(state.options, factor_dtype="float16")
     return wrap_optimizer(optimizer, _PowerSGDExchange, named_parameters, state, arguments)
 
 
