@@ -75,7 +75,8 @@ class PowerSGDOptions:
     adapt_every: int = option(10, "steps between measurements of each matrix's missed energy (random probe "
                                   "columns ride with P on those steps; also measured at a fixed rank, for the "
                                   "metrics)")
-    # PyTorch: 1000 (its docs suggest a tenth of training); runs here are hundreds of steps.
+    # PyTorch: 1000 (its docs suggest a tenth of training); runs here are hundreds of steps, and a
+    # tenth of the run lost to 10 steps on the chosen ViT (docs: powersgd, "Choosing the defaults").
     start_iter: int = option(10, "steps of plain allreduce before compression starts")
     min_compression_rate: float = option(2.0, "compress a matrix only if (n+m)*rank*rate < n*m")
     # float32, as PyTorch's hook: float16's rounding, which Adam rescales coordinate by coordinate,
