@@ -135,9 +135,9 @@ def run_set(s: HeldOutSet, seed: int, args: argparse.Namespace) -> Path:
     """Every method of `s` at its defaults and `seed` (finished runs are reused); its results
     directory."""
     out = s.results(Path(args.out), seed)
-    argv = ["--methods", args.methods or ",".join(s.methods), "--np", str(args.np), "--data", str(prepare(s.data, Path(args.data_dir))),
-            "--model", s.model, "--hidden", s.hidden, "--epochs", str(s.epochs), "--seed", str(seed),
-            "--out", str(out), "--reuse", "--title",
+    argv = ["--methods", args.methods or ",".join(s.methods), "--np", str(args.np),
+            "--data", str(prepare(s.data, Path(args.data_dir))), "--model", s.model, "--hidden", s.hidden,
+            "--epochs", str(s.epochs), "--seed", str(seed), "--out", str(out), "--reuse", "--title",
             f"held-out set {s.name} ({s.split}): {s.model} on {s.data}, defaults, {s.epochs} epochs, seed {seed}"]
     code = compare.main(argv + (["--", *s.extra] if s.extra else []))
     if code:
