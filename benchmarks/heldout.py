@@ -2,6 +2,7 @@
 
     python -m benchmarks.heldout                       # every set, every seed
     python -m benchmarks.heldout --sets gpt-python-stdlib,mlp-digits --split judged --seeds 42
+    python -m benchmarks.heldout --split judged --methods ddp,powersgd:factor_dtype=float32 --out OTHER  # a rule
 
 Defaults are chosen on the sets marked "chosen" and judged on the sets marked "judged". The
 split is fixed here, before any tuning, and a set never moves from judged to chosen: a default

@@ -87,13 +87,18 @@ def test_bytes_recorded_are_n_plus_m_times_r_per_compressed_layer_and_probes_whe
                        "allreduce.bias": ("allreduce", N_OUT * 4)}  # 1-D tensors are never compressed
 
 
-def test_float32_factors_are_the_default_and_horovods_fp16_compression_asks_for_float16(world):
-    layer = torch.nn.Linear(N_IN, N_OUT)
-    assert PowerSGDState().options.factor_dtype == "float32"
-    state = PowerSGDState()
+@pytest.mark.parametrize("compression", [None, "fp16"])
+def test_float32_factors_are_the_default_and_horovods_fp16_compression_sends_float16(world, fresh_meter, compression):
+    layer, _, _ = layer_with_grads(world, rank2_grads())
+    state = PowerSGDState(start_iter=0, min_compression_rate=1.0, rank=3)
     opt = PowerSGDOptimizer(torch.optim.SGD(layer.parameters(), lr=0.1), layer.named_parameters(),
-                            compression="fp16", state=state)
-    assert opt.powersgd.options.factor_dtype == "float16"
+                            compression=compression, state=state)
+    opt.synchronize()
+    assert opt.powersgd.options.factor_dtype == ("float16" if compression else "float32")
+    # what P weighs on the wire: 2 bytes a number only where float16 was asked for and something is summed
+    number = 2 if compression and world.size > 1 else 4
+    payload = {r.name: r.payload_bytes for r in fresh_meter.step_records}
+    assert payload["powersgd.P.weight"] == N_OUT * (3 + PROBES) * number
 
 
 def test_float16_factors_halve_the_bytes_and_agree_their_scales_once(world, fresh_meter):
