@@ -138,11 +138,6 @@ class Exchange:
         measured from the global parameters, then carries it)."""
         return self.errors.pop(fragment, None)
 
-    def outstanding(self, fragment: int, numbers: int) -> torch.Tensor | None:
-        """What this member's exchanges still hold back of the fragment's slice of `numbers`, as
-        a part of its own Δ: the column's mean of Δ + this is everything (exact_final)."""
-        return self.errors.get(fragment)
-
     # -- shared ---------------------------------------------------------------------------------
     def _record(self, fragment: int, transfers: list[Transfer]) -> None:
         for t in transfers:
@@ -507,17 +502,6 @@ class Sparse(Exchange):
                 mean = torch.stack([decode(p, len(delta)) for p in self._allgather(payload)]).sum(0).div_(self.members)
             return mean.to(delta.device)
         return collective
-
-    def outstanding(self, fragment: int, numbers: int) -> torch.Tensor | None:
-        """Its own accumulator, and beyond 2 groups the part of the mean it owns but has not
-        sent back, counted G times as one member's part of the mean."""
-        own, mean_part = self.errors.get(fragment), self.owner_errors.get(fragment)
-        if mean_part is None:
-            return own
-        owned = torch.zeros(len(mean_part) * self.members)
-        at = self.column.comm.Get_rank() * len(mean_part)
-        owned[at:at + len(mean_part)] = self.members * mean_part
-        return owned[:numbers] if own is None else own + owned[:numbers]
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "owner_errors": {f: e.clone() for f, e in self.owner_errors.items()}}

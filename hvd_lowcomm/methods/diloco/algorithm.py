@@ -114,8 +114,6 @@ class DiLoCo:
                           for f, params in enumerate(parts)]
         self.worker: concurrent.futures.ThreadPoolExecutor | None = None  # runs delayed exchanges
         self.exchange_wait_seconds = 0.0  # what steps waited for exchanges between groups
-        self.exact = Exchange(self.column, o)  # fp32 mean: the final model's sync (exact_final)
-        self.total_steps: int | None = None
         self.inner_steps = 0
         self.outer_steps = 0
         self.synced_now = False  # whether the step just taken ended with an outer step
@@ -127,7 +125,6 @@ class DiLoCo:
 
     def set_total_steps(self, total_steps: int) -> None:
         """Fix H for a run of `total_steps` steps (resolves a fractional sync_every)."""
-        self.total_steps = total_steps
         self._set_every(max(1, run_steps(self.options.sync_every, total_steps, "diloco.sync_every")))
         o = self.options
         delay = f", applied {o.sync_delay} steps later (alpha {o.update_alpha})" if o.sync_delay else \
@@ -195,16 +192,14 @@ class DiLoCo:
         length = shard_length(sum(p.numel() for _, p in params), self.group.size)
         return self._flat(params)[self.position * length:(self.position + 1) * length].clone()
 
-    def _start(self, fragment: Fragment, background: bool, delta: torch.Tensor | None = None,
-               exchange: Exchange | None = None) -> None:
+    def _start(self, fragment: Fragment, background: bool, delta: torch.Tensor | None = None) -> None:
         """Start averaging the fragment's pseudo-gradient slice (`delta`, or global - local now)
-        over the column (by its own exchange unless `exchange` is given): at once, or on the
-        worker thread, to be applied `sync_delay` steps later (eager: at the fragment's next
-        sync)."""
+        over the column: at once, or on the worker thread, to be applied `sync_delay` steps
+        later (eager: at the fragment's next sync)."""
         if delta is None:
             delta = fragment.global_slice.detach() - self._local_slice(fragment.params)
         shapes = [tuple(p.shape) for _, p in fragment.params]
-        collective = (exchange or fragment.exchange).start(fragment.index, delta, shapes, self.position * len(delta))
+        collective = fragment.exchange.start(fragment.index, delta, shapes, self.position * len(delta))
         keeps = background and bool(self.options.sync_delay) and self.options.update_alpha > 0
         prepared = [p.detach().clone() for _, p in fragment.params] if keeps else None
         if background:
@@ -293,38 +288,27 @@ class DiLoCo:
 
     # -- evaluation, the final model, checkpoints ---------------------------------------------
     @contextlib.contextmanager
-    def synced(self, final: bool = False) -> Iterator[nn.Module]:
+    def synced(self) -> Iterator[nn.Module]:
         """The model a blocking outer step of every fragment with inner steps since its last
         sync would give now (with keep_unsent of every fragment: a group's model differs from
         the global one even right after a sync), with eager the other groups' parts still in
         flight added too (collective; its traffic counts in the current meter phase); the
-        groups' own state, and any exchange in flight, are restored afterwards. With
-        exact_final, for the `final` model or once the run's steps are done, that sync is the
-        groups' exact average, error feedback included."""
-        exact = self.options.exact_final and (final or (self.total_steps is not None
-                                                        and self.inner_steps >= self.total_steps))
-        pending = [f for f in self.fragments if f.since_sync or (self.options.eager and f.in_flight is not None)
-                   or self.options.keeps_unsent or (exact and self.options.compression != "none")]
+        groups' own state, and any exchange in flight, are restored afterwards."""
+        pending = [f for f in self.fragments
+                   if f.since_sync or (self.options.eager and f.in_flight is not None) or self.options.keeps_unsent]
         if not pending:
             yield self.model
             return
         self._settle()  # the exchange in flight uses the same state: let it finish first
-        with trial_sync(self.model, lambda: self._sync_now(pending, exact), self._sync_state,
-                        self._load_sync_state) as model:
+        with trial_sync(self.model, lambda: self._sync_now(pending), self._sync_state, self._load_sync_state) as model:
             yield model
 
-    def _sync_now(self, fragments: list[Fragment], exact: bool = False) -> None:
+    def _sync_now(self, fragments: list[Fragment]) -> None:
         in_flight = [f.in_flight for f in self.fragments]  # set aside: restored with the rest
         for f in self.fragments:
             f.in_flight = None
         for f in fragments:
-            if exact:  # everything error feedback still holds, in one fp32 mean
-                held_back = f.exchange.outstanding(f.index, len(f.global_slice))
-                delta = f.global_slice.detach() - self._local_slice(f.params)
-                self._start(f, background=False, exchange=self.exact,
-                            delta=delta if held_back is None else delta + held_back.to(delta.device))
-            else:
-                self._start(f, background=False)
+            self._start(f, background=False)
             held = in_flight[f.index]
             if self.options.eager and held is not None:  # and the other groups' parts not yet applied
                 f.in_flight.result = f.in_flight.result + self._others_part(f, held)
@@ -347,7 +331,7 @@ class DiLoCo:
     def full_model(self) -> nn.Module:
         """The synced model, the same on every rank (collective; its traffic counts as eval)."""
         with meter.in_phase("eval"):
-            with self.synced(final=True) as model:
+            with self.synced() as model:
                 final = copy.deepcopy(model)
             self._settle()  # nothing may be left on the wire when the job ends
             # The sync's last collective is the group's own allgather: without this, a group that

@@ -44,11 +44,6 @@ class DiLoCoOptions(GroupedOptions):
     keep_unsent: bool = option(True, "sparse: each group keeps on its own model what its exchange has not sent yet "
                                      "(its error feedback) instead of restarting from the global model without it "
                                      "(not with eager)")
-    # The exchange's error feedback holds back progress it sends later; after the last step there is
-    # no later, so the final model takes it all, at the cost of one fp32 exchange in the run.
-    exact_final: bool = option(True, "the final model (and the evaluation after the last step) is the groups' exact "
-                                     "average, one fp32 exchange, so that what a compressed exchange still held "
-                                     "back reaches it; evaluations before then show a compressed sync's model")
     error_decay: float = option(1.0, "sparse: the error-feedback accumulator's decay, e <- decay*e + Δ")
     # 0, a rank per matrix from a byte budget: one fixed rank spends the bytes unevenly between models, and
     # the pseudo-gradient's tail needs rank wherever the bytes allow (docs: benchmarks, "DiLoCo's exchange
