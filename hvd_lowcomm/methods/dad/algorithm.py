@@ -219,16 +219,13 @@ class _DadExchange(GradientExchange):
     def group_size(self) -> int:
         return self.group.size if self.group is not None else runtime.size()
 
-    def apply_rows(self, name: str, pooled: torch.Tensor, total_batch: float, with_bias: bool,
-                   metric: torch.Tensor | None = None) -> None:
+    def apply_rows(self, name: str, pooled: torch.Tensor, total_batch: float, with_bias: bool) -> None:
         """∇W = Δᵀ A over the pooled rows [A | Δ] (Δ scaled by each rank's batch: divided by
-        the pooled batch here), times `metric` (d_in × d_out) where the rows were factored in
-        one; ∇b = column sums of Δ."""
+        the pooled batch here); ∇b = column sums of Δ."""
         module = self._layers[name]
         d_in, _ = fan_in_out(module)
         acts, deltas = pooled[:, :d_in], pooled[:, d_in:] / total_batch
-        gradient = deltas.T @ acts if metric is None else (deltas.T @ acts) * metric.T
-        module.weight.grad = kind_of(module).from_matrix(module, gradient)
+        module.weight.grad = kind_of(module).from_matrix(module, deltas.T @ acts)
         if with_bias and module.bias is not None and module.bias.requires_grad:
             module.bias.grad = deltas.sum(dim=0)
 
@@ -313,7 +310,6 @@ class FactorRows(_Sharing):
         self.last_rank: dict[str, int] = {}        # k each layer kept at its last step
         self.errors: dict[str, torch.Tensor] = {}  # error feedback: what the factors left out
         self.errors_before: dict[str, torch.Tensor] = {}  # the errors before this step's exchange
-        self.metrics: dict[str, torch.Tensor | None] = {}  # metric "adam": this step's divisor of each layer
 
     def planned_rows(self, module: nn.Module, positions: int, total_batch: int, world_size: int) -> tuple[int, int]:
         return world_size * planned_rank(self.options), module.bias.numel() if module.bias is not None else 0
@@ -346,7 +342,6 @@ class FactorRows(_Sharing):
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's k factor rows [σ_i b_i | c_i] of layer `name`'s local gradient as they go on
         the wire: float16 with a float32 (k × 2) of their scales, else float32 and None."""
-        metric = self.metrics[name] = None
         local = rows[name] if name in rows else (exchange.layer(name).weight.grad,)
         if not all(bool(torch.isfinite(t).all()) for t in local):  # (a GradScaler's overflow)
             return self.non_finite_row(exchange, name)
@@ -360,10 +355,8 @@ class FactorRows(_Sharing):
             gradient = kind_of(module).matrix(module, module.weight.grad).T * scale
             if self.error_feedback and name in self.errors:
                 gradient += self.errors[name] * scale
-            metric = self.metrics[name] = self.metric_of(exchange, module)
-            measured = gradient if metric is None else gradient / metric
-            b_rows, c_rows = gradient_power_iteration(measured, *iterate)
-            energy = float(measured.pow(2).sum())
+            b_rows, c_rows = gradient_power_iteration(gradient, *iterate)
+            energy = float(gradient.pow(2).sum())
         if self.adaptive:
             k = max(self.options.min_rank, smallest_rank_within(b_rows.pow(2).sum(1), energy, self.options.error_target))
             b_rows, c_rows = b_rows[:k], c_rows[:k]
@@ -375,21 +368,9 @@ class FactorRows(_Sharing):
             packed = torch.cat([b_half, c_half], dim=1), torch.cat([b_scales, c_scales], dim=1)
             b_rows, c_rows = from_half_rows(b_half, b_scales), from_half_rows(c_half, c_scales)
         if self.error_feedback and name not in rows and bool(torch.isfinite(gradient).all()):
-            sent = b_rows.T @ c_rows if metric is None else (b_rows.T @ c_rows) * metric
-            self.errors[name] = (gradient - sent) / scale
+            self.errors[name] = (gradient - b_rows.T @ c_rows) / scale
         self.last_rank[name] = max(1, b_rows.shape[0])
         return packed
-
-    def metric_of(self, exchange: _DadExchange, module: nn.Module) -> torch.Tensor | None:
-        """With metric "adam": the wrapped Adam's step divisor √v̂ + ε of the layer's weight, in
-        the gradient's (d_in × d_out) layout; every rank holds the same v̂, as it applies the same
-        pooled gradients. None with metric "plain" or where there is no second moment (yet)."""
-        state = exchange.state.get(module.weight, {})
-        if self.options.metric != "adam" or "exp_avg_sq" not in state:
-            return None
-        group = next(g for g in exchange.param_groups if any(p is module.weight for p in g["params"]))
-        corrected = state["exp_avg_sq"] / (1 - group["betas"][1] ** float(state["step"]))
-        return kind_of(module).matrix(module, corrected.sqrt() + group["eps"]).T
 
     def non_finite_row(self, exchange: _DadExchange, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One NaN row in place of a non-finite local gradient's factors (which an SVD refuses):
@@ -429,7 +410,7 @@ class FactorRows(_Sharing):
                 d_in = fan_in_out(exchange.layer(n))[0]
                 pooled = torch.cat([from_half_rows(pooled[:, :d_in], scales[:, :1]),
                                     from_half_rows(pooled[:, d_in:], scales[:, 1:])], dim=1)
-            exchange.apply_rows(n, pooled, total_batch, with_bias=False, metric=self.metrics.get(n))
+            exchange.apply_rows(n, pooled, total_batch, with_bias=False)
 
 
 class RecomputedDeltas(_Sharing):

@@ -36,12 +36,6 @@ class RankDadOptions(DadOptions):
     factor_dtype: str = option("float16", "number format of the factor rows on the wire: float16 (half the bytes; "
                                           "each row scaled by its own power of two) or float32",
                                choices=("float16", "float32"))
-    # Adam divides each coordinate's step by its √v̂: a direction the plain energy rule drops as
-    # small can still move Adam's step fully, so under Adam the factors may be chosen in its metric.
-    metric: str = option("plain", "where the factors come from the gradient, the norm their error is measured "
-                                  "in: plain (the gradient's own) or adam (each coordinate divided by the "
-                                  "wrapped Adam's √v̂ + ε, as Adam's step divides it; plain where the optimiser "
-                                  "keeps no second moment)", choices=("plain", "adam"))
     iterations: int = option(10, "most power iterations where the triplets are iterated for (few rows give "
                                  "them exactly, without iterating)")
     tol: float = option(1e-3, "stop iterating when the subspace moves less than this; drop components "
