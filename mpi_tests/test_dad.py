@@ -240,48 +240,6 @@ def test_every_way_to_rank_dad_s_factors_is_within_5_percent_of_the_truncated_sv
         assert relative_error(b_rows.T @ c_rows, gradient) <= (1 + 1e-4 if way == "exact" else 1.05) * svd_error, r
 
 
-@pytest.mark.parametrize("way", ["gradient", "structured"])
-def test_single_power_iterations_warm_started_from_the_last_directions_converge_to_the_truncated_svd(way):
-    """rank-dAD's warm_start: one iteration per step, each from the last step's kept directions,
-    continues one subspace iteration across steps; from a fresh random start it does not."""
-    generator = torch.Generator().manual_seed(RANK)
-    left, _ = torch.linalg.qr(torch.randn(40, 30, generator=generator))
-    right, _ = torch.linalg.qr(torch.randn(30, 30, generator=generator))
-    gradient = left @ torch.diag(0.95 ** torch.arange(30.0)) @ right.T  # a slowly falling spectrum
-    acts, deltas = torch.eye(40), gradient  # rows whose Aᵀ D is that gradient
-    u, s, vh = torch.linalg.svd(gradient)
-    svd_error = relative_error(u[:, :4] @ torch.diag(s[:4]) @ vh[:4], gradient)
-    factors = {"gradient": lambda start: gradient_power_iteration(gradient, 4, 1, 1e-9, generator, start),
-               "structured": lambda start: structured_power_iteration(acts, deltas, 4, 1, 1e-9, generator, start)}[way]
-    warm = cold = None
-    for _ in range(30):
-        b_rows, c_rows = factors(None if warm is None else (warm[0] / warm[0].norm(dim=1, keepdim=True)).T)
-        warm, cold = (b_rows, c_rows), factors(None)
-    assert relative_error(warm[0].T @ warm[1], gradient) <= (1 + 1e-3) * svd_error
-    assert relative_error(cold[0].T @ cold[1], gradient) > (1 + 1e-2) * svd_error  # one fresh iteration is not enough
-
-
-def test_rank_dad_s_warm_start_keeps_each_layer_s_last_directions_and_a_checkpoint_carries_them(world):
-    x, y, local, _ = unequal_batches(world.size, world.comm.Get_rank(), (2, 9, 9), 3)
-    model = cnn()
-    opt = DadOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, rank=2, iterations=1, warm_start=True,
-                       plan="all")
-    for _ in range(2):
-        opt.zero_grad()
-        F.cross_entropy(model(x[local]), y[local]).backward()
-        opt.step()
-    for name, kept in opt.effective_ranks.items():
-        directions = opt.sharing.directions[name]
-        d_in = model.get_submodule(name).weight[0].numel()
-        assert directions.shape == (d_in, kept[-1]), name
-        assert torch.allclose(directions.norm(dim=0), torch.ones(kept[-1]), atol=1e-5), name
-    state = opt.sharing.state_dict()
-    opt.sharing.load_state_dict({})
-    assert not opt.sharing.directions
-    opt.sharing.load_state_dict(state)
-    assert all(torch.equal(opt.sharing.directions[n], state["directions"][n]) for n in state["directions"])
-
-
 def test_edad_equals_dad(world):
     x, y, local, _ = unequal_batches(world.size, world.comm.Get_rank(), (6,), 3)
     _, dad = pooled_and_distributed_grads(world, mlp(), x, y, local, plan="all")

@@ -42,13 +42,13 @@ def cheapest_way(rows: int, d_in: int, d_out: int, rank: int, iterations: int) -
 
 
 def factors_from_rows(acts: torch.Tensor, deltas: torch.Tensor, rank: int, iterations: int, tol: float,
-                      generator: torch.Generator | None = None, start: torch.Tensor | None = None) -> Factors:
+                      generator: torch.Generator | None = None) -> Factors:
     """Top triplets of G = actsᵀ deltas from the rows: exactly, or by structured power
     iteration when that is cheaper (see the module docstring). Returns what
     structured_power_iteration does."""
     if cheapest_way(*acts.shape, deltas.shape[1], rank, iterations) == "exact":
         return exact_factors(acts, deltas, rank, tol)
-    return structured_power_iteration(acts, deltas, rank, iterations, tol, generator, start)
+    return structured_power_iteration(acts, deltas, rank, iterations, tol, generator)
 
 
 def exact_factors(acts: torch.Tensor, deltas: torch.Tensor, rank: int, tol: float) -> Factors:
@@ -60,13 +60,11 @@ def exact_factors(acts: torch.Tensor, deltas: torch.Tensor, rank: int, tol: floa
 
 
 def structured_power_iteration(acts: torch.Tensor, deltas: torch.Tensor, rank: int, iterations: int,
-                               tol: float, generator: torch.Generator | None = None,
-                               start: torch.Tensor | None = None) -> Factors:
+                               tol: float, generator: torch.Generator | None = None) -> Factors:
     """Top singular triplets of G = actsᵀ deltas by block power iteration over the rows.
 
     All components at once: Q (d_in × w, w = rank + OVERSAMPLE, at most G's possible rank)
-    starts orthonormal and random (or from `start`'s d_in × j columns, the rest random: a warm
-    start from the last step's directions, as PowerSGD's); repeat up to `iterations` times
+    starts orthonormal and random; repeat up to `iterations` times
         Q <- orth(G Gᵀ Q) = orth(Aᵀ (D (Dᵀ (A Q))))
     stopping early once the subspace moves by less than `tol` (|(I - Q Qᵀ) Q_new|). Then
     Rayleigh-Ritz: the SVD of the small Gᵀ Q = Dᵀ (A Q) = U Σ Vᵀ gives G ≈ (Q V) Σ Uᵀ. Every
@@ -82,15 +80,15 @@ def structured_power_iteration(acts: torch.Tensor, deltas: torch.Tensor, rank: i
     d_out = deltas.shape[1]
     return _block_power_iteration(lambda q: acts.T @ (deltas @ (deltas.T @ (acts @ q))),
                                   lambda q: deltas.T @ (acts @ q), (d_in, d_out), min(d_in, d_out, rows),
-                                  rank, iterations, tol, generator, acts, start)
+                                  rank, iterations, tol, generator, acts)
 
 
 def gradient_power_iteration(gradient: torch.Tensor, rank: int, iterations: int, tol: float,
-                             generator: torch.Generator | None = None, start: torch.Tensor | None = None) -> Factors:
+                             generator: torch.Generator | None = None) -> Factors:
     """The same triplets as structured_power_iteration, iterating on G (d_in × d_out) itself."""
     return _block_power_iteration(lambda q: gradient @ (gradient.T @ q), lambda q: gradient.T @ q,
                                   tuple(gradient.shape), min(gradient.shape), rank, iterations, tol, generator,
-                                  gradient, start)
+                                  gradient)
 
 
 def missed_energy(acts: torch.Tensor, deltas: torch.Tensor, factors: Factors,
@@ -106,16 +104,14 @@ def missed_energy(acts: torch.Tensor, deltas: torch.Tensor, factors: Factors,
 def _block_power_iteration(gram_times: Callable[[torch.Tensor], torch.Tensor],
                            transpose_times: Callable[[torch.Tensor], torch.Tensor], shape: tuple[int, int],
                            most: int, rank: int, iterations: int, tol: float, generator: torch.Generator | None,
-                           like: torch.Tensor, start: torch.Tensor | None = None) -> Factors:
+                           like: torch.Tensor) -> Factors:
     """Subspace iteration with G Gᵀ (`gram_times`) and Rayleigh-Ritz with Gᵀ (`transpose_times`)
     for G of `shape` (d_in × d_out) whose rank is at most `most`."""
     d_in, d_out = shape
     width = min(rank + OVERSAMPLE, most)
     if width == 0:
         return like.new_zeros(0, d_in), like.new_zeros(0, d_out)
-    given = start[:, :width] if start is not None else like.new_zeros(d_in, 0)
-    fresh = torch.randn(d_in, width - given.shape[1], generator=generator, dtype=like.dtype).to(like.device)
-    q, _ = torch.linalg.qr(torch.cat([given.to(like.dtype), fresh], dim=1))
+    q, _ = torch.linalg.qr(torch.randn(d_in, width, generator=generator, dtype=like.dtype).to(like.device))
     for _ in range(iterations):
         new, _ = torch.linalg.qr(gram_times(q))  # orth(G Gᵀ Q)
         moved = (new - q @ (q.T @ new)).norm() / width ** 0.5

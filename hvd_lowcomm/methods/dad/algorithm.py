@@ -310,7 +310,6 @@ class FactorRows(_Sharing):
         self.last_rank: dict[str, int] = {}        # k each layer kept at its last step
         self.errors: dict[str, torch.Tensor] = {}  # error feedback: what the factors left out
         self.errors_before: dict[str, torch.Tensor] = {}  # the errors before this step's exchange
-        self.directions: dict[str, torch.Tensor] = {}  # warm start: each layer's last kept b_i (d_in × k)
 
     def planned_rows(self, module: nn.Module, positions: int, total_batch: int, world_size: int) -> tuple[int, int]:
         return world_size * planned_rank(self.options), module.bias.numel() if module.bias is not None else 0
@@ -346,8 +345,7 @@ class FactorRows(_Sharing):
         local = rows[name] if name in rows else (exchange.layer(name).weight.grad,)
         if not all(bool(torch.isfinite(t).all()) for t in local):  # (a GradScaler's overflow)
             return self.non_finite_row(exchange, name)
-        start = self.directions.get(name) if self.options.warm_start else None
-        iterate = (self.iterated_rank(name), self.iterations, self.tol, exchange.generator, start)
+        iterate = (self.iterated_rank(name), self.iterations, self.tol, exchange.generator)
         if name in rows:
             b_rows, c_rows = factors_from_rows(*rows[name], *iterate)
             if self.adaptive:
@@ -362,8 +360,6 @@ class FactorRows(_Sharing):
         if self.adaptive:
             k = max(self.options.min_rank, smallest_rank_within(b_rows.pow(2).sum(1), energy, self.options.error_target))
             b_rows, c_rows = b_rows[:k], c_rows[:k]
-        if self.options.warm_start and len(b_rows):
-            self.directions[name] = (b_rows / b_rows.norm(dim=1, keepdim=True)).T
         packed: tuple[torch.Tensor, torch.Tensor | None] = (torch.cat([b_rows, c_rows], dim=1), None)
         if self.half_rows(exchange.group_size()):
             # b (σ b: the gradient's scale) and c (unit length) each with their own power of two;
@@ -384,11 +380,10 @@ class FactorRows(_Sharing):
         return (row.half(), row.new_ones(1, 2)) if self.half_rows(exchange.group_size()) else (row, None)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"last_rank": dict(self.last_rank), "errors": dict(self.errors), "directions": dict(self.directions)}
+        return {"last_rank": dict(self.last_rank), "errors": dict(self.errors)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.last_rank, self.errors = dict(state.get("last_rank", {})), dict(state.get("errors", {}))
-        self.directions = dict(state.get("directions", {}))
 
     def payload(self, exchange: _DadExchange, rows: Rows, layers: list[str], scale: float) -> list[tuple[str, torch.Tensor]]:
         # Each rank sends its own k rows (Horovod's allgather takes a different count from every

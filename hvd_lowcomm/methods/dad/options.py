@@ -36,10 +36,6 @@ class RankDadOptions(DadOptions):
     factor_dtype: str = option("float16", "number format of the factor rows on the wire: float16 (half the bytes; "
                                           "each row scaled by its own power of two) or float32",
                                choices=("float16", "float32"))
-    # PowerSGD's warm start: one step of power iteration from the last step's directions tracks
-    # the directions that persist across steps, where a fresh start finds this step's own top k.
-    warm_start: bool = option(False, "start each layer's power iteration from its last step's directions "
-                                     "(with iterations 1: PowerSGD's single warm-started step)")
     iterations: int = option(10, "most power iterations where the triplets are iterated for (few rows give "
                                  "them exactly, without iterating)")
     tol: float = option(1e-3, "stop iterating when the subspace moves less than this; drop components "
