@@ -128,7 +128,8 @@ def prepare(data: str, data_dir: Path) -> Path:
         command = ["text", str(text.parent)]
     else:
         command = [data]
-    subprocess.run([sys.executable, "-m", "data_prep", *command, "--out", str(path)], check=True)
+    if subprocess.run([sys.executable, "-m", "data_prep", *command, "--out", str(path)]).returncode:
+        raise SystemExit(f"heldout: could not prepare {path} (data_prep's error above says how to fix it)")
     return path
 
 
