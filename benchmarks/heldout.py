@@ -25,7 +25,9 @@ says more about the seed than about the method.
 Writes --out/results.csv and results.md (method × set), each set's own comparison under
 --out/<set>/ (its first seed) and --out/<set>/seed<N>/ (the others), and with --package the
 summary that `--method auto` and `plan` read (hvd_lowcomm/heldout.csv: per method, its worst
-judged result and whether it held).
+judged result and whether it held). --out/corpora.csv keeps the sha256 of each corpus the results
+were made on: the corpora are cut from the machine's files, and a run on other text (another
+machine's packages or versions) into the same --out is refused before it starts.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import argparse
 import csv
 import glob
 import gzip
+import hashlib
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -46,6 +49,7 @@ CORPUS_BYTES = 120_000  # each judged corpus: about 13 steps an epoch at np 2, b
 GRADIENT_METHODS = ("ddp", "ddp-fp16", "powersgd", "rank-dad")
 METHODS = GRADIENT_METHODS + ("diloco", "diloco:compression=none")
 SEEDS = (42, 43, 44)  # every set's; a verdict is the mean over them of the result against ddp
+CORPUS_FINGERPRINTS = "corpora.csv"  # in --out: the sha256 of each corpus its results were made on
 
 
 @dataclass(frozen=True)
@@ -117,13 +121,18 @@ SETS = {s.name: s for s in (
 )}
 
 
+def text_of(corpus: str, data_dir: Path) -> Path:
+    """Where a corpus's text is kept beside its HDF5 file."""
+    return data_dir / "text" / corpus / "corpus.txt"
+
+
 def prepare(data: str, data_dir: Path) -> Path:
-    """The HDF5 file of a corpus or bundled image set, made once."""
+    """The HDF5 file of a corpus or bundled image set, made once (a corpus's with its text)."""
     path = data_dir / f"{data}.h5"
-    if path.exists():
+    if path.exists() and (data not in CORPORA or text_of(data, data_dir).exists()):
         return path
     if data in CORPORA:
-        text = data_dir / "text" / data / "corpus.txt"
+        text = text_of(data, data_dir)
         CORPORA[data].write(text)
         command = ["text", str(text.parent)]
     else:
@@ -131,6 +140,30 @@ def prepare(data: str, data_dir: Path) -> Path:
     if subprocess.run([sys.executable, "-m", "data_prep", *command, "--out", str(path)]).returncode:
         raise SystemExit(f"heldout: could not prepare {path} (data_prep's error above says how to fix it)")
     return path
+
+
+def check_same_text(corpus: str, data_dir: Path, out: Path) -> None:
+    """Record in `out`/corpora.csv the sha256 of `corpus`'s text, or stop if the results in `out`
+    were made on other text: a corpus is cut from the machine's files, so another machine's
+    packages or versions give another corpus, whose results must not be averaged with these."""
+    digest = hashlib.sha256(text_of(corpus, data_dir).read_bytes()).hexdigest()
+    record = out / CORPUS_FINGERPRINTS
+    known = {}
+    if record.exists():
+        with open(record) as f:
+            known = {r["corpus"]: r["sha256"] for r in csv.DictReader(f)}
+    if known.get(corpus, digest) != digest:
+        raise SystemExit(f"heldout: corpus {corpus} here (sha256 {digest[:12]}) is not the text the results in "
+                         f"{out} were made on ({known[corpus][:12]}, {record}): this machine's files differ "
+                         "(other packages or versions). Run into another --out: results on other text cannot "
+                         "be averaged with those.")
+    if corpus not in known:
+        out.mkdir(parents=True, exist_ok=True)
+        with open(record, "a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["corpus", "sha256"])
+            if not known:
+                writer.writeheader()
+            writer.writerow({"corpus": corpus, "sha256": digest})
 
 
 def run_set(s: HeldOutSet, seed: int, args: argparse.Namespace) -> Path:
@@ -226,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"heldout: --seeds {args.seeds}: every set runs at seeds {', '.join(map(str, SEEDS))}; "
                          "choose among them (a seed outside them would judge nothing)")
     chosen = [SETS[n] for n in names if args.split in ("both", SETS[n].split)]
+    for s in chosen:  # every set's data ready, and the same text as before, before anything runs
+        prepare(s.data, Path(args.data_dir))
+        if s.data in CORPORA:
+            check_same_text(s.data, Path(args.data_dir), Path(args.out))
     for s in chosen:
         for seed in s.seeds:
             if seeds is None or str(seed) in seeds:

@@ -113,3 +113,20 @@ def test_a_seed_outside_the_suites_is_refused_before_anything_runs(tmp_path):
     with pytest.raises(SystemExit, match="every set runs at seeds 42, 43, 44"):
         main(["--seeds", "43,x", "--out", str(tmp_path)])
     assert not any(tmp_path.iterdir())
+
+
+def test_results_on_other_text_are_refused_before_anything_runs(tmp_path):
+    from benchmarks.heldout import check_same_text, main, text_of
+
+    data_dir, out = tmp_path / "data", tmp_path / "out"
+    text = text_of("perl-pod", data_dir)
+    text.parent.mkdir(parents=True)
+    text.write_text("=head1 NAME\n")
+    (data_dir / "perl-pod.h5").write_bytes(b"")  # prepared before: prepare() makes nothing
+    check_same_text("perl-pod", data_dir, out)  # the first run records the text
+    check_same_text("perl-pod", data_dir, out)  # the same text again: nothing to say
+    assert (out / "corpora.csv").read_text().count("perl-pod") == 1
+    text.write_text("=head1 NAME (another Perl)\n")
+    with pytest.raises(SystemExit, match="corpus perl-pod here .* is not the text the results in"):
+        main(["--sets", "gpt-perl-pod", "--data-dir", str(data_dir), "--out", str(out)])
+    assert sorted(p.name for p in out.iterdir()) == ["corpora.csv"]  # no run started
