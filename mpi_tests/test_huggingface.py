@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -287,10 +288,11 @@ def test_tensorboard_records_are_read_back_and_a_resumed_run_keeps_its_tracker_r
             "summary/final_test_loss"} <= set(events.Tags()["scalars"])
     assert all(e.value > 0 for e in events.Scalars("step/grad_norm"))
     assert json.loads((hf_files / "runs" / "tracked" / "trackers.json").read_text()) == ids  # same W&B run
-    # no second W&B run: every session's directory carries the first run's id (W&B names them by
-    # the second they start, so two sessions in the same second share one; counting them flaked)
+    # no second W&B run: every session's directory carries the first run's id (W&B names them
+    # offline-run-<second>-<id>, adding -1, -2... when two sessions start in the same second)
     sessions = list((hf_files / "runs" / "tracked" / "wandb").glob("offline-run-*"))
-    assert sessions and all(d.name.endswith(f"-{ids['wandb']}") for d in sessions), sessions
+    same_run = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{re.escape(ids['wandb'])}(-\d+)?")
+    assert sessions and all(same_run.fullmatch(d.name) for d in sessions), sessions
 
 
 @pytest.mark.skipif(SIZE != 2, reason="the command line on HF models is checked at np 2")
