@@ -98,7 +98,8 @@ def test_a_sets_verdict_is_the_mean_over_its_seeds_against_ddp_at_the_same_seed(
     assert s.results(tmp_path, s.seeds[0]) == tmp_path / s.name  # the first seed where one seed went before
     rows = {r["method"]: r for r in rows_of(s, tmp_path)}
     assert float(rows["rank-dad"]["vs_ddp"]) == pytest.approx(-2.0)
-    assert rows["rank-dad"]["seeds"] == " ".join(map(str, s.seeds)) and rows["rank-dad"]["vs_ddp_per_seed"] == "-5 -1 0"
+    # the seeds with results so far (this set runs more, NOISY_SET_SEEDS)
+    assert rows["rank-dad"]["seeds"] == " ".join(map(str, s.seeds[:3])) and rows["rank-dad"]["vs_ddp_per_seed"] == "-5 -1 0"
     assert float(rows["diloco"]["vs_fp32_diloco"]) == pytest.approx(-1.0 / 3)  # -2, 0, +1 against fp32
     assert float(rows["diloco"]["bytes_vs_fp32_diloco"]) == pytest.approx(0.05)
     measured = {m.method: m for m in heldout.summarize(list(rows.values()))}
@@ -110,7 +111,7 @@ def test_a_sets_verdict_is_the_mean_over_its_seeds_against_ddp_at_the_same_seed(
 def test_a_seed_outside_the_suites_is_refused_before_anything_runs(tmp_path):
     from benchmarks.heldout import main
 
-    with pytest.raises(SystemExit, match="every set runs at seeds 42, 43, 44"):
+    with pytest.raises(SystemExit, match="the sets run at seeds 42, 43, 44, 45, .*, 51"):
         main(["--seeds", "43,x", "--out", str(tmp_path)])
     assert not any(tmp_path.iterdir())
 
