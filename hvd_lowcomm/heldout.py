@@ -55,8 +55,9 @@ class Measured:
     bytes_vs_ddp: float  # the median over the judged sets
 
     def risk(self) -> str:
-        verdict = "held" if self.held else "failed"
-        return f"{verdict} on {self.sets} held-out sets (worst: {self.worst} on {self.worst_set})"
+        if self.held:
+            return f"held on all {self.sets} held-out sets (worst: {self.worst} on {self.worst_set})"
+        return f"failed the held-out suite ({self.sets} sets; worst: {self.worst} on {self.worst_set}, past its bound)"
 
 
 def summarize(rows: list[dict[str, str]]) -> list[Measured]:

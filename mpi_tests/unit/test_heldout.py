@@ -41,7 +41,7 @@ def summary(tmp_path, monkeypatch):
 
 def test_auto_chooses_exact_methods_and_compressions_that_held(summary):
     assert set(costmodel.quality_keeping_methods()) == {"ddp", "ddp-fp16", "dad", "powersgd"}
-    assert costmodel.left_out("rank-dad") == "failed on 2 held-out sets (worst: -1.2 points on b)"
+    assert costmodel.left_out("rank-dad") == "failed the held-out suite (2 sets; worst: -1.2 points on b, past its bound)"
     # options other than those measured are not vouched for by the measurement
     changed = config.load(["--powersgd.error_target", "0.3"])
     assert costmodel.left_out("powersgd", changed) == "not measured on the held-out suite at these options"
@@ -53,7 +53,7 @@ def test_auto_leaves_out_fp16_where_its_rounding_failed_a_judged_set(tmp_path, m
     heldout.write_summary(failed, tmp_path / "heldout.csv")
     monkeypatch.setattr(heldout, "SUMMARY", tmp_path / "heldout.csv")
     assert set(costmodel.quality_keeping_methods()) == {"ddp", "dad", "powersgd"}
-    assert costmodel.left_out("ddp-fp16") == "failed on 2 held-out sets (worst: -2.5 points on b)"
+    assert costmodel.left_out("ddp-fp16") == "failed the held-out suite (2 sets; worst: -2.5 points on b, past its bound)"
     # not measured at all: not vouched for either
     heldout.write_summary([r for r in ROWS if r["method"] != "ddp-fp16"], tmp_path / "unmeasured.csv")
     monkeypatch.setattr(heldout, "SUMMARY", tmp_path / "unmeasured.csv")
