@@ -34,6 +34,10 @@ STOP_GRACE_SECONDS = 60
 # (vader), which would bypass the shaped interface.
 MPI_OVER_LOOPBACK = ["--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo",
                      "--mca", "oob_tcp_if_include", "lo"]
+# Ranks run at a lower priority than mpirun and the harness: on a machine whose cores the ranks
+# fill, a line they print is then forwarded, and the counters read, at once rather than after the
+# ranks' next time slices, which can be longer than a short run's whole training.
+RANKS_BELOW_OBSERVER = ["nice", "-n", "10"]
 _names = count()
 
 
@@ -87,7 +91,7 @@ class ShapedLink(_EmulatedNetwork):
 
     def mpirun(self, np_: int) -> list[str]:
         """The mpirun command (without the program) that runs np_ ranks on the shaped loopback."""
-        return [*self.prefix, *MPIRUN, *MPI_OVER_LOOPBACK, "-np", str(np_)]
+        return [*self.prefix, *MPIRUN, *MPI_OVER_LOOPBACK, "-np", str(np_), *RANKS_BELOW_OBSERVER]
 
     def node_bytes(self) -> list[int]:
         """Bytes sent through the namespace's loopback so far (each byte is counted once), as the
@@ -164,7 +168,8 @@ class EmulatedCluster(_EmulatedNetwork):
             raise ValueError(f"{np_} ranks do not fill {self.nodes} nodes evenly: use a multiple of {self.nodes}")
         per_node = np_ // self.nodes
         return ["ip", "netns", "exec", self.launcher, *MPIRUN, "--mca", "plm_rsh_agent", self.agent, *MPI_ON_CLUSTER,
-                "--host", ",".join(f"{host}:{per_node}" for host in self.hosts), "--map-by", "slot", "-np", str(np_)]
+                "--host", ",".join(f"{host}:{per_node}" for host in self.hosts), "--map-by", "slot", "-np", str(np_),
+                *RANKS_BELOW_OBSERVER]
 
     def node_bytes(self) -> list[int]:
         """Bytes each node has sent to the others so far (its eth0 transmit counter)."""
