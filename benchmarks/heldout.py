@@ -265,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     if seeds is not None and not set(seeds) <= set(map(str, known)):
         raise SystemExit(f"heldout: --seeds {args.seeds}: the sets run at seeds {', '.join(map(str, known))}; "
                          "choose among them (a seed outside them would judge nothing)")
+    if args.methods and "ddp" not in args.methods.split(","):
+        raise SystemExit(f"heldout: --methods {args.methods}: every result is against ddp at the same seed, so ddp "
+                         "must be among them (its finished runs are reused)")
     chosen = [SETS[n] for n in names if args.split in ("both", SETS[n].split)]
     for s in chosen:  # every set's data ready, and the same text as before, before anything runs
         prepare(s.data, Path(args.data_dir))

@@ -228,13 +228,16 @@ def flat_parameters(model: nn.Module) -> torch.Tensor:
 
 
 @needs_ranks(2)
-def test_sparse_groups_keep_what_they_did_not_send_and_nothing_is_lost(world):
+@pytest.mark.parametrize("unsent_share", [1.0, 0.0])
+def test_sparse_groups_keep_their_share_of_what_they_did_not_send_and_nothing_is_lost(world, unsent_share):
     """With keep_unsent (the default) each group's model after an outer step is the new global
-    model less what its exchange left unsent (Δ = global - local), so the groups differ; the
-    mean of their models, less what the column's owners hold back, is the mean before the step
+    model less its share (unsent_share; 0: 1/G) of what its exchange left unsent (Δ = global -
+    local), so the groups differ, and the accumulator keeps the rest; the mean of their models,
+    less what the accumulators and the column's owners hold back, is the mean before the step
     (plain averaging): the sparse exchange delays progress but drops none. Evaluation's synced
     model is still one for all."""
-    model, diloco = train(3, groups=SIZE, sync_every=4, compression="sparse", density=0.1)
+    share = unsent_share or 1 / SIZE
+    model, diloco = train(3, groups=SIZE, sync_every=4, compression="sparse", density=0.1, unsent_share=unsent_share)
     diloco.optimizer.zero_grad()
     x, y = batch(RANK, 4)
     F.cross_entropy(model(x), y).backward()
@@ -245,14 +248,18 @@ def test_sparse_groups_keep_what_they_did_not_send_and_nothing_is_lost(world):
     unsent = delta - torch.cat([sparse_encode(p, 0.1)[1] for p in parts])[:numbers]
     diloco.step()  # the fourth step: inner SGD, then the outer step
     after = flat_parameters(model)
-    assert not diloco.fragments[0].exchange.errors  # handed to the model: the next Δ carries it
-    torch.testing.assert_close(diloco.fragments[0].global_slice.detach()[:numbers] - after, unsent, atol=1e-6, rtol=1e-5)
+    # the share handed to the model (the next Δ carries it), the rest left in the accumulator
+    kept = diloco.fragments[0].exchange.errors.get(0, torch.zeros(numbers))
+    torch.testing.assert_close(kept, (1 - share) * unsent, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(diloco.fragments[0].global_slice.detach()[:numbers] - after, share * unsent,
+                               atol=1e-6, rtol=1e-5)
     # beyond 2 groups each column member owns a part of the mean and holds back what its second
     # selection left out (in Δ's units: the global model stays that much above the mean)
     owned = diloco.fragments[0].exchange.owner_errors.get(0, torch.zeros(part))
     owners = torch.cat(world.comm.allgather(owned))[:numbers]
     mean_after, mean_before = (torch.stack(world.comm.allgather(v)).mean(0) for v in (after, before))
-    torch.testing.assert_close(mean_after - owners, mean_before, atol=1e-6, rtol=1e-5)
+    waiting = torch.stack(world.comm.allgather(kept)).mean(0)
+    torch.testing.assert_close(mean_after - owners - waiting, mean_before, atol=1e-6, rtol=1e-5)
     gathered = world.comm.allgather(after)
     assert not torch.equal(gathered[0], gathered[1])  # each group kept its own unsent progress
     final = flat_parameters(diloco.full_model())

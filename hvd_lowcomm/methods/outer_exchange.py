@@ -132,11 +132,15 @@ class Exchange:
         self._record(fragment, self.transfers(len(delta), shapes, start))
         return lambda: self._allreduce(summed).div_(self.members).to(delta.device)
 
-    def take_unsent(self, fragment: int) -> torch.Tensor | None:
-        """This member's error feedback for the fragment, handed over and cleared: what its
-        exchanges have not sent yet, for the caller to keep on its model instead (the next Δ,
-        measured from the global parameters, then carries it)."""
-        return self.errors.pop(fragment, None)
+    def take_unsent(self, fragment: int, share: float = 1.0) -> torch.Tensor | None:
+        """`share` of this member's error feedback for the fragment, handed over and taken out of
+        it: what its exchanges have not sent yet, for the caller to keep on its model instead (the
+        next Δ, measured from the global parameters, then carries it)."""
+        error = self.errors.pop(fragment, None)
+        if error is not None and share < 1:
+            self.errors[fragment] = (1 - share) * error
+            return share * error
+        return error
 
     # -- shared ---------------------------------------------------------------------------------
     def _record(self, fragment: int, transfers: list[Transfer]) -> None:

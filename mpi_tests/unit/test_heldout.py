@@ -116,6 +116,14 @@ def test_a_seed_outside_the_suites_is_refused_before_anything_runs(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_methods_without_ddp_are_refused_before_anything_runs(tmp_path):
+    from benchmarks.heldout import main
+
+    with pytest.raises(SystemExit, match="every result is against ddp at the same seed, so ddp must be among them"):
+        main(["--methods", "diloco,diloco:compression=none", "--out", str(tmp_path)])
+    assert not any(tmp_path.iterdir())
+
+
 def test_results_on_other_text_are_refused_before_anything_runs(tmp_path):
     from benchmarks.heldout import check_same_text, main, text_of
 

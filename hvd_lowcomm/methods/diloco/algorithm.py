@@ -266,7 +266,8 @@ class DiLoCo:
             f.outer.zero_grad(set_to_none=True)
             f.global_slice.grad = flight.result
             f.outer.step()
-            unsent = f.exchange.take_unsent(f.index) if keep_unsent and self.options.keeps_unsent else None
+            unsent = (f.exchange.take_unsent(f.index, self.options.unsent_share or 1 / f.exchange.members)
+                      if keep_unsent and self.options.keeps_unsent else None)
             own = f.global_slice.detach()
             models.append((f"diloco.global.{f.index}", own if unsent is None else own - unsent.to(own.device)))
         gathered = meter.allgather_many(models, self.group)

@@ -44,6 +44,8 @@ class DiLoCoOptions(GroupedOptions):
     keep_unsent: bool = option(True, "sparse: each group keeps on its own model what its exchange has not sent yet "
                                      "(its error feedback) instead of restarting from the global model without it "
                                      "(not with eager)")
+    unsent_share: float = option(1.0, "sparse with keep_unsent: the share of a group's unsent progress it keeps on "
+                                      "its model, the rest waiting in the accumulator; 0: 1/groups")
     error_decay: float = option(1.0, "sparse: the error-feedback accumulator's decay, e <- decay*e + Δ")
     # 0, a rank per matrix from a byte budget: one fixed rank spends the bytes unevenly between models, and
     # the pseudo-gradient's tail needs rank wherever the bytes allow (docs: benchmarks, "DiLoCo's exchange
@@ -81,6 +83,8 @@ class DiLoCoOptions(GroupedOptions):
             raise ConfigError(f"diloco.density must be in (0, 1], got {self.density}")
         if not 0 <= self.owner_density <= 1:
             raise ConfigError(f"diloco.owner_density must be in [0, 1] (0: three times density), got {self.owner_density}")
+        if not 0 <= self.unsent_share <= 1:
+            raise ConfigError(f"diloco.unsent_share must be in [0, 1] (0: 1/groups), got {self.unsent_share}")
         if not 0 <= self.error_decay <= 1:
             raise ConfigError(f"diloco.error_decay must be in [0, 1], got {self.error_decay}")
         if self.keeps_unsent and self.error_decay != 1:
