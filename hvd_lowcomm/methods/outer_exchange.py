@@ -28,8 +28,9 @@ class per `diloco.compression`:
             feedback keeps what this second selection leaves out (the groups' supports differ,
             so the mean is up to G times denser) for the next exchange. With
             `diloco.keep_unsent` (the default) DiLoCo takes a group's accumulator after each
-            exchange (`take_unsent`) and keeps it on the group's model instead: Δ, measured from
-            the global model, then carries it, and the group trains on from it meanwhile.
+            exchange (`take_unsent`; `diloco.unsent_share` of it) and keeps it on the group's
+            model instead: Δ, measured from the global model, then carries it, and the group
+            trains on from it meanwhile.
 - lowrank (`LowRank`): PowerSGD on each matrix's pseudo-gradient (the seed's premise: an
             update is low-rank): P = M Q, mean, orthogonalise, Q = Mᵀ P, mean; error feedback and
             warm start of Q across syncs. A slice cuts matrices along rows, so each whole-row

@@ -44,6 +44,8 @@ class DiLoCoOptions(GroupedOptions):
     keep_unsent: bool = option(True, "sparse: each group keeps on its own model what its exchange has not sent yet "
                                      "(its error feedback) instead of restarting from the global model without it "
                                      "(not with eager)")
+    # All of it by default: 1/G, the weight fp32's average gives a group's own progress, helped one ViT and
+    # hurt another more (docs: diloco, on keep_unsent).
     unsent_share: float = option(1.0, "sparse with keep_unsent: the share of a group's unsent progress it keeps on "
                                       "its model, the rest waiting in the accumulator; 0: 1/groups")
     error_decay: float = option(1.0, "sparse: the error-feedback accumulator's decay, e <- decay*e + Δ")
