@@ -5,9 +5,9 @@
         --out benchmarks/results/diloco-forms-mnist5k
 
 One benchmarks.compare set (ddp, then for every group count DiLoCo at H = --sync-every with each
---forms entry: `none`, `int8`, `sparse`, `lowrank` are compressions, `nesterov` the paper's
-outer step (lr 0.7, momentum 0.9); entries join with `+`, e.g. `sparse+nesterov`; `key=value`
-sets any other diloco option), then forms.md / forms.csv: per group count, each form's quality
+--forms entry: diloco.compression's values (`none`, `int8`, `2bit`, `sparse`, `lowrank`...) are
+compressions, `nesterov` the paper's outer step (lr 0.7, momentum 0.9); entries join with `+`,
+e.g. `sparse+nesterov`; `key=value` sets any other diloco option), then forms.md / forms.csv: per group count, each form's quality
 and its Δ against fp32 DiLoCo with the same outer step and group count (what the done criteria
 of the exchange forms compare against), its inter-group bytes per rank × that run's and × ddp's
 bytes, its outer steps, and the time its steps waited for the exchange.
@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import compare
+from hvd_lowcomm.methods.outer_exchange import COMPRESSIONS
 from hvd_lowcomm.metrics import human_bytes, write_csv
 
-COMPRESSIONS = ("none", "int8", "fp16", "sparse", "lowrank")
 NESTEROV = "outer_lr=0.7,outer_momentum=0.9"
 
 

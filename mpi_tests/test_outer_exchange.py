@@ -30,7 +30,7 @@ def everyones(world, values: torch.Tensor) -> torch.Tensor:
 
 @needs_ranks(2)
 @pytest.mark.parametrize("kind, tolerance, magnitude", [("none", 1e-6, 1.0), ("fp16", 2e-3, 1.0), ("int8", 0.03, 1.0),
-                                                        ("fp16", 2e-3, 1e-7), ("fp16", 2e-3, 1e6)])
+                                                        ("2bit", 0.7, 1.0), ("fp16", 2e-3, 1e-7), ("fp16", 2e-3, 1e6)])
 def test_a_quantised_exchange_returns_the_mean_on_every_rank(world, fresh_meter, kind, tolerance, magnitude):
     # fp16 at 1e-7 (a small learning rate's pseudo-gradient: float16's subnormals, cast as it
     # is) and 1e6 (past float16's range): each chunk travels scaled by a power of two
@@ -39,9 +39,13 @@ def test_a_quantised_exchange_returns_the_mean_on_every_rank(world, fresh_meter,
     mean = exchange.start(0, delta, SHAPES, 0)()
     want = everyones(world, delta).mean(0)
     scale = want.abs().max()
-    assert (mean - want).abs().max() <= tolerance * scale
+    if kind == "2bit":  # two roundings to one of two magnitudes (the groups' mean is smaller than either's
+        # Δ, so its share of their rounding is larger): judged by the error's energy, the rest waits
+        assert (mean - want).norm() <= tolerance * want.norm()
+    else:
+        assert (mean - want).abs().max() <= tolerance * scale
     assert all(torch.equal(mean, other) for other in world.comm.allgather(mean))  # one mean everywhere
-    if kind == "int8":  # what either rounding dropped (a member's own, the mean's by its owner) waits:
+    if kind in ("int8", "2bit"):  # what either rounding dropped (a member's own, the mean's by its owner) waits:
         pending = everyones(world, exchange.errors[0]).mean(0)  # a later mean returns the members' mean
         assert 0 < exchange.errors[0].abs().max()
         assert (mean + pending - want).abs().max() <= 1e-6 * scale  # delivered and pending: nothing lost

@@ -15,6 +15,10 @@ class per `diloco.compression`:
             member's own, and on the chunk it owns the mean's, as lowrank's).
             fp16 scales each chunk by a power of two (a float32 beside it), so that the
             pseudo-gradients of a small learning rate keep float16's full precision.
+- 2bit (`Quantised`): as int8, each number as its sign and one of two magnitudes of its block
+            of 256 (the means of its larger and smaller half), as sparse codes its values: a
+            tenth of fp32's bytes where every number moves each exchange, where top-k leaves
+            most of them waiting in its error feedback.
 - sparse (`Sparse`, SparseLoCo, arXiv 2508.15706): an error-feedback accumulator e <- βe + Δ;
             each chunk of at most CHUNK numbers sends its top `density` share of e by magnitude,
             values at 2 bits (sign, and which of two magnitudes: the means of the larger and
@@ -66,7 +70,7 @@ from hvd_lowcomm.comm.runtime import Group
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter, wire_bytes
 from hvd_lowcomm.methods.powersgd import orthogonalise
 
-COMPRESSIONS = ("none", "fp16", "int8", "sparse", "lowrank")
+COMPRESSIONS = ("none", "fp16", "int8", "2bit", "sparse", "lowrank")
 BLOCK = 256    # numbers per int8 scale: one fp32 scale costs 1/64 of the block's bytes
 # numbers per 4-bit scale: 4-bit factors of a pseudo-gradient's weak directions need a scale of
 # their own more often (1/8 of the block's bytes)
@@ -303,6 +307,50 @@ def int4_bytes(chunk: int) -> int:
     return -(-chunk // 2) + FLOAT_BYTES * math.ceil(chunk / BLOCK4)
 
 
+def two_level_encode(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of numbers (NaN: padding) as 2-bit codes, the sign and which of the row's two
+    magnitudes, and those magnitudes (rows × 2: the means of the smaller and the larger half by
+    the median, which for a bell-shaped row is close to the best 4-level quantiser)."""
+    magnitude = values.abs()
+    large = magnitude >= magnitude.nanmedian(dim=1, keepdim=True).values  # padding compares False
+    small = ~large & ~values.isnan()
+    magnitude = magnitude.nan_to_num(0)
+    levels = torch.stack([_mean_where(magnitude, small), _mean_where(magnitude, large)], dim=1)
+    return (values < 0).to(torch.uint8) * 2 + large.to(torch.uint8), levels
+
+
+def two_level_decode(codes: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    codes = codes.long()
+    return levels.gather(1, codes & 1) * (1 - 2 * (codes >> 1).float())
+
+
+def _mean_where(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per row, the mean of `values` where `mask` holds (0 where it never does)."""
+    return (values * mask).sum(1) / mask.sum(1).clamp(min=1)
+
+
+def two_bit_encode(chunk: torch.Tensor) -> torch.Tensor:
+    """Every number of the chunk in 2 bits (`two_level_encode` on each block of BLOCK), four to a
+    byte, then two fp32 magnitudes per block."""
+    blocks = math.ceil(len(chunk) / BLOCK)
+    padded = torch.full((blocks * BLOCK,), math.nan)
+    padded[:len(chunk)] = chunk
+    codes, levels = two_level_encode(padded.view(blocks, BLOCK))
+    return torch.cat([pack_bits(codes.view(1, -1)[:, :len(chunk)], 2).view(-1), levels.view(-1).view(torch.uint8)])
+
+
+def two_bit_decode(payload: torch.Tensor, numbers: int) -> torch.Tensor:
+    packed, blocks = -(-numbers // 4), math.ceil(numbers / BLOCK)
+    codes = torch.zeros(blocks * BLOCK, dtype=torch.long)
+    codes[:numbers] = unpack_bits(payload[:packed].view(1, -1), numbers, 2).view(-1)
+    levels = _view(payload[packed:], torch.float32).view(blocks, 2)
+    return two_level_decode(codes.view(blocks, BLOCK), levels).view(-1)[:numbers]
+
+
+def two_bit_bytes(chunk: int) -> int:
+    return -(-chunk // 4) + 2 * FLOAT_BYTES * math.ceil(chunk / BLOCK)
+
+
 @dataclass(frozen=True)
 class Codec:
     """A number format on the wire: `encode` a chunk to bytes, `decode` them, `size` of a
@@ -317,15 +365,16 @@ class Codec:
 FP16 = Codec(fp16_encode, fp16_decode, fp16_bytes, 2.0)
 INT8 = Codec(int8_encode, int8_decode, int8_bytes, 1 + FLOAT_BYTES / BLOCK)
 INT4 = Codec(int4_encode, int4_decode, int4_bytes, 0.5 + FLOAT_BYTES / BLOCK4)
+TWO_BIT = Codec(two_bit_encode, two_bit_decode, two_bit_bytes, 0.25 + 2 * FLOAT_BYTES / BLOCK)
 FACTOR_CODECS = {8: INT8, 4: INT4}
 
 
 class Quantised(Exchange):
-    """fp16 or int8, reduce-scatter in fp32 and allgather (see the module)."""
+    """fp16, int8 or 2bit, reduce-scatter in fp32 and allgather (see the module)."""
 
     def __init__(self, column: Group | None, options: Any, members: int | None, kind: str) -> None:
         super().__init__(column, options, members)
-        self.name, self.codec = kind, {"fp16": FP16, "int8": INT8}[kind]
+        self.name, self.codec = kind, {"fp16": FP16, "int8": INT8, "2bit": TWO_BIT}[kind]
 
     def transfers(self, numbers: int, shapes: list[tuple[int, ...]], start: int) -> list[Transfer]:
         return self._reduce_scatter_transfers([(numbers, self.codec)])
@@ -336,7 +385,7 @@ class Quantised(Exchange):
 
         def collective() -> torch.Tensor:
             result, = self._means([(corrected, self.codec)])
-            if self.name == "int8":  # fp16's rounding is far below the signal; both of int8's are fed back
+            if self.name != "fp16":  # fp16's rounding is far below the signal; both of the others' are fed back
                 self.errors[fragment] = corrected - result.sent + result.owner_lost
             return result.mean.to(delta.device)
         return collective
@@ -420,11 +469,7 @@ def sparse_encode(values: torch.Tensor, density: float) -> tuple[torch.Tensor, t
     chunks, chunk, k = sparse_layout(len(values), density)
     x = torch.cat([values, values.new_zeros(chunks * chunk - len(values))]).view(chunks, chunk)
     offsets = x.abs().topk(k, dim=1).indices.sort(dim=1).values
-    kept = x.gather(1, offsets)
-    magnitude = kept.abs()
-    large = magnitude >= magnitude.median(dim=1, keepdim=True).values
-    levels = torch.stack([_mean_where(magnitude, ~large), _mean_where(magnitude, large)], dim=1)  # chunks × 2
-    codes = (kept < 0).to(torch.uint8) * 2 + large.to(torch.uint8)
+    codes, levels = two_level_encode(x.gather(1, offsets))
     payload = torch.cat([elias_fano_encode(offsets, chunk).reshape(-1), pack_bits(codes, 2).reshape(-1),
                          levels.reshape(-1).contiguous().view(torch.uint8)])
     return payload, sparse_decode(payload, len(values), density)
@@ -436,8 +481,7 @@ def sparse_decode(payload: torch.Tensor, numbers: int, density: float) -> torch.
     offsets = elias_fano_decode(payload[:positions].view(chunks, -1), chunk, k)
     codes = unpack_bits(payload[positions: positions + chunks * width].view(chunks, width), k, 2)
     levels = _view(payload[positions + chunks * width:], torch.float32).view(chunks, 2)
-    kept = levels.gather(1, codes & 1) * (1 - 2 * (codes >> 1).float())
-    out = torch.zeros(chunks, chunk).scatter_(1, offsets, kept)
+    out = torch.zeros(chunks, chunk).scatter_(1, offsets, two_level_decode(codes, levels))
     return out.view(-1)[:numbers]
 
 
@@ -447,9 +491,6 @@ def _view(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return payload.clone().view(dtype)
 
 
-def _mean_where(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per row, the mean of `values` where `mask` holds (0 where it never does)."""
-    return (values * mask).sum(1) / mask.sum(1).clamp(min=1)
 
 
 class Sparse(Exchange):
@@ -675,7 +716,7 @@ def make_exchange(column: Group | None, options: Any, seed: int = 0, members: in
     """The exchange `options.compression` names (a DiLoCoOptions) over `column` (None and
     `members`: for accounting only)."""
     kind = options.compression
-    if kind in ("fp16", "int8"):
+    if kind in ("fp16", "int8", "2bit"):
         return Quantised(column, options, members, kind)
     if kind == "sparse":
         return Sparse(column, options, members)

@@ -9,14 +9,15 @@ import torch
 from hvd_lowcomm.methods.diloco import DiLoCoOptions
 from hvd_lowcomm.methods.outer_exchange import (BLOCK, INT4, elias_fano_decode, elias_fano_encode, make_exchange,
                                                 positions_bytes, slice_pieces, sparse_bytes, sparse_decode,
-                                                sparse_encode, sparse_layout)
+                                                sparse_encode, sparse_layout, two_bit_bytes, two_bit_decode,
+                                                two_bit_encode)
 
 
 def test_quantised_bytes_per_rank_stay_flat_in_the_number_of_groups():
     """Reduce-scatter + allgather: 2 (G-1)/G of the quantised slice, below twice it for any G;
     the allgather of every group's slice it replaced sent (G-1) times it."""
     numbers = 1 << 20
-    for kind, per_number in (("int8", 1 + 4 / BLOCK), ("fp16", 2)):
+    for kind, per_number in (("int8", 1 + 4 / BLOCK), ("fp16", 2), ("2bit", 0.25 + 8 / BLOCK)):
         options = DiLoCoOptions(compression=kind)
         for groups in (2, 4, 8, 16):
             sent = sum(t.sent_bytes(groups) for t in make_exchange(None, options, members=groups).transfers(numbers, [], 0))
@@ -42,6 +43,27 @@ def test_sparse_sends_the_top_of_each_chunk_at_two_bits():
     # the median of 67 is the middle one: the larger half holds 34
     assert magnitudes.max() == pytest.approx(float(top[:34].mean()), rel=1e-5)
     assert magnitudes.min() == pytest.approx(float(top[34:].mean()), rel=1e-5)
+
+
+@pytest.mark.parametrize("numbers", [1, 300, 1000, 4096])
+def test_two_bit_sends_every_number_as_its_sign_and_one_of_its_blocks_two_magnitudes(numbers):
+    values = torch.randn(numbers, generator=torch.Generator().manual_seed(numbers)) * 1e-3
+    payload = two_bit_encode(values)
+    sent = two_bit_decode(payload, numbers)
+    assert len(payload) == two_bit_bytes(numbers) == -(-numbers // 4) + 8 * math.ceil(numbers / BLOCK)
+    assert two_bit_bytes(1 << 20) * 10 <= 4 * (1 << 20)  # a tenth of fp32's bytes, scales included
+    assert bool((torch.sign(sent) == torch.sign(values)).all())  # every number moves, the right way
+    for block, block_sent in zip(values.split(BLOCK), sent.split(BLOCK)):
+        magnitude = block.abs()
+        large = magnitude >= magnitude.median()  # the median of the block's own numbers, not its padding
+        assert block_sent.abs()[large].unique().tolist() == pytest.approx([float(magnitude[large].mean())], rel=1e-5)
+        if (~large).any():
+            assert block_sent.abs()[~large].unique().tolist() == pytest.approx([float(magnitude[~large].mean())],
+                                                                              rel=1e-5)
+    if numbers >= BLOCK:  # a bell-shaped block loses about an eighth of its energy; top-k at 12 % over half
+        assert float((values - sent).pow(2).sum() / values.pow(2).sum()) < 0.16
+        top = sparse_encode(values, 0.12)[1]
+        assert float((values - top).pow(2).sum() / values.pow(2).sum()) > 0.4
 
 
 @pytest.mark.parametrize("chunk, k", [(4096, 328), (4096, 1), (4096, 4096), (4096, 2048), (1000, 80), (7, 3)])
