@@ -5,7 +5,7 @@
         --out benchmarks/results/diloco-forms-mnist5k
 
 One benchmarks.compare set (ddp, then for every group count DiLoCo at H = --sync-every with each
---forms entry: diloco.compression's values (`none`, `int8`, `2bit`, `sparse`, `lowrank`...) are
+--forms entry: diloco.compression's values (`none`, `int8`, `int2`, `sparse`, `lowrank`...) are
 compressions, `nesterov` the paper's outer step (lr 0.7, momentum 0.9); entries join with `+`,
 e.g. `sparse+nesterov`; `key=value` sets any other diloco option), then forms.md / forms.csv: per group count, each form's quality
 and its Δ against fp32 DiLoCo with the same outer step and group count (what the done criteria

@@ -45,7 +45,7 @@ EXACT = {
     "diloco": (["--diloco.groups", "2"], {}, 1e-6),  # the model's default is a group per node
     # every form of DiLoCo's exchange between groups (at H = 4: ten exchanges in the run)
     **{f"diloco-{form}": (["--method", "diloco", "--diloco.groups", "2", "--diloco.sync_every", "4",
-                           "--diloco.compression", form], {}, 1e-6) for form in ("fp16", "int8", "2bit", "sparse", "lowrank")},
+                           "--diloco.compression", form], {}, 1e-6) for form in ("fp16", "int8", "int2", "sparse", "lowrank")},
     # a group per rank: beyond 2 groups (np 4) the sparse contributions are reduced by owner
     "diloco-sparse-by-owner": (["--method", "diloco", "--diloco.groups", str(SIZE), "--diloco.sync_every", "4",
                                 "--diloco.compression", "sparse"], {}, 1e-6),

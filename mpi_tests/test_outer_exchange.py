@@ -30,7 +30,7 @@ def everyones(world, values: torch.Tensor) -> torch.Tensor:
 
 @needs_ranks(2)
 @pytest.mark.parametrize("kind, tolerance, magnitude", [("none", 1e-6, 1.0), ("fp16", 2e-3, 1.0), ("int8", 0.03, 1.0),
-                                                        ("2bit", 0.7, 1.0), ("fp16", 2e-3, 1e-7), ("fp16", 2e-3, 1e6)])
+                                                        ("int2", None, 1.0), ("fp16", 2e-3, 1e-7), ("fp16", 2e-3, 1e6)])
 def test_a_quantised_exchange_returns_the_mean_on_every_rank(world, fresh_meter, kind, tolerance, magnitude):
     # fp16 at 1e-7 (a small learning rate's pseudo-gradient: float16's subnormals, cast as it
     # is) and 1e6 (past float16's range): each chunk travels scaled by a power of two
@@ -39,19 +39,37 @@ def test_a_quantised_exchange_returns_the_mean_on_every_rank(world, fresh_meter,
     mean = exchange.start(0, delta, SHAPES, 0)()
     want = everyones(world, delta).mean(0)
     scale = want.abs().max()
-    if kind == "2bit":  # two roundings to one of two magnitudes (the groups' mean is smaller than either's
-        # Δ, so its share of their rounding is larger): judged by the error's energy, the rest waits
-        assert (mean - want).norm() <= tolerance * want.norm()
-    else:
-        assert (mean - want).abs().max() <= tolerance * scale
+    if tolerance is not None:  # int2's one mean is as far from the true one as it is large: it is judged by
+        assert (mean - want).abs().max() <= tolerance * scale  # losing nothing (below) and what waits (next test)
     assert all(torch.equal(mean, other) for other in world.comm.allgather(mean))  # one mean everywhere
-    if kind in ("int8", "2bit"):  # what either rounding dropped (a member's own, the mean's by its owner) waits:
+    if kind in ("int8", "int2"):  # what either rounding dropped (a member's own, the mean's by its owner) waits:
         pending = everyones(world, exchange.errors[0]).mean(0)  # a later mean returns the members' mean
+        pending += torch.cat(world.comm.allgather(exchange.owner_errors[0]))[:NUMBERS]  # and each owner's part
         assert 0 < exchange.errors[0].abs().max()
         assert (mean + pending - want).abs().max() <= 1e-6 * scale  # delivered and pending: nothing lost
     if kind == "fp16":  # 2 bytes a number and a scale per chunk, both ways
         chunk = -(-NUMBERS // SIZE)
         assert fresh_meter.total(group="world", field="payload_bytes") == (SIZE + 1) * (2 * chunk + 4)
+
+
+@needs_ranks(2)
+@pytest.mark.parametrize("kind", ["int8", "int2"])
+def test_what_a_quantised_exchange_keeps_waiting_stays_below_one_exchange_of_like_groups(world, fresh_meter, kind):
+    """Groups whose pseudo-gradients share most of their signal, exchange after exchange: what
+    both roundings left waiting stays under one exchange's mean. (A 2-bit form whose largest
+    level was the mean of the larger half, the owner's rounding fed back G times into its own
+    error, grew past four means in 80 exchanges: a persistent number above that level was never
+    delivered whole.)"""
+    exchange = make_exchange(world, DiLoCoOptions(compression=kind))
+    shared, own = torch.Generator().manual_seed(7), torch.Generator().manual_seed(RANK)
+    signal = torch.randn(NUMBERS, generator=shared)
+    delivered, owed = torch.zeros(NUMBERS), torch.zeros(NUMBERS)
+    for _ in range(40):
+        delta = signal + 0.5 * torch.randn(NUMBERS, generator=own)
+        delivered += exchange.start(0, delta, SHAPES, 0)()
+        want = everyones(world, delta).mean(0)
+        owed += want
+        assert (owed - delivered).norm() <= (1.0 if kind == "int2" else 0.02) * want.norm()
 
 
 @needs_ranks(2)

@@ -11,14 +11,14 @@ class per `diloco.compression`:
             mean; an allgather returns every mean chunk. A rank sends 2(G-1)/G of its slice's
             quantised bytes, as a ring allreduce would: flat in the number of groups G, where an
             allgather of every group's slice sends (G-1) times it. int8 scales each block of
-            256 numbers by its absmax; error feedback keeps what both roundings dropped (a
-            member's own, and on the chunk it owns the mean's, as lowrank's).
+            256 numbers by its absmax; error feedback keeps what both roundings dropped: a
+            member's own, and the mean's in an accumulator of the chunk's owner, added to
+            the next mean it rounds (as sparse's owner does).
             fp16 scales each chunk by a power of two (a float32 beside it), so that the
             pseudo-gradients of a small learning rate keep float16's full precision.
-- 2bit (`Quantised`): as int8, each number as its sign and one of two magnitudes of its block
-            of 256 (the means of its larger and smaller half), as sparse codes its values: a
-            tenth of fp32's bytes where every number moves each exchange, where top-k leaves
-            most of them waiting in its error feedback.
+- int2 (`Quantised`): as int8, at 2 bits a number on 4 levels evenly spread over each
+            block of 64 (±absmax/3, ±absmax): under a tenth of fp32's bytes where every number
+            moves each exchange, where top-k leaves most of them waiting in its error feedback.
 - sparse (`Sparse`, SparseLoCo, arXiv 2508.15706): an error-feedback accumulator e <- βe + Δ;
             each chunk of at most CHUNK numbers sends its top `density` share of e by magnitude,
             values at 2 bits (sign, and which of two magnitudes: the means of the larger and
@@ -70,7 +70,7 @@ from hvd_lowcomm.comm.runtime import Group
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter, wire_bytes
 from hvd_lowcomm.methods.powersgd import orthogonalise
 
-COMPRESSIONS = ("none", "fp16", "int8", "2bit", "sparse", "lowrank")
+COMPRESSIONS = ("none", "fp16", "int8", "int2", "sparse", "lowrank")
 BLOCK = 256    # numbers per int8 scale: one fp32 scale costs 1/64 of the block's bytes
 # numbers per 4-bit scale: 4-bit factors of a pseudo-gradient's weak directions need a scale of
 # their own more often (1/8 of the block's bytes)
@@ -125,6 +125,7 @@ class Exchange:
         # `members` without a column: the cost model's accounting for a column of that size
         self.members = column.size if column is not None else (members or 1)
         self.errors: dict[int, torch.Tensor] = {}  # error feedback per fragment
+        self.owner_errors: dict[int, torch.Tensor] = {}  # per fragment: what encoding the mean part it owns left out
 
     # -- what subclasses define -----------------------------------------------------------------
     def transfers(self, numbers: int, shapes: list[tuple[int, ...]], start: int) -> list[Transfer]:
@@ -157,6 +158,19 @@ class Exchange:
         """Δ plus (decay times) what earlier exchanges of this fragment left out."""
         error = self.errors.get(fragment)
         return delta.detach().cpu().clone() if error is None else decay * error + delta.detach().cpu()
+
+    def _owners_encode(self, fragment: int, encode: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+                       ) -> Encode:
+        """Encoding of the mean part this member owns, with its own error feedback: `encode` gives
+        (bytes, what they decode to), and what it left out joins the next exchange's part. (Fed
+        back into the members' errors instead, G times it, the mean's rounding grows without
+        bound once it is a large share of the mean, as 2 bits' is.)"""
+        def owners(mean: torch.Tensor) -> torch.Tensor:
+            pending = mean + self.owner_errors.get(fragment, torch.zeros_like(mean))
+            payload, kept = encode(pending)
+            self.owner_errors[fragment] = pending - kept
+            return payload
+        return owners
 
     def _allreduce(self, values: torch.Tensor) -> torch.Tensor:
         from mpi4py import MPI
@@ -227,10 +241,13 @@ class Exchange:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"errors": {f: e.clone() for f, e in self.errors.items()}}
+        return {"errors": {f: e.clone() for f, e in self.errors.items()},
+                "owner_errors": {f: e.clone() for f, e in self.owner_errors.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.errors = {int(f): e.clone() for f, e in state["errors"].items()}
+        # (a checkpoint from before owners kept their own error has none: nothing pending)
+        self.owner_errors = {int(f): e.clone() for f, e in state.get("owner_errors", {}).items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,48 +324,28 @@ def int4_bytes(chunk: int) -> int:
     return -(-chunk // 2) + FLOAT_BYTES * math.ceil(chunk / BLOCK4)
 
 
-def two_level_encode(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of numbers (NaN: padding) as 2-bit codes, the sign and which of the row's two
-    magnitudes, and those magnitudes (rows × 2: the means of the smaller and the larger half by
-    the median, which for a bell-shaped row is close to the best 4-level quantiser)."""
-    magnitude = values.abs()
-    large = magnitude >= magnitude.nanmedian(dim=1, keepdim=True).values  # padding compares False
-    small = ~large & ~values.isnan()
-    magnitude = magnitude.nan_to_num(0)
-    levels = torch.stack([_mean_where(magnitude, small), _mean_where(magnitude, large)], dim=1)
-    return (values < 0).to(torch.uint8) * 2 + large.to(torch.uint8), levels
+def int2_encode(chunk: torch.Tensor) -> torch.Tensor:
+    """The chunk at 2 bits a number, four to a byte: each number as the nearest of 4 levels
+    evenly spread over its block's range, ±absmax/3 and ±absmax, then one fp32 scale per block
+    of BLOCK4. No number is beyond its block's largest level, so what rounding leaves in error
+    feedback stays below a third of a block's largest number however long a signal persists."""
+    blocks = math.ceil(len(chunk) / BLOCK4)
+    scales = torch.cat([chunk.abs(), chunk.new_zeros(blocks * BLOCK4 - len(chunk))]).view(blocks, BLOCK4).amax(1)
+    levels = torch.repeat_interleave(scales, BLOCK4)[:len(chunk)]
+    unit = torch.where(levels > 0, chunk / levels.clamp_min(torch.finfo(torch.float32).tiny), 0)
+    codes = torch.round((unit + 1) * 1.5).clamp(0, 3).to(torch.uint8)  # [-1, 1] -> {0, 1, 2, 3}
+    return torch.cat([pack_bits(codes.view(1, -1), 2).view(-1), scales.view(torch.uint8)])
 
 
-def two_level_decode(codes: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    codes = codes.long()
-    return levels.gather(1, codes & 1) * (1 - 2 * (codes >> 1).float())
+def int2_decode(payload: torch.Tensor, numbers: int) -> torch.Tensor:
+    packed = -(-numbers // 4)
+    codes = unpack_bits(payload[:packed].view(1, -1), numbers, 2).view(-1)
+    levels = torch.repeat_interleave(_view(payload[packed:], torch.float32), BLOCK4)[:numbers]
+    return (codes.float() / 1.5 - 1) * levels
 
 
-def _mean_where(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per row, the mean of `values` where `mask` holds (0 where it never does)."""
-    return (values * mask).sum(1) / mask.sum(1).clamp(min=1)
-
-
-def two_bit_encode(chunk: torch.Tensor) -> torch.Tensor:
-    """Every number of the chunk in 2 bits (`two_level_encode` on each block of BLOCK), four to a
-    byte, then two fp32 magnitudes per block."""
-    blocks = math.ceil(len(chunk) / BLOCK)
-    padded = torch.full((blocks * BLOCK,), math.nan)
-    padded[:len(chunk)] = chunk
-    codes, levels = two_level_encode(padded.view(blocks, BLOCK))
-    return torch.cat([pack_bits(codes.view(1, -1)[:, :len(chunk)], 2).view(-1), levels.view(-1).view(torch.uint8)])
-
-
-def two_bit_decode(payload: torch.Tensor, numbers: int) -> torch.Tensor:
-    packed, blocks = -(-numbers // 4), math.ceil(numbers / BLOCK)
-    codes = torch.zeros(blocks * BLOCK, dtype=torch.long)
-    codes[:numbers] = unpack_bits(payload[:packed].view(1, -1), numbers, 2).view(-1)
-    levels = _view(payload[packed:], torch.float32).view(blocks, 2)
-    return two_level_decode(codes.view(blocks, BLOCK), levels).view(-1)[:numbers]
-
-
-def two_bit_bytes(chunk: int) -> int:
-    return -(-chunk // 4) + 2 * FLOAT_BYTES * math.ceil(chunk / BLOCK)
+def int2_bytes(chunk: int) -> int:
+    return -(-chunk // 4) + FLOAT_BYTES * math.ceil(chunk / BLOCK4)
 
 
 @dataclass(frozen=True)
@@ -365,16 +362,16 @@ class Codec:
 FP16 = Codec(fp16_encode, fp16_decode, fp16_bytes, 2.0)
 INT8 = Codec(int8_encode, int8_decode, int8_bytes, 1 + FLOAT_BYTES / BLOCK)
 INT4 = Codec(int4_encode, int4_decode, int4_bytes, 0.5 + FLOAT_BYTES / BLOCK4)
-TWO_BIT = Codec(two_bit_encode, two_bit_decode, two_bit_bytes, 0.25 + 2 * FLOAT_BYTES / BLOCK)
+INT2 = Codec(int2_encode, int2_decode, int2_bytes, 0.25 + FLOAT_BYTES / BLOCK4)
 FACTOR_CODECS = {8: INT8, 4: INT4}
 
 
 class Quantised(Exchange):
-    """fp16, int8 or 2bit, reduce-scatter in fp32 and allgather (see the module)."""
+    """fp16, int8 or int2, reduce-scatter in fp32 and allgather (see the module)."""
 
     def __init__(self, column: Group | None, options: Any, members: int | None, kind: str) -> None:
         super().__init__(column, options, members)
-        self.name, self.codec = kind, {"fp16": FP16, "int8": INT8, "2bit": TWO_BIT}[kind]
+        self.name, self.codec = kind, {"fp16": FP16, "int8": INT8, "int2": INT2}[kind]
 
     def transfers(self, numbers: int, shapes: list[tuple[int, ...]], start: int) -> list[Transfer]:
         return self._reduce_scatter_transfers([(numbers, self.codec)])
@@ -382,12 +379,21 @@ class Quantised(Exchange):
     def start(self, fragment: int, delta: torch.Tensor, shapes: list[tuple[int, ...]], start: int) -> Collective:
         corrected = self._feedback(fragment, delta)
         self._record(fragment, self.transfers(len(corrected), shapes, start))
+        codec = self.codec
+
+        def encoded_and_kept(mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            payload = codec.encode(mean)
+            return payload, codec.decode(payload, len(mean))
 
         def collective() -> torch.Tensor:
-            result, = self._means([(corrected, self.codec)])
+            encoded, chunk = self._encode_chunks(corrected, codec.encode)
+            owners = codec.encode
             if self.name != "fp16":  # fp16's rounding is far below the signal; both of the others' are fed back
-                self.errors[fragment] = corrected - result.sent + result.owner_lost
-            return result.mean.to(delta.device)
+                sent = torch.cat([codec.decode(e, chunk) for e in encoded])[:len(corrected)]
+                self.errors[fragment] = corrected - sent
+                owners = self._owners_encode(fragment, encoded_and_kept)
+            mean = self._reduce_scatter_mean(torch.cat(encoded), chunk, len(corrected), owners, codec.decode)
+            return mean.to(delta.device)
         return collective
 
 
@@ -469,7 +475,11 @@ def sparse_encode(values: torch.Tensor, density: float) -> tuple[torch.Tensor, t
     chunks, chunk, k = sparse_layout(len(values), density)
     x = torch.cat([values, values.new_zeros(chunks * chunk - len(values))]).view(chunks, chunk)
     offsets = x.abs().topk(k, dim=1).indices.sort(dim=1).values
-    codes, levels = two_level_encode(x.gather(1, offsets))
+    kept = x.gather(1, offsets)
+    magnitude = kept.abs()
+    large = magnitude >= magnitude.median(dim=1, keepdim=True).values
+    levels = torch.stack([_mean_where(magnitude, ~large), _mean_where(magnitude, large)], dim=1)  # chunks × 2
+    codes = (kept < 0).to(torch.uint8) * 2 + large.to(torch.uint8)
     payload = torch.cat([elias_fano_encode(offsets, chunk).reshape(-1), pack_bits(codes, 2).reshape(-1),
                          levels.reshape(-1).contiguous().view(torch.uint8)])
     return payload, sparse_decode(payload, len(values), density)
@@ -481,7 +491,8 @@ def sparse_decode(payload: torch.Tensor, numbers: int, density: float) -> torch.
     offsets = elias_fano_decode(payload[:positions].view(chunks, -1), chunk, k)
     codes = unpack_bits(payload[positions: positions + chunks * width].view(chunks, width), k, 2)
     levels = _view(payload[positions + chunks * width:], torch.float32).view(chunks, 2)
-    out = torch.zeros(chunks, chunk).scatter_(1, offsets, two_level_decode(codes, levels))
+    kept = levels.gather(1, codes & 1) * (1 - 2 * (codes >> 1).float())
+    out = torch.zeros(chunks, chunk).scatter_(1, offsets, kept)
     return out.view(-1)[:numbers]
 
 
@@ -491,6 +502,11 @@ def _view(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return payload.clone().view(dtype)
 
 
+
+
+def _mean_where(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per row, the mean of `values` where `mask` holds (0 where it never does)."""
+    return (values * mask).sum(1) / mask.sum(1).clamp(min=1)
 
 
 class Sparse(Exchange):
@@ -505,7 +521,6 @@ class Sparse(Exchange):
         # at owner_density (under four slices' worth at the default owner_density) where an allgather sends G-1.
         self.by_owner = self.members > 2
         self.owner_density = options.owner_density or min(1.0, OWNER_DENSITY_SHARE * options.density)
-        self.owner_errors: dict[int, torch.Tensor] = {}  # per fragment: what this owner's mean part left out
 
     def transfers(self, numbers: int, shapes: list[tuple[int, ...]], start: int) -> list[Transfer]:
         if not self.by_owner:
@@ -531,14 +546,9 @@ class Sparse(Exchange):
         def decode(p: torch.Tensor, numbers: int) -> torch.Tensor:
             return sparse_decode(p, numbers, density)
 
-        def owners_top(mean: torch.Tensor) -> torch.Tensor:
-            """The mean part this member owns, sparse again at owner_density (the groups' supports
-            differ, so the mean holds up to G times the kept numbers), with what it leaves out
-            fed back."""
-            pending = mean + self.owner_errors.get(fragment, torch.zeros_like(mean))
-            out, kept = sparse_encode(pending, self.owner_density)
-            self.owner_errors[fragment] = pending - kept
-            return out
+        # the mean part this member owns goes sparse again at owner_density (the groups' supports
+        # differ, so the mean holds up to G times the kept numbers)
+        owners_top = self._owners_encode(fragment, lambda mean: sparse_encode(mean, self.owner_density))
 
         def collective() -> torch.Tensor:
             if self.by_owner:
@@ -549,13 +559,6 @@ class Sparse(Exchange):
             return mean.to(delta.device)
         return collective
 
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "owner_errors": {f: e.clone() for f, e in self.owner_errors.items()}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        # (a checkpoint from before the owner's selection has none: nothing pending)
-        self.owner_errors = {int(f): e.clone() for f, e in state.get("owner_errors", {}).items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -716,7 +719,7 @@ def make_exchange(column: Group | None, options: Any, seed: int = 0, members: in
     """The exchange `options.compression` names (a DiLoCoOptions) over `column` (None and
     `members`: for accounting only)."""
     kind = options.compression
-    if kind in ("fp16", "int8", "2bit"):
+    if kind in ("fp16", "int8", "int2"):
         return Quantised(column, options, members, kind)
     if kind == "sparse":
         return Sparse(column, options, members)

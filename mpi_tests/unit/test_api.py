@@ -28,7 +28,7 @@ def test_library_options_come_through_one_door_checked_the_same_way():
 
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ConfigError, match="diloco.compression must be one of none, fp16, int8, 2bit, sparse, lowrank; got 'int4'"):
+    with pytest.raises(ConfigError, match="diloco.compression must be one of none, fp16, int8, int2, sparse, lowrank; got 'int4'"):
         DiLoCo(model, opt, total_steps=10, options=DiLoCoOptions(compression="int4"))
     with pytest.raises(ConfigError, match="diloco.fragments must be >= 1"):
         DiLoCo(model, opt, total_steps=10, options=DiLoCoOptions(), fragments=0)
