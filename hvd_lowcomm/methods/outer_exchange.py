@@ -163,8 +163,8 @@ class Exchange:
                        ) -> Encode:
         """Encoding of the mean part this member owns, with its own error feedback: `encode` gives
         (bytes, what they decode to), and what it left out joins the next exchange's part. (Fed
-        back into the members' errors instead, G times it, the mean's rounding grows without
-        bound once it is a large share of the mean, as 2 bits' is.)"""
+        back G times into the owner's own error instead, as lowrank does, a coarse rounding of
+        the mean is multiplied before the next one rounds it again, and more waits.)"""
         def owners(mean: torch.Tensor) -> torch.Tensor:
             pending = mean + self.owner_errors.get(fragment, torch.zeros_like(mean))
             payload, kept = encode(pending)
