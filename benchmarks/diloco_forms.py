@@ -7,10 +7,11 @@
 One benchmarks.compare set (ddp, then for every group count DiLoCo at H = --sync-every with each
 --forms entry: diloco.compression's values (`none`, `int8`, `int2`, `sparse`, `lowrank`...) are
 compressions, `nesterov` the paper's outer step (lr 0.7, momentum 0.9); entries join with `+`,
-e.g. `sparse+nesterov`; `key=value` sets any other diloco option), then forms.md / forms.csv: per group count, each form's quality
-and its Δ against fp32 DiLoCo with the same outer step and group count (what the done criteria
-of the exchange forms compare against), its inter-group bytes per rank × that run's and × ddp's
-bytes, its outer steps, and the time its steps waited for the exchange.
+e.g. `sparse+nesterov`; `key=value` sets any other diloco option), then forms.md / forms.csv:
+per group count, each form's quality and its Δ against fp32 DiLoCo with the same outer step and
+group count (what the done criteria of the exchange forms compare against), its inter-group bytes
+per rank × that run's and × ddp's bytes, its outer steps, and the time its steps waited for the
+exchange.
 """
 from __future__ import annotations
 

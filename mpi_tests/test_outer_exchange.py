@@ -57,9 +57,8 @@ def test_a_quantised_exchange_returns_the_mean_on_every_rank(world, fresh_meter,
 def test_what_a_quantised_exchange_keeps_waiting_stays_below_one_exchange_of_like_groups(world, fresh_meter, kind):
     """Groups whose pseudo-gradients share most of their signal, exchange after exchange: what
     both roundings left waiting stays under one exchange's mean. (A 2-bit form whose largest
-    level was the mean of the larger half, the owner's rounding fed back G times into its own
-    error, grew past four means in 80 exchanges: a persistent number above that level was never
-    delivered whole.)"""
+    level was the mean of its block's larger half grew past four means in 80 exchanges: a
+    persistent number above that level was never delivered whole.)"""
     exchange = make_exchange(world, DiLoCoOptions(compression=kind))
     shared, own = torch.Generator().manual_seed(7), torch.Generator().manual_seed(RANK)
     signal = torch.randn(NUMBERS, generator=shared)

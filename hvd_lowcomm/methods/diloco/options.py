@@ -25,8 +25,8 @@ class DiLoCoOptions(GroupedOptions):
                                         "2 bits with error feedback, a small share of fp32's bytes at fp32's quality "
                                         "on the held-out suite's text, MLP and CNN sets but not on its ViT: pass none "
                                         "there), lowrank (PowerSGD factors of each matrix in 4 bits, "
-                                        "error feedback), int8 (per-block scaling, error feedback), int2 (4 levels over each block's range, "
-                                        "error feedback), fp16 or none (fp32)",
+                                        "error feedback), int8 (per-block scaling, error feedback), int2 (4 levels "
+                                        "over each block's range, error feedback), fp16 or none (fp32)",
                               choices=COMPRESSIONS)
     # Denser than SparseLoCo's: its densities lost quality over the tens of outer steps of runs here (the
     # papers ran far more), and Elias-Fano positions pay for the difference (docs: benchmarks, "DiLoCo's
