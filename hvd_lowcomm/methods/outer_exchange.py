@@ -364,6 +364,7 @@ INT8 = Codec(int8_encode, int8_decode, int8_bytes, 1 + FLOAT_BYTES / BLOCK)
 INT4 = Codec(int4_encode, int4_decode, int4_bytes, 0.5 + FLOAT_BYTES / BLOCK4)
 INT2 = Codec(int2_encode, int2_decode, int2_bytes, 0.25 + FLOAT_BYTES / BLOCK4)
 FACTOR_CODECS = {8: INT8, 4: INT4}
+QUANTISED_CODECS = {"fp16": FP16, "int8": INT8, "int2": INT2}  # diloco.compression's quantised forms
 
 
 class Quantised(Exchange):
@@ -371,7 +372,7 @@ class Quantised(Exchange):
 
     def __init__(self, column: Group | None, options: Any, members: int | None, kind: str) -> None:
         super().__init__(column, options, members)
-        self.name, self.codec = kind, {"fp16": FP16, "int8": INT8, "int2": INT2}[kind]
+        self.name, self.codec = kind, QUANTISED_CODECS[kind]
 
     def transfers(self, numbers: int, shapes: list[tuple[int, ...]], start: int) -> list[Transfer]:
         return self._reduce_scatter_transfers([(numbers, self.codec)])
@@ -502,8 +503,6 @@ def _view(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return payload.clone().view(dtype)
 
 
-
-
 def _mean_where(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per row, the mean of `values` where `mask` holds (0 where it never does)."""
     return (values * mask).sum(1) / mask.sum(1).clamp(min=1)
@@ -558,7 +557,6 @@ class Sparse(Exchange):
                 mean = torch.stack([decode(p, len(delta)) for p in self._allgather(payload)]).sum(0).div_(self.members)
             return mean.to(delta.device)
         return collective
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -719,7 +717,7 @@ def make_exchange(column: Group | None, options: Any, seed: int = 0, members: in
     """The exchange `options.compression` names (a DiLoCoOptions) over `column` (None and
     `members`: for accounting only)."""
     kind = options.compression
-    if kind in ("fp16", "int8", "int2"):
+    if kind in QUANTISED_CODECS:
         return Quantised(column, options, members, kind)
     if kind == "sparse":
         return Sparse(column, options, members)

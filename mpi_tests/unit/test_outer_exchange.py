@@ -48,7 +48,7 @@ def test_sparse_sends_the_top_of_each_chunk_at_two_bits():
 @pytest.mark.parametrize("numbers", [1, 100, 1000, 4096])
 def test_int2_rounds_every_number_to_the_nearest_of_four_even_levels_of_its_block(numbers):
     values = torch.randn(numbers, generator=torch.Generator().manual_seed(numbers)) * 1e-3
-    values[-1] = 0  # and a block of zeros stays zero
+    values[-1] = 0  # a zero in a block of others, and a block of zeros (which stays zero)
     values = torch.cat([values, torch.zeros(BLOCK4)])
     payload = int2_encode(values)
     sent = int2_decode(payload, len(values))

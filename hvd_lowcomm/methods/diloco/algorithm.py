@@ -25,8 +25,9 @@ slices: a rank sends model/|group| across the network per sync, not the whole mo
   whatever the number of groups; sparse (SparseLoCo: top-k of each chunk at 2 bits from an
   error-feedback accumulator; with keep_unsent, the default, a group keeps on its own model
   what its exchange left unsent, θ_local <- θ_global - e (unsent_share s: s·e, the rest
-  staying in e), so its next Δ carries it and the group trains on from it meanwhile) or lowrank (PowerSGD factors of each matrix in 4 bits at a rank that
-  spends factor_share of fp32's bytes, error feedback);
+  staying in e), so its next Δ carries it and the group trains on from it meanwhile) or lowrank
+  (PowerSGD factors of each matrix in 4 bits at a rank that spends factor_share of fp32's
+  bytes, error feedback);
 - fragments F (Streaming DiLoCo): the parameters in F contiguous parts of about equal size,
   part f synced at inner steps f·H/F + k·H, so the network carries 1/F of the model at a time;
 - sync_delay τ (Streaming DiLoCo's overlap, torchft's fragment_sync_delay): a fragment's
