@@ -4,11 +4,11 @@
         --np 4,8,16 --ranks-per-group 2 --epochs 4 --out benchmarks/results/ab-vs-diloco-mnist5k
 
 For every rank count, in one benchmarks.compare set with one group per `--ranks-per-group`
-ranks (2: np 4, 8, 16 give 2, 4 and 8 groups, each group standing for a node): ddp; diloco at
-its defaults and with the DiLoCo paper's outer optimiser (lr 0.7, Nesterov momentum 0.9); ab
-at its defaults and with that outer optimiser at its syncs; diloco's other exchanges (int8,
-sparse, low-rank, and overlapped by one step); then diloco (defaults) with the H
-at which its inter-group bytes per rank come closest to what ab's run sent (measured: ab's bytes on the world process set over its steps, against one
+ranks (2: np 4, 8, 16 give 2, 4 and 8 groups, each group standing for a node): ddp; fp32
+diloco (compression none) with plain averaging and with the DiLoCo paper's outer optimiser (lr
+0.7, Nesterov momentum 0.9); ab at its defaults and with that outer optimiser at its syncs;
+diloco at its defaults and its other exchanges (int8, sparse, low-rank, and fp32 overlapped by
+one step); then fp32 diloco with the H at which its inter-group bytes per rank come closest to what ab's run sent (measured: ab's bytes on the world process set over its steps, against one
 sharded outer exchange of the model). Writes each rank count's compare tables under np<N>/,
 and at the top results.md / results.csv (accuracy, Δ vs ddp, inter-group bytes × ddp,
 compression (AB's parameters: the full model's over the low-rank one's at the end), step time
@@ -29,8 +29,10 @@ from hvd_lowcomm.comm.traffic import FLOAT_BYTES, wire_bytes
 from hvd_lowcomm.methods.diloco import DiLoCoOptions, shard_length
 from hvd_lowcomm.metrics import human_bytes, write_csv
 
+# fp32 DiLoCo, named: AB's syncs are fp32, and the equal-bytes H is an fp32 exchange's.
+FP32 = "diloco:compression=none"
 # The DiLoCo paper's outer optimiser, on DiLoCo and on AB's syncs.
-DILOCO_PAPER = "diloco:outer_lr=0.7,outer_momentum=0.9"
+DILOCO_PAPER = f"{FP32},outer_lr=0.7,outer_momentum=0.9"
 AB_OUTER = "ab:outer_lr=0.7,outer_momentum=0.9"
 def _lowrank_default() -> str:
     """What DiLoCo's low-rank exchange sends at its defaults, for the table's label."""
@@ -41,12 +43,13 @@ def _lowrank_default() -> str:
 
 # DiLoCo's other exchanges: quantised, sparse and low-rank pseudo-gradients (error feedback),
 # and the blocking exchange overlapped with the next inner step.
-FORMS = {"diloco:compression=int8": "diloco, int8 exchange",
+FORMS = {"diloco": f"diloco, defaults ({DiLoCoOptions().compression} exchange)",
+         "diloco:compression=int8": "diloco, int8 exchange",
          "diloco:compression=sparse": f"diloco, sparse (top {DiLoCoOptions().density:.0%}, 2 bits)",
          "diloco:compression=lowrank": f"diloco, low-rank ({_lowrank_default()})",
-         "diloco:sync_delay=1": "diloco, exchange overlapped (τ = 1)"}
-FIRST = ["ddp", "diloco", DILOCO_PAPER, "ab", AB_OUTER, *FORMS]
-ROLES = {"diloco": "diloco (defaults: plain averaging)", DILOCO_PAPER: "diloco, the paper's outer Nesterov",
+         f"{FP32},sync_delay=1": "diloco, fp32 exchange overlapped (τ = 1)"}
+FIRST = ["ddp", FP32, DILOCO_PAPER, "ab", AB_OUTER, *FORMS]
+ROLES = {FP32: "diloco, fp32 (plain averaging)", DILOCO_PAPER: "diloco, fp32, the paper's outer Nesterov",
          "ab": "ab (defaults: plain averaging)", AB_OUTER: "ab + the paper's outer Nesterov", **FORMS}
 
 
@@ -66,15 +69,15 @@ def run_count(np_: int, args: argparse.Namespace, common: list[str]) -> list[dic
     compare.main([*common, "--np", str(np_), "--methods", ",".join(FIRST), "--out", str(out), *reuse, *extra])
     ab = json.loads((out / "runs" / compare.run_name(np_, "ab") / "summary.json").read_text())
     h = equal_bytes_h(ab, np_, groups)
-    equal = f"diloco:sync_every={h}"
-    print(f"ab_vs_diloco: np {np_}: diloco at ab's inter-group bytes syncs every {h} steps", flush=True)
+    equal = f"{FP32},sync_every={h}"
+    print(f"ab_vs_diloco: np {np_}: fp32 diloco at ab's inter-group bytes syncs every {h} steps", flush=True)
     compare.main([*common, "--np", str(np_), "--methods", ",".join([*FIRST, equal]), "--out", str(out), "--reuse",
                   *extra])
     with open(out / "results.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
     for row in rows:
         row["groups"] = groups
-        row["role"] = {**ROLES, equal: f"diloco at ab's bytes (H={h})"}.get(row["method"], row["method"])
+        row["role"] = {**ROLES, equal: f"diloco, fp32 at ab's bytes (H={h})"}.get(row["method"], row["method"])
     return rows
 
 

@@ -28,16 +28,17 @@ NESTEROV = "outer_lr=0.7,outer_momentum=0.9"
 
 
 def entry(form: str, groups: int, sync_every: int) -> str:
-    """The compare entry of one form: diloco:groups=G,sync_every=H,... (`none` adds nothing)."""
-    options = [f"groups={groups}", f"sync_every={sync_every}"]
-    for part in form.split("+"):
+    """The compare entry of one form: diloco:groups=G,sync_every=H,compression=C,... (a form
+    naming no compression is fp32, `none`, whatever DiLoCo's default)."""
+    parts = form.split("+")
+    compression = next((part for part in parts if part in COMPRESSIONS), "none")
+    options = [f"groups={groups}", f"sync_every={sync_every}", f"compression={compression}"]
+    for part in parts:
         if part == "nesterov":
             options.append(NESTEROV)
-        elif part in COMPRESSIONS:
-            options += [] if part == "none" else [f"compression={part}"]
         elif "=" in part:
             options.append(part)
-        else:
+        elif part not in COMPRESSIONS:
             raise SystemExit(f"diloco_forms: unknown form part {part!r} (a compression, nesterov, or key=value)")
     return "diloco:" + ",".join(options)
 

@@ -102,3 +102,12 @@ def test_figures_that_do_not_exist_are_tabled_as_a_dash_not_nan():
     lines = _table("c", ["method", "then", "ddp then", "Δ", "reached"],
                    [["ab", "95.10 %", f"{float('nan'):.2f} %", f"{float('nan'):+.2f}", f"{float('nan'):.1f} s"]])
     assert lines[-1] == "| ab | 95.10 % | – | – | – |"
+
+
+def test_a_diloco_form_naming_no_compression_is_fp32_whatever_the_default():
+    from benchmarks.diloco_forms import entry
+    assert entry("none", 2, 10) == "diloco:groups=2,sync_every=10,compression=none"
+    assert entry("nesterov", 4, 10) == "diloco:groups=4,sync_every=10,compression=none,outer_lr=0.7,outer_momentum=0.9"
+    assert entry("sparse+density=0.05", 2, 10) == "diloco:groups=2,sync_every=10,compression=sparse,density=0.05"
+    with pytest.raises(SystemExit, match="unknown form part 'int3'"):
+        entry("int3", 2, 10)
