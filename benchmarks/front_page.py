@@ -24,7 +24,7 @@ RESULTS = "benchmarks/results/heldout/results.csv"
 ROWS = (
     ("Fast fabric: InfiniBand, NVLink, 100 Gbit/s and up", "``ddp``", "ddp"),
     ("The same, at half the bytes", "``ddp-fp16``", "ddp-fp16"),
-    ("Nodes on 10-25 GbE, any model (16 GPU nodes on 10 GbE)", "``powersgd``", "powersgd"),
+    ("Nodes on 10-25 GbE, a model whose step waits on the network", "``powersgd``", "powersgd"),
     ("Dense layers (MLP, CNN, ViT) wider than a step's batch rows", "``dad`` exact, or ``rank-dad``", "rank-dad"),
     ("Groups of nodes behind a slow link (1 Gbit/s and below)", "``diloco``", "diloco"),
     ("A model too large for one device", "``mp``; ``sil`` for CNNs", None),

@@ -34,4 +34,13 @@ def prepare_bundled(name: str, path: str | Path) -> None:
         write_dataset(path, train_arrays, test_arrays, classes, source)
 
 
-__all__ = ["BUNDLED", "prepare_bundled", "write_dataset", "write_text_dataset"]
+def prepare_if_bundled(path: str | Path) -> None:
+    """Write `path` from the bundled dataset its name gives (data/mnist5k.h5: mnist5k) when it is
+    missing: the trainer and `plan` prepare a bundled set on first use."""
+    path = Path(path)
+    if not path.exists() and path.stem in BUNDLED:
+        print(f"preparing {path} from the bundled '{path.stem}' dataset (first use)", flush=True)
+        prepare_bundled(path.stem, path)
+
+
+__all__ = ["BUNDLED", "prepare_bundled", "prepare_if_bundled", "write_dataset", "write_text_dataset"]

@@ -205,8 +205,9 @@ def inspect(path: str | Path, seq_len: int = DataConfig.seq_len) -> DatasetInfo:
     elif path.is_file():
         files = [path]
     else:
-        raise DataError(f"dataset {path} does not exist; create it with "
-                        f"`python -m data_prep digits --out {path}` (or another source, see python -m data_prep --help)")
+        raise DataError(f"dataset {path} does not exist; create it with `python -m data_prep SOURCE --out {path}` "
+                        f"(SOURCE: a bundled set such as digits, mnist5k or shakespeare, or your own data; see "
+                        f"`python -m data_prep --help`)")
     described = [_describe(f, seq_len) for f in files]
     first = described[0]
     for index, (file, d) in enumerate(zip(files, described)):

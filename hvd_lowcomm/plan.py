@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from data_prep import prepare_if_bundled
 from hvd_lowcomm import config, costmodel, data, models
 from hvd_lowcomm.config import ConfigError
 from hvd_lowcomm.metrics import write_csv
@@ -110,6 +111,8 @@ def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dic
     if args.run_steps < 1 or not 0 < args.ab_rank_share <= 1:
         raise ConfigError("--run-steps needs at least 1 step and --ab-rank-share a share in (0, 1]")
     assumptions = costmodel.RunAssumptions(run_steps=args.run_steps, rank_share=args.ab_rank_share)
+    if not cfg.data.source:
+        prepare_if_bundled(cfg.data.path)  # as the trainer does: only the shapes are read
     info = data.from_source(cfg.data.source) if cfg.data.source else data.inspect(cfg.data.path, cfg.data.seq_len)
     profile = costmodel.profile_model(_model(cfg, info), info.input_shape, cfg.data.batch_size, cfg=cfg,
                                       vocabulary=info.vocabulary, device=device)

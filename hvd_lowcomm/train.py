@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from data_prep import BUNDLED, prepare_bundled
+from data_prep import prepare_if_bundled
 from hvd_lowcomm import auto, checkpoint, config, data, models, trackers
 from hvd_lowcomm.checkpoint import PreemptionSignal
 from hvd_lowcomm.comm import runtime
@@ -87,10 +87,8 @@ def preflight(cfg: Config, world: runtime.Group) -> Prepared | None:
             spec(cfg.method).method.check_world(cfg, world.size)
         runtime.device(cfg.train.device)  # a GPU asked for and not there
         trackers.check_installed(cfg.run.loggers)
-        path = Path(cfg.data.path)
-        if rank == 0 and not cfg.data.source and not path.exists() and path.stem in BUNDLED:
-            print(f"preparing {path} from the bundled '{path.stem}' dataset (first use)", flush=True)
-            prepare_bundled(path.stem, path)
+        if rank == 0 and not cfg.data.source:
+            prepare_if_bundled(cfg.data.path)
         if rank == 0:
             resume = tuple(str(p) if p else None for p in checkpoint.resolve(cfg, world.size))
     except (ConfigError, OSError, ValueError) as err:

@@ -49,7 +49,7 @@ def test_npz_import_and_synthetic(tmp_path):
 
 
 def test_missing_file_names_the_path_and_the_command_that_makes_it(tmp_path):
-    with pytest.raises(DataError, match=r"missing\.h5 does not exist; create it with `python -m data_prep digits --out .*missing\.h5`"):
+    with pytest.raises(DataError, match=r"missing\.h5 does not exist; create it with `python -m data_prep SOURCE --out .*missing\.h5`"):
         data.inspect(tmp_path / "missing.h5")
 
 
