@@ -312,7 +312,9 @@ def load(argv: list[str] | None = None, prog: str = "python -m hvd_lowcomm.train
     """Parse `argv` (YAML file and overrides) into a validated Config; exits with --help."""
     cfg = default_config()
     parser = build_parser(cfg, prog)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # one line with the nearest name, not argparse's page of usage
+        raise ConfigError(_unknown_arguments(unknown, ["--" + dest for dest in vars(args)], prog))
     explicit = apply_mapping(cfg, read_yaml(args.config)) if args.config else set()
     if args.method is not None:
         cfg.method = args.method
@@ -525,6 +527,13 @@ def _show(value: Any) -> str:
 
 def _first_line(doc: str | None) -> str | None:
     return doc.strip().splitlines()[0] if doc else None
+
+
+def _unknown_arguments(unknown: list[str], options: list[str], prog: str) -> str:
+    option = next((word.split("=", 1)[0] for word in unknown if word.startswith("-")), None)
+    if option is None:
+        return f"unexpected argument(s) {' '.join(unknown)}: every option is --section.key VALUE (`{prog} --help`)"
+    return f"unknown option {option}{_did_you_mean(option, options)}; `{prog} --help` lists every option"
 
 
 def _did_you_mean(word: str, candidates: Any) -> str:

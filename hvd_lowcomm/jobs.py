@@ -121,8 +121,9 @@ def program(spec: JobSpec) -> list[str]:
     """The command every rank runs, as words: the user's --command, or the training program on a
     run named after the job, which resumes from its checkpoint if it has one."""
     if not spec.command:
+        # A batch job's output goes to a file, where a progress bar is only noise (yours win after).
         return [spec.python, "-m", "hvd_lowcomm.train", "--config", spec.config, "--run.name", spec.job_name,
-                "--resume", "auto", *spec.train_args]
+                "--resume", "auto", "--run.progress", "false", *spec.train_args]
     try:
         words = shlex.split(spec.command)
     except ValueError as err:

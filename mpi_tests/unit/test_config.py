@@ -68,6 +68,14 @@ def test_unknown_yaml_keys_and_methods_are_rejected_with_suggestions(tmp_path):
         config.load(["--config", str(tmp_path / "missing.yaml")])
 
 
+def test_unknown_command_line_options_are_one_line_with_the_nearest_name():
+    with pytest.raises(ConfigError, match=r"^unknown option --train.epochz \(did you mean '--train.epochs'\?\); "
+                                          r"`python -m hvd_lowcomm.train --help` lists every option$"):
+        config.load(["--train.epochz", "3"])
+    with pytest.raises(ConfigError, match=r"^unexpected argument\(s\) extra: every option is --section.key VALUE"):
+        config.load(["--train.epochs", "3", "extra"])
+
+
 def test_help_lists_every_option_with_its_default():
     cfg = config.default_config()
     text = config.build_parser(cfg, "prog").format_help()

@@ -36,7 +36,7 @@ def test_slurm_directives_match_the_inputs(tmp_path, run_yaml):
                  "module load openmpi/4.1", "source .venv/bin/activate", "export OMP_NUM_THREADS=3",
                  "export NCCL_SOCKET_IFNAME=ib0", "export HOROVOD_FUSION_THRESHOLD=67108864",
                  f"srun --mpi=pmix --cpu-bind=cores --gpus-per-task=1 python -m hvd_lowcomm.train --config {run_yaml} "
-                 f"--run.name exp1 --resume auto &", "#SBATCH --signal=B:USR1@120", "#SBATCH --requeue",
+                 f"--run.name exp1 --resume auto --run.progress false &", "#SBATCH --signal=B:USR1@120", "#SBATCH --requeue",
                  '    scontrol requeue "$SLURM_JOB_ID"'):
         assert line in text.splitlines(), line
     shell_checks(tmp_path / "job.sh")
@@ -58,7 +58,7 @@ def test_a_gpu_job_runs_one_task_per_gpu(tmp_path, run_yaml):
     text = render(tmp_path, "--scheduler", "slurm", "--nodes", "16", "--gpus-per-node", "4", "--config", str(run_yaml))
     for line in ("#SBATCH --nodes=16", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
                  f"srun --mpi=pmix --cpu-bind=cores --gpus-per-task=1 python -m hvd_lowcomm.train --config {run_yaml} "
-                 f"--run.name hvd_lowcomm --resume auto &"):
+                 f"--run.name hvd_lowcomm --resume auto --run.progress false &"):
         assert line in text.splitlines(), line
     # The NCCL variables are explained, and only those the options set are exported.
     assert "#   NCCL_IB_HCA " in text and "#   NCCL_DEBUG=WARN " in text and "export NCCL" not in text
@@ -168,7 +168,7 @@ def test_sweep_writes_one_script_per_node_count_and_method_with_a_manifest(tmp_p
     for row in rows:
         text = (tmp_path / "sweep" / row["script"]).read_text()
         assert f"#SBATCH --nodes={row['nodes']}" in text
-        assert f"--config {run_yaml} --run.name {row['script'][:-3]} --resume auto --method {row['method']} " \
+        assert f"--config {run_yaml} --run.name {row['script'][:-3]} --resume auto --run.progress false --method {row['method']} " \
                f"--train.epochs 3" in text
         assert subprocess.run(["bash", "-n", str(tmp_path / "sweep" / row["script"])]).returncode == 0
 
