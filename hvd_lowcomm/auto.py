@@ -85,7 +85,8 @@ def _others(profile: costmodel.Profile, ranks: int, link: costmodel.Link, cfg: C
             q = costmodel.predict(profile, name, ranks, link, cfg)
         except ConfigError:  # this model or rank count does not suit it
             continue
-        lines.append(f"{name:<10} {q.step * 1e3:>9.1f} ms per step, {human_bytes(q.bytes_per_rank)} sent per rank")
+        lines.append(f"{name:<10} {q.step * 1e3:>9.1f} ms per step, {human_bytes(q.bytes_per_rank)} sent per rank "
+                     "per step on average")
     return left_out + (("\nnot chosen automatically (they change how the model trains; choose them yourself):\n"
                         + "\n".join(lines)) if lines else "")
 

@@ -330,7 +330,8 @@ def summarize(cfg: Config, method: Method, state: TrainState, elapsed: float, pa
             ("sent per step", human_bytes(summary["train_wire_bytes_per_step"])),
             *([("between nodes (all ranks)", f"{human_bytes(summary['train_between_nodes_bytes_all_ranks'])} "
                 f"({summary['nodes']} nodes)")] if summary["nodes"] > 1 else []),
-            ("sent for eval/setup", f"{human_bytes(meter.total('eval'))} / {human_bytes(meter.total('setup'))}"),
+            ("sent for evaluation", human_bytes(meter.total("eval"))),
+            ("sent at setup (broadcasts, checks)", human_bytes(meter.total("setup"))),
             ("peak memory (max over ranks)", human_bytes(peak_rss_max))]
     rows += [(f"  {op} in {group}", human_bytes(t.wire_bytes))
              for (phase, op, group), t in sorted(meter.by_kind.items()) if phase == "train"]
