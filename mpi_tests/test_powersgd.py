@@ -259,6 +259,18 @@ def test_the_adaptive_rank_survives_a_checkpoint(world, fresh_meter):
     assert restored.kept_energy == opt.powersgd.kept_energy
 
 
+def test_it_says_once_when_no_gradient_is_worth_compressing(world, capsys):
+    layer, _, _ = layer_with_grads(world, rank2_grads())
+    opt = wrap(layer, rank=8, min_compression_rate=2.0)  # (10 + 12) * 8 * 2 > 10 * 12: nothing pays
+    for _ in range(2):
+        opt.step()
+        opt.zero_grad()
+        layer.weight.grad, layer.bias.grad = torch.ones(N_OUT, N_IN), torch.ones(N_OUT)
+    said = capsys.readouterr().out
+    assert said.count("no gradient is a matrix large enough") == (1 if RANK == 0 else 0)
+    assert opt.powersgd.compression_rate() == 1.0
+
+
 def test_training_with_powersgd_compresses_and_learns(shared_tmp):
     # lr 1e-2: at np 4 three epochs are 36 steps, too few at the default 1e-3 for the accuracy check
     argv = ["--method", "powersgd", "--train.epochs", "3", "--train.lr", "0.01", "--data.path", str(shared_tmp / "digits.h5"),

@@ -163,6 +163,7 @@ class PowerSGDState:
         self.half_sums = HalfSums("powersgd")  # P's and Q's scales on the wire (factor_dtype float16)
         self.numel_before = 0   # gradient numbers per compressed step, before / after compression
         self.numel_after = 0
+        self.said_nothing_pays = False  # told the user, once, that no gradient was worth compressing
 
     def compression_rate(self) -> float:
         return self.numel_before / self.numel_after if self.numel_after else 1.0
@@ -228,6 +229,11 @@ class _PowerSGDExchange(GradientExchange):
             else:
                 plain[name] = grad
                 state.numel_after += grad.numel()
+        if not matrices and not state.said_nothing_pays:
+            state.said_nothing_pays = True
+            runtime.announce(f"PowerSGDOptimizer: no gradient is a matrix large enough for its factors to pay "
+                             f"((n+m)*rank*min_compression_rate {options.min_compression_rate:g} < n*m), so every "
+                             f"gradient is sent whole, as ddp sends it: PowerSGD saves bytes on wider layers")
         gradients = dict(matrices)
         # A non-finite gradient (a GradScaler's overflow) must not reach the error buffers.
         feed_back = options.error_feedback and all_finite(matrices.values())
