@@ -48,7 +48,8 @@ from hvd_lowcomm import heldout
 CORPUS_BYTES = 120_000  # each judged corpus: about 13 steps an epoch at np 2, batch 32, 128 tokens
 # ddp-fp16 is judged too: `--method auto` may choose it, and a rounding's cost depends on the model.
 GRADIENT_METHODS = ("ddp", "ddp-fp16", "powersgd", "rank-dad")
-METHODS = GRADIENT_METHODS + ("diloco", "diloco:compression=none")
+FP32_DILOCO = "diloco:compression=none"  # what DiLoCo's compressed forms are judged against
+METHODS = GRADIENT_METHODS + ("diloco", FP32_DILOCO)
 SEEDS = (42, 43, 44)  # every set's; a verdict is the mean over them of the result against ddp
 # A set where rounding alone (ddp-fp16) moves the result between seeds by more than the bound
 # needs more seeds to judge a method within it (benchmarks/results/heldout/README.md).
@@ -186,10 +187,10 @@ def run_set(s: HeldOutSet, seed: int, args: argparse.Namespace) -> Path:
 
 def seed_results(out: Path) -> dict[str, dict[str, float | str]]:
     """One seed's comparison (`out`/results.csv) as held-out results, by method: quality and
-    bytes against ddp, and for DiLoCo's default against fp32 DiLoCo."""
+    bytes against ddp, and for DiLoCo's default and other compressed forms against fp32 DiLoCo."""
     with open(out / "results.csv") as f:
         found = {r["method"]: r for r in csv.DictReader(f)}
-    fp32 = found.get("diloco:compression=none")
+    fp32 = found.get(FP32_DILOCO)
     results: dict[str, dict[str, float | str]] = {}
     for method, r in found.items():
         language = r.get("final_test_loss", "") not in ("", "nan")
@@ -198,7 +199,7 @@ def seed_results(out: Path) -> dict[str, dict[str, float | str]]:
             continue
         result: dict[str, float | str] = {"metric": "loss_pct" if language else "acc_points", "vs_ddp": float(value),
                                           "bytes_vs_ddp": float(r["bytes_ratio_to_ddp"])}
-        if method == "diloco" and fp32 is not None:
+        if method.split(":")[0] == "diloco" and method != FP32_DILOCO and fp32 is not None:
             result["vs_fp32_diloco"] = 100 * (float(r["final_test_loss"]) / float(fp32["final_test_loss"]) - 1) \
                 if language else 100 * (float(r["final_test_acc"]) - float(fp32["final_test_acc"]))
             result["bytes_vs_fp32_diloco"] = float(r["bytes_per_step"]) / float(fp32["bytes_per_step"])

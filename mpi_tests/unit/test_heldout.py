@@ -89,11 +89,13 @@ def test_a_sets_verdict_is_the_mean_over_its_seeds_against_ddp_at_the_same_seed(
 
     s = SETS["vit-mnist5k"]
     assert len(s.seeds) >= 3  # one seed of a short run judges the seed, not the method
-    ratios = {"ddp": 1.0, "rank-dad": 0.1, "diloco": 0.002, "diloco:compression=none": 0.04}
+    ratios = {"ddp": 1.0, "rank-dad": 0.1, "diloco": 0.002, "diloco:compression=sparse": 0.001,
+              "diloco:compression=none": 0.04}
     # seed by seed, rank-dad is -5, -1 and +0 points against that seed's ddp (mean -2)
     for seed, ddp, rank_dad, diloco, fp32 in zip(s.seeds, (0.50, 0.60, 0.55), (0.45, 0.59, 0.55),
                                                  (0.40, 0.50, 0.45), (0.42, 0.50, 0.44)):
         write_comparison(s.results(tmp_path, seed), {"ddp": ddp, "rank-dad": rank_dad, "diloco": diloco,
+                                                     "diloco:compression=sparse": fp32 - 0.03,
                                                      "diloco:compression=none": fp32}, ratios)
     assert s.results(tmp_path, s.seeds[0]) == tmp_path / s.name  # the first seed where one seed went before
     rows = {r["method"]: r for r in rows_of(s, tmp_path)}
@@ -102,6 +104,9 @@ def test_a_sets_verdict_is_the_mean_over_its_seeds_against_ddp_at_the_same_seed(
     assert rows["rank-dad"]["seeds"] == " ".join(map(str, s.seeds[:3])) and rows["rank-dad"]["vs_ddp_per_seed"] == "-5 -1 0"
     assert float(rows["diloco"]["vs_fp32_diloco"]) == pytest.approx(-1.0 / 3)  # -2, 0, +1 against fp32
     assert float(rows["diloco"]["bytes_vs_fp32_diloco"]) == pytest.approx(0.05)
+    # any compressed form is judged against fp32 DiLoCo, not only the default
+    assert float(rows["diloco:compression=sparse"]["vs_fp32_diloco"]) == pytest.approx(-3.0)
+    assert rows["diloco:compression=none"]["vs_fp32_diloco"] == ""
     measured = {m.method: m for m in heldout.summarize(list(rows.values()))}
     assert not measured["rank-dad"].held and measured["rank-dad"].worst == "-2.0 points"
     assert heldout.cells(list(rows.values()))[("rank-dad", s.name)] == \
