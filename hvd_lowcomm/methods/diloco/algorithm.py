@@ -20,9 +20,9 @@ of every group averages only its 1/|group| slice of Δ with rank i of the other 
 "column", one rank per group), steps its slice of θ_global, and the group allgathers the new
 slices: a rank sends model/|group| across the network per sync, not the whole model. Options:
 
-- compression (hvd_lowcomm.methods.outer_exchange): none (fp32 allreduce); fp16, int8 or int2 by a
-  quantised reduce-scatter and allgather whose bytes per rank stay below twice the slice's
-  whatever the number of groups; sparse (SparseLoCo: top-k of each chunk at 2 bits from an
+- compression (hvd_lowcomm.methods.outer_exchange): none (fp32 allreduce); fp16, int8 or int2
+  (the default) by a quantised reduce-scatter and allgather whose bytes per rank stay below
+  twice the slice's whatever the number of groups; sparse (SparseLoCo: top-k of each chunk at 2 bits from an
   error-feedback accumulator; with keep_unsent, the default, a group keeps on its own model
   what its exchange left unsent, θ_local <- θ_global - e (unsent_share s: s·e, the rest
   staying in e), so its next Δ carries it and the group trains on from it meanwhile) or lowrank
