@@ -1,6 +1,7 @@
 """pytest under mpirun: every rank runs the same tests in the same order.
 
-- Horovod/MPI start once per process (session fixture), before the first test.
+- Horovod/MPI start once per process, after collection, on every rank: a rank that skips every
+  test of a run (a file of rank-0-only tests) must still join the others' MPI start.
 - A test that fails on any rank aborts the whole MPI job (MPI_Abort), so the other ranks never
   wait forever in a collective the failing rank will not join, and mpirun exits non-zero.
 - Only rank 0 shows pytest's normal report; other ranks print their failures themselves.
@@ -71,6 +72,13 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         from mpi4py import MPI
 
         MPI.COMM_WORLD.Abort(1)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if SIZE > 1 and not all(is_unit(item) for item in session.items):
+        from hvd_lowcomm.comm import runtime
+
+        runtime.init(seed=0)
 
 
 @pytest.fixture(scope="session", autouse=True)
