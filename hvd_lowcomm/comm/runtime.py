@@ -322,11 +322,14 @@ def group_layout(world_size: int, num_groups: int | None = None,
 
 def groups_for(requested: int, world_size: int, ranks_per_node: int) -> int:
     """`requested` groups, or with 0 one group per node when the job spans several nodes (a
-    group's traffic then stays inside its node), else 2. The rule of AB-training and DiLoCo,
-    for their runs and for the cost model's predictions alike."""
+    group's traffic then stays inside its node), else 2, or on an odd rank count its smallest
+    divisor (3 ranks: 3 groups of one), so that any rank count has a default. The rule of
+    AB-training and DiLoCo, for their runs and for the cost model's predictions alike."""
     if requested:
         return requested
-    return world_size // ranks_per_node if world_size > ranks_per_node else 2
+    if world_size > ranks_per_node:
+        return world_size // ranks_per_node
+    return next((g for g in range(2, world_size + 1) if world_size % g == 0), 2)
 
 
 def default_group_count(requested: int, world_size: int) -> int:

@@ -2,7 +2,8 @@
 common options, the outer optimiser, evaluation on a trial sync, the traffic split between
 and inside groups, and the adapter the built-in loop drives.
 
-Both split the world into groups (one per node when the job spans nodes, else 2:
+Both split the world into groups (one per node when the job spans nodes, else 2 or the smallest
+group count that divides an odd rank count:
 `runtime.groups_for`, the same rule for runs and for the cost model), let each group train on
 its own, and now and then combine the groups' progress as a pseudo-gradient that an outer SGD
 step applies (DiLoCo's outer step; plain averaging at lr 1 without momentum).
@@ -30,7 +31,8 @@ class GroupedOptions:
 
     section: ClassVar[str] = "?"  # the options' section, for messages
 
-    groups: int = option(0, "independent groups of contiguous ranks (0: one per node on several nodes, else 2)")
+    groups: int = option(0, "independent groups of contiguous ranks (0: one per node on several nodes, else 2, "
+                            "or on an odd rank count its smallest divisor)")
     # Plain averaging by default, not DiLoCo's lr 0.7 with Nesterov momentum 0.9: once syncs agree in
     # direction that step moves the model lr/(1 - momentum) = 7 times the groups' mean progress, which pays
     # for long, smooth pseudo-gradients, not for short ones or error-fed exchanges (docs: benchmarks,

@@ -29,6 +29,9 @@ def test_one_group_per_node_when_the_job_spans_nodes():
     assert runtime.groups_for(0, 8, 8) == 2    # one node: two groups all the same
     assert runtime.groups_for(4, 64, 8) == 4   # asked for
     assert runtime.groups_for(0, 6, 1) == 6    # one rank per node
+    assert runtime.groups_for(0, 3, 3) == 3    # one node, an odd rank count: its smallest divisor
+    assert runtime.groups_for(0, 9, 9) == 3
+    assert runtime.groups_for(0, 6, 6) == 2
 
 
 def test_torchrun_s_variables_without_an_mpi_launcher_are_a_launcher_problem():

@@ -3,7 +3,7 @@ Training of Language Models"; Streaming DiLoCo, 2025), with the semantics of tor
 the method a user whose nodes are joined by a slow link picks today.
 
 The world is split into G groups of contiguous ranks (one per node when the job spans nodes,
-else 2). Each group trains on its own: every step the gradients are averaged inside the group
+else `runtime.groups_for`'s). Each group trains on its own: every step the gradients are averaged inside the group
 (data parallel over the node's own links) and the user's inner optimiser steps. Every
 H = `sync_every` inner steps the groups meet:
 
