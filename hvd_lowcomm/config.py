@@ -308,13 +308,15 @@ def apply_presets(cfg: Config, presets: dict[str, Any], explicit: set[str] = fro
 # ---------------------------------------------------------------------------------------------
 # YAML + command line
 
-def load(argv: list[str] | None = None, prog: str = "python -m hvd_lowcomm.train") -> Config:
-    """Parse `argv` (YAML file and overrides) into a validated Config; exits with --help."""
+def load(argv: list[str] | None = None, prog: str = "python -m hvd_lowcomm.train",
+         other_options: tuple[str, ...] = ()) -> Config:
+    """Parse `argv` (YAML file and overrides) into a validated Config; exits with --help.
+    `other_options`: the calling command's own options, offered too when a name is mistyped."""
     cfg = default_config()
     parser = build_parser(cfg, prog)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # one line with the nearest name, not argparse's page of usage
-        raise ConfigError(_unknown_arguments(unknown, ["--" + dest for dest in vars(args)], prog))
+        raise ConfigError(_unknown_arguments(unknown, ["--" + dest for dest in vars(args)] + list(other_options), prog))
     explicit = apply_mapping(cfg, read_yaml(args.config)) if args.config else set()
     if args.method is not None:
         cfg.method = args.method

@@ -176,3 +176,10 @@ def test_gpus_per_node_sets_the_ranks_per_node_and_an_accelerator_links_them_by_
     assert network("--gpus-per-node", "4").intra_bandwidth == pytest.approx(160e9 / 8)  # PCIe or shared memory
     assert network("--gpus-per-node", "8", "--accelerator", "h100").intra_bandwidth == pytest.approx(3600e9 / 8)
     assert network("--latency-us", "7").latency == pytest.approx(7e-6)
+
+
+def test_a_mistyped_plan_option_is_named_with_the_nearest_of_plan_s_own(capsys):
+    from hvd_lowcomm.plan import main
+
+    assert main(["--ranks", "64", "--linsk", "1gbit"]) == 2
+    assert "unknown option --linsk (did you mean '--links'?)" in capsys.readouterr().err
