@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
 def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dict[str, Any]]]:
     """The tables (markdown) and their rows (for the CSV) for the parsed options and the
     training options in `train_argv`."""
-    own = tuple("--" + dest.replace("_", "-") for dest in vars(parser().parse_args([])))  # for a typo's hint
+    own = tuple("--" + dest.replace("_", "-") for dest in vars(args))  # plan's options, for a typo's hint
     cfg = config.load(train_argv, prog="python -m hvd_lowcomm.plan", other_options=own)
     ranks = [int(r) for r in args.ranks.split(",")]
     if min(ranks) < 2:

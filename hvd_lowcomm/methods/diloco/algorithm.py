@@ -3,9 +3,9 @@ Training of Language Models"; Streaming DiLoCo, 2025), with the semantics of tor
 the method a user whose nodes are joined by a slow link picks today.
 
 The world is split into G groups of contiguous ranks (one per node when the job spans nodes,
-else `runtime.groups_for`'s). Each group trains on its own: every step the gradients are averaged inside the group
-(data parallel over the node's own links) and the user's inner optimiser steps. Every
-H = `sync_every` inner steps the groups meet:
+else `runtime.groups_for`'s). Each group trains on its own: every step the gradients are
+averaged inside the group (data parallel over the node's own links) and the user's inner
+optimiser steps. Every H = `sync_every` inner steps the groups meet:
 
     Δ = θ_global - θ_local          the pseudo-gradient of this group's last H steps
     Δ̄ = mean of Δ over the groups
@@ -22,10 +22,10 @@ slices: a rank sends model/|group| across the network per sync, not the whole mo
 
 - compression (hvd_lowcomm.methods.outer_exchange): none (fp32 allreduce); fp16, int8 or int2
   (the default) by a quantised reduce-scatter and allgather whose bytes per rank stay below
-  twice the slice's whatever the number of groups; sparse (SparseLoCo: top-k of each chunk at 2 bits from an
-  error-feedback accumulator; with keep_unsent, the default, a group keeps on its own model
-  what its exchange left unsent, θ_local <- θ_global - e (unsent_share s: s·e, the rest
-  staying in e), so its next Δ carries it and the group trains on from it meanwhile) or lowrank
+  twice the slice's whatever the number of groups; sparse (SparseLoCo: top-k of each chunk at
+  2 bits from an error-feedback accumulator; with keep_unsent, the default, a group keeps on
+  its own model what its exchange left unsent, θ_local <- θ_global - e (unsent_share s: s·e,
+  the rest staying in e), so its next Δ carries it and the group trains on from it meanwhile) or lowrank
   (PowerSGD factors of each matrix in 4 bits at a rank that spends factor_share of fp32's
   bytes, error feedback);
 - fragments F (Streaming DiLoCo): the parameters in F contiguous parts of about equal size,
