@@ -22,6 +22,10 @@ totals per (phase, op, group) and per tensor name, so its memory does not grow w
 Phases separate what a method needs to train ("train") from evaluation, set-up and
 bookkeeping, so comparisons can quote training traffic alone.
 
+Tensors travel in a dtype the collectives take: bfloat16, which Horovod refuses, goes as
+float32 (the reduction in float32, as FSDP's and torchtitan's default reduce dtype) and comes
+back in the caller's dtype; the meter counts the float32 bytes, which are what is sent.
+
 Horovod and mpi4py are imported inside the functions that use them: importing mpi4py's MPI
 module initialises MPI, and the command line reports a bad config before MPI starts.
 """
@@ -196,7 +200,7 @@ class TrafficMeter:
         op = hvd.Average if average and tensor.is_floating_point() else hvd.Sum
         with self.waiting():
             out = hvd.allreduce(to_wire(sent), name=name, op=op, process_set=_process_set(group))
-        return compression.decompress(out.to(sent.device), ctx)
+        return compression.decompress(from_wire(out, sent), ctx)
 
     def allgather(self, tensor: torch.Tensor, name: str, group: Group | None = None) -> torch.Tensor:
         """Concatenate every member's tensor along dim 0 (first dims may differ)."""
@@ -229,8 +233,8 @@ class TrafficMeter:
                 gathering = [hvd.allgather_async(to_wire(tensor), name=name, process_set=ps) for name, tensor in gathered]
                 reducing = [hvd.allreduce_async(to_wire(tensor), name=name, op=hvd_op, process_set=ps)
                             for name, tensor in reduced]
-                outs = ([hvd.synchronize(h).to(t.device) for h, (_, t) in zip(gathering, gathered)],
-                        [hvd.synchronize(h).to(t.device) for h, (_, t) in zip(reducing, reduced)])
+                outs = ([from_wire(hvd.synchronize(h), t) for h, (_, t) in zip(gathering, gathered)],
+                        [from_wire(hvd.synchronize(h), t) for h, (_, t) in zip(reducing, reduced)])
         for (name, tensor), out in zip(gathered, outs[0]):
             self.record("allgather", name, _nbytes(tensor), group,
                         wire=wire_bytes("allgather", _nbytes(out), size) if size > 1 else 0.0)
@@ -252,7 +256,7 @@ class TrafficMeter:
                                              op=hvd.Average if op == "average" else hvd.Sum,
                                              prescale_factor=prescale, postscale_factor=postscale,
                                              process_set=_process_set(group))
-        return handle, [tensor.device for _, tensor in named]
+        return handle, [tensor for _, tensor in named]
 
     def finish_allreduce(self, handle: Any) -> list[torch.Tensor]:
         """Wait for an allreduce `start_allreduce` started; its results, on their tensors' devices."""
@@ -261,8 +265,8 @@ class TrafficMeter:
         with self.waiting():
             if isinstance(handle, list):
                 return handle
-            handle, devices = handle
-            return [out.to(device, non_blocking=True) for out, device in zip(hvd.synchronize(handle), devices)]
+            handle, tensors = handle
+            return [from_wire(out, like) for out, like in zip(hvd.synchronize(handle), tensors)]
 
     def broadcast_(self, tensor: torch.Tensor, root_rank: int, name: str,
                    group: Group | None = None) -> torch.Tensor:
@@ -345,7 +349,7 @@ class TrafficMeter:
         """Blocking send of a tensor (through host memory) to global rank `dest` over MPI_COMM_WORLD."""
         from mpi4py import MPI
 
-        array = tensor.detach().contiguous().cpu().numpy()
+        array = tensor.detach().to("cpu", wire_dtype(tensor.dtype)).contiguous().numpy()
         self.record("send", name, array.nbytes, None, wire=array.nbytes, dest=dest)
         with self.waiting():
             MPI.COMM_WORLD.Send(array, dest=dest, tag=tag)
@@ -355,7 +359,9 @@ class TrafficMeter:
         rank `source`."""
         from mpi4py import MPI
 
-        host = out if out.device.type == "cpu" else torch.empty(out.shape, dtype=out.dtype, pin_memory=_pinned(out))
+        on_wire = wire_dtype(out.dtype)
+        host = out if out.device.type == "cpu" and on_wire == out.dtype else \
+            torch.empty(out.shape, dtype=on_wire, pin_memory=_pinned(out))
         array = host.numpy()
         with self.waiting():
             MPI.COMM_WORLD.Recv(array, source=source, tag=tag)
@@ -365,17 +371,29 @@ class TrafficMeter:
         return out
 
 
+def wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor of `dtype` travels in: bfloat16 as float32 (Horovod refuses it)."""
+    return torch.float32 if dtype == torch.bfloat16 else dtype
+
+
 def to_wire(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` as Horovod's collectives take it: itself where they read its device (the CPU; a
-    GPU when Horovod was built with GPU operations and no two local ranks share one), else a
-    copy in host memory (pinned for a GPU, so the copy runs at full speed), which the caller's
-    result goes back from. The one place where device tensors are staged; the meter counts the
-    collective once, whatever path it takes."""
+    GPU when Horovod was built with GPU operations and no two local ranks share one) and its
+    dtype, else a copy in host memory (pinned for a GPU, so the copy runs at full speed) and in
+    `wire_dtype`, which the caller's result goes back from (`from_wire`). The one place where
+    device tensors are staged; the meter counts the collective once, whatever path it takes."""
+    dtype = wire_dtype(tensor.dtype)
     if collectives_take(tensor.device):
-        return tensor
+        return tensor if dtype == tensor.dtype else tensor.to(dtype)
     if _pinned(tensor):
-        return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor)
-    return tensor.cpu()
+        return torch.empty(tensor.shape, dtype=dtype, pin_memory=True).copy_(tensor)
+    return tensor.to("cpu", dtype)
+
+
+def from_wire(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A collective's result `out` on the device and in the dtype of the tensor `like` it was
+    sent from (a float32 sum of bfloat16 tensors is rounded once, here)."""
+    return out.to(like.device, like.dtype, non_blocking=like.device.type == "cuda")
 
 
 def collectives_take(device: torch.device) -> bool:
@@ -429,7 +447,8 @@ def _members(group: Group | None) -> int:
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+    """Bytes of `tensor` on the wire (in `wire_dtype`)."""
+    return tensor.numel() * wire_dtype(tensor.dtype).itemsize
 
 
 def _process_set(group: Group | None) -> Any:

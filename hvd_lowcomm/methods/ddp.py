@@ -26,7 +26,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Nam
                          compression: Any = None, backward_passes_per_step: int = 1, op: Any = None,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
                          sparse_as_dense: bool = False, process_set: Any = None, *,
-                         group: Group | None = None) -> torch.optim.Optimizer:
+                         group: Group | None = None, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
     """`hvd.DistributedOptimizer` with DDP's semantics, every allreduce recorded by the meter.
 
     Takes Horovod's arguments and honours each: `compression` (hvd.Compression.none / .fp16,
@@ -34,11 +34,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Nam
     `gradient_predivide_factor`, `groups` / `num_groups` (fusion), `process_set` (or
     hvd_lowcomm's `group`), `backward_passes_per_step`. Each gradient's allreduce starts as
     backward produces it, as in Horovod; when the backward pass that completes the step ends,
-    `.grad` holds the mean over the ranks (hvd_lowcomm.methods.drop_in).
+    `.grad` holds the mean over the ranks (hvd_lowcomm.methods.drop_in). `model`, when given, is
+    where DDP's accumulation flags are read too (`model.require_backward_grad_sync`, `with
+    model.no_sync():`, as nanoGPT writes them).
     """
     arguments = horovod_arguments("DistributedOptimizer", compression, backward_passes_per_step, op,
                                   gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set, group,
-                                  compressors=("none", "fp16", "any"))
+                                  compressors=("none", "fp16", "any"), model=model)
     return wrap_optimizer(optimizer, _AllreduceExchange, named_parameters, arguments)
 
 

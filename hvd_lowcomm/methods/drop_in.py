@@ -12,7 +12,10 @@ written for Horovod or for PyTorch's DistributedDataParallel:
   every rank;
 - accumulation: `backward_passes_per_step=k` (Horovod) exchanges at every k-th backward pass,
   `with opt.no_sync():` (DDP) or `opt.require_backward_grad_sync = False` holds the exchange
-  back; either way one exchange per optimizer step;
+  back (a wrapper given the model, DadOptimizer, also reads them on the model, as nanoGPT
+  writes them); either way one exchange per optimizer step. Undeclared accumulation (several
+  backward passes, each exchanging) still gives the pooled gradient, at one exchange per pass,
+  and rank 0 says once how to declare it;
 - `synchronize()` / `skip_synchronize()` keep Horovod's meaning, and PyTorch's optimizer
   contract holds (`zero_grad(set_to_none=...)`, `state_dict`, `add_param_group`, state loaded
   into the optimizer before the wrap).
@@ -45,12 +48,14 @@ class HorovodArguments:
     gradient_predivide_factor: float = 1.0
     groups: Any = None          # Horovod's fusion groups: an int (num_groups) or lists of parameters
     group: Group | None = None  # the process set's ranks (None: all ranks)
+    model: Any = None           # the model, whose DDP flags (require_backward_grad_sync, no_sync) count too
 
 
 def horovod_arguments(wrapper: str, compression: Any = None, backward_passes_per_step: int = 1, op: Any = None,
                       gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
                       sparse_as_dense: bool = False, process_set: Any = None, group: Group | None = None,
-                      compressors: tuple[str, ...] = ("none",), why_not_compressed: str = "") -> HorovodArguments:
+                      compressors: tuple[str, ...] = ("none",), why_not_compressed: str = "",
+                      model: Any = None) -> HorovodArguments:
     """Check Horovod's arguments for `wrapper` and normalise them; refuse what it cannot honour.
 
     `compressors`: the compressions the wrapper takes ("none", "fp16", or "any" for any
@@ -82,7 +87,8 @@ def horovod_arguments(wrapper: str, compression: Any = None, backward_passes_per
     if process_set is not None:
         group = runtime.group_of_process_set(process_set)
     return HorovodArguments(compression if kind not in ("none", "fp16") else kind, backward_passes_per_step, op_name,
-                            gradient_predivide_factor, groups if groups is not None else num_groups or None, group)
+                            gradient_predivide_factor, groups if groups is not None else num_groups or None, group,
+                            model)
 
 
 def compression_kind(compression: Any) -> str:
@@ -164,6 +170,8 @@ class GradientExchange(torch.optim.Optimizer):
     op = "average"
     sums_natively = False      # op=Sum is the exchange's own (else: the mean times the group's size)
     group: Group | None = None
+    _model: Any = None         # the model, where the wrapper knows it: DDP's flags are read on it too
+    _said_undeclared = False   # rank 0 said once that backward passes exchanged one by one
 
     def _exchange(self) -> None:
         raise NotImplementedError
@@ -174,6 +182,9 @@ class GradientExchange(torch.optim.Optimizer):
         self.backward_passes_per_step, self.op, self.group = (arguments.backward_passes_per_step, arguments.op,
                                                               arguments.group)
         self._names = parameter_names(self.param_groups, named_parameters, wrapper)
+        self._wrapper = wrapper
+        if arguments.model is not None:
+            self._read_model_flags(arguments.model)
         self._hooks: dict[torch.nn.Parameter, int] = {}  # hooked parameters -> their tensor when hooked
         self._hook_parameters(p for group in self.param_groups for p in group["params"])
 
@@ -219,8 +230,23 @@ class GradientExchange(torch.optim.Optimizer):
             return
         self._end_queued = True
         if self._synchronized:  # a new pass after an exchange no step applied starts a new step
+            self._say_undeclared_accumulation()
             self._start_step()
         Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _say_undeclared_accumulation(self) -> None:
+        """A backward pass after an exchange with no step or zero_grad between: accumulation the
+        wrapper was not told of. The gradients add up right; say once what saves the bytes."""
+        if self._said_undeclared:
+            return
+        self._said_undeclared = True
+        seen = "" if self._model is not None else (
+            "; a flag or no_sync() on the model is not seen by this wrapper, which was not given the model")
+        runtime.announce(f"hvd_lowcomm: {self._wrapper}: a backward pass after an exchange, before step(), exchanged "
+                         f"again: the gradient still adds up to the pooled one, at the bytes of one exchange per "
+                         f"pass. To exchange once per step, pass backward_passes_per_step=<passes>, or hold the "
+                         f"exchange back with `with opt.no_sync():` or opt.require_backward_grad_sync = False"
+                         f"{seen}")
 
     def _backward_ended(self) -> None:
         self._end_queued = False
@@ -231,8 +257,19 @@ class GradientExchange(torch.optim.Optimizer):
 
     def exchanges_this_pass(self) -> bool:
         """Whether the backward pass running (or just ended) completes the step's gradient."""
-        return self._exchange_enabled and self._backward_passes >= self.backward_passes_per_step - (
+        model_syncs = self._model is None or getattr(self._model, "require_backward_grad_sync", True)
+        return self._exchange_enabled and model_syncs and self._backward_passes >= self.backward_passes_per_step - (
             1 if self._end_queued else 0)
+
+    def _read_model_flags(self, model: torch.nn.Module) -> None:
+        """Honour DDP's accumulation idioms written on the model, as DDP's model wrapper does
+        (nanoGPT: `model.require_backward_grad_sync = last_micro_step`; `with model.no_sync():`);
+        a plain module gets the flag and no_sync() it lacks."""
+        self._model = model
+        if not hasattr(model, "require_backward_grad_sync"):
+            model.require_backward_grad_sync = True
+        if not hasattr(model, "no_sync"):
+            model.no_sync = _model_no_sync(model)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -315,6 +352,18 @@ class GradientExchange(torch.optim.Optimizer):
             named = [(name, param) for param, name in self._names.items()]
             self._names = parameter_names(self.param_groups, named, "add_param_group")
             self._hook_parameters(param_group["params"])
+
+
+def _model_no_sync(model: torch.nn.Module) -> Any:
+    """DDP's `model.no_sync()` for a plain module: clears its require_backward_grad_sync inside."""
+    @contextlib.contextmanager
+    def no_sync() -> Iterator[None]:
+        previous, model.require_backward_grad_sync = model.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            model.require_backward_grad_sync = previous
+    return no_sync
 
 
 def wrap_optimizer(optimizer: torch.optim.Optimizer, exchange: type, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:

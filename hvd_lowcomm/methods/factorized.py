@@ -115,8 +115,9 @@ class FactorizedLayer(nn.Module):
         return (self.rank if rank is None else rank) * sum(self.tall_shape)
 
     def tall_matrix(self, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """The weight as the tall 2-D matrix that is factorised."""
-        w = self.kind.matrix(self.layer, (self.layer.weight if weight is None else weight).detach())
+        """The weight as the tall 2-D matrix that is factorised, in float32 (SVD and QR take no
+        bfloat16; the factors go back in the weight's dtype)."""
+        w = self.kind.matrix(self.layer, (self.layer.weight if weight is None else weight).detach()).float()
         return w.T if self.transposed else w
 
     def weight_from_tall(self, tall: torch.Tensor) -> torch.Tensor:
@@ -177,6 +178,7 @@ class FactorizedLayer(nn.Module):
         as a training loop's last `loss` keeps it: autograd caches a leaf's shape in its
         gradient accumulator. The owner swaps the new Parameter into its optimiser.)"""
         old = getattr(self, name)
+        value = value.to(self.layer.weight.dtype)
         if old.shape == value.shape:
             old.data = value
         else:
@@ -208,7 +210,7 @@ class FactorizedLayer(nn.Module):
         record nothing, and their floor falls back to the weight's own energy."""
         if not self.kind.has_rows(self.layer):
             return
-        rows = self.kind.input_rows(self.layer, x.detach())
+        rows = self.kind.input_rows(self.layer, x.detach().float())  # float32, as the tall matrix
         if len(rows) > max_rows:  # an even sample keeps the cost of the floor small
             rows = rows[torch.linspace(0, len(rows) - 1, max_rows).long()]
         self.inputs = rows

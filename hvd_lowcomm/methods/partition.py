@@ -236,12 +236,20 @@ def token_vocabulary(first: nn.Module) -> int | None:
     return getattr(first, "vocab_size", None)
 
 
+def parameter_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype activations take in `module`: its first floating parameter's (bfloat16 weights:
+    bfloat16), float32 without one."""
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+
+
 def _shapes_after_each(modules: list[nn.Module], input_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     """Per-sample shape of the output of each module, from one dry run on two random samples in
     eval mode (BatchNorm1d refuses one sample in training mode); modes are restored."""
     modes = {m: m.training for root in modules for m in root.modules()}
     device = runtime.device_of(p for root in modules for p in root.parameters())
     shapes, x = [], example_input(2, input_shape, token_vocabulary(modules[0])).to(device)
+    if x.is_floating_point():
+        x = x.to(parameter_dtype(modules[0]))
     try:
         with torch.no_grad():
             for module in modules:
@@ -313,7 +321,8 @@ class Layout:
     def receive(self, source: int, rows: int, shape: tuple[int, ...], tag: int, name: str) -> torch.Tensor:
         """Activations (or their gradients) from another partition, on this partition's device."""
         device = runtime.device_of(self.module.parameters())
-        return meter.recv(torch.empty(rows, *shape, device=device), source, name, tag)
+        return meter.recv(torch.empty(rows, *shape, device=device, dtype=parameter_dtype(self.module)), source, name,
+                          tag)
 
     def average_gradients(self) -> None:
         exchange_gradients([(f"partition.grad.{n}", p) for n, p in self.module.named_parameters() if p.requires_grad],

@@ -202,7 +202,9 @@ class _PowerSGDExchange(GradientExchange):
 
     def _exchange(self) -> None:
         state, options = self.powersgd, self.powersgd.options
-        grads = {name: dense_gradient(p) for name, p in self.named_parameters()}
+        # float32 whatever the parameters' dtype: QR takes no bfloat16, and the error buffers must
+        # keep what bfloat16 would round away
+        grads = {name: dense_gradient(p).float() for name, p in self.named_parameters()}
         size = self.group.size if self.group is not None else runtime.size()
         if state.iter < options.start_iter:
             # The plain mean until compression starts, in factor_dtype on the wire too, each
@@ -371,26 +373,27 @@ class _PowerSGDExchange(GradientExchange):
 
     def _assign(self, grads: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
         for name, param in self.named_parameters():
-            param.grad = new[name].reshape(grads[name].shape)
+            param.grad = new[name].reshape(grads[name].shape).to(param.dtype)
 
 
 def PowerSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters: NamedParameters | None = None,
                       compression: Any = None, backward_passes_per_step: int = 1, op: Any = None,
                       gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
                       sparse_as_dense: bool = False, process_set: Any = None, *, state: PowerSGDState | None = None,
-                      group: Group | None = None) -> torch.optim.Optimizer:
+                      group: Group | None = None, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
     """Wrap `optimizer` so step() applies the PowerSGD-compressed mean gradient over the ranks.
 
     Takes `hvd.DistributedOptimizer`'s arguments (hvd_lowcomm.methods.drop_in): compression
     none, or fp16, which sends P, Q and the rest in float16 (factor_dtype float16);
     `state` (a PowerSGDState) holds PowerSGD's own options. Use it like Horovod's
     DistributedOptimizer; `opt.powersgd` is the PowerSGDState (error buffers, Q matrices, step
-    count) to checkpoint.
+    count) to checkpoint. `model`, when given, is where DDP's accumulation flags are read too
+    (`model.require_backward_grad_sync`, `with model.no_sync():`).
     """
     state = state or PowerSGDState()
     arguments = horovod_arguments("PowerSGDOptimizer", compression, backward_passes_per_step, op,
                                   gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set, group,
-                                  compressors=("none", "fp16"),
+                                  compressors=("none", "fp16"), model=model,
                                   why_not_compressed="its own low-rank factors are its compression")
     if arguments.compression == "fp16":
         state.options = replace(state.options, factor_dtype="float16")

@@ -45,7 +45,7 @@ from hvd_lowcomm.config import ConfigError, TrainConfig, make_options, option
 from hvd_lowcomm.registry import register
 from hvd_lowcomm.methods.mp import Partitioned
 from hvd_lowcomm.methods.partition import (CONV_CUT_MEASURED, FORWARD, Layout, PartitionOptions, joined_state_dict,
-                                           partitioned_cost, pipeline_evaluate, pipeline_train_step,
+                                           parameter_dtype, partitioned_cost, pipeline_evaluate, pipeline_train_step,
                                            shallow_partitions, token_vocabulary)
 from hvd_lowcomm.schedule import scheduled_lr
 
@@ -189,10 +189,12 @@ class SIL:
             if self.noise:  # drawn on the host: the same numbers whatever the device
                 noise = torch.randn(inputs.shape, generator=self.generator).to(inputs.device, non_blocking=True)
                 inputs = inputs + self.noise * self.kappa * noise
-        out = self.module(inputs.to(x.device))
+        if inputs is not x:  # codes are float32; the partition may hold bfloat16 weights
+            inputs = inputs.to(x.device, parameter_dtype(self.module))
+        out = self.module(inputs)
         if self.layout.last:
             return task.loss(out, y)
-        return F.mse_loss(self._as_code(out), self.codes_on(k + 1, out.device)[y.to(out.device)])
+        return F.mse_loss(self._as_code(out).float(), self.codes_on(k + 1, out.device)[y.to(out.device)])
 
     def codes_on(self, cut: int, device: torch.device) -> torch.Tensor:
         """The class codes of `cut` on `device` (moved there once)."""
@@ -240,7 +242,7 @@ class SIL:
 
         def observe(out: torch.Tensor, y: torch.Tensor) -> None:
             nonlocal hits, rows
-            out = self._as_code(out)
+            out = self._as_code(out).float()
             codes = self.codes_on(self.layout.index + 1, out.device).flatten(1)
             hits += (torch.cdist(out, codes).argmin(1) == y.to(out.device)).sum().item()
             rows += len(y)

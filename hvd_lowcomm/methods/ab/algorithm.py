@@ -556,7 +556,7 @@ def _ortho_sigma(model: nn.Module) -> None:
         for module in model.modules():
             if kind_of(module) is not None:
                 w = module.weight
-                matrix = w.reshape(w.shape[0], -1)
+                matrix = w.reshape(w.shape[0], -1).float()  # (SVD takes no bfloat16)
                 u, _, vh = torch.linalg.svd(matrix, full_matrices=False)
                 w.copy_((u @ vh).reshape(w.shape))
 

@@ -22,6 +22,17 @@ numbers, and every rank forms the pooled gradient [Δ_1; ...; Δ_p]ᵀ [A_1; ...
   rows, or by structured power iteration); each rank sends its own k rows (Horovod's allgather
   takes a different count from each rank). Bias gradients, which factors do not carry, are
   allreduced. The k each layer keeps is its "effective rank".
+- Every rank runs the same collectives whatever its batch did: the plan covers every layer
+  used on any rank at the first step, and a rank on which a planned layer did not run (a branch
+  taken on some ranks only) shares one zero row for it. A forward whose output never received
+  a gradient (non-reentrant activation checkpointing's recomputation, an output the loss did
+  not use) adds no rows, as it adds nothing to the gradient.
+- Accumulation: an exchange adds the pooled gradient of the passes since the last one to what
+  `.grad` held, as autograd does; the local gradient of a weight formed from rows never enters
+  `.grad` (it does not require one, or a hook diverts it), so that `.grad` only ever holds
+  pooled numbers and micro-batches exchanged one by one add up to the pooled batch's gradient.
+- Rows, factors and sums are float32 whatever the parameters' dtype (bfloat16 weights
+  included); the gradients are written back in the parameter's dtype.
 - edAD shares every layer's activations but only the output layer's deltas; each rank
   recomputes the hidden deltas from the known weights and activation derivatives. It is exact,
   and therefore allowed, only for nn.Sequential MLPs of Linear layers and element-wise
@@ -56,9 +67,19 @@ from hvd_lowcomm.models.layer_kinds import kind_of
 
 @dataclass
 class _Capture:
-    acts: list[torch.Tensor] = field(default_factory=list)
-    deltas: dict[int, torch.Tensor] = field(default_factory=dict)  # by the index of their activation
+    """One layer's uses since the last exchange, each numbered in forward order: its input
+    activations, the delta its output received, and the model forward it was part of."""
+
+    acts: dict[int, torch.Tensor] = field(default_factory=dict)
+    deltas: dict[int, torch.Tensor] = field(default_factory=dict)
+    forward_of: dict[int, int] = field(default_factory=dict)
+    uses: int = 0
     input_requires_grad: bool = False  # the output's gradient flows without the weight's
+
+    def drop_completed(self) -> None:
+        """Forget the uses whose delta came (their backward pass ended); keep the pending ones."""
+        for use in list(self.deltas):
+            del self.acts[use], self.forward_of[use], self.deltas[use]
 
 
 class _DadExchange(GradientExchange):
@@ -78,9 +99,12 @@ class _DadExchange(GradientExchange):
         # reference) keeps them, and its passes must not count as this model's.
         for name, module in self._layers.items():
             module.register_forward_hook(self._capture_hook(name, module))
-        # Samples of this rank's batch: every forward pass of the model counts its batch once
-        # (micro-batches add up; a layer used twice in one pass does not count twice).
-        self._samples: list[int] = []
+        # Samples of this rank's batch: every forward pass of the model whose outputs received a
+        # gradient counts its batch once (micro-batches add up; a layer used twice in one pass
+        # does not count twice; a forward no backward pass followed does not count).
+        self._samples: dict[int, int] = {}    # model forward -> its batch size
+        self._backed: set[int] = set()        # model forwards a delta came back to
+        self._forwards = 0
         model.register_forward_pre_hook(
             lambda module, inputs, kwargs: self._count_samples(inputs, kwargs) if module is model else None,
             with_kwargs=True)
@@ -90,58 +114,105 @@ class _DadExchange(GradientExchange):
         self.frozen: set[str] = set()  # layers whose weight the user froze (seen at the plan)
         self.effective_ranks: dict[str, list[int]] = {name: [] for name in self._layers}
         self.generator = torch.Generator().manual_seed(seed)  # rank-dAD's random starts
+        # Parameters whose .grad holds only what exchanges wrote (from the first exchange on): the
+        # layers' row-formed weights and biases; autograd's local gradient of those that still
+        # require one is diverted into `_local_gradients` instead of being added to .grad.
+        self._pooled_only: set[nn.Parameter] = set()
+        self._local_gradients: dict[nn.Parameter, torch.Tensor] = {}
 
     def _count_samples(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         # The first tensor argument: model(x), or model(input_ids=x, labels=x) as HF users call it.
         first = next((v for v in (*inputs, *kwargs.values()) if torch.is_tensor(v)), None)
         if torch.is_grad_enabled() and first is not None:
-            self._samples.append(first.shape[0])
+            self._forwards += 1
+            self._samples[self._forwards] = first.shape[0]
 
     def _capture_hook(self, name: str, layer: nn.Module):
         capture = self._captured[name]
 
         def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
             if module is layer and torch.is_grad_enabled() and output.requires_grad:
-                index = len(capture.acts)
-                capture.acts.append(inputs[0].detach())
+                use = capture.uses = capture.uses + 1
+                capture.acts[use] = inputs[0].detach()
+                capture.forward_of[use] = self._forwards
                 capture.input_requires_grad = inputs[0].requires_grad
                 # Deltas arrive in backward order: reversed within one backward pass (a layer
-                # used twice), in order across several (micro-batches); the index pairs them.
-                output.register_hook(lambda grad: self._delta_arrived(capture, index, grad))
+                # used twice), in order across several (micro-batches); the use pairs them.
+                output.register_hook(lambda grad: self._delta_arrived(capture, use, grad))
         return hook
 
-    def _delta_arrived(self, capture: _Capture, index: int, grad: torch.Tensor) -> None:
-        capture.deltas[index] = grad.detach()
+    def _delta_arrived(self, capture: _Capture, use: int, grad: torch.Tensor) -> None:
+        if use in capture.acts:  # (else an exchange between its forward and now dropped it)
+            capture.deltas[use] = grad.detach()
+            self._backed.add(capture.forward_of[use])
         self._backward_running()  # (a weight whose gradient rows form fires no gradient hook)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._clear_captures()
+        """Discard the passes whose backward ended, as their gradients are; a forward whose
+        backward is still to come (forward, zero_grad, backward) keeps its captures."""
+        for capture in self._captured.values():
+            capture.drop_completed()
+        self._samples = {f: n for f, n in self._samples.items() if f not in self._backed}
+        self._backed.clear()
+        self._local_gradients.clear()
         super().zero_grad(set_to_none)
 
     def _clear_captures(self) -> None:
         self._samples.clear()
+        self._backed.clear()
+        self._local_gradients.clear()
         for capture in self._captured.values():
             capture.acts.clear()
             capture.deltas.clear()
+            capture.forward_of.clear()
+
+    def _divert_local_gradient(self, param: nn.Parameter) -> None:
+        """From now on autograd's local gradient of `param` goes to `local_weight_gradient`,
+        not into .grad (which then holds only the pooled gradients exchanges write)."""
+        def divert(grad: torch.Tensor) -> torch.Tensor:
+            kept = self._local_gradients.get(param)
+            self._local_gradients[param] = grad.detach().clone() if kept is None else kept + grad.detach()
+            return torch.zeros_like(grad)
+        param.register_hook(divert)
+
+    def local_weight_gradient(self, module: nn.Module) -> torch.Tensor:
+        """This rank's local gradient of the layer's weight since the last exchange (zeros if
+        the layer did not run here)."""
+        weight = module.weight
+        local = self._local_gradients.get(weight) if weight in self._pooled_only else weight.grad
+        return torch.zeros_like(weight) if local is None else local
+
+    def set_pooled_gradient(self, param: nn.Parameter, pooled: torch.Tensor) -> None:
+        """Add `pooled` (float32) to what earlier exchanges of this step left in .grad, in the
+        parameter's dtype."""
+        earlier = param.grad if param in self._pooled_only else None
+        pooled = pooled.reshape(param.shape)
+        param.grad = (pooled if earlier is None else earlier.float() + pooled).to(param.dtype)
 
     # -- the exchange --------------------------------------------------------------------------
     def _exchange(self) -> None:
         """Replace every local gradient by the pooled batch's, sharing rows where planned."""
-        used = [n for n, c in self._captured.items() if c.acts]
-        if not used and not self._samples:
+        ran = [n for n, c in self._captured.items() if c.acts]
+        if not ran and not self._samples:
             raise RuntimeError("dAD optimizer: no forward pass with gradients was seen before step()")
-        local_batch = sum(self._samples) or self._captured[used[0]].acts[0].shape[0]
+        if not self._backward_passes and not self._end_queued and not any(c.deltas for c in self._captured.values()):
+            raise RuntimeError("dAD optimizer: a forward pass ran but no backward pass; call backward() before step()")
+        backed = [n for f, n in self._samples.items() if f in self._backed]
+        local_batch = sum(backed) or sum(self._samples.values()) or \
+            next(iter(self._captured[ran[0]].acts.values())).shape[0]
         # The pooled gradient Σ_s (N_s/N) g_s is formed as (1/N) Σ_s N_s g_s: every rank scales
         # its deltas and gradients by its own N_s, and N = Σ N_s travels in the exchange itself,
         # so the step needs no collective round of its own to agree on N.
         scale = float(local_batch)
         first_step = not self.planned
-        if first_step:  # every layer's rows, to plan from their shapes and the pooled batch
-            p = self.group_size()
+        if first_step:  # every layer's rows on all ranks, to plan from their shapes and counts
+            names = list(self._layers)
             with meter.in_phase("setup"):  # once per run (and again after a resume): not a step's traffic
-                (total_batch,) = meter.allreduce_ints([local_batch], "dad.plan_batch_size", self.group)
-            self._make_plan({n: self.local_rows(n, scale) for n in used}, local_batch, total_batch, p)
-        shared_layers = [n for n in used if self.plan[n].choice == "dad"]
+                total_batch, *total_rows = meter.allreduce_ints(
+                    [local_batch, *(self.local_row_count(n) for n in names)], "dad.plan_rows", self.group)
+            self._make_plan(dict(zip(names, total_rows)), self.group_size())
+        # The same layers on every rank (the plan's), whether or not they ran here this step.
+        shared_layers = [n for n, lp in self.plan.items() if lp.choice == "dad"]
         if first_step:
             self._stop_unused_weight_gradients(shared_layers)
         # Rows only where they are shared: a conv layer's im2col rows cost more than its
@@ -154,16 +225,32 @@ class _DadExchange(GradientExchange):
             covered -= {id(self._layers[n].bias) for n in shared_layers if self._layers[n].bias is not None}
         others = [p for group in self.param_groups for p in group["params"]
                   if id(p) not in covered and p.requires_grad]
+        # Summed in float32 (also for bfloat16 parameters), written back in the parameter's dtype.
         reduced = [(f"allreduce.{self._names.get(p, id(p))}",
-                    dense_gradient(p) * scale) for p in others]
+                    dense_gradient(p).float() * scale) for p in others]
         reduced.append(("dad.batch_size", torch.tensor([scale])))
 
         gathered, summed = meter.gather_and_reduce(shared, reduced, self.group, op="sum")
         total_batch = float(summed[-1])
         self.sharing.apply(self, dict(zip([n for n, _ in shared], gathered)), shared_layers, total_batch)
         for param, value in zip(others, summed):
-            param.grad = value / total_batch
+            param.grad = (value / total_batch).to(param.dtype)
+        if first_step:
+            self._keep_local_gradients_out_of_grad(shared_layers)
         self._clear_captures()
+
+    def _keep_local_gradients_out_of_grad(self, shared_layers: list[str]) -> None:
+        """After the first exchange: the gradients of the shared layers' weights and biases
+        the sharing writes hold only pooled numbers; autograd's local ones are diverted."""
+        for name in shared_layers:
+            module = self._layers[name]
+            written = [module.weight] + ([module.bias] if module.bias is not None and
+                                         (self.sharing.carries_bias or self.sharing.shares_every_layer) else [])
+            for param in written:
+                if param.requires_grad and name not in self.frozen:
+                    self._divert_local_gradient(param)
+                if name not in self.frozen or param is not module.weight:
+                    self._pooled_only.add(param)
 
     def _stop_unused_weight_gradients(self, shared_layers: list[str]) -> None:
         """Autograd's local gradient of a weight whose pooled gradient is formed from rows is
@@ -179,15 +266,20 @@ class _DadExchange(GradientExchange):
                 module.weight.requires_grad_(False)
 
     def local_rows(self, name: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's [activations, deltas × scale] rows of layer `name`."""
+        """This rank's [activations, deltas × scale] rows of layer `name`: one zero row where it
+        did not run with a gradient here (every rank must send the same tensors)."""
         module, capture = self._layers[name], self._captured[name]
-        if len(capture.deltas) != len(capture.acts):
-            raise RuntimeError(f"dAD: layer {name} ran forward {len(capture.acts)} times but got "
-                               f"{len(capture.deltas)} deltas; call backward() before step()")
-        # fp32 rows whatever autocast computed in (train.amp): gradients and the wire stay fp32.
-        acts = torch.cat([activation_rows(module, a.float()) for a in capture.acts])
-        # Hooks fire in backward order; reversing restores forward order for repeated uses.
-        deltas = torch.cat([delta_rows(module, capture.deltas[i].float()) for i in range(len(capture.acts))]) * scale
+        # A use whose output got no delta adds nothing: a forward that non-reentrant
+        # checkpointing recomputed (the gradient reached the first), or an output the loss
+        # did not use. Deltas are keyed by their forward's index: the pairs keep forward order.
+        uses = sorted(capture.deltas)
+        if not uses:
+            d_in, d_out = fan_in_out(module)
+            return module.weight.new_zeros(1, d_in, dtype=torch.float32), module.weight.new_zeros(
+                1, d_out, dtype=torch.float32)
+        # fp32 rows whatever autocast or the parameters computed in: gradients and the wire stay fp32.
+        acts = torch.cat([activation_rows(module, capture.acts[i].float()) for i in uses])
+        deltas = torch.cat([delta_rows(module, capture.deltas[i].float()) for i in uses]) * scale
         return acts, deltas
 
     def local_row_count(self, name: str) -> int:
@@ -198,12 +290,14 @@ class _DadExchange(GradientExchange):
     def layer(self, name: str) -> nn.Module:
         return self._layers[name]
 
-    def _make_plan(self, rows: dict[str, tuple[torch.Tensor, torch.Tensor]], local_batch: int,
-                   total_batch: int, world_size: int) -> None:
-        for name, (acts, _) in rows.items():
+    def _make_plan(self, total_rows: dict[str, int], world_size: int) -> None:
+        """A plan for every layer that ran with a gradient on any rank (`total_rows`: its rows
+        over all ranks this step), the same on every rank."""
+        for name, rows in total_rows.items():
+            if not rows:
+                continue
             module = self._layers[name]
-            positions = acts.shape[0] // local_batch
-            shared_rows, extra = self.sharing.planned_rows(module, positions, total_batch, world_size)
+            shared_rows, extra = self.sharing.planned_rows(module, rows, world_size)
             self.plan[name] = plan_layer(name, module, shared_rows, world_size, extra, force=self._force_all,
                                          half_rows=self.sharing.half_rows(world_size))
             if not module.weight.requires_grad:  # frozen by the user: no gradient to form for it
@@ -225,9 +319,9 @@ class _DadExchange(GradientExchange):
         module = self._layers[name]
         d_in, _ = fan_in_out(module)
         acts, deltas = pooled[:, :d_in], pooled[:, d_in:] / total_batch
-        module.weight.grad = kind_of(module).from_matrix(module, deltas.T @ acts)
+        self.set_pooled_gradient(module.weight, kind_of(module).from_matrix(module, deltas.T @ acts))
         if with_bias and module.bias is not None and module.bias.requires_grad:
-            module.bias.grad = deltas.sum(dim=0)
+            self.set_pooled_gradient(module.bias, deltas.sum(dim=0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,9 +338,10 @@ class _Sharing:
     shares_every_layer = False  # share every supported layer whatever the plan's cost rule says
     carries_bias = True         # the shared rows give the bias gradient too
 
-    def planned_rows(self, module: nn.Module, positions: int, total_batch: int, world_size: int) -> tuple[int, int]:
-        """Rows all ranks share per step for this layer, and numbers still allreduced beside them."""
-        return positions * total_batch, 0
+    def planned_rows(self, module: nn.Module, rows: int, world_size: int) -> tuple[int, int]:
+        """Rows all ranks share per step for this layer (`rows`: its rows over all ranks at the
+        first step), and numbers still allreduced beside them."""
+        return rows, 0
 
     def needs_rows(self, exchange: _DadExchange, name: str) -> bool:
         return True
@@ -311,7 +406,7 @@ class FactorRows(_Sharing):
         self.errors: dict[str, torch.Tensor] = {}  # error feedback: what the factors left out
         self.errors_before: dict[str, torch.Tensor] = {}  # the errors before this step's exchange
 
-    def planned_rows(self, module: nn.Module, positions: int, total_batch: int, world_size: int) -> tuple[int, int]:
+    def planned_rows(self, module: nn.Module, rows: int, world_size: int) -> tuple[int, int]:
         return world_size * planned_rank(self.options), module.bias.numel() if module.bias is not None else 0
 
     def iterated_rank(self, name: str) -> int:
@@ -327,7 +422,7 @@ class FactorRows(_Sharing):
         module = exchange.layer(name)
         d_in, d_out = fan_in_out(module)
         way = cheapest_way(exchange.local_row_count(name), d_in, d_out, self.iterated_rank(name), self.iterations)
-        return (way == "gradient" or self.error_feedback) and module.weight.grad is not None
+        return (way == "gradient" or self.error_feedback) and module.weight.requires_grad
 
     def needs_rows(self, exchange: _DadExchange, name: str) -> bool:
         return not self.from_gradient(exchange, name)
@@ -342,7 +437,7 @@ class FactorRows(_Sharing):
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's k factor rows [σ_i b_i | c_i] of layer `name`'s local gradient as they go on
         the wire: float16 with a float32 (k × 2) of their scales, else float32 and None."""
-        local = rows[name] if name in rows else (exchange.layer(name).weight.grad,)
+        local = rows[name] if name in rows else (exchange.local_weight_gradient(exchange.layer(name)),)
         if not all(bool(torch.isfinite(t).all()) for t in local):  # (a GradScaler's overflow)
             return self.non_finite_row(exchange, name)
         iterate = (self.iterated_rank(name), self.iterations, self.tol, exchange.generator)
@@ -352,7 +447,7 @@ class FactorRows(_Sharing):
                 energy = float(b_rows.pow(2).sum()) + missed_energy(*rows[name], (b_rows, c_rows), exchange.generator)
         else:
             module = exchange.layer(name)  # its weight's gradient is Σ Δᵀ A over this rank's rows: Gᵀ
-            gradient = kind_of(module).matrix(module, module.weight.grad).T * scale
+            gradient = kind_of(module).matrix(module, exchange.local_weight_gradient(module).float()).T * scale
             if self.error_feedback and name in self.errors:
                 gradient += self.errors[name] * scale
             b_rows, c_rows = gradient_power_iteration(gradient, *iterate)
@@ -438,12 +533,12 @@ class RecomputedDeltas(_Sharing):
             name, module = names[index], exchange.layer(names[index])
             acts = results[f"edad.acts.{name}"]
             if name not in exchange.frozen:
-                module.weight.grad = delta.T @ acts
+                exchange.set_pooled_gradient(module.weight, delta.T @ acts)
             if module.bias is not None and module.bias.requires_grad:
-                module.bias.grad = delta.sum(dim=0)
+                exchange.set_pooled_gradient(module.bias, delta.sum(dim=0))
             if index:
                 derivative = self.chain[index - 1][1]
-                delta = (delta @ module.weight.detach()) * derivative(acts)
+                delta = (delta @ module.weight.detach().float()) * derivative(acts)
 
 
 def check_dad_model(model: nn.Module, edad: bool) -> None:
@@ -525,7 +620,7 @@ def DadOptimizer(optimizer: torch.optim.Optimizer, named_parameters: NamedParame
     rank_dad = make_options(RankDadOptions, "rank-dad", options, plan=plan, **rank_options)
     arguments = horovod_arguments(
         "DadOptimizer", compression, backward_passes_per_step, op, gradient_predivide_factor, num_groups, groups,
-        sparse_as_dense, process_set, group, compressors=("none", "fp16") if mode == "rank" else ("none",),
+        sparse_as_dense, process_set, group, model=model, compressors=("none", "fp16") if mode == "rank" else ("none",),
         why_not_compressed="its rows are exact (float32); use mode='rank', whose factor rows travel in float16, "
                            "or DistributedOptimizer with compression=fp16" if mode != "rank" else
                            "its own factor rows are its compression")

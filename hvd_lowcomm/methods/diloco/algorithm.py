@@ -184,8 +184,10 @@ class DiLoCo:
 
     # -- the outer step ------------------------------------------------------------------------
     def _flat(self, params: list[tuple[str, nn.Parameter]]) -> torch.Tensor:
-        """A fragment's parameters as one vector, padded with zeros to a whole number of slices."""
-        flat = torch.cat([p.detach().reshape(-1) for _, p in params])
+        """A fragment's parameters as one float32 vector (the outer state is float32 whatever the
+        parameters' dtype: bfloat16 would round away most of a pseudo-gradient), padded with
+        zeros to a whole number of slices."""
+        flat = torch.cat([p.detach().reshape(-1).float() for _, p in params])
         length = shard_length(len(flat), self.group.size) * self.group.size
         return torch.cat([flat, flat.new_zeros(length - len(flat))])
 
