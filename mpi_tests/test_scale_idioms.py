@@ -247,6 +247,48 @@ def test_a_layer_used_on_some_ranks_only_neither_hangs_nor_makes_ranks_differ(wo
     assert_close_to(model, pooled(unused=True, steps=4), *TOLERANCE[wrapper])
 
 
+class Branchy(nn.Module):
+    """An MLP with a branch taken only where `take` is set (a router's choice, per rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.branch, self.head = nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+        self.take = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.body(x))
+        return self.head(h + torch.relu(self.branch(h)) if self.take else h)
+
+
+@pytest.mark.parametrize("trainer", ["ab", "diloco"])
+def test_a_branch_some_ranks_skip_trains_through_ab_and_diloco_and_ranks_agree(world, trainer):
+    torch.manual_seed(0)
+    model = Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    groups = min(2, SIZE)
+    if trainer == "ab":
+        owner = hl.ABTraining(model, opt, total_steps=8, groups=groups, sync_mode="only-b", warmup=2,
+                              sync_every=3, full_rank_steps=1)
+    else:
+        owner = hl.DiLoCo(model, opt, total_steps=8, groups=groups, sync_every=2)
+    g = torch.Generator().manual_seed(9)
+    for step in range(8):
+        x = torch.randn(SIZE, 8, 6, generator=g)[runtime.rank()]
+        y = torch.randint(0, 3, (SIZE, 8), generator=g)[runtime.rank()]
+        model.take = uses_aux(step, runtime.rank(), unused=True)
+        if trainer == "ab":
+            with owner.step(x, y):
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+        else:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            owner.step()
+    full = owner.full_model()
+    assert all(torch.isfinite(p).all() for p in full.parameters())
+    same_on_every_rank(full)
+
+
 UNUSED_ON_ONE_RANK = textwrap.dedent("""
     import sys
     import torch, torch.nn as nn, torch.nn.functional as F
