@@ -1,6 +1,7 @@
 # hvd_lowcomm: each target is one script or command; see README.rst.
 PY      ?= .venv/bin/python
 NP      ?= 2
+ENGINE  ?= horovod
 # --allow-run-as-root: containers and CI run as root; --oversubscribe: more ranks than cores.
 MPIRUN  ?= mpirun --allow-run-as-root --oversubscribe
 # The MPI suites run under mpirun on CPU processes; a failing rank aborts its job (see
@@ -14,8 +15,9 @@ STAMP   := .venv/.installed
 
 .PHONY: install demo test test-unit test-1 test-2 test-4 test-8 test-cluster examples docs clean gpu-check vendor
 
+# ENGINE=torch: no Horovod build (the torch engine, torch.distributed, needs none).
 install:          ## MPI (if missing), .venv, torch, the package, horovod (cached wheel)
-	bash scripts/install.sh
+	ENGINE=$(ENGINE) bash scripts/install.sh
 	touch $(STAMP)
 
 $(STAMP): setup.cfg scripts/install.sh

@@ -1,7 +1,7 @@
 """hvd_lowcomm: low-communication training on MPI clusters, in Horovod's idiom.
 
     import hvd_lowcomm
-    hvd_lowcomm.init()                                    # MPI + Horovod, instead of hvd.init()
+    hvd_lowcomm.init()                                    # MPI + Horovod (or engine="torch"), for hvd.init()
     opt = hvd_lowcomm.PowerSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                         named_parameters=model.named_parameters())  # Horovod's arguments
     ...
@@ -18,7 +18,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "init": "hvd_lowcomm.comm.runtime",                 # start MPI + Horovod (dynamic process sets)
+    "init": "hvd_lowcomm.comm.runtime",                 # start MPI and the engine (Horovod or torch)
     "rank": "hvd_lowcomm.comm.runtime",                 # this process's global rank
     "size": "hvd_lowcomm.comm.runtime",                 # the number of ranks
     "DistributedOptimizer": "hvd_lowcomm.methods.ddp",  # Horovod's, metered (fp32 / fp16)

@@ -180,6 +180,9 @@ class CommConfig:
 
     compression: str = option("none", "gradient compression on the wire for ddp (refused for other methods)",
                                choices=("none", "fp16"))
+    engine: str = option("auto", "what moves the tensors: horovod, torch (torch.distributed: Gloo on CPUs, NCCL on "
+                                 "GPUs; needs no Horovod) or auto (HVD_LOWCOMM_ENGINE where set, else Horovod where "
+                                 "it is installed, else torch)", choices=("auto", "horovod", "torch"))
 
 
 @dataclass

@@ -63,7 +63,8 @@ def train(cfg: Config, method: Method, info: data.DatasetInfo, model: torch.nn.M
     test_batches = method.batches(splits["test"], cfg.data.test_batch_size, False, device)
     epochs = method.epochs()
     shards = f", {len(info.files)} shard files" if len(info.files) > 1 else ""
-    log.print(f"hvd_lowcomm: method {cfg.method} on {world.size} rank(s) ({device.type}, "
+    log.print(f"hvd_lowcomm: method {cfg.method} on {world.size} rank(s) ({device.type}, engine "
+              f"{runtime.engine_line()}, "
               f"{torch.get_num_threads()} compute thread(s) each); model "
               f"{cfg.model.name} ({parameters:,} parameters); data {info.path} "
               f"({info.num_train} train / {info.num_test} test {_samples(info)}{shards}); "
@@ -302,6 +303,7 @@ def summarize(cfg: Config, method: Method, state: TrainState, elapsed: float, pa
         # what links carry once training starts (setup's broadcasts are done): training, evaluation, control
         "wire_bytes_all_ranks_after_setup": per_rank["after_setup"].sum().item(),
         "between_nodes_bytes_all_ranks_after_setup": per_rank["between_nodes_after_setup"].sum().item(),
+        "engine": runtime.engine_line(),
         "process_sets": [list(ranks) for ranks in runtime.process_sets()],
         "peak_rss_bytes_max_rank": peak_rss_max,
         "peak_rss_bytes_per_rank": [int(v) for v in per_rank["peak_rss"].tolist()],
@@ -316,7 +318,7 @@ def summarize(cfg: Config, method: Method, state: TrainState, elapsed: float, pa
                         "tokens_per_step_per_rank": cfg.data.batch_size * info.input_shape[0]})
     extra = {**method.summary_metrics(), **notes}
     summary.update(extra)
-    rows = [("method", f"{cfg.method} on {runtime.size()} rank(s)"),
+    rows = [("method", f"{cfg.method} on {runtime.size()} rank(s), engine {runtime.engine().name}"),
             ("test accuracy", f"{100 * last['test_acc']:.2f}% (best {100 * best_acc:.2f}%)")
             if info.task != task.LANGUAGE_MODEL else
             ("validation", f"{_quality(last)}, next-token accuracy {100 * last['test_acc']:.2f}%; "

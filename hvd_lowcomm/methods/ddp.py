@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from hvd_lowcomm.comm.runtime import Group
-from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
+from hvd_lowcomm.comm.traffic import FLOAT_BYTES, FP16Compression, NoCompression, meter
 from hvd_lowcomm.config import Config
 from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, RunAssumptions, sent_bytes
 from hvd_lowcomm.registry import register, register_variant
@@ -45,22 +45,25 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Nam
 
 
 class _AllreduceExchange(GradientExchange):
-    """Mixed into the user's optimizer class by DistributedOptimizer: Horovod's allreduce of
-    every gradient, started from the gradient hooks of the backward pass that exchanges."""
+    """Mixed into the user's optimizer class by DistributedOptimizer: an allreduce of every
+    gradient, started from the gradient hooks of the backward pass that exchanges. Fusion groups
+    start in one order on every rank (the reverse of the parameters', as backward produces them;
+    DDP's bucket order): torch.distributed pairs collectives by their order, not by name as
+    Horovod does, and a parameter one rank did not use must not make the ranks' orders differ."""
 
-    sums_natively = True  # op=Sum goes to Horovod itself
+    sums_natively = True  # op=Sum goes to the engine itself
 
     def __init__(self, params: Any, named_parameters: NamedParameters | None, arguments: HorovodArguments) -> None:
         super().__init__(params)
-        import horovod.torch as hvd
-
-        self._compressor = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}.get(
-            arguments.compression, arguments.compression)
+        self._compressor = {"none": NoCompression, "fp16": FP16Compression}.get(arguments.compression,
+                                                                               arguments.compression)
         self._predivide = arguments.gradient_predivide_factor
         self._fusion_of: dict[torch.nn.Parameter, int] = {}  # parameter -> its fusion group (Horovod's groups)
         self._set_up_exchange(arguments, named_parameters, "DistributedOptimizer")
         self._fusions = self._fusion_groups(arguments.groups)
         self._ready: dict[int, list[torch.nn.Parameter]] = {}   # fusion group -> its gradients ready so far
+        self._complete: set[int] = set()  # fusion groups whose every gradient is ready, not yet started
+        self._started = 0                 # fusion groups started this pass, in start order
         self._pending: dict[int, tuple[list[torch.nn.Parameter], Any, list[Any]]] = {}  # started allreduces
 
     def _fusion_groups(self, groups: Any) -> list[list[torch.nn.Parameter]]:
@@ -87,8 +90,14 @@ class _AllreduceExchange(GradientExchange):
         if index in self._pending or any(p is param for p in ready):  # started already: one allreduce per step
             return
         ready.append(param)
-        if len(ready) == len(self._fusions[index]):  # start it while backward goes on
-            self._start(index)
+        if len(ready) == len(self._fusions[index]):  # start it (and what waited for it) while backward goes on
+            self._complete.add(index)
+            order = self._start_order()
+            while self._started < len(order) and order[self._started] in self._complete:
+                self._start(order[self._started])
+
+    def _start_order(self) -> list[int]:
+        return list(range(len(self._fusions) - 1, -1, -1))
 
     def _start(self, index: int) -> None:
         params = self._fusions[index]
@@ -101,19 +110,23 @@ class _AllreduceExchange(GradientExchange):
                                        prescale=1.0 / self._predivide, postscale=self._predivide)
         self._pending[index] = (params, handle, contexts)
         self._ready.pop(index, None)
+        self._complete.discard(index)
+        self._started += 1
 
     def _exchange(self) -> None:
         for _, p in self.named_parameters():  # added by add_param_group after the wrap
             if p not in self._fusion_of:
                 self._fusion_of[p] = len(self._fusions)
                 self._fusions.append([p])
-        for index in range(len(self._fusions)):
-            if index not in self._pending:  # not produced by this backward pass (unused, or set by hand)
-                self._start(index)
+        for index in self._start_order()[self._started:]:  # the rest, unused ones (or set by hand) included
+            self._start(index)
         for params, handle, contexts in self._pending.values():
             for p, out, ctx in zip(params, meter.finish_allreduce(handle), contexts):
                 p.grad = self._compressor.decompress(out, ctx).view_as(p)
         self._pending.clear()
+        self._ready.clear()
+        self._complete.clear()
+        self._started = 0
 
 
 def predict_ddp(profile: Profile, world_size: int, link: Link, options: None, cfg: Config,

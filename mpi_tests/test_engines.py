@@ -1,0 +1,99 @@
+"""The two engines under the traffic meter: the same seeded job on Horovod and on
+torch.distributed gives the same models and the meter the same bytes, method by method."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import SIZE, clean_env, mpirun
+
+JOB = textwrap.dedent("""
+    import json, sys
+    import torch, torch.nn as nn, torch.nn.functional as F
+    import hvd_lowcomm as hl
+    from hvd_lowcomm.comm import runtime
+    from hvd_lowcomm.methods.powersgd import PowerSGDState
+    hl.init(engine=sys.argv[1])
+    rank, size = hl.rank(), hl.size()
+    report = {"engine": runtime.engine().name}
+    for name in sys.argv[2:]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+        named, owner = model.named_parameters(), None
+        if name in ("ddp", "ddp-fp16"):
+            opt = hl.DistributedOptimizer(opt, named, compression="fp16" if name == "ddp-fp16" else "none")
+        elif name == "powersgd":
+            opt = hl.PowerSGDOptimizer(opt, named, state=PowerSGDState(start_iter=2, min_compression_rate=0.5))
+        elif name in ("dad", "rank-dad"):
+            opt = hl.DadOptimizer(opt, named, model=model, mode="exact" if name == "dad" else "rank", plan="all")
+        elif name == "diloco":
+            owner = hl.DiLoCo(model, opt, total_steps=6, groups=2, sync_every=2)
+        elif name == "ab":
+            owner = hl.ABTraining(model, opt, total_steps=6, groups=2, sync_mode="only-b", warmup=2, sync_every=2,
+                                  full_rank_steps=1)
+        hl.meter.reset()
+        g = torch.Generator().manual_seed(9)
+        for _ in range(6):
+            x = torch.randn(size, 8, 6, generator=g)[rank]
+            y = torch.randint(0, 3, (size, 8), generator=g)[rank]
+            if name == "ab":
+                with owner.step(x, y):
+                    opt.zero_grad()
+                    F.cross_entropy(model(x), y).backward()
+                continue
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            if owner is not None:
+                owner.step()
+        final = owner.full_model() if owner is not None else model
+        report[name] = {"parameters": torch.cat([p.detach().reshape(-1) for p in final.parameters()]).tolist(),
+                        "bytes": {f"{phase}/{op}/{group}": [t.payload_bytes, t.wire_bytes]
+                                  for (phase, op, group), t in sorted(hl.meter.by_kind.items())}}
+    if rank == 0:
+        print("REPORT " + json.dumps(report), flush=True)
+""")
+METHODS = ["ddp", "ddp-fp16", "powersgd", "dad", "rank-dad", "diloco", "ab"]
+
+
+def run_job(tmp_path, engine: str) -> dict:
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    env = {k: v for k, v in clean_env().items() if k != "HVD_LOWCOMM_ENGINE"}
+    done = subprocess.run(mpirun(2, sys.executable, str(script), engine, *METHODS), env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    line = next(line for line in done.stdout.splitlines() if line.startswith("REPORT "))
+    return json.loads(line[len("REPORT "):])
+
+
+@pytest.mark.skipif(SIZE > 1, reason="launches jobs of its own")
+def test_every_method_trains_alike_on_both_engines_and_the_meter_counts_the_same_bytes(tmp_path):
+    import torch
+
+    horovod, torch_engine = run_job(tmp_path, "horovod"), run_job(tmp_path, "torch")
+    assert (horovod["engine"], torch_engine["engine"]) == ("horovod", "torch")
+    for name in METHODS:
+        assert horovod[name]["bytes"] == torch_engine[name]["bytes"], name
+        a, b = (torch.tensor(report[name]["parameters"]) for report in (horovod, torch_engine))
+        # Sums of two ranks' numbers are the same whichever library adds them; what may differ
+        # is float32 rounding in the order of fused buffers.
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_the_engine_is_said_and_cannot_change_after_init(world):
+    from hvd_lowcomm.comm import runtime
+    from hvd_lowcomm.config import ConfigError
+
+    other = "torch" if runtime.engine().name == "horovod" else "horovod"
+    assert runtime.engine_line().startswith(runtime.engine().name)
+    with pytest.raises(ConfigError, match="chosen once per job"):
+        runtime.init(engine=other)
+    if os.environ.get("HVD_LOWCOMM_ENGINE") in ("horovod", "torch"):  # the suites' way to pick one
+        assert runtime.engine().name == os.environ["HVD_LOWCOMM_ENGINE"]
