@@ -13,7 +13,7 @@ PYTEST  = $(MPIRUN) --timeout 1500 -np $(1) $(PY) -m pytest -p no:cacheprovider 
 # (fresh clone, .venv deleted) or older than what the install depends on.
 STAMP   := .venv/.installed
 
-.PHONY: install demo test test-unit test-1 test-2 test-4 test-8 test-cluster examples docs clean gpu-check vendor
+.PHONY: install demo test test-unit test-1 test-2 test-4 test-8 test-2-torch test-cluster examples docs clean gpu-check vendor
 
 # ENGINE=torch: no Horovod build (the torch engine, torch.distributed, needs none).
 install:          ## MPI (if missing), .venv, torch, the package, horovod (cached wheel)
@@ -26,7 +26,7 @@ $(STAMP): setup.cfg scripts/install.sh
 demo: $(STAMP)    ## the embedded default: MLP on handwritten digits, data-parallel on NP ranks
 	$(MPIRUN) -np $(NP) $(PY) -m hvd_lowcomm.train
 
-test: test-unit test-1 test-2 test-4 test-8
+test: test-unit test-1 test-2 test-4 test-8 test-2-torch
 
 # Pure functions under plain pytest, no mpirun: seconds, so it runs first.
 test-unit: $(STAMP)
@@ -38,6 +38,9 @@ test-2: $(STAMP)
 	$(call PYTEST,2)
 test-4: $(STAMP)
 	$(call PYTEST,4)
+# The MPI suites again on the torch engine (torch.distributed over Gloo), at np 2.
+test-2-torch: $(STAMP)
+	HVD_LOWCOMM_ENGINE=torch $(call PYTEST,2)
 # np 8 only for what needs that many ranks (SIL with several ranks per partition).
 test-8: $(STAMP)
 	$(call PYTEST,8) -k at_scale

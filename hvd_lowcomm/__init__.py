@@ -29,6 +29,8 @@ _EXPORTS = {
     "SIL": "hvd_lowcomm.methods.sil",                   # synthetic intermediate labels, per partition
     "DiLoCo": "hvd_lowcomm.methods.diloco",             # local SGD in groups with an outer optimiser
     "meter": "hvd_lowcomm.comm.traffic",                # the traffic meter: bytes per op/tensor
+    "broadcast_parameters": "hvd_lowcomm.methods.base",       # Horovod's, on either engine
+    "broadcast_optimizer_state": "hvd_lowcomm.methods.base",
 }
 __all__ = list(_EXPORTS)
 

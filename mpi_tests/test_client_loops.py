@@ -228,8 +228,10 @@ def test_horovods_example_loop_with_broadcast_after_the_wrap(world, fresh_meter,
     torch.manual_seed(runtime.rank())  # different on each rank until the broadcast
     model = nn.Sequential(nn.Flatten(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 4))
     opt = wrap(wrapper, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5), model)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    # Horovod's own functions on its engine; hvd_lowcomm's, which take the same arguments, on torch's
+    broadcasts = hvd if runtime.engine().name == "horovod" else hl
+    broadcasts.broadcast_parameters(model.state_dict(), root_rank=0)
+    broadcasts.broadcast_optimizer_state(opt, root_rank=0)
     assert fresh_meter.total("train", op="allgather") == 0
     reference = copy.deepcopy(model)
     reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.5)
@@ -400,8 +402,9 @@ def test_a_process_set_averages_inside_it(world):
     group, groups = runtime.split_world(num_groups=min(2, runtime.size()), label="clientset")
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
-    opt = hl.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                                  process_set=group.process_set)
+    # Horovod's process set on its engine; hvd_lowcomm's group (which either engine takes) on torch's
+    where = {"process_set": group.process_set} if runtime.engine().name == "horovod" else {"group": group}
+    opt = hl.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), **where)
     model(torch.full((1, 4), float(runtime.rank()))).sum().backward()
     expected = sum(group.ranks) / group.size
     torch.testing.assert_close(model.weight.grad, torch.full((2, 4), expected))

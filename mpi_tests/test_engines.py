@@ -62,12 +62,22 @@ JOB = textwrap.dedent("""
 METHODS = ["ddp", "ddp-fp16", "powersgd", "dad", "rank-dad", "diloco", "ab"]
 
 
-def run_job(tmp_path, engine: str) -> dict:
+def without_horovod(tmp_path) -> dict[str, str]:
+    """An environment in which `import horovod` fails, as on a site where it is not installed."""
+    blocker = tmp_path / "no-horovod" / "horovod"
+    blocker.mkdir(parents=True, exist_ok=True)
+    (blocker / "__init__.py").write_text("raise ImportError('horovod is not installed here')\n")
+    env = {k: v for k, v in clean_env().items() if k != "HVD_LOWCOMM_ENGINE"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(blocker.parent), env.get("PYTHONPATH")]))
+    return env
+
+
+def run_job(tmp_path, engine: str, env: dict[str, str] | None = None) -> dict:
     script = tmp_path / "job.py"
     script.write_text(JOB)
-    env = {k: v for k, v in clean_env().items() if k != "HVD_LOWCOMM_ENGINE"}
-    done = subprocess.run(mpirun(2, sys.executable, str(script), engine, *METHODS), env=env, capture_output=True,
-                          text=True, timeout=600)
+    env = env or {k: v for k, v in clean_env().items() if k != "HVD_LOWCOMM_ENGINE"}
+    done = subprocess.run(mpirun(2, "-x", "PYTHONPATH", sys.executable, str(script), engine, *METHODS), env=env,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     line = next(line for line in done.stdout.splitlines() if line.startswith("REPORT "))
     return json.loads(line[len("REPORT "):])
@@ -77,7 +87,8 @@ def run_job(tmp_path, engine: str) -> dict:
 def test_every_method_trains_alike_on_both_engines_and_the_meter_counts_the_same_bytes(tmp_path):
     import torch
 
-    horovod, torch_engine = run_job(tmp_path, "horovod"), run_job(tmp_path, "torch")
+    # the torch engine's job on a site without Horovod: the library needs none there
+    horovod, torch_engine = run_job(tmp_path, "horovod"), run_job(tmp_path, "auto", without_horovod(tmp_path))
     assert (horovod["engine"], torch_engine["engine"]) == ("horovod", "torch")
     for name in METHODS:
         assert horovod[name]["bytes"] == torch_engine[name]["bytes"], name
@@ -85,6 +96,18 @@ def test_every_method_trains_alike_on_both_engines_and_the_meter_counts_the_same
         # Sums of two ranks' numbers are the same whichever library adds them; what may differ
         # is float32 rounding in the order of fused buffers.
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.skipif(SIZE > 1, reason="launches jobs of its own")
+@pytest.mark.parametrize("method", ["ddp", "powersgd", "dad", "rank-dad", "ab", "diloco", "sil", "mp"])
+def test_without_horovod_every_method_trains_from_the_command_line(tmp_path, method):
+    done = subprocess.run(mpirun(2, "-x", "PYTHONPATH", sys.executable, "-m", "hvd_lowcomm.train", "--method", method,
+                                 "--train.max_steps", "4", "--train.epochs", "1", "--run.progress", "false",
+                                 "--run.dir", str(tmp_path / "runs"), "--data.path", str(tmp_path / "digits.h5")),
+                          env=without_horovod(tmp_path), capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "engine torch (auto: Horovod is not installed)" in output, output
 
 
 def test_the_engine_is_said_and_cannot_change_after_init(world):

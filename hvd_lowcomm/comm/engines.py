@@ -21,6 +21,9 @@ import socket
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
+
+from hvd_lowcomm.config import ConfigError
 
 ENGINES = ("auto", "horovod", "torch")
 
@@ -33,13 +36,12 @@ class HorovodEngine:
 
         self.hvd = hvd
 
-    def takes(self, device: torch.device) -> bool:
-        """Whether the collectives read tensors on `device` themselves (else: staged on the host)."""
-        from hvd_lowcomm.comm import runtime
-
+    def takes(self, device: torch.device, gpus_shared: bool) -> bool:
+        """Whether the collectives read tensors on `device` themselves (else: staged on the host);
+        `gpus_shared`: ranks of a node share a GPU, which NCCL refuses."""
         if device.type == "cpu":
             return True
-        return device.type == "cuda" and bool(self.hvd.nccl_built()) and not runtime.ranks_share_a_gpu()
+        return device.type == "cuda" and bool(self.hvd.nccl_built()) and not gpus_shared
 
     def why_staged(self) -> str:
         return ("this Horovod was built without GPU operations (hvd.nccl_built() is false); to rebuild it with "
@@ -79,8 +81,6 @@ class TorchEngine:
     name = "torch"
 
     def __init__(self, comm: Any) -> None:
-        import torch.distributed as dist
-
         self.dist = dist
         if not dist.is_initialized():
             rank, size = comm.Get_rank(), comm.Get_size()
@@ -95,12 +95,10 @@ class TorchEngine:
             backend = "cpu:gloo,cuda:nccl" if dist.is_nccl_available() else "gloo"
             dist.init_process_group(backend, store=store, rank=rank, world_size=size)
 
-    def takes(self, device: torch.device) -> bool:
-        from hvd_lowcomm.comm import runtime
-
+    def takes(self, device: torch.device, gpus_shared: bool) -> bool:
         if device.type == "cpu":
             return True
-        return device.type == "cuda" and self.dist.is_nccl_available() and not runtime.ranks_share_a_gpu()
+        return device.type == "cuda" and self.dist.is_nccl_available() and not gpus_shared
 
     def why_staged(self) -> str:
         return "this torch has no NCCL (torch.distributed.is_nccl_available() is false)"
@@ -190,8 +188,6 @@ def horovod_importable() -> bool:
 def choose(requested: str) -> tuple[str, str]:
     """(engine, why) for `requested` ("auto": Horovod where it is installed, else torch)."""
     if requested not in ENGINES:
-        from hvd_lowcomm.config import ConfigError
-
         raise ConfigError(f"comm.engine must be one of {', '.join(ENGINES)}, got {requested!r}")
     if requested != "auto":
         return requested, "as requested"

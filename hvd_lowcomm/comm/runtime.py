@@ -160,6 +160,8 @@ def group_of_process_set(process_set: Any) -> Group | None:
     import horovod.torch as hvd
 
     if engine().name != "horovod":
+        if process_set is hvd.global_process_set:  # all ranks, whatever the engine
+            return None
         raise ConfigError("process_set= is Horovod's; on the torch engine pass hvd_lowcomm's group= instead "
                           "(hvd_lowcomm.comm.runtime.split_world)")
 

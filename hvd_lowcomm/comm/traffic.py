@@ -390,7 +390,7 @@ def from_wire(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def collectives_take(device: torch.device) -> bool:
     """Whether the engine's collectives read tensors on `device` themselves."""
-    takes = runtime.engine().takes(device)
+    takes = runtime.engine().takes(device, runtime.ranks_share_a_gpu())
     if not takes and device.type == "cuda" and not _warned_staging:
         _warn_staging()
     return takes

@@ -186,9 +186,24 @@ def make_optimizer(cfg: Config, params: Iterable[torch.nn.Parameter]) -> torch.o
 def broadcast_model_and_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                                   root_rank: int = 0, group: runtime.Group | None = None) -> None:
     """Make every rank of `group` start from `root_rank`'s parameters and optimiser state."""
+    broadcast_parameters(model.state_dict(), root_rank, group)
+    broadcast_optimizer_state(optimizer, root_rank, group)
+
+
+def broadcast_parameters(params: dict[str, torch.Tensor], root_rank: int = 0,
+                         group: runtime.Group | None = None) -> None:
+    """hvd.broadcast_parameters on either engine: `params` (a state_dict, or named tensors) in
+    place from `root_rank`, metered as set-up traffic."""
     with meter.in_phase("setup"):
-        meter.broadcast_tensors(model.state_dict(), root_rank, group)
-        state = optimizer.state_dict()["state"]
+        meter.broadcast_tensors(params, root_rank, group)
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
+                              group: runtime.Group | None = None) -> None:
+    """hvd.broadcast_optimizer_state on either engine: every tensor of the optimiser's state in
+    place from `root_rank` (an optimiser that has not stepped has none, the same on all ranks)."""
+    state = optimizer.state_dict()["state"]
+    with meter.in_phase("setup"):
         meter.broadcast_tensors(
             [(f"optimizer.{index}.{key}", value) for index, entry in sorted(state.items())
              for key, value in sorted(entry.items()) if torch.is_tensor(value)],

@@ -61,6 +61,8 @@ class _AllreduceExchange(GradientExchange):
         self._fusion_of: dict[torch.nn.Parameter, int] = {}  # parameter -> its fusion group (Horovod's groups)
         self._set_up_exchange(arguments, named_parameters, "DistributedOptimizer")
         self._fusions = self._fusion_groups(arguments.groups)
+        # The start order: backward's (the parameters' reversed), then any added after the wrap.
+        self._order = list(range(len(self._fusions) - 1, -1, -1))
         self._ready: dict[int, list[torch.nn.Parameter]] = {}   # fusion group -> its gradients ready so far
         self._complete: set[int] = set()  # fusion groups whose every gradient is ready, not yet started
         self._started = 0                 # fusion groups started this pass, in start order
@@ -92,12 +94,8 @@ class _AllreduceExchange(GradientExchange):
         ready.append(param)
         if len(ready) == len(self._fusions[index]):  # start it (and what waited for it) while backward goes on
             self._complete.add(index)
-            order = self._start_order()
-            while self._started < len(order) and order[self._started] in self._complete:
-                self._start(order[self._started])
-
-    def _start_order(self) -> list[int]:
-        return list(range(len(self._fusions) - 1, -1, -1))
+            while self._started < len(self._order) and self._order[self._started] in self._complete:
+                self._start(self._order[self._started])
 
     def _start(self, index: int) -> None:
         params = self._fusions[index]
@@ -117,8 +115,9 @@ class _AllreduceExchange(GradientExchange):
         for _, p in self.named_parameters():  # added by add_param_group after the wrap
             if p not in self._fusion_of:
                 self._fusion_of[p] = len(self._fusions)
+                self._order.append(len(self._fusions))
                 self._fusions.append([p])
-        for index in self._start_order()[self._started:]:  # the rest, unused ones (or set by hand) included
+        for index in self._order[self._started:]:  # the rest, unused ones (or set by hand) included
             self._start(index)
         for params, handle, contexts in self._pending.values():
             for p, out, ctx in zip(params, meter.finish_allreduce(handle), contexts):
