@@ -182,6 +182,33 @@ def test_bfloat16_parameters_train_through_every_wrapper_reduced_in_float32(worl
         assert fresh_meter.total("train", op="allreduce", field="payload_bytes") == 3 * 4 * params
 
 
+def train_grouped(trainer: str, model: nn.Module, opt: torch.optim.Optimizer, steps: int, forward=None,
+                  dtype: torch.dtype = torch.float32, before_step=lambda step: None, **diloco) -> nn.Module:
+    """`model` trained `steps` steps by ABTraining or DiLoCo (`diloco`: its options) on this
+    rank's batches, through `forward` (default: the model); returns the full synced model."""
+    groups = min(2, SIZE)
+    if trainer == "ab":
+        owner = hl.ABTraining(model, opt, total_steps=steps, groups=groups, sync_mode="only-b", warmup=2,
+                              sync_every=3, full_rank_steps=1)
+    else:
+        owner = hl.DiLoCo(model, opt, total_steps=steps, groups=groups, sync_every=2, **diloco)
+    forward = forward or model
+    g = torch.Generator().manual_seed(9)
+    for step in range(steps):
+        x = torch.randn(SIZE, 8, 6, generator=g)[runtime.rank()].to(dtype)
+        y = torch.randint(0, 3, (SIZE, 8), generator=g)[runtime.rank()]
+        before_step(step)
+        if trainer == "ab":
+            with owner.step(x, y):
+                opt.zero_grad()
+                F.cross_entropy(forward(x).float(), y).backward()
+        else:
+            opt.zero_grad()
+            F.cross_entropy(forward(x).float(), y).backward()
+            owner.step()
+    return owner.full_model()
+
+
 @pytest.mark.parametrize("trainer", ["ab", "diloco", "diloco-int2"])
 def test_bfloat16_parameters_train_through_ab_and_diloco_as_float32_does(world, trainer):
     def run(dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
@@ -190,26 +217,9 @@ def test_bfloat16_parameters_train_through_ab_and_diloco_as_float32_does(world, 
         initial = copy.deepcopy(model)
         # steps well above bfloat16's resolution (2**-8 of a weight), which rounds smaller ones away
         opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
-        groups = min(2, SIZE)
-        if trainer == "ab":
-            owner = hl.ABTraining(model, opt, total_steps=8, groups=groups, sync_mode="only-b", warmup=2,
-                                  sync_every=3, full_rank_steps=1)
-        else:  # the float32 exchange: 2-bit codes of nearly equal numbers need not be equal
-            owner = hl.DiLoCo(model, opt, total_steps=8, groups=groups, sync_every=2,
-                              **({"compression": "none"} if trainer == "diloco" else {}))
-        g = torch.Generator().manual_seed(9)
-        for _ in range(8):
-            x = torch.randn(SIZE, 8, 6, generator=g)[runtime.rank()].to(dtype)
-            y = torch.randint(0, 3, (SIZE, 8), generator=g)[runtime.rank()]
-            if trainer == "ab":
-                with owner.step(x, y):
-                    opt.zero_grad()
-                    F.cross_entropy(model(x).float(), y).backward()
-            else:
-                opt.zero_grad()
-                F.cross_entropy(model(x).float(), y).backward()
-                owner.step()
-        return initial, owner.full_model()
+        # (the float32 exchange: 2-bit codes of nearly equal numbers need not be equal)
+        exchange = {"compression": "none"} if trainer == "diloco" else {}
+        return initial, train_grouped(trainer.replace("-int2", ""), model, opt, 8, dtype=dtype, **exchange)
 
     initial, half = run(torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in half.parameters())
@@ -265,26 +275,11 @@ def test_a_branch_some_ranks_skip_trains_through_ab_and_diloco_and_ranks_agree(w
     torch.manual_seed(0)
     model = Branchy()
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
-    groups = min(2, SIZE)
-    if trainer == "ab":
-        owner = hl.ABTraining(model, opt, total_steps=8, groups=groups, sync_mode="only-b", warmup=2,
-                              sync_every=3, full_rank_steps=1)
-    else:
-        owner = hl.DiLoCo(model, opt, total_steps=8, groups=groups, sync_every=2)
-    g = torch.Generator().manual_seed(9)
-    for step in range(8):
-        x = torch.randn(SIZE, 8, 6, generator=g)[runtime.rank()]
-        y = torch.randint(0, 3, (SIZE, 8), generator=g)[runtime.rank()]
+
+    def take(step: int) -> None:
         model.take = uses_aux(step, runtime.rank(), unused=True)
-        if trainer == "ab":
-            with owner.step(x, y):
-                opt.zero_grad()
-                F.cross_entropy(model(x), y).backward()
-        else:
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            owner.step()
-    full = owner.full_model()
+
+    full = train_grouped(trainer, model, opt, 8, before_step=take)
     assert all(torch.isfinite(p).all() for p in full.parameters())
     same_on_every_rank(full)
 
@@ -480,26 +475,8 @@ def test_a_compiled_model_trains_through_ab_and_diloco_as_the_eager_one(world, t
     def run(compiled: bool) -> nn.Module:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
-        opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
-        groups = min(2, SIZE)
-        if trainer == "ab":
-            owner = hl.ABTraining(model, opt, total_steps=6, groups=groups, sync_mode="only-b", warmup=2,
-                                  sync_every=2, full_rank_steps=1)
-        else:
-            owner = hl.DiLoCo(model, opt, total_steps=6, groups=groups, sync_every=2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.2)
         forward = torch.compile(model, backend="aot_eager") if compiled else model
-        g = torch.Generator().manual_seed(9)
-        for _ in range(6):
-            x = torch.randn(SIZE, 8, 6, generator=g)[runtime.rank()]
-            y = torch.randint(0, 3, (SIZE, 8), generator=g)[runtime.rank()]
-            if trainer == "ab":
-                with owner.step(x, y):
-                    opt.zero_grad()
-                    F.cross_entropy(forward(x), y).backward()
-            else:
-                opt.zero_grad()
-                F.cross_entropy(forward(x), y).backward()
-                owner.step()
-        return owner.full_model()
+        return train_grouped(trainer, model, opt, 6, forward=forward)
 
     assert_close_to(run(True), run(False), rtol=1e-4, atol=1e-6)
