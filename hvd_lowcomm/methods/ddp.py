@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.runtime import Group
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES, FP16Compression, NoCompression, meter
 from hvd_lowcomm.config import Config
@@ -75,6 +76,8 @@ class _AllreduceExchange(GradientExchange):
         if isinstance(groups, int):
             size = -(-len(params) // groups)
             groups = [params[i:i + size] for i in range(0, len(params), size)]
+        elif groups is None and runtime.engine().name == "torch":
+            groups = ddp_buckets(params)
         fusions = [list(g) for g in groups] if groups is not None else []
         listed = {p for g in fusions for p in g}
         fusions += [[p] for p in params if p not in listed]
@@ -126,6 +129,25 @@ class _AllreduceExchange(GradientExchange):
         self._ready.clear()
         self._complete.clear()
         self._started = 0
+
+
+# DDP's bucket sizes: a small first bucket starts the exchange early in the backward pass, then
+# larger ones. Horovod fuses what its cycle finds ready by itself; torch.distributed does not.
+FIRST_BUCKET_BYTES, BUCKET_BYTES = 1 << 20, 25 << 20
+
+
+def ddp_buckets(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+    """The parameters in DDP's buckets: in backward's order (reversed), each bucket up to its cap."""
+    buckets: list[list[torch.nn.Parameter]] = []
+    filled = 0
+    for p in reversed(params):
+        cap = FIRST_BUCKET_BYTES if len(buckets) <= 1 else BUCKET_BYTES
+        if not buckets or filled + p.numel() * p.element_size() > cap:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(p)
+        filled += p.numel() * p.element_size()
+    return buckets[::-1]  # in parameter order: the start order reverses it back
 
 
 def predict_ddp(profile: Profile, world_size: int, link: Link, options: None, cfg: Config,
