@@ -170,8 +170,8 @@ class _DadExchange(GradientExchange):
         """From now on autograd's local gradient of `param` goes to `local_weight_gradient`,
         not into .grad (which then holds only the pooled gradients exchanges write)."""
         def divert(grad: torch.Tensor) -> torch.Tensor:
-            kept = self._local_gradients.get(param)
-            self._local_gradients[param] = grad.detach().clone() if kept is None else kept + grad.detach()
+            kept = self._local_gradients.get(param)  # (autograd accumulates the zeros returned, not `grad`)
+            self._local_gradients[param] = grad.detach() if kept is None else kept + grad.detach()
             return torch.zeros_like(grad)
         param.register_hook(divert)
 
