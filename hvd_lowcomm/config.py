@@ -183,6 +183,15 @@ class CommConfig:
     engine: str = option("auto", "what moves the tensors: horovod, torch (torch.distributed: Gloo on CPUs, NCCL on "
                                  "GPUs; needs no Horovod) or auto (HVD_LOWCOMM_ENGINE where set, else Horovod where "
                                  "it is installed, else torch)", choices=("auto", "horovod", "torch"))
+    reduce_dtype: str = option("float32", "what bfloat16 tensors travel and are summed in: float32 (sums exact "
+                                          "to bfloat16's rounding, twice the bytes) or bfloat16 (half the bytes, "
+                                          "each partial sum rounded; the torch engine only: Horovod refuses "
+                                          "bfloat16, and auto then picks torch)", choices=("float32", "bfloat16"))
+
+    def validate(self) -> None:
+        if self.engine == "horovod" and self.reduce_dtype == "bfloat16":
+            raise ConfigError("comm.reduce_dtype bfloat16 needs the torch engine (Horovod refuses bfloat16 tensors): "
+                              "use --comm.engine torch, or --comm.reduce_dtype float32")
 
 
 @dataclass

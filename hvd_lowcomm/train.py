@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
         return 2
 
-    world = runtime.init(cfg.train.seed, cfg.comm.engine)
+    world = runtime.init(cfg.train.seed, cfg.comm.engine, cfg.comm.reduce_dtype)
     meter.reset()  # one run's traffic, from start-up checks to the summary
     preemption = PreemptionSignal()  # from here on SIGTERM/SIGUSR1 mean "checkpoint and stop"
     try:

@@ -18,12 +18,15 @@ JOB = textwrap.dedent("""
     import hvd_lowcomm as hl
     from hvd_lowcomm.comm import runtime
     from hvd_lowcomm.methods.powersgd import PowerSGDState
-    hl.init(engine=sys.argv[1])
+    dtype, reduce_dtype = sys.argv[2].split("/")  # the parameters' dtype, what bfloat16 travels in
+    hl.init(engine=sys.argv[1], reduce_dtype=reduce_dtype)
     rank, size = hl.rank(), hl.size()
     report = {"engine": runtime.engine().name}
-    for name in sys.argv[2:]:
+    for name in sys.argv[3:]:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+        model.to(getattr(torch, dtype))
+        initial = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]).tolist()
         opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
         named, owner = model.named_parameters(), None
         if name in ("ddp", "ddp-fp16"):
@@ -34,32 +37,35 @@ JOB = textwrap.dedent("""
             opt = hl.DadOptimizer(opt, named, model=model, mode="exact" if name == "dad" else "rank", plan="all")
         elif name == "diloco":
             owner = hl.DiLoCo(model, opt, total_steps=6, groups=2, sync_every=2)
+        elif name == "diloco-int8-delayed":  # the column exchange on the worker thread
+            owner = hl.DiLoCo(model, opt, total_steps=6, groups=2, sync_every=2, compression="int8", sync_delay=1)
         elif name == "ab":
             owner = hl.ABTraining(model, opt, total_steps=6, groups=2, sync_mode="only-b", warmup=2, sync_every=2,
                                   full_rank_steps=1)
         hl.meter.reset()
         g = torch.Generator().manual_seed(9)
         for _ in range(6):
-            x = torch.randn(size, 8, 6, generator=g)[rank]
+            x = torch.randn(size, 8, 6, generator=g)[rank].to(getattr(torch, dtype))
             y = torch.randint(0, 3, (size, 8), generator=g)[rank]
             if name == "ab":
                 with owner.step(x, y):
                     opt.zero_grad()
-                    F.cross_entropy(model(x), y).backward()
+                    F.cross_entropy(model(x).float(), y).backward()
                 continue
             opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
+            F.cross_entropy(model(x).float(), y).backward()
             opt.step()
             if owner is not None:
                 owner.step()
         final = owner.full_model() if owner is not None else model
-        report[name] = {"parameters": torch.cat([p.detach().reshape(-1) for p in final.parameters()]).tolist(),
+        report[name] = {"initial": initial,
+                        "parameters": torch.cat([p.detach().float().reshape(-1) for p in final.parameters()]).tolist(),
                         "bytes": {f"{phase}/{op}/{group}": [t.payload_bytes, t.wire_bytes]
                                   for (phase, op, group), t in sorted(hl.meter.by_kind.items())}}
     if rank == 0:
         print("REPORT " + json.dumps(report), flush=True)
 """)
-METHODS = ["ddp", "ddp-fp16", "powersgd", "dad", "rank-dad", "diloco", "ab"]
+METHODS = ["ddp", "ddp-fp16", "powersgd", "dad", "rank-dad", "diloco", "diloco-int8-delayed", "ab"]
 
 
 def without_horovod(tmp_path) -> dict[str, str]:
@@ -72,12 +78,14 @@ def without_horovod(tmp_path) -> dict[str, str]:
     return env
 
 
-def run_job(tmp_path, engine: str, env: dict[str, str] | None = None) -> dict:
+def run_job(tmp_path, engine: str, env: dict[str, str] | None = None, dtypes: str = "float32/float32",
+            ranks: int = 2) -> dict:
+    """The job's report; `dtypes`: the parameters' dtype / what bfloat16 travels in."""
     script = tmp_path / "job.py"
     script.write_text(JOB)
     env = env or {k: v for k, v in clean_env().items() if k != "HVD_LOWCOMM_ENGINE"}
-    done = subprocess.run(mpirun(2, "-x", "PYTHONPATH", sys.executable, str(script), engine, *METHODS), env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(mpirun(ranks, "-x", "PYTHONPATH", sys.executable, str(script), engine, dtypes, *METHODS),
+                          env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     line = next(line for line in done.stdout.splitlines() if line.startswith("REPORT "))
     return json.loads(line[len("REPORT "):])
@@ -96,6 +104,23 @@ def test_every_method_trains_alike_on_both_engines_and_the_meter_counts_the_same
         # Sums of two ranks' numbers are the same whichever library adds them; what may differ
         # is float32 rounding in the order of fused buffers.
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.skipif(SIZE > 1, reason="launches jobs of its own")
+def test_bfloat16_on_the_wire_halves_the_bytes_and_trains_as_float32_sums_do(tmp_path):
+    import torch
+
+    # at 4 ranks (2 groups of 2 for AB and DiLoCo), where a bfloat16 sum rounds its partial sums
+    as_float32, as_bfloat16 = (run_job(tmp_path, "torch", dtypes=f"bfloat16/{wire}", ranks=4)
+                               for wire in ("float32", "bfloat16"))
+    for name in METHODS:
+        a, b = as_float32[name], as_bfloat16[name]
+        final, initial = torch.tensor(a["parameters"]), torch.tensor(a["initial"])
+        # bfloat16 sums round each partial sum, where float32 sums round only the result
+        off, moved = float((torch.tensor(b["parameters"]) - final).norm()), float((final - initial).norm())
+        assert off <= 0.1 * moved, f"{name}: {off:.3g} from the float32 sums' run, which moved by {moved:.3g}"
+        if name == "ddp":  # every gradient, 2 bytes a number instead of 4
+            assert 2 * b["bytes"]["train/allreduce/world"][0] == a["bytes"]["train/allreduce/world"][0]
 
 
 @pytest.mark.skipif(SIZE > 1, reason="launches jobs of its own")

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import RANK, SIZE, member_parts, needs_ranks
+from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.methods.diloco import DiLoCoOptions
 from hvd_lowcomm.methods.outer_exchange import (int4_bytes, int8_bytes, make_exchange, slice_pieces, sparse_bytes, sparse_encode)
 
@@ -24,6 +25,12 @@ def pseudo_gradient(rank: int, seed: int = 0) -> torch.Tensor:
     return torch.cat([p.reshape(-1) for p in parts]) + 0.01 * torch.randn(NUMBERS, generator=own)
 
 
+@pytest.fixture(scope="module")
+def column(world):
+    """Every rank as one column, with the side channel DiLoCo's column has."""
+    return runtime.split([world.ranks], "column", side=True)[0]
+
+
 def everyones(world, values: torch.Tensor) -> torch.Tensor:
     return torch.stack(world.comm.allgather(values))
 
@@ -31,10 +38,10 @@ def everyones(world, values: torch.Tensor) -> torch.Tensor:
 @needs_ranks(2)
 @pytest.mark.parametrize("kind, tolerance, magnitude", [("none", 1e-6, 1.0), ("fp16", 2e-3, 1.0), ("int8", 0.03, 1.0),
                                                         ("int2", None, 1.0), ("fp16", 2e-3, 1e-7), ("fp16", 2e-3, 1e6)])
-def test_a_quantised_exchange_returns_the_mean_on_every_rank(world, fresh_meter, kind, tolerance, magnitude):
+def test_a_quantised_exchange_returns_the_mean_on_every_rank(world, column, fresh_meter, kind, tolerance, magnitude):
     # fp16 at 1e-7 (a small learning rate's pseudo-gradient: float16's subnormals, cast as it
     # is) and 1e6 (past float16's range): each chunk travels scaled by a power of two
-    exchange = make_exchange(world, DiLoCoOptions(compression=kind))
+    exchange = make_exchange(column, DiLoCoOptions(compression=kind))
     delta = magnitude * pseudo_gradient(RANK)
     mean = exchange.start(0, delta, SHAPES, 0)()
     want = everyones(world, delta).mean(0)
@@ -49,17 +56,17 @@ def test_a_quantised_exchange_returns_the_mean_on_every_rank(world, fresh_meter,
         assert (mean + pending - want).abs().max() <= 1e-6 * scale  # delivered and pending: nothing lost
     if kind == "fp16":  # 2 bytes a number and a scale per chunk, both ways
         chunk = -(-NUMBERS // SIZE)
-        assert fresh_meter.total(group="world", field="payload_bytes") == (SIZE + 1) * (2 * chunk + 4)
+        assert fresh_meter.total(group="column0", field="payload_bytes") == (SIZE + 1) * (2 * chunk + 4)
 
 
 @needs_ranks(2)
 @pytest.mark.parametrize("kind", ["int8", "int2"])
-def test_what_a_quantised_exchange_keeps_waiting_stays_below_one_exchange_of_like_groups(world, fresh_meter, kind):
+def test_what_a_quantised_exchange_keeps_waiting_stays_below_one_exchange_of_like_groups(world, column, fresh_meter, kind):
     """Groups whose pseudo-gradients share most of their signal, exchange after exchange: what
     both roundings left waiting stays under one exchange's mean. (A 2-bit form whose largest
     level was the mean of its block's larger half grew past four means in 80 exchanges: a
     persistent number above that level was never delivered whole.)"""
-    exchange = make_exchange(world, DiLoCoOptions(compression=kind))
+    exchange = make_exchange(column, DiLoCoOptions(compression=kind))
     shared, own = torch.Generator().manual_seed(7), torch.Generator().manual_seed(RANK)
     signal = torch.randn(NUMBERS, generator=shared)
     delivered, owed = torch.zeros(NUMBERS), torch.zeros(NUMBERS)
@@ -73,14 +80,14 @@ def test_what_a_quantised_exchange_keeps_waiting_stays_below_one_exchange_of_lik
 
 @needs_ranks(2)
 @pytest.mark.parametrize("owner_density", [0.0, 0.05])
-def test_sparse_exchange_averages_the_groups_tops_and_loses_nothing(world, fresh_meter, owner_density):
+def test_sparse_exchange_averages_the_groups_tops_and_loses_nothing(world, column, fresh_meter, owner_density):
     """Each group sends the top of its accumulator: at 2 groups to every other (allgather); beyond,
     part j to member j, which sends back the top (owner_density; 0: three times density) of the mean
     of what it received. What either selection leaves out is sent later, so (error decay 1) everything
     delivered plus what is still pending equals the mean of every pseudo-gradient so far."""
     density, by_owner = 0.02, SIZE > 2
     owner = owner_density or 3 * density
-    exchange = make_exchange(world, DiLoCoOptions(compression="sparse", density=density, owner_density=owner_density))
+    exchange = make_exchange(column, DiLoCoOptions(compression="sparse", density=density, owner_density=owner_density))
     deltas = [pseudo_gradient(RANK, seed) for seed in range(3)]
     parts = member_parts(deltas[0], SIZE) if by_owner else [deltas[0]]
     mine = torch.cat([sparse_encode(part, density)[1] for part in parts])[:NUMBERS]  # each part's top at 2 bits
@@ -107,16 +114,16 @@ def test_sparse_exchange_averages_the_groups_tops_and_loses_nothing(world, fresh
                                atol=1e-5, rtol=1e-5)
     if by_owner:  # every member's sparse parts by alltoall, its own mean part by allgather
         part = -(-NUMBERS // SIZE)
-        assert fresh_meter.total(group="world", op="alltoall", field="payload_bytes") == \
+        assert fresh_meter.total(group="column0", op="alltoall", field="payload_bytes") == \
             3 * SIZE * sparse_bytes(part, density)
-        assert fresh_meter.total(group="world", op="allgather", field="payload_bytes") == 3 * sparse_bytes(part, owner)
+        assert fresh_meter.total(group="column0", op="allgather", field="payload_bytes") == 3 * sparse_bytes(part, owner)
     else:
-        assert fresh_meter.total(group="world", op="allgather", field="payload_bytes") == 3 * sparse_bytes(NUMBERS, density)
+        assert fresh_meter.total(group="column0", op="allgather", field="payload_bytes") == 3 * sparse_bytes(NUMBERS, density)
 
 
 @needs_ranks(2)
-def test_sparse_accumulator_decays_by_error_decay(world, fresh_meter):
-    exchange = make_exchange(world, DiLoCoOptions(compression="sparse", density=0.02, error_decay=0.5,
+def test_sparse_accumulator_decays_by_error_decay(world, column, fresh_meter):
+    exchange = make_exchange(column, DiLoCoOptions(compression="sparse", density=0.02, error_decay=0.5,
                                                   keep_unsent=False))
     first, second = pseudo_gradient(RANK), pseudo_gradient(RANK, seed=1)
     exchange.start(0, first, SHAPES, 0)()
@@ -130,9 +137,9 @@ def test_sparse_accumulator_decays_by_error_decay(world, fresh_meter):
 
 @needs_ranks(2)
 @pytest.mark.parametrize("bits", [8, 4])
-def test_lowrank_exchange_is_powersgd_on_each_matrix_with_error_feedback_and_warm_start(world, fresh_meter, bits):
+def test_lowrank_exchange_is_powersgd_on_each_matrix_with_error_feedback_and_warm_start(world, column, fresh_meter, bits):
     rank = 3
-    exchange = make_exchange(world, DiLoCoOptions(compression="lowrank", rank=rank, factor_bits=bits))
+    exchange = make_exchange(column, DiLoCoOptions(compression="lowrank", rank=rank, factor_bits=bits))
     delta = pseudo_gradient(RANK)
     offsets = [(0, 48, 40), (48 * 40 + 48, 30, 24)]
     qs = [q.clone() for q in exchange._initial_qs(0, slice_pieces(SHAPES, 0, NUMBERS, rank, 0.05))]
@@ -192,15 +199,15 @@ def test_lowrank_exchange_is_powersgd_on_each_matrix_with_error_feedback_and_war
     factor_bytes = int8_bytes if bits == 8 else int4_bytes
     chunk = [-(-numbers // SIZE) for numbers in ((48 + 30) * rank, 48, (40 + 24) * rank)]
     each = factor_bytes(chunk[0]) + int8_bytes(chunk[1]) + factor_bytes(chunk[2])
-    assert fresh_meter.total(group="world", field="payload_bytes") == len(inputs) * (SIZE + 1) * each
+    assert fresh_meter.total(group="column0", field="payload_bytes") == len(inputs) * (SIZE + 1) * each
 
 
 @needs_ranks(2)
-def test_lowrank_exchange_of_a_slice_without_matrices_sends_it_dense(world, fresh_meter):
+def test_lowrank_exchange_of_a_slice_without_matrices_sends_it_dense(world, column, fresh_meter):
     # rank 4 does not pay on an 8 × 8 matrix, and a bias is a vector: nothing is factorised, and
     # the mean goes as the dense part alone (no factor collectives)
     shapes = [(8, 8), (16,)]
-    exchange = make_exchange(world, DiLoCoOptions(compression="lowrank", rank=4))
+    exchange = make_exchange(column, DiLoCoOptions(compression="lowrank", rank=4))
     delta = torch.randn(80, generator=torch.Generator().manual_seed(RANK))
     mean = exchange.start(0, delta, shapes, 0)()
     want = everyones(world, delta).mean(0)
@@ -208,4 +215,4 @@ def test_lowrank_exchange_of_a_slice_without_matrices_sends_it_dense(world, fres
     # this rank's own rounding, and G times the mean's on the chunk it owns
     assert 0 < exchange.errors[0].abs().max() <= (delta.abs().max() + SIZE * want.abs().max()) / 254 + 1e-7
     assert (mean + everyones(world, exchange.errors[0]).mean(0) - want).abs().max() <= 1e-5 * want.abs().max()
-    assert fresh_meter.total(group="world", field="payload_bytes") == (SIZE + 1) * int8_bytes(-(-80 // SIZE))
+    assert fresh_meter.total(group="column0", field="payload_bytes") == (SIZE + 1) * int8_bytes(-(-80 // SIZE))

@@ -11,8 +11,11 @@
 Both take the same calls, so the meter and the methods above it do not know which one runs:
 `start_allreduce` / `finish` (sum or average over a group, scaled before and after),
 `start_allgather` (first dimensions may differ per rank), `broadcast_`, and `group` (the
-engine's handle for a set of ranks, made collectively on every rank). Small control messages,
-objects and point-to-point messages go through mpi4py on either engine (MPI launched the job).
+engine's handle for a set of ranks, made collectively on every rank). `side_group` gives a
+set of ranks a channel of its own, whose blocking `side_*` collectives may run on a worker
+thread beside the training thread's (DiLoCo's delayed exchange): an MPI communicator of its
+own under Horovod, a process group of its own on torch. Small control messages, objects and
+point-to-point messages go through mpi4py on either engine (MPI launched the job).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import torch.distributed as dist
 from hvd_lowcomm.config import ConfigError
 
 ENGINES = ("auto", "horovod", "torch")
+REDUCE_DTYPES = ("float32", "bfloat16")  # what bfloat16 tensors travel in
 
 
 class HorovodEngine:
@@ -75,6 +79,25 @@ class HorovodEngine:
 
     def broadcast_(self, tensor: torch.Tensor, root_rank: int, name: str, handle: Any) -> None:
         self.hvd.broadcast_(tensor, root_rank, name=name, process_set=handle)
+
+    def side_group(self, ranks: tuple[int, ...], comm: Any) -> Any:
+        """The members' own MPI communicator (Horovod's thread never touches it)."""
+        return comm
+
+    def side_allreduce_sum_(self, tensor: torch.Tensor, handle: Any) -> None:
+        from mpi4py import MPI
+
+        handle.Allreduce(MPI.IN_PLACE, tensor.numpy(), op=MPI.SUM)
+
+    def side_allgather(self, tensor: torch.Tensor, handle: Any, members: int) -> list[torch.Tensor]:
+        out = torch.empty((members * len(tensor), *tensor.shape[1:]), dtype=tensor.dtype)
+        handle.Allgather(tensor.numpy(), out.numpy())
+        return list(out.chunk(members))
+
+    def side_alltoall(self, tensor: torch.Tensor, handle: Any, members: int) -> list[torch.Tensor]:
+        out = torch.empty_like(tensor)
+        handle.Alltoall(tensor.numpy(), out.numpy())
+        return list(out.chunk(members))
 
 
 class TorchEngine:
@@ -158,6 +181,23 @@ class TorchEngine:
     def broadcast_(self, tensor: torch.Tensor, root_rank: int, name: str, handle: Any) -> None:
         self.dist.broadcast(tensor, src=root_rank, group=handle)
 
+    def side_group(self, ranks: tuple[int, ...], comm: Any) -> Any:
+        """A process group of its own: collectives of two threads on one group would interleave."""
+        return self.dist.new_group(list(ranks))
+
+    def side_allreduce_sum_(self, tensor: torch.Tensor, handle: Any) -> None:
+        self.dist.all_reduce(tensor, group=handle)
+
+    def side_allgather(self, tensor: torch.Tensor, handle: Any, members: int) -> list[torch.Tensor]:
+        parts = [torch.empty_like(tensor) for _ in range(members)]
+        self.dist.all_gather(parts, tensor, group=handle)
+        return parts
+
+    def side_alltoall(self, tensor: torch.Tensor, handle: Any, members: int) -> list[torch.Tensor]:
+        out = torch.empty_like(tensor)
+        self.dist.all_to_all_single(out, tensor, group=handle)
+        return list(out.chunk(members))
+
 
 def _by_dtype_and_device(tensors: list[torch.Tensor]) -> dict[tuple[torch.dtype, torch.device], list[int]]:
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
@@ -185,12 +225,20 @@ def horovod_importable() -> bool:
     return True
 
 
-def choose(requested: str) -> tuple[str, str]:
-    """(engine, why) for `requested` ("auto": Horovod where it is installed, else torch)."""
+def choose(requested: str, reduce_dtype: str = "float32") -> tuple[str, str]:
+    """(engine, why) for `requested` ("auto": Horovod where it is installed, else torch; torch
+    for bfloat16 on the wire, which Horovod refuses)."""
     if requested not in ENGINES:
         raise ConfigError(f"comm.engine must be one of {', '.join(ENGINES)}, got {requested!r}")
+    if reduce_dtype not in REDUCE_DTYPES:
+        raise ConfigError(f"reduce_dtype must be one of {', '.join(REDUCE_DTYPES)}, got {reduce_dtype!r}")
+    if requested == "horovod" and reduce_dtype == "bfloat16":
+        raise ConfigError("reduce_dtype bfloat16 needs the torch engine (Horovod refuses bfloat16 tensors): "
+                          "init(engine='torch') or --comm.engine torch, or reduce_dtype float32")
     if requested != "auto":
         return requested, "as requested"
+    if reduce_dtype == "bfloat16":
+        return "torch", "auto: bfloat16 on the wire, which Horovod refuses"
     if horovod_importable():
         return "horovod", "auto: Horovod is installed"
     return "torch", "auto: Horovod is not installed"

@@ -40,7 +40,8 @@ class Group:
 
     `process_set` is what the engine's collectives take for these ranks (a Horovod process set,
     or a torch.distributed group on the torch engine); `comm` is the matching mpi4py
-    sub-communicator on members and MPI.COMM_NULL on every other rank.
+    sub-communicator on members and MPI.COMM_NULL on every other rank; `side`, where the split
+    asked for one, the engine's channel of these ranks' own for a worker thread's collectives.
     """
 
     label: str
@@ -48,6 +49,7 @@ class Group:
     ranks: tuple[int, ...]
     process_set: Any = field(compare=False, repr=False)
     comm: Any = field(compare=False, repr=False)
+    side: Any = field(default=None, compare=False, repr=False)
 
     @property
     def size(self) -> int:
@@ -72,6 +74,7 @@ _process_sets: dict[tuple[int, ...], Any] = {}
 # The engine the meter's collectives go through, and why it was chosen.
 _engine: Any = None
 _engine_why = ""
+_bf16_wire = torch.float32  # what bfloat16 tensors travel in
 
 
 # Variables an MPI launcher (mpirun/mpiexec of Open MPI, MPICH, Intel MPI) or Slurm's srun sets
@@ -94,16 +97,19 @@ def launcher_problem(environ: dict[str, str] | None = None) -> str | None:
             f"`srun -n {n} python ...` under Slurm")
 
 
-def init(seed: int | None = None, engine: str = "auto") -> Group:
+def init(seed: int | None = None, engine: str = "auto", reduce_dtype: str = "float32") -> Group:
     """Start MPI and the engine (idempotent), bind the device, seed everything; return the world
     group. engine: "horovod", "torch" or "auto" (HVD_LOWCOMM_ENGINE where set, else Horovod where
-    it is installed, else torch)."""
-    global _world, _engine, _engine_why, _node_of
+    it is installed, else torch). reduce_dtype: what bfloat16 tensors travel and are summed in,
+    "float32" or "bfloat16" (the torch engine only)."""
+    global _world, _engine, _engine_why, _node_of, _bf16_wire
     if _world is None:
         problem = launcher_problem()
         if problem:
             raise ConfigError(problem)
-        name, _engine_why = engines.choose(os.environ.get("HVD_LOWCOMM_ENGINE", "auto") if engine == "auto" else engine)
+        requested = os.environ.get("HVD_LOWCOMM_ENGINE", "auto") if engine == "auto" else engine
+        name, _engine_why = engines.choose(requested, reduce_dtype)
+        _bf16_wire = torch.bfloat16 if reduce_dtype == "bfloat16" else torch.float32
         from mpi4py import MPI
 
         if name == "horovod":
@@ -122,6 +128,9 @@ def init(seed: int | None = None, engine: str = "auto") -> Group:
         _process_sets[world_ranks] = _engine.world()
         if "OMP_NUM_THREADS" not in os.environ:  # the user's (or the job script's) choice stands
             torch.set_num_threads(compute_threads(local_size, len(os.sched_getaffinity(0)), os.cpu_count() or 1))
+    elif (reduce_dtype == "bfloat16") != (_bf16_wire == torch.bfloat16):
+        raise ConfigError(f"hvd_lowcomm already sends bfloat16 tensors as {str(_bf16_wire)[6:]}; reduce_dtype is "
+                          f"chosen once per job, at the first init")
     elif engine != "auto" and engine != _engine.name:
         raise ConfigError(f"hvd_lowcomm already runs on the {_engine.name} engine ({_engine_why}); an engine is "
                           f"chosen once per job, at the first init")
@@ -135,6 +144,11 @@ def engine() -> Any:
     if _engine is None:
         raise RuntimeError("hvd_lowcomm.init() has not run")
     return _engine
+
+
+def bf16_wire_dtype() -> torch.dtype:
+    """What bfloat16 tensors travel in (init's reduce_dtype)."""
+    return _bf16_wire
 
 
 def engine_line() -> str:
@@ -380,16 +394,17 @@ def split_world(num_groups: int | None = None, group_size: int | None = None,
     return split(group_layout(world().size, num_groups, group_size), label)
 
 
-def split_by_position(num_groups: int, label: str = "column") -> tuple[Group, list[Group]]:
+def split_by_position(num_groups: int, label: str = "column", side: bool = False) -> tuple[Group, list[Group]]:
     """The ranks at the same position in each of `num_groups` contiguous groups, as groups of
     their own: rank i of every group with rank i of the others (with one group per node, each
     such group spans the nodes once). Collective, call on every rank."""
     rows = group_layout(world().size, num_groups=num_groups)
-    return split([tuple(row[i] for row in rows) for i in range(len(rows[0]))], label)
+    return split([tuple(row[i] for row in rows) for i in range(len(rows[0]))], label, side)
 
 
-def split(layout: list[tuple[int, ...]], label: str) -> tuple[Group, list[Group]]:
-    """Groups of the given ranks (each rank in exactly one); collective, call on every rank."""
+def split(layout: list[tuple[int, ...]], label: str, side: bool = False) -> tuple[Group, list[Group]]:
+    """Groups of the given ranks (each rank in exactly one), with `side` a channel of each
+    group's own for a worker thread (Group.side); collective, call on every rank."""
     from mpi4py import MPI
 
     if _fixed_process_sets and any(ranks not in _process_sets for ranks in layout):
@@ -404,7 +419,8 @@ def split(layout: list[tuple[int, ...]], label: str) -> tuple[Group, list[Group]
         if ranks not in _process_sets:
             _process_sets[ranks] = engine().group(ranks)
         comm = sub_comm if index == my_index else MPI.COMM_NULL
-        groups.append(Group(f"{label}{index}", index, ranks, _process_sets[ranks], comm))
+        channel = engine().side_group(ranks, comm) if side else None
+        groups.append(Group(f"{label}{index}", index, ranks, _process_sets[ranks], comm, channel))
     return groups[my_index], groups
 
 

@@ -24,8 +24,9 @@ Phases separate what a method needs to train ("train") from evaluation, set-up a
 bookkeeping, so comparisons can quote training traffic alone.
 
 Tensors travel in a dtype the collectives take: bfloat16, which Horovod refuses, goes as
-float32 (the reduction in float32, as FSDP's and torchtitan's default reduce dtype) and comes
-back in the caller's dtype; the meter counts the float32 bytes, which are what is sent.
+float32 (the reduction in float32, as torchtitan's default reduce dtype) and comes back in the
+caller's dtype, unless init's reduce_dtype asks for bfloat16 on the torch engine; the meter
+counts the bytes sent.
 
 Horovod and mpi4py are imported inside the functions that use them: importing mpi4py's MPI
 module initialises MPI, and the command line reports a bad config before MPI starts.
@@ -341,7 +342,7 @@ class TrafficMeter:
         """Blocking send of a tensor (through host memory) to global rank `dest` over MPI_COMM_WORLD."""
         from mpi4py import MPI
 
-        array = tensor.detach().to("cpu", wire_dtype(tensor.dtype)).contiguous().numpy()
+        array = _mpi_buffer(tensor.detach().to("cpu", wire_dtype(tensor.dtype)).contiguous())
         self.record("send", name, array.nbytes, None, wire=array.nbytes, dest=dest)
         with self.waiting():
             MPI.COMM_WORLD.Send(array, dest=dest, tag=tag)
@@ -354,7 +355,7 @@ class TrafficMeter:
         on_wire = wire_dtype(out.dtype)
         host = out if out.device.type == "cpu" and on_wire == out.dtype else \
             torch.empty(out.shape, dtype=on_wire, pin_memory=_pinned(out))
-        array = host.numpy()
+        array = _mpi_buffer(host)
         with self.waiting():
             MPI.COMM_WORLD.Recv(array, source=source, tag=tag)
         if host is not out:
@@ -363,9 +364,41 @@ class TrafficMeter:
         return out
 
 
+# -- a group's side channel (Group.side): blocking collectives a worker thread may run beside the
+# training thread's; not recorded here, as their caller knows their bytes before they are sent
+
+def side_allreduce_sum_(tensor: torch.Tensor, group: Group) -> torch.Tensor:
+    """In-place sum of a CPU tensor over `group`'s side channel."""
+    if group.size > 1:
+        runtime.engine().side_allreduce_sum_(tensor, _side(group))
+    return tensor
+
+
+def side_allgather(tensor: torch.Tensor, group: Group) -> list[torch.Tensor]:
+    """Every member's CPU tensor (all of one shape), in member order."""
+    return runtime.engine().side_allgather(tensor, _side(group), group.size) if group.size > 1 else [tensor]
+
+
+def side_alltoall(tensor: torch.Tensor, group: Group) -> list[torch.Tensor]:
+    """Member j's chunk j of every member's CPU tensor (cut into `group.size` equal chunks)."""
+    return runtime.engine().side_alltoall(tensor, _side(group), group.size) if group.size > 1 else [tensor]
+
+
+def _side(group: Group) -> Any:
+    if group.side is None:
+        raise RuntimeError(f"{group.label} was split without a side channel (runtime.split(..., side=True))")
+    return group.side
+
+
 def wire_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a tensor of `dtype` travels in: bfloat16 as float32 (Horovod refuses it)."""
-    return torch.float32 if dtype == torch.bfloat16 else dtype
+    """The dtype a tensor of `dtype` travels in: bfloat16 as init's reduce_dtype (float32 unless
+    bfloat16 was asked for on the torch engine; Horovod refuses bfloat16)."""
+    return runtime.bf16_wire_dtype() if dtype == torch.bfloat16 else dtype
+
+
+def _mpi_buffer(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor as numpy for mpi4py (bfloat16, which numpy lacks, as its 16 bits)."""
+    return (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).numpy()
 
 
 def to_wire(tensor: torch.Tensor) -> torch.Tensor:

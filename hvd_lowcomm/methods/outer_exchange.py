@@ -52,8 +52,9 @@ class per `diloco.compression`:
 will send is known before it is sent), and sparse's encoding; fp16, int8 and lowrank encode in
 the collective part, which needs the mean to feed back its rounding. It returns that part as a
 function of no arguments, which the caller runs at once or on a background thread
-(`diloco.sync_delay`): that part uses only mpi4py on the column's communicator and this
-exchange's own state for the fragment, so it runs beside Horovod's collectives of the group.
+(`diloco.sync_delay`): that part uses only the column's side channel (the traffic layer's
+`side_*` collectives) and this exchange's own state for the fragment, so it runs beside the
+group's collectives on the training thread.
 `transfers()` is the same accounting for the cost model.
 """
 from __future__ import annotations
@@ -66,8 +67,9 @@ import numpy as np
 import torch
 
 from hvd_lowcomm.comm.half_wire import from_half_rows, to_half_rows
+from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.runtime import Group
-from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter, wire_bytes
+from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter, side_allgather, side_allreduce_sum_, side_alltoall, wire_bytes
 from hvd_lowcomm.methods.powersgd import orthogonalise
 
 COMPRESSIONS = ("none", "fp16", "int8", "int2", "sparse", "lowrank")
@@ -173,25 +175,13 @@ class Exchange:
         return owners
 
     def _allreduce(self, values: torch.Tensor) -> torch.Tensor:
-        from mpi4py import MPI
-
-        if self.members > 1:
-            self.column.comm.Allreduce(MPI.IN_PLACE, values.numpy(), op=MPI.SUM)
-        return values
+        return side_allreduce_sum_(values, self.column) if self.members > 1 else values
 
     def _allgather(self, payload: torch.Tensor) -> list[torch.Tensor]:
-        if self.members == 1:
-            return [payload]
-        out = np.empty(self.members * len(payload), dtype=np.uint8)
-        self.column.comm.Allgather(payload.numpy(), out)
-        return list(torch.from_numpy(out).chunk(self.members))
+        return side_allgather(payload, self.column) if self.members > 1 else [payload]
 
     def _alltoall(self, payload: torch.Tensor) -> list[torch.Tensor]:
-        if self.members == 1:
-            return [payload]
-        out = np.empty_like(payload.numpy())
-        self.column.comm.Alltoall(payload.numpy(), out)
-        return list(torch.from_numpy(out).chunk(self.members))
+        return side_alltoall(payload, self.column) if self.members > 1 else [payload]
 
     def _encode_chunks(self, values: torch.Tensor, encode: Callable[[torch.Tensor], Encoded]
                        ) -> tuple[list[Encoded], int]:
@@ -230,7 +220,7 @@ class Exchange:
                  for i, ((_, chunk), codec) in enumerate(cut)]
         mine = [codec.encode(m) for m, (_, codec) in zip(means, cut)]
         gathered = [g.split(sizes) for g in self._allgather(torch.cat(mine))]
-        owned = self.column.comm.Get_rank() if self.members > 1 else 0
+        owned = self.column.rank_of(runtime.rank()) if self.members > 1 else 0
         out = []
         for i, ((v, _), ((encoded, chunk), codec)) in enumerate(zip(parts, cut)):
             lost = torch.zeros(chunk * self.members)

@@ -102,7 +102,7 @@ class DiLoCo:
         groups = runtime.default_group_count(o.groups, runtime.size())
         runtime.group_layout(runtime.size(), num_groups=groups)  # a clear error when they do not divide
         self.group, self.all_groups = runtime.split_world(num_groups=groups, label="group")
-        self.column, _ = runtime.split_by_position(groups, label="column")
+        self.column, _ = runtime.split_by_position(groups, label="column", side=True)
         self.position = self.group.rank_of(runtime.rank())
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         bounds = fragment_bounds([p.numel() for _, p in named], o.fragments)
