@@ -64,11 +64,13 @@ docs: $(STAMP)
 	@echo "docs: open docs/_build/html/index.html"
 
 # On a machine with one CUDA GPU: every method a few steps on the GPU against the CPU, at np 1
-# and 2, and one exact resume (scripts/gpu_check.py; builds Horovod from vendor/ if it has none).
-# GPU_CHECK_PY: that machine's own Python, with torch, mpi4py and h5py.
+# and 2, and one exact resume, on the torch engine (NCCL) first, then Horovod where it is there
+# or buildable from vendor/ in the time left (scripts/gpu_check.py). GPU_CHECK_PY: that
+# machine's own Python, with torch, mpi4py and h5py. A dry run on the CPU:
+# make gpu-check GPU_CHECK_ARGS="--device testdev --engines torch"
 GPU_CHECK_PY ?= python3
 gpu-check:
-	$(GPU_CHECK_PY) scripts/gpu_check.py
+	$(GPU_CHECK_PY) scripts/gpu_check.py $(GPU_CHECK_ARGS)
 
 # What gpu-check needs and a machine without network lacks: Horovod's sdist, into vendor/.
 vendor:

@@ -180,3 +180,23 @@ def test_the_gpu_check_says_there_is_no_gpu_and_fails(tmp_path):
                           text=True, timeout=300)
     assert done.returncode == 1 and "no CUDA GPU here" in done.stderr, done.stdout + done.stderr
     assert "torch " in done.stdout  # what the machine has, first
+
+
+@pytest.mark.skipif(SIZE > 1, reason="launches jobs of its own")
+def test_the_gpu_check_dry_run_checks_the_torch_engine_first_and_names_it_in_every_row(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import clean_env
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
+    done = subprocess.run([sys.executable, str(script), "--device", "testdev", "--methods", "ddp,diloco",
+                           "--engines", "torch", "--out", str(tmp_path)], env=clean_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["engine"], r["ranks"], r["method"]) for r in rows] == [
+        ("torch", 1, "ddp"), ("torch", 2, "ddp"), ("torch", 2, "diloco"), ("torch", 2, "ddp resume")]
+    assert all(r["ok"] for r in rows), rows
+    assert "| torch | 2 | diloco |" in (tmp_path / "results.md").read_text()

@@ -1,14 +1,17 @@
 """`make gpu-check`: every method a few steps on a GPU, against the same steps on the CPU.
 
 For a machine with one CUDA GPU, PyTorch, mpi4py and h5py, but maybe no Horovod and no
-network: it reports what the machine has, builds Horovod (with NCCL) from the sdist carried in
-vendor/ when none is installed, runs every method at np 1 and np 2 (two ranks sharing the GPU
-exchange through host memory, HVD_LOWCOMM_SHARE_GPUS=1), compares each run's test loss with
-the CPU's, checks that a resumed GPU run is the run that stopped, and prints a table (also
-written to --out). Without a GPU it says so and exits 1.
+network. It reports what the machine has, then runs every method at np 2 (and a few at np 1)
+on each engine in `--engines`: first torch (torch.distributed: NCCL for CUDA tensors, Gloo for
+CPU ones; nothing to build), then Horovod where it is installed, or where its sdist is carried
+in vendor/ and `--budget` leaves time to build it (with NCCL) and run. Two ranks sharing the
+one GPU exchange through host memory (HVD_LOWCOMM_SHARE_GPUS=1: NCCL refuses two ranks on one
+device). Each run's test loss is compared with the same steps on the CPU (the torch engine's),
+a resumed GPU run must be the run that stopped, and a table with one row per engine, rank count
+and method is printed and written to --out. Without a GPU it says so and exits 1.
 
-    python scripts/gpu_check.py                    # on the GPU machine (make gpu-check)
-    python scripts/gpu_check.py --device testdev   # the same flow on this CPU, on the tests' second device
+    python scripts/gpu_check.py                                  # on the GPU machine (make gpu-check)
+    python scripts/gpu_check.py --device testdev --engines torch # a dry run on this CPU (the tests' second device)
 """
 from __future__ import annotations
 
@@ -25,8 +28,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 HOROVOD_SDIST = ROOT / "vendor" / "horovod-0.28.1.tar.gz"
-ONE_RANK = ["ddp", "ddp-fp16", "powersgd", "dad", "rank-dad", "edad", "local"]
-TWO_RANKS = [*ONE_RANK, "ab", "diloco", "sil", "mp"]
+ONE_RANK = ["ddp", "dad", "local"]  # one rank: the device's own code paths, no exchange
+TWO_RANKS = ["ddp", "ddp-fp16", "powersgd", "dad", "rank-dad", "edad", "local", "ab", "diloco", "sil", "mp"]
+ENGINES = ("torch", "horovod")
+# Horovod's build from the sdist with NCCL: what the budget must still hold to try it.
+HOROVOD_BUILD_SECONDS = 360
 # A GPU's kernels round differently from the CPU's: six steps apart, losses agree to this share.
 LOSS_TOLERANCE = 0.02
 
@@ -38,6 +44,15 @@ def main() -> int:
     parser.add_argument("--out", default="gpu-check", help="directory for results.md, results.json and runs")
     parser.add_argument("--mpirun", default="mpirun --allow-run-as-root --oversubscribe",
                         help="launcher and its options (default: %(default)s)")
+    parser.add_argument("--engines", default="torch,horovod",
+                        help="engines to check, in order (default: %(default)s; horovod is skipped, and said so, "
+                             "where it is neither installed nor buildable in the budget's time left)")
+    parser.add_argument("--methods", default="",
+                        help="only these methods, comma-separated (default: every one: "
+                             f"{', '.join(TWO_RANKS)})")
+    parser.add_argument("--budget", type=float, default=540,
+                        help="seconds the whole check may take; Horovod is built only if the time left holds its "
+                             "build and the torch engine's runs again (default: %(default)s)")
     sys.path[:0] = [str(ROOT)]  # the checkout, where hvd_lowcomm is not installed
     argv = sys.argv[1:]
     if "run-one" in argv:  # inside a launch: what follows is the training program's command line
@@ -50,22 +65,40 @@ def main() -> int:
     if args.device == "cuda" and not cuda_available():
         print("gpu-check: no CUDA GPU here (torch.cuda.is_available() is False); run it where one is", file=sys.stderr)
         return 1
-    ensure_horovod(out)
+    engines = [e for e in args.engines.split(",") if e]
+    if not engines or any(e not in ENGINES for e in engines):
+        parser.error(f"--engines takes a comma-separated list of {', '.join(ENGINES)}, got {args.engines!r}")
+    chosen = [m for m in args.methods.split(",") if m] or TWO_RANKS
+    if any(m not in TWO_RANKS for m in chosen):
+        parser.error(f"--methods takes a comma-separated list of {', '.join(TWO_RANKS)}, got {args.methods!r}")
+    started = time.time()
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(out / "site"), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     data = synthetic_dataset(out / "data.h5")
-    rows = []
-    for ranks, methods in ((1, ONE_RANK), (2, TWO_RANKS)):
-        for method in methods:
-            rows.append(compare(args, ranks, method, data, out))
-            print(format_row(rows[-1]), flush=True)
-    rows.append(resume_check(args, data, out))
-    print(format_row(rows[-1]), flush=True)
-    table = "\n".join(["| ranks | method | device loss | cpu loss | rel. diff | seconds | ok |",
-                       "|---|---|---|---|---|---|---|", *map(format_row, rows)])
+    rows, cpu_losses, skipped, torch_stage_seconds = [], {}, [], 0.0
+    for engine in engines:
+        engine_started = time.time()
+        if engine == "horovod":
+            why_not = ensure_horovod(out, args.budget - (time.time() - started), torch_stage_seconds)
+            if why_not:
+                skipped.append(f"horovod: {why_not}")
+                print(f"gpu-check: horovod skipped: {why_not}", flush=True)
+                continue
+        for ranks, methods in ((1, ONE_RANK), (2, TWO_RANKS)):
+            for method in [m for m in methods if m in chosen]:
+                rows.append(compare(args, engine, ranks, method, data, out, cpu_losses))
+                print(format_row(rows[-1]), flush=True)
+        rows.append(resume_check(args, engine, data, out))
+        print(format_row(rows[-1]), flush=True)
+        if engine == "torch":
+            torch_stage_seconds = time.time() - engine_started
+    table = "\n".join(["| engine | ranks | method | device loss | cpu loss | rel. diff | seconds | ok |",
+                       "|---|---|---|---|---|---|---|---|", *map(format_row, rows)])
+    table += "".join(f"\n\nskipped: {why}" for why in skipped)
     (out / "results.md").write_text(table + "\n")
     (out / "results.json").write_text(json.dumps(rows, indent=1))
-    failed = [f"{r['method']} at np {r['ranks']}" for r in rows if not r["ok"]]
+    failed = [f"{r['method']} at np {r['ranks']} on {r['engine']}" for r in rows if not r["ok"]]
     print(f"\n{table}\n\ngpu-check: {'FAILED: ' + ', '.join(failed) if failed else 'every run agreed'} "
-          f"(results in {out})")
+          f"in {time.time() - started:.0f} s (results in {out})")
     return 1 if failed else 0
 
 
@@ -99,21 +132,23 @@ def machine_report() -> str:
     return "gpu-check: this machine\n  " + "\n  ".join(lines)
 
 
-def ensure_horovod(out: Path) -> None:
-    """Build Horovod from the carried sdist (C++17, NCCL from the nvidia-nccl package) when
-    this Python has none; installed into out/site, which the runs put on PYTHONPATH."""
+def ensure_horovod(out: Path, seconds_left: float, torch_stage_seconds: float) -> str | None:
+    """Horovod importable, or built from the carried sdist (C++17, NCCL from the nvidia-nccl
+    package) into out/site, which the runs have on PYTHONPATH, when the time left holds the
+    build and a stage as long as the torch engine's; else why not."""
     site = out / "site"
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     sys.path[:0] = [str(site)]
     try:
         import horovod.torch as hvd  # noqa: F401
         print(f"gpu-check: horovod present (NCCL: {hvd.nccl_built()})", flush=True)
-        return
+        return None
     except ImportError:
         pass
     if not HOROVOD_SDIST.is_file():
-        raise SystemExit(f"gpu-check: no horovod here and no {HOROVOD_SDIST} to build it from "
-                         f"(pip download --no-deps --no-binary :all: horovod==0.28.1 -d vendor)")
+        return (f"not installed, and no {HOROVOD_SDIST.relative_to(ROOT)} to build it from (make vendor on a machine "
+                f"with network)")
+    if seconds_left < HOROVOD_BUILD_SECONDS + torch_stage_seconds:
+        return f"not installed, and {seconds_left:.0f} s left of --budget cannot hold its build and runs"
     start = time.time()
     build = Path(tempfile.mkdtemp(prefix="horovod-build-"))
     with tarfile.open(HOROVOD_SDIST) as archive:
@@ -132,8 +167,9 @@ def ensure_horovod(out: Path) -> None:
         done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps",
                                "--target", str(site), str(source)], env=env, stdout=sink, stderr=subprocess.STDOUT)
     if done.returncode:
-        raise SystemExit(f"gpu-check: the horovod build failed; its log: {log}")
+        return f"its build failed; the log: {log}"
     print(f"gpu-check: horovod built in {time.time() - start:.0f} s", flush=True)
+    return None
 
 
 def nccl_home() -> Path | None:
@@ -190,37 +226,47 @@ def register_second_device() -> None:
     register()
 
 
-def train_args(args: argparse.Namespace, method: str, device: str, data: Path, run_dir: Path, name: str,
-               *extra: str) -> list[str]:
-    return ["--method", method, "--train.device", device, "--train.max_steps", str(args.steps),
-            "--train.epochs", "1", "--data.path", str(data), "--run.dir", str(run_dir), "--run.name", name,
-            "--run.progress", "false", *extra]
+def train_args(args: argparse.Namespace, engine: str, method: str, device: str, data: Path, run_dir: Path,
+               name: str, *extra: str) -> list[str]:
+    return ["--method", method, "--comm.engine", engine, "--train.device", device, "--train.max_steps",
+            str(args.steps), "--train.epochs", "1", "--data.path", str(data), "--run.dir", str(run_dir),
+            "--run.name", name, "--run.progress", "false", *extra]
 
 
-def compare(args: argparse.Namespace, ranks: int, method: str, data: Path, out: Path) -> dict:
+def compare(args: argparse.Namespace, engine: str, ranks: int, method: str, data: Path, out: Path,
+            cpu_losses: dict[tuple[int, str], float]) -> dict:
+    """One method on the device, against its CPU run (made once, on the first engine checked:
+    the engines agree on a seeded run to float32 rounding)."""
     losses, seconds, problems = {}, 0.0, []
     for device in (args.device, "cpu"):
-        run_dir = out / "runs" / f"np{ranks}-{device}"
-        status, spent, output = run_training(args, ranks, device, train_args(args, method, device, data, run_dir, method))
+        if device == "cpu" and (ranks, method) in cpu_losses:
+            losses["cpu"] = cpu_losses[(ranks, method)]
+            continue
+        run_dir = out / "runs" / f"{engine}-np{ranks}-{device}"
+        argv = train_args(args, engine, method, device, data, run_dir, method)
+        status, spent, output = run_training(args, ranks, device, argv)
         seconds += spent if device != "cpu" else 0.0
         if status:
             problems.append(f"{device}: exit {status}: {output.strip().splitlines()[-1] if output.strip() else ''}")
             continue
         losses[device] = json.loads((run_dir / method / "summary.json").read_text())["final_test_loss"]
+    if "cpu" in losses:
+        cpu_losses[(ranks, method)] = losses["cpu"]
     got, expected = losses.get(args.device), losses.get("cpu")
     difference = abs(got - expected) / max(abs(expected), 1e-12) if got is not None and expected is not None else None
-    return {"ranks": ranks, "method": method, "device_loss": got, "cpu_loss": expected, "difference": difference,
-            "seconds": seconds, "ok": difference is not None and difference <= LOSS_TOLERANCE, "problems": problems}
+    return {"engine": engine, "ranks": ranks, "method": method, "device_loss": got, "cpu_loss": expected,
+            "difference": difference, "seconds": seconds,
+            "ok": difference is not None and difference <= LOSS_TOLERANCE, "problems": problems}
 
 
-def resume_check(args: argparse.Namespace, data: Path, out: Path) -> dict:
+def resume_check(args: argparse.Namespace, engine: str, data: Path, out: Path) -> dict:
     """ddp on the device: 2 x steps at once, and steps then a resume to 2 x steps; the models
     must match."""
     import torch
 
-    run_dir = out / "runs" / "resume"
-    whole = train_args(args, "ddp", args.device, data, run_dir, "whole", "--train.lr_schedule", "constant")
-    parts = train_args(args, "ddp", args.device, data, run_dir, "parts", "--train.lr_schedule", "constant")
+    run_dir = out / "runs" / f"{engine}-resume"
+    whole = train_args(args, engine, "ddp", args.device, data, run_dir, "whole", "--train.lr_schedule", "constant")
+    parts = train_args(args, engine, "ddp", args.device, data, run_dir, "parts", "--train.lr_schedule", "constant")
     steps = str(2 * args.steps)
     results = [run_training(args, 2, args.device, [*whole, "--train.max_steps", steps]),
                run_training(args, 2, args.device, parts),
@@ -233,15 +279,15 @@ def resume_check(args: argparse.Namespace, data: Path, out: Path) -> dict:
         a, b = (torch.load(run_dir / name / "model.pt", weights_only=args.device != "testdev",
                            map_location="cpu" if args.device != "testdev" else None) for name in ("whole", "parts"))
         difference = max(float((a[key].cpu() - b[key].cpu()).abs().max()) for key in a)
-    return {"ranks": 2, "method": "ddp resume", "device_loss": None, "cpu_loss": None, "difference": difference,
-            "seconds": sum(r[1] for r in results), "ok": difference is not None and difference <= 1e-6,
-            "problems": problems}
+    return {"engine": engine, "ranks": 2, "method": "ddp resume", "device_loss": None, "cpu_loss": None,
+            "difference": difference, "seconds": sum(r[1] for r in results),
+            "ok": difference is not None and difference <= 1e-6, "problems": problems}
 
 
 def format_row(row: dict) -> str:
     def number(value: float | None) -> str:
         return "-" if value is None else f"{value:.4g}"
-    return (f"| {row['ranks']} | {row['method']} | {number(row['device_loss'])} | {number(row['cpu_loss'])} | "
+    return (f"| {row['engine']} | {row['ranks']} | {row['method']} | {number(row['device_loss'])} | {number(row['cpu_loss'])} | "
             f"{number(row['difference'])} | {row['seconds']:.1f} | {'yes' if row['ok'] else 'NO ' + '; '.join(row['problems'])} |")
 
 
