@@ -102,17 +102,17 @@ def _register(process_sets: list[list[int]]) -> None:
 
 
 def _sleep_on_every_rank(seconds: float) -> None:
-    """IDLE once every rank is up (and every set registered), sleep, DONE when rank 0 wakes."""
-    import horovod.torch as hvd
-    import torch
+    """IDLE once every rank is up (and every set registered), sleep, DONE when rank 0 wakes
+    (MPI's barriers, on either engine: the torch engine has no coordination of its own to count)."""
+    from mpi4py import MPI
 
-    hvd.allreduce(torch.zeros(1), name="probe.ready")
-    if hvd.rank() == 0:
+    MPI.COMM_WORLD.Barrier()
+    if MPI.COMM_WORLD.Get_rank() == 0:
         print(IDLE, flush=True)
     time.sleep(seconds)
-    if hvd.rank() == 0:
+    if MPI.COMM_WORLD.Get_rank() == 0:
         print(DONE, flush=True)
-    hvd.allreduce(torch.zeros(1), name="probe.done")
+    MPI.COMM_WORLD.Barrier()
 
 
 if __name__ == "__main__":

@@ -142,6 +142,22 @@ def test_repeated_runs_are_kept_apart_and_their_range_is_tabled(tmp_path):
 
 @only_from_the_1_rank_suite
 @needs_netns
+def test_the_torch_engine_meets_across_emulated_nodes_where_no_host_name_resolves(tmp_path):
+    # Each node's namespace has its own host name and a route only to the cluster's subnet: rank
+    # 0's address and each rank's Gloo interface come from the rendezvous over MPI.
+    proc = compare(tmp_path, "--methods", "ddp,diloco:compression=none", "--np", "4", "--nodes", "2", "--link",
+                   "1gbit", "--", "--train.max_steps", "8", "--comm.engine", "torch")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {row["method"]: row for row in csv.DictReader(open(tmp_path / "results.csv"))}
+    assert set(rows) == {"ddp", "diloco:compression=none"} and all(r["agreement"] == "ok" for r in rows.values())
+    log = (tmp_path / "runs" / "np4-ddp.log").read_text()
+    assert "engine torch (as requested)" in log
+    ddp = json.loads((tmp_path / "runs" / "np4-ddp" / "summary.json").read_text())
+    assert ddp["nodes"] == 2 and ddp["train_between_nodes_bytes_all_ranks"] > 0
+
+
+@only_from_the_1_rank_suite
+@needs_netns
 def test_emulated_nodes_keep_traffic_inside_a_node_off_the_links_and_groups_follow_the_nodes(tmp_path):
     before = namespaces()
     # 6 ranks as 3 nodes of 2: without nodes DiLoCo would make 2 groups of 3; here one per node.

@@ -145,3 +145,24 @@ def test_the_engine_is_said_and_cannot_change_after_init(world):
         runtime.init(engine=other)
     if os.environ.get("HVD_LOWCOMM_ENGINE") in ("horovod", "torch"):  # the suites' way to pick one
         assert runtime.engine().name == os.environ["HVD_LOWCOMM_ENGINE"]
+
+
+def test_the_rendezvous_agrees_on_an_address_every_rank_reaches_and_binds_gloo_to_its_route(world, monkeypatch):
+    from mpi4py import MPI
+
+    from hvd_lowcomm.comm import rendezvous
+
+    for name in ("MASTER_ADDR", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(name, raising=False)
+    assert rendezvous.agree(MPI.COMM_WORLD, one_node=True) == "127.0.0.1"  # nothing leaves the node
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"
+    if not any(not a.startswith("127.") for a in MPI.COMM_WORLD.allgather(list(rendezvous.interfaces().values()))[0]):
+        pytest.skip("rank 0 has no address beside the loopback")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    address = rendezvous.agree(MPI.COMM_WORLD, one_node=False)  # as the ranks of several nodes do
+    assert set(MPI.COMM_WORLD.allgather(address)) == {address} and not address.startswith("127.")
+    interface = os.environ["GLOO_SOCKET_IFNAME"]
+    assert rendezvous.interfaces()[interface] == rendezvous.route_source(address)
+    assert os.environ["NCCL_SOCKET_IFNAME"] == interface
+    monkeypatch.setenv("MASTER_ADDR", address)  # the user's choice stands
+    assert rendezvous.agree(MPI.COMM_WORLD, one_node=False) == address

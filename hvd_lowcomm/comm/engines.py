@@ -3,10 +3,10 @@
 - `horovod`: Horovod's collectives on its process sets (its background thread fuses what is
   submitted together into one cycle).
 - `torch`: torch.distributed, Gloo for CPU tensors and NCCL for CUDA ones, on process groups
-  made from the same MPI splits as the methods' groups. Its rendezvous comes from MPI: rank 0
-  opens a TCPStore on a free port and broadcasts its address over MPI_COMM_WORLD, so neither
-  torchrun nor MASTER_ADDR/MASTER_PORT is needed (MASTER_ADDR, where set, names rank 0's
-  address). Tensors of one call and dtype are flattened into one buffer, one collective each.
+  made from the same MPI splits as the methods' groups. Its rendezvous comes from MPI
+  (hvd_lowcomm.comm.rendezvous: rank 0's address and each rank's interface agreed over MPI;
+  rank 0 opens a TCPStore on a free port and broadcasts it), so neither torchrun nor
+  MASTER_ADDR/MASTER_PORT is needed. Tensors of one call and dtype are flattened into one buffer, one collective each.
 
 Both take the same calls, so the meter and the methods above it do not know which one runs:
 `start_allreduce` / `finish` (sum or average over a group, scaled before and after),
@@ -19,13 +19,12 @@ point-to-point messages go through mpi4py on either engine (MPI launched the job
 """
 from __future__ import annotations
 
-import os
-import socket
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from hvd_lowcomm.comm import rendezvous
 from hvd_lowcomm.config import ConfigError
 
 ENGINES = ("auto", "horovod", "torch")
@@ -103,13 +102,13 @@ class HorovodEngine:
 class TorchEngine:
     name = "torch"
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Any, one_node: bool = True) -> None:
         self.dist = dist
         if not dist.is_initialized():
             rank, size = comm.Get_rank(), comm.Get_size()
+            host = rendezvous.agree(comm, one_node)
             address = None
             if rank == 0:  # a free port, chosen by the store itself: nothing can take it meanwhile
-                host = os.environ.get("MASTER_ADDR") or _own_address()
                 store = dist.TCPStore(host, 0, size, is_master=True, wait_for_workers=False)
                 address = (host, store.port)
             address = comm.bcast(address, root=0)
@@ -204,17 +203,6 @@ def _by_dtype_and_device(tensors: list[torch.Tensor]) -> dict[tuple[torch.dtype,
     for i, t in enumerate(tensors):
         groups.setdefault((t.dtype, t.device), []).append(i)
     return groups
-
-
-def _own_address() -> str:
-    """This host's address as the other nodes reach it: the one its route outward uses (no
-    packet is sent), else its name's."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect(("10.255.255.255", 1))
-            return probe.getsockname()[0]
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
 
 
 def horovod_importable() -> bool:

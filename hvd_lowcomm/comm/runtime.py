@@ -122,7 +122,7 @@ def init(seed: int | None = None, engine: str = "auto", reduce_dtype: str = "flo
         local_rank, local_size = local.Get_rank(), local.Get_size()
         local.Free()
         _bind_gpu(local_rank, local_size)
-        _engine = engines.HorovodEngine() if name == "horovod" else engines.TorchEngine(MPI.COMM_WORLD)
+        _engine = engines.HorovodEngine() if name == "horovod" else engines.TorchEngine(MPI.COMM_WORLD, len(set(_node_of)) == 1)
         world_ranks = tuple(range(MPI.COMM_WORLD.Get_size()))
         _world = Group("world", 0, world_ranks, _engine.world(), MPI.COMM_WORLD)
         _process_sets[world_ranks] = _engine.world()

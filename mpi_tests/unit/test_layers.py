@@ -17,6 +17,7 @@ LAYERS = [
     ("foundation", ["hvd_lowcomm.config", "hvd_lowcomm.metrics", "hvd_lowcomm.schedule", "hvd_lowcomm.task", "hvd_lowcomm.heldout",
                     "hvd_lowcomm.trackers"]),
     ("comm", ["hvd_lowcomm.comm", "hvd_lowcomm.comm.engines", "hvd_lowcomm.comm.runtime", "hvd_lowcomm.comm.traffic",
+              "hvd_lowcomm.comm.rendezvous",
               "hvd_lowcomm.comm.half_wire"]),
     ("data and models", ["hvd_lowcomm.data", "hvd_lowcomm.models", "hvd_lowcomm.models.*"]),
     ("cost model", ["hvd_lowcomm.costmodel"]),
