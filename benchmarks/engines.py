@@ -6,7 +6,10 @@ wrappers and DiLoCo, each on the Horovod and on the torch engine. Every variant 
 mpirun job (an engine is chosen once per job), run one after another on the same machine; the
 table gives each variant's median step against PyTorch DDP's in the same run.
 
-    python -m benchmarks.engines --np 2 --steps 60 --out runs/engines
+    python -m benchmarks.engines --np 2,4 --steps 60 --out runs/engines
+
+Variants after '@' change one Horovod setting: its background thread's cycle time
+(HOROVOD_CYCLE_TIME) or mpirun's core binding (--bind-to none).
 
 Writes results.csv and results.md in --out; --report also writes the committed report
 (benchmarks/reports/engines.md).
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -23,7 +27,10 @@ import time
 from pathlib import Path
 
 VARIANTS = ["torch-ddp", "ddp/horovod", "ddp/torch", "powersgd/horovod", "powersgd/torch", "dad/horovod",
-            "dad/torch", "diloco/horovod", "diloco/torch"]
+            "dad/torch", "diloco/horovod", "diloco/torch",
+            # Horovod's own settings: its background thread's cycle (HOROVOD_CYCLE_TIME, ms; default
+            # 1) and mpirun's binding of each rank to a core, which its thread shares (--bind-to none)
+            "ddp/horovod@cycle5", "diloco/horovod@cycle20", "ddp/horovod@unbound", "diloco/horovod@unbound"]
 WARMUP = 10  # steps left out of the median: allocation, the plans, PowerSGD's start
 
 
@@ -31,7 +38,7 @@ def worker(variant: str, steps: int, layers: int, width: int, batch: int, contex
     import torch
     import torch.nn.functional as F
 
-    method, _, engine = variant.partition("/")
+    method, _, engine = variant.partition("@")[0].partition("/")
     vocab = 256
     if method == "torch-ddp":
         import torch.distributed as dist
@@ -81,18 +88,28 @@ def worker(variant: str, steps: int, layers: int, width: int, batch: int, contex
                                       "final_loss": loss}), flush=True)
 
 
-def run(args: argparse.Namespace) -> list[dict]:
+def launch_settings(variant: str) -> tuple[list[str], dict[str, str]]:
+    """mpirun options and environment of a variant's Horovod setting (after '@')."""
+    setting = variant.partition("@")[2]
+    if setting.startswith("cycle"):
+        return [], {"HOROVOD_CYCLE_TIME": setting[len("cycle"):]}
+    return (["--bind-to", "none"], {}) if setting == "unbound" else ([], {})
+
+
+def run(args: argparse.Namespace, ranks: int) -> list[dict]:
     rows = []
     for variant in args.variants:
-        command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(args.np), sys.executable, "-m",
-                   "benchmarks.engines", "--worker", variant, "--steps", str(args.steps), "--layers", str(args.layers),
-                   "--width", str(args.width), "--batch", str(args.batch), "--context", str(args.context)]
-        print(f"[engines] {variant} ...", flush=True)
-        done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+        options, env = launch_settings(variant)
+        command = ["mpirun", "--allow-run-as-root", "--oversubscribe", *options, "-np", str(ranks), sys.executable,
+                   "-m", "benchmarks.engines", "--worker", variant, "--steps", str(args.steps), "--layers",
+                   str(args.layers), "--width", str(args.width), "--batch", str(args.batch), "--context",
+                   str(args.context)]
+        print(f"[engines] np {ranks} {variant} ...", flush=True)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=1800, env={**os.environ, **env})
         line = next((line for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
         if done.returncode != 0 or line is None:
             sys.exit(f"[engines] {variant} failed:\n{done.stdout}\n{done.stderr}")
-        rows.append(json.loads(line[len("RESULT "):]))
+        rows.append({"np": ranks, **json.loads(line[len("RESULT "):])})
         print(f"[engines] {variant}: {rows[-1]['step_ms']:.1f} ms/step", flush=True)
     reference = rows[0]["step_ms"]
     for row in rows:
@@ -104,12 +121,12 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["variant", "step_ms", "ratio_to_torch_ddp", "final_loss"])
+        writer = csv.DictWriter(f, fieldnames=["np", "variant", "step_ms", "ratio_to_torch_ddp", "final_loss"])
         writer.writeheader()
         writer.writerows({k: row[k] for k in writer.fieldnames} for row in rows)
-    table = ["| variant | step (ms, median) | × PyTorch DDP | final loss |", "|---|---|---|---|"]
-    table += [f"| {r['variant']} | {r['step_ms']:.1f} | {r['ratio_to_torch_ddp']:.2f} | {r['final_loss']:.4f} |"
-              for r in rows]
+    table = ["| np | variant | step (ms, median) | × PyTorch DDP | final loss |", "|---|---|---|---|---|"]
+    table += [f"| {r['np']} | {r['variant']} | {r['step_ms']:.1f} | {r['ratio_to_torch_ddp']:.2f} | "
+              f"{r['final_loss']:.4f} |" for r in rows]
     shape = (f"np {args.np}, gpt {args.layers} x {args.width} (tied head), batch {args.batch} x {args.context} tokens, "
              f"AdamW, {args.steps} steps (median after {WARMUP})")
     (out / "results.md").write_text(f"{shape}\n\n" + "\n".join(table) + "\n")
@@ -124,7 +141,7 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--np", type=int, default=2, help="ranks per job")
+    parser.add_argument("--np", default="2,4", help="ranks per job, comma-separated (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=60, help="training steps per variant")
     parser.add_argument("--layers", type=int, default=4, help="GPT blocks")
     parser.add_argument("--width", type=int, default=128, help="GPT width")
@@ -139,7 +156,7 @@ def main() -> None:
     if args.worker:
         worker(args.worker, args.steps, args.layers, args.width, args.batch, args.context)
         return
-    write(run(args), args)
+    write([row for ranks in map(int, args.np.split(",")) for row in run(args, ranks)], args)
 
 
 if __name__ == "__main__":
