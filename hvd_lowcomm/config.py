@@ -182,7 +182,8 @@ class CommConfig:
                                choices=("none", "fp16"))
     engine: str = option("auto", "what moves the tensors: horovod, torch (torch.distributed: Gloo on CPUs, NCCL on "
                                  "GPUs; needs no Horovod) or auto (HVD_LOWCOMM_ENGINE where set, else Horovod where "
-                                 "it is installed, else torch)", choices=("auto", "horovod", "torch"))
+                                 "it is installed, and built with NCCL on a GPU machine, else torch)",
+                         choices=("auto", "horovod", "torch"))
     reduce_dtype: str = option("float32", "what bfloat16 tensors travel and are summed in: float32 (sums exact "
                                           "to bfloat16's rounding, twice the bytes) or bfloat16 (half the bytes, "
                                           "each partial sum rounded; the torch engine only: Horovod refuses "

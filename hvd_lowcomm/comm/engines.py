@@ -83,6 +83,14 @@ class HorovodEngine:
         """The members' own MPI communicator (Horovod's thread never touches it)."""
         return comm
 
+    def side_thread_problem(self) -> str | None:
+        """Why a worker thread cannot run side collectives here (None: it can)."""
+        from mpi4py import MPI
+
+        if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+            return "MPI was initialised without MPI_THREAD_MULTIPLE (mpi4py's default; check mpi4py.rc)"
+        return None
+
     def side_allreduce_sum_(self, tensor: torch.Tensor, handle: Any) -> None:
         from mpi4py import MPI
 
@@ -184,6 +192,9 @@ class TorchEngine:
         """A process group of its own: collectives of two threads on one group would interleave."""
         return self.dist.new_group(list(ranks))
 
+    def side_thread_problem(self) -> str | None:
+        return None  # process groups take calls from any thread
+
     def side_allreduce_sum_(self, tensor: torch.Tensor, handle: Any) -> None:
         self.dist.all_reduce(tensor, group=handle)
 
@@ -214,8 +225,8 @@ def horovod_importable() -> bool:
 
 
 def choose(requested: str, reduce_dtype: str = "float32") -> tuple[str, str]:
-    """(engine, why) for `requested` ("auto": Horovod where it is installed, else torch; torch
-    for bfloat16 on the wire, which Horovod refuses)."""
+    """(engine, why) for `requested` ("auto": Horovod where it is installed and, on a machine
+    with a GPU, built with NCCL; else torch, also for bfloat16 on the wire, which Horovod refuses)."""
     if requested not in ENGINES:
         raise ConfigError(f"comm.engine must be one of {', '.join(ENGINES)}, got {requested!r}")
     if reduce_dtype not in REDUCE_DTYPES:
@@ -227,6 +238,10 @@ def choose(requested: str, reduce_dtype: str = "float32") -> tuple[str, str]:
         return requested, "as requested"
     if reduce_dtype == "bfloat16":
         return "torch", "auto: bfloat16 on the wire, which Horovod refuses"
-    if horovod_importable():
-        return "horovod", "auto: Horovod is installed"
-    return "torch", "auto: Horovod is not installed"
+    if not horovod_importable():
+        return "torch", "auto: Horovod is not installed"
+    import horovod.torch as hvd
+
+    if torch.cuda.is_available() and not hvd.nccl_built():
+        return "torch", "auto: this Horovod has no GPU operations (built without NCCL)"
+    return "horovod", "auto: Horovod is installed"

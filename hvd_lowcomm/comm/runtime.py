@@ -100,8 +100,8 @@ def launcher_problem(environ: dict[str, str] | None = None) -> str | None:
 def init(seed: int | None = None, engine: str = "auto", reduce_dtype: str = "float32") -> Group:
     """Start MPI and the engine (idempotent), bind the device, seed everything; return the world
     group. engine: "horovod", "torch" or "auto" (HVD_LOWCOMM_ENGINE where set, else Horovod where
-    it is installed, else torch). reduce_dtype: what bfloat16 tensors travel and are summed in,
-    "float32" or "bfloat16" (the torch engine only)."""
+    it is installed, and built with NCCL on a GPU machine, else torch). reduce_dtype: what
+    bfloat16 tensors travel and are summed in, "float32" or "bfloat16" (the torch engine only)."""
     global _world, _engine, _engine_why, _node_of, _bf16_wire
     if _world is None:
         problem = launcher_problem()

@@ -384,6 +384,11 @@ def side_alltoall(tensor: torch.Tensor, group: Group) -> list[torch.Tensor]:
     return runtime.engine().side_alltoall(tensor, _side(group), group.size) if group.size > 1 else [tensor]
 
 
+def side_thread_problem() -> str | None:
+    """Why a worker thread cannot run side-channel collectives on this engine (None: it can)."""
+    return runtime.engine().side_thread_problem()
+
+
 def _side(group: Group) -> Any:
     if group.side is None:
         raise RuntimeError(f"{group.label} was split without a side channel (runtime.split(..., side=True))")

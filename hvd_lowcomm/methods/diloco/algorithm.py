@@ -61,7 +61,7 @@ import torch
 import torch.nn as nn
 
 from hvd_lowcomm.comm import runtime
-from hvd_lowcomm.comm.traffic import meter
+from hvd_lowcomm.comm.traffic import meter, side_thread_problem
 from hvd_lowcomm.config import ConfigError, make_options
 from hvd_lowcomm.methods.base import broadcast_model_and_optimizer, exchange_gradients
 from hvd_lowcomm.methods.diloco.options import DiLoCoOptions, fragment_bounds, shard_length, sync_due
@@ -143,11 +143,10 @@ class DiLoCo:
     def _set_every(self, every: int) -> None:
         self.options.check_schedule(every)
         if (self.options.sync_delay or self.options.eager) and self.worker is None:
-            from mpi4py import MPI
-
-            if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
-                raise ConfigError("diloco.sync_delay and diloco.eager run the exchange on a second thread, which needs MPI "
-                                  "initialised with MPI_THREAD_MULTIPLE (mpi4py's default; check mpi4py.rc)")
+            problem = side_thread_problem()
+            if problem:
+                raise ConfigError(f"diloco.sync_delay and diloco.eager run the exchange on a second thread, which "
+                                  f"cannot run collectives here: {problem}")
             self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="diloco-exchange")
         self.every = every
 
