@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from conftest import SIZE, clean_env, mpirun
+from conftest import RANK, SIZE, clean_env, mpirun
 
 JOB = textwrap.dedent("""
     import json, sys
@@ -135,7 +135,9 @@ def test_without_horovod_every_method_trains_from_the_command_line(tmp_path, met
     assert "engine torch (auto: Horovod is not installed)" in output, output
 
 
-def test_the_engine_is_said_and_cannot_change_after_init(world):
+def test_the_engine_and_reduce_dtype_are_said_and_cannot_change_after_init(world):
+    import torch
+
     from hvd_lowcomm.comm import runtime
     from hvd_lowcomm.config import ConfigError
 
@@ -143,6 +145,10 @@ def test_the_engine_is_said_and_cannot_change_after_init(world):
     assert runtime.engine_line().startswith(runtime.engine().name)
     with pytest.raises(ConfigError, match="chosen once per job"):
         runtime.init(engine=other)
+    assert runtime.bf16_wire_dtype() == torch.float32  # the suites start with the default
+    with pytest.raises(ConfigError, match="reduce_dtype is chosen once per job"):
+        runtime.init(reduce_dtype="bfloat16")
+    assert runtime.init() is runtime.init(reduce_dtype="float32") is world  # a later init() takes what is set
     if os.environ.get("HVD_LOWCOMM_ENGINE") in ("horovod", "torch"):  # the suites' way to pick one
         assert runtime.engine().name == os.environ["HVD_LOWCOMM_ENGINE"]
 
@@ -151,18 +157,25 @@ def test_the_rendezvous_agrees_on_an_address_every_rank_reaches_and_binds_gloo_t
     from mpi4py import MPI
 
     from hvd_lowcomm.comm import rendezvous
+    from hvd_lowcomm.config import ConfigError
 
     for name in ("MASTER_ADDR", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        monkeypatch.delenv(name, raising=False)
-    assert rendezvous.agree(MPI.COMM_WORLD, one_node=True) == "127.0.0.1"  # nothing leaves the node
+        monkeypatch.setenv(name, "")  # (recorded, so that what agree sets is undone after the test)
+        monkeypatch.delenv(name)
+    assert rendezvous.agree(MPI.COMM_WORLD, one_node=True, beside_root=True) == "127.0.0.1"  # nothing leaves the node
     assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"
     if not any(not a.startswith("127.") for a in MPI.COMM_WORLD.allgather(list(rendezvous.interfaces().values()))[0]):
         pytest.skip("rank 0 has no address beside the loopback")
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")
-    address = rendezvous.agree(MPI.COMM_WORLD, one_node=False)  # as the ranks of several nodes do
+    # as on several nodes, these ranks on rank 0's
+    address = rendezvous.agree(MPI.COMM_WORLD, one_node=False, beside_root=True)
     assert set(MPI.COMM_WORLD.allgather(address)) == {address} and not address.startswith("127.")
     interface = os.environ["GLOO_SOCKET_IFNAME"]
     assert rendezvous.interfaces()[interface] == rendezvous.route_source(address)
     assert os.environ["NCCL_SOCKET_IFNAME"] == interface
     monkeypatch.setenv("MASTER_ADDR", address)  # the user's choice stands
-    assert rendezvous.agree(MPI.COMM_WORLD, one_node=False) == address
+    assert rendezvous.agree(MPI.COMM_WORLD, one_node=False, beside_root=True) == address
+    if SIZE > 1:  # a rank said to be on another node that holds rank 0's address reaches itself there, not rank 0
+        monkeypatch.delenv("MASTER_ADDR")
+        with pytest.raises(ConfigError, match="no address of rank 0"):
+            rendezvous.agree(MPI.COMM_WORLD, one_node=False, beside_root=RANK == 0)

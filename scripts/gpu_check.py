@@ -72,7 +72,9 @@ def main() -> int:
     if any(m not in TWO_RANKS for m in chosen):
         parser.error(f"--methods takes a comma-separated list of {', '.join(TWO_RANKS)}, got {args.methods!r}")
     started = time.time()
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(out / "site"), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    # the runs import hvd_lowcomm from the checkout, and a Horovod built here from out/site
+    paths = (str(out / "site"), str(ROOT), os.environ.get("PYTHONPATH", ""))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     data = synthetic_dataset(out / "data.h5")
     rows, cpu_losses, skipped, torch_stage_seconds = [], {}, [], 0.0
     for engine in engines:

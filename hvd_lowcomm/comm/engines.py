@@ -6,7 +6,8 @@
   made from the same MPI splits as the methods' groups. Its rendezvous comes from MPI
   (hvd_lowcomm.comm.rendezvous: rank 0's address and each rank's interface agreed over MPI;
   rank 0 opens a TCPStore on a free port and broadcasts it), so neither torchrun nor
-  MASTER_ADDR/MASTER_PORT is needed. Tensors of one call and dtype are flattened into one buffer, one collective each.
+  MASTER_ADDR/MASTER_PORT is needed. Tensors of one call and dtype are flattened into one
+  buffer, one collective each.
 
 Both take the same calls, so the meter and the methods above it do not know which one runs:
 `start_allreduce` / `finish` (sum or average over a group, scaled before and after),
@@ -110,11 +111,13 @@ class HorovodEngine:
 class TorchEngine:
     name = "torch"
 
-    def __init__(self, comm: Any, one_node: bool = True) -> None:
+    def __init__(self, comm: Any, node_of: tuple[int, ...] | None = None) -> None:
+        """`node_of`: the node of every rank of `comm` (None: found over `comm`)."""
         self.dist = dist
         if not dist.is_initialized():
             rank, size = comm.Get_rank(), comm.Get_size()
-            host = rendezvous.agree(comm, one_node)
+            node_of = node_of or rendezvous.nodes_of(comm)
+            host = rendezvous.agree(comm, len(set(node_of)) == 1, node_of[rank] == node_of[0])
             address = None
             if rank == 0:  # a free port, chosen by the store itself: nothing can take it meanwhile
                 store = dist.TCPStore(host, 0, size, is_master=True, wait_for_workers=False)

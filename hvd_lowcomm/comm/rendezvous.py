@@ -4,10 +4,10 @@ nor MASTER_ADDR or GLOO_SOCKET_IFNAME is needed (where set, they are used).
 
 - One node: the loopback (nothing leaves the node).
 - Several nodes: rank 0 offers its IPv4 addresses (MASTER_ADDR alone, where set); every rank
-  says which of them its routing table reaches, and the first that every rank reaches is the
-  store's. Each rank's Gloo (and NCCL bootstrap) interface is the one its route to that address
-  leaves through: the kernel's own choice, read from a UDP socket's local address (no packet is
-  sent).
+  says which of them its routing table reaches (not counting one its own node also holds), and
+  the first that every rank reaches is the store's. Each rank's Gloo (and NCCL bootstrap)
+  interface is the one its route to that address leaves through: the kernel's own choice, read
+  from a UDP socket's local address (no packet is sent).
 """
 from __future__ import annotations
 
@@ -46,9 +46,19 @@ def route_source(address: str) -> str | None:
         return None
 
 
-def agree(comm: Any, one_node: bool) -> str:
-    """Rank 0's address for the store (collective over `comm`); sets this rank's
-    GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME, for several nodes) where the user has not."""
+def nodes_of(comm: Any) -> tuple[int, ...]:
+    """The node of every rank of `comm` (index in order of first appearance of its host name);
+    collective."""
+    from mpi4py import MPI
+
+    hosts = comm.allgather(MPI.Get_processor_name())
+    return tuple(list(dict.fromkeys(hosts)).index(host) for host in hosts)
+
+
+def agree(comm: Any, one_node: bool, beside_root: bool) -> str:
+    """Rank 0's address for the store (collective over `comm`; `one_node`: all its ranks share
+    a node, `beside_root`: this rank shares rank 0's); sets this rank's GLOO_SOCKET_IFNAME (and
+    NCCL_SOCKET_IFNAME, for several nodes) where the user has not."""
     if one_node and "MASTER_ADDR" not in os.environ:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", _interface_of(LOOPBACK) or "lo")
         return LOOPBACK
@@ -57,7 +67,10 @@ def agree(comm: Any, one_node: bool) -> str:
         given = os.environ.get("MASTER_ADDR")
         offered = [given] if given else [a for a in interfaces().values() if not a.startswith("127.")]
     offered = comm.bcast(offered, root=0)
-    reached = comm.allgather([route_source(address) is not None for address in offered])
+    # An address another node holds too (a container bridge's, say) leads there, not to rank 0.
+    own = set(interfaces().values())
+    reached = comm.allgather([route_source(address) is not None and (beside_root or address not in own)
+                              for address in offered])
     common = [address for i, address in enumerate(offered) if all(mine[i] for mine in reached)]
     if not common:
         raise ConfigError(f"the torch engine found no address of rank 0 ({', '.join(offered) or 'none'}) that every "

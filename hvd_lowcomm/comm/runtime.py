@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from hvd_lowcomm.comm import engines
+from hvd_lowcomm.comm import engines, rendezvous
 from hvd_lowcomm.config import ConfigError
 
 
@@ -97,18 +97,19 @@ def launcher_problem(environ: dict[str, str] | None = None) -> str | None:
             f"`srun -n {n} python ...` under Slurm")
 
 
-def init(seed: int | None = None, engine: str = "auto", reduce_dtype: str = "float32") -> Group:
+def init(seed: int | None = None, engine: str = "auto", reduce_dtype: str | None = None) -> Group:
     """Start MPI and the engine (idempotent), bind the device, seed everything; return the world
     group. engine: "horovod", "torch" or "auto" (HVD_LOWCOMM_ENGINE where set, else Horovod where
     it is installed, and built with NCCL on a GPU machine, else torch). reduce_dtype: what
-    bfloat16 tensors travel and are summed in, "float32" or "bfloat16" (the torch engine only)."""
+    bfloat16 tensors travel and are summed in, "float32" or "bfloat16" (the torch engine only);
+    None: float32 at the first init, the first init's choice after it (as "auto" for engine)."""
     global _world, _engine, _engine_why, _node_of, _bf16_wire
     if _world is None:
         problem = launcher_problem()
         if problem:
             raise ConfigError(problem)
         requested = os.environ.get("HVD_LOWCOMM_ENGINE", "auto") if engine == "auto" else engine
-        name, _engine_why = engines.choose(requested, reduce_dtype)
+        name, _engine_why = engines.choose(requested, reduce_dtype or "float32")
         _bf16_wire = torch.bfloat16 if reduce_dtype == "bfloat16" else torch.float32
         from mpi4py import MPI
 
@@ -116,19 +117,18 @@ def init(seed: int | None = None, engine: str = "auto", reduce_dtype: str = "flo
             import horovod.torch as hvd
 
             start_horovod(hvd, MPI)
-        hosts = MPI.COMM_WORLD.allgather(MPI.Get_processor_name())
-        _node_of = tuple(list(dict.fromkeys(hosts)).index(host) for host in hosts)
+        _node_of = rendezvous.nodes_of(MPI.COMM_WORLD)
         local = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
         local_rank, local_size = local.Get_rank(), local.Get_size()
         local.Free()
         _bind_gpu(local_rank, local_size)
-        _engine = engines.HorovodEngine() if name == "horovod" else engines.TorchEngine(MPI.COMM_WORLD, len(set(_node_of)) == 1)
+        _engine = engines.HorovodEngine() if name == "horovod" else engines.TorchEngine(MPI.COMM_WORLD, _node_of)
         world_ranks = tuple(range(MPI.COMM_WORLD.Get_size()))
         _world = Group("world", 0, world_ranks, _engine.world(), MPI.COMM_WORLD)
         _process_sets[world_ranks] = _engine.world()
         if "OMP_NUM_THREADS" not in os.environ:  # the user's (or the job script's) choice stands
             torch.set_num_threads(compute_threads(local_size, len(os.sched_getaffinity(0)), os.cpu_count() or 1))
-    elif (reduce_dtype == "bfloat16") != (_bf16_wire == torch.bfloat16):
+    elif reduce_dtype is not None and (reduce_dtype == "bfloat16") != (_bf16_wire == torch.bfloat16):
         raise ConfigError(f"hvd_lowcomm already sends bfloat16 tensors as {str(_bf16_wire)[6:]}; reduce_dtype is "
                           f"chosen once per job, at the first init")
     elif engine != "auto" and engine != _engine.name:

@@ -138,7 +138,7 @@ class Exchange:
     def start(self, fragment: int, delta: torch.Tensor, shapes: list[tuple[int, ...]], start: int) -> Collective:
         summed = delta.detach().cpu().clone()
         self._record(fragment, self.transfers(len(delta), shapes, start))
-        return lambda: self._allreduce(summed).div_(self.members).to(delta.device)
+        return lambda: side_allreduce_sum_(summed, self.column).div_(self.members).to(delta.device)
 
     def take_unsent(self, fragment: int, share: float = 1.0) -> torch.Tensor | None:
         """`share` of this member's error feedback for the fragment, handed over and taken out of
@@ -174,15 +174,6 @@ class Exchange:
             return payload
         return owners
 
-    def _allreduce(self, values: torch.Tensor) -> torch.Tensor:
-        return side_allreduce_sum_(values, self.column) if self.members > 1 else values
-
-    def _allgather(self, payload: torch.Tensor) -> list[torch.Tensor]:
-        return side_allgather(payload, self.column) if self.members > 1 else [payload]
-
-    def _alltoall(self, payload: torch.Tensor) -> list[torch.Tensor]:
-        return side_alltoall(payload, self.column) if self.members > 1 else [payload]
-
     def _encode_chunks(self, values: torch.Tensor, encode: Callable[[torch.Tensor], Encoded]
                        ) -> tuple[list[Encoded], int]:
         """`values` cut into one chunk per column member (the last padded with zeros), each
@@ -203,8 +194,9 @@ class Exchange:
         `payload`: member j receives every member's chunk j (alltoall), sums them in fp32 and
         returns its mean chunk encoded (allgather; `decode_mean` reads those, when `encode`
         differs from the first encoding)."""
-        mean = torch.stack([decode(p, chunk) for p in self._alltoall(payload)]).sum(0) / self.members
-        return torch.cat([(decode_mean or decode)(p, chunk) for p in self._allgather(encode(mean))])[:numbers]
+        mean = torch.stack([decode(p, chunk) for p in side_alltoall(payload, self.column)]).sum(0) / self.members
+        means = side_allgather(encode(mean), self.column)
+        return torch.cat([(decode_mean or decode)(p, chunk) for p in means])[:numbers]
 
     def _means(self, parts: list[tuple[torch.Tensor, Codec]]) -> list[Means]:
         """The column's mean of each of `parts` in one reduce-scatter (chunks in the part's
@@ -215,11 +207,11 @@ class Exchange:
         cut = [(self._encode_chunks(v, codec.encode), codec) for v, codec in parts]
         sizes = [codec.size(chunk) for (_, chunk), codec in cut]
         payload = torch.cat([encoded[j] for j in range(self.members) for (encoded, _), _ in cut])
-        received = [p.split(sizes) for p in self._alltoall(payload)]  # every member's chunk j of each part
+        received = [p.split(sizes) for p in side_alltoall(payload, self.column)]  # every member's chunk j of each part
         means = [sum(codec.decode(r[i], chunk) for r in received) / self.members
                  for i, ((_, chunk), codec) in enumerate(cut)]
         mine = [codec.encode(m) for m, (_, codec) in zip(means, cut)]
-        gathered = [g.split(sizes) for g in self._allgather(torch.cat(mine))]
+        gathered = [g.split(sizes) for g in side_allgather(torch.cat(mine), self.column)]
         owned = self.column.rank_of(runtime.rank()) if self.members > 1 else 0
         out = []
         for i, ((v, _), ((encoded, chunk), codec)) in enumerate(zip(parts, cut)):
@@ -544,7 +536,8 @@ class Sparse(Exchange):
                 mean = self._reduce_scatter_mean(payload, part, len(delta), owners_top, decode,
                                                  lambda p, numbers: sparse_decode(p, numbers, self.owner_density))
             else:
-                mean = torch.stack([decode(p, len(delta)) for p in self._allgather(payload)]).sum(0).div_(self.members)
+                gathered = side_allgather(payload, self.column)
+                mean = torch.stack([decode(p, len(delta)) for p in gathered]).sum(0).div_(self.members)
             return mean.to(delta.device)
         return collective
 
