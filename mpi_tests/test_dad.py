@@ -169,6 +169,9 @@ def test_adaptive_rank_dad_is_exact_at_a_tight_target_and_keeps_the_fewest_compo
         missed = 1 - energies.cumsum(0) / energies.sum()
         k = opt.effective_ranks[name][-1]
         assert missed[k - 1] <= 0.5 + 1e-6 and (k == 1 or missed[k - 2] > 0.5), (name, k, missed)
+        # the epoch record's missed_energy: the share of the gradient's energy the sent factors left out
+        assert abs(opt.sharing.missed_shares[name][-1] - float(missed[k - 1])) <= 2e-3, (name, k, missed)
+    assert not opt.sharing.feedback_norms  # a first step has no error to feed back
     # the floor: at least min_rank components where the layer has them, whatever the target
     opt, _ = pooled_and_distributed_grads(world, mlp(), x, y, local, mode="rank", error_target=0.5, plan="all",
                                           min_rank=3)
@@ -263,6 +266,7 @@ def test_training_with_dad_methods_reports_plan_and_layer_bytes(shared_tmp, meth
             assert any(k.startswith("layer_payload_bytes/") for k in epochs[-1])
         if method == "rank-dad":
             assert 1 <= epochs[-1]["effective_rank/1"] <= 32  # at most max_rank; below min_rank where the gradient has fewer
+            assert 0 <= epochs[-1]["missed_energy/1"] <= 1 and epochs[-1]["feedback_norm/1"] >= 0
 
 
 def test_edad_on_a_cnn_is_rejected_before_training(shared_tmp, capsys):

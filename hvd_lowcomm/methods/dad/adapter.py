@@ -56,6 +56,12 @@ class DistributedAutoDiff(DataParallel):
             if ks:
                 out[f"effective_rank/{name}"] = sum(ks) / len(ks)
                 ks.clear()
+        for label, per_layer in (("missed_energy", getattr(self.optimizer.sharing, "missed_shares", {})),
+                                 ("feedback_norm", getattr(self.optimizer.sharing, "feedback_norms", {}))):
+            for name, values in per_layer.items():
+                if values:  # rank-dAD's factor errors, averaged over the epoch's steps
+                    out[f"{label}/{name}"] = sum(values) / len(values)
+                    values.clear()
         return out
 
 

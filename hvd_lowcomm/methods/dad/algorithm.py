@@ -405,6 +405,10 @@ class FactorRows(_Sharing):
         self.last_rank: dict[str, int] = {}        # k each layer kept at its last step
         self.errors: dict[str, torch.Tensor] = {}  # error feedback: what the factors left out
         self.errors_before: dict[str, torch.Tensor] = {}  # the errors before this step's exchange
+        # per layer and step: the share of (G + e)'s energy the sent factors left out, and the
+        # error-feedback norm against the step's own gradient, ‖e‖ / ‖G‖ (the epoch record's)
+        self.missed_shares: dict[str, list[float]] = {}
+        self.feedback_norms: dict[str, list[float]] = {}
 
     def planned_rows(self, module: nn.Module, rows: int, world_size: int) -> tuple[int, int]:
         return world_size * planned_rank(self.options), module.bias.numel() if module.bias is not None else 0
@@ -449,7 +453,9 @@ class FactorRows(_Sharing):
             module = exchange.layer(name)  # its weight's gradient is Σ Δᵀ A over this rank's rows: Gᵀ
             gradient = kind_of(module).matrix(module, exchange.local_weight_gradient(module).float()).T * scale
             if self.error_feedback and name in self.errors:
-                gradient += self.errors[name] * scale
+                fed_back = self.errors[name] * scale
+                self.feedback_norms.setdefault(name, []).append(float(fed_back.norm() / gradient.norm().clamp_min(1e-30)))
+                gradient += fed_back
             b_rows, c_rows = gradient_power_iteration(gradient, *iterate)
             energy = float(gradient.pow(2).sum())
         if self.adaptive:
@@ -462,8 +468,13 @@ class FactorRows(_Sharing):
             (b_half, b_scales), (c_half, c_scales) = to_half_rows(b_rows), to_half_rows(c_rows)
             packed = torch.cat([b_half, c_half], dim=1), torch.cat([b_scales, c_scales], dim=1)
             b_rows, c_rows = from_half_rows(b_half, b_scales), from_half_rows(c_half, c_scales)
-        if self.error_feedback and name not in rows and bool(torch.isfinite(gradient).all()):
-            self.errors[name] = (gradient - b_rows.T @ c_rows) / scale
+        if name not in rows:
+            missed = gradient - b_rows.T @ c_rows
+            self.missed_shares.setdefault(name, []).append(float(missed.pow(2).sum()) / max(energy, 1e-30))
+            if self.error_feedback and bool(torch.isfinite(gradient).all()):
+                self.errors[name] = missed / scale
+        elif self.adaptive:
+            self.missed_shares.setdefault(name, []).append(max(0.0, 1 - float(b_rows.pow(2).sum()) / max(energy, 1e-30)))
         self.last_rank[name] = max(1, b_rows.shape[0])
         return packed
 
