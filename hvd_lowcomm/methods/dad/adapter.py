@@ -56,11 +56,10 @@ class DistributedAutoDiff(DataParallel):
             if ks:
                 out[f"effective_rank/{name}"] = sum(ks) / len(ks)
                 ks.clear()
-        for label, per_layer in (("missed_energy", getattr(self.optimizer.sharing, "missed_shares", {})),
-                                 ("feedback_norm", getattr(self.optimizer.sharing, "feedback_norms", {}))):
+        for label, per_layer in self.optimizer.sharing.factor_errors().items():
             for name, values in per_layer.items():
-                if values:  # rank-dAD's factor errors, averaged over the epoch's steps
-                    out[f"{label}/{name}"] = sum(values) / len(values)
+                if values:  # averaged over the epoch's steps
+                    out[f"{label}/{name}"] = float(torch.stack(values).mean())
                     values.clear()
         return out
 

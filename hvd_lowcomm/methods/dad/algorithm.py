@@ -357,6 +357,10 @@ class _Sharing:
     def payload(self, exchange: _DadExchange, rows: Rows, layers: list[str], scale: float) -> list[tuple[str, torch.Tensor]]:
         raise NotImplementedError
 
+    def factor_errors(self) -> dict[str, dict[str, list[torch.Tensor]]]:
+        """Per-step factor errors by series and layer, for the epoch record (exact modes: none)."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         """What the sharing carries from step to step (a checkpoint's, per rank)."""
         return {}
@@ -405,8 +409,8 @@ class FactorRows(_Sharing):
         self.last_rank: dict[str, int] = {}        # k each layer kept at its last step
         self.errors: dict[str, torch.Tensor] = {}  # error feedback: what the factors left out
         self.errors_before: dict[str, torch.Tensor] = {}  # the errors before this step's exchange
-        # per layer and step: the share of (G + e)'s energy the sent factors left out, and the
-        # error-feedback norm against the step's own gradient, ‖e‖ / ‖G‖ (the epoch record's)
+        # per layer and step, as 0-d tensors (no host sync on the step): the share of (G + e)'s
+        # energy the sent factors left out, and the fed-back error against the step's gradient, ‖e‖ / ‖G‖
         self.missed_shares: dict[str, list[float]] = {}
         self.feedback_norms: dict[str, list[float]] = {}
 
@@ -454,7 +458,7 @@ class FactorRows(_Sharing):
             gradient = kind_of(module).matrix(module, exchange.local_weight_gradient(module).float()).T * scale
             if self.error_feedback and name in self.errors:
                 fed_back = self.errors[name] * scale
-                self.feedback_norms.setdefault(name, []).append(float(fed_back.norm() / gradient.norm().clamp_min(1e-30)))
+                self.feedback_norms.setdefault(name, []).append(fed_back.norm() / gradient.norm().clamp_min(1e-30))
                 gradient += fed_back
             b_rows, c_rows = gradient_power_iteration(gradient, *iterate)
             energy = float(gradient.pow(2).sum())
@@ -470,11 +474,11 @@ class FactorRows(_Sharing):
             b_rows, c_rows = from_half_rows(b_half, b_scales), from_half_rows(c_half, c_scales)
         if name not in rows:
             missed = gradient - b_rows.T @ c_rows
-            self.missed_shares.setdefault(name, []).append(float(missed.pow(2).sum()) / max(energy, 1e-30))
+            self.missed_shares.setdefault(name, []).append(missed.pow(2).sum() / max(energy, 1e-30))
             if self.error_feedback and bool(torch.isfinite(gradient).all()):
                 self.errors[name] = missed / scale
         elif self.adaptive:
-            self.missed_shares.setdefault(name, []).append(max(0.0, 1 - float(b_rows.pow(2).sum()) / max(energy, 1e-30)))
+            self.missed_shares.setdefault(name, []).append((1 - b_rows.pow(2).sum() / max(energy, 1e-30)).clamp_min(0))
         self.last_rank[name] = max(1, b_rows.shape[0])
         return packed
 
@@ -484,6 +488,9 @@ class FactorRows(_Sharing):
         d_in, d_out = fan_in_out(exchange.layer(name))
         row = exchange.layer(name).weight.new_full((1, d_in + d_out), math.nan)
         return (row.half(), row.new_ones(1, 2)) if self.half_rows(exchange.group_size()) else (row, None)
+
+    def factor_errors(self) -> dict[str, dict[str, list[torch.Tensor]]]:
+        return {"missed_energy": self.missed_shares, "feedback_norm": self.feedback_norms}
 
     def state_dict(self) -> dict[str, Any]:
         return {"last_rank": dict(self.last_rank), "errors": dict(self.errors)}
