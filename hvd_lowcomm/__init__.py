@@ -21,6 +21,8 @@ _EXPORTS = {
     "init": "hvd_lowcomm.comm.runtime",                 # start MPI and the engine (Horovod or torch)
     "rank": "hvd_lowcomm.comm.runtime",                 # this process's global rank
     "size": "hvd_lowcomm.comm.runtime",                 # the number of ranks
+    "device_mesh": "hvd_lowcomm.comm.mesh",             # groups as a DeviceMesh, for FSDP2 (torch engine)
+    "fully_shard": "hvd_lowcomm.comm.mesh",             # torch's fully_shard, its collectives metered
     "DistributedOptimizer": "hvd_lowcomm.methods.ddp",  # Horovod's, metered (fp32 / fp16)
     "PowerSGDOptimizer": "hvd_lowcomm.methods.powersgd",
     "PowerSGDState": "hvd_lowcomm.methods.powersgd",

@@ -8,6 +8,7 @@ puts on the network by the standard ring algorithms for a group of p ranks:
 
     allreduce   2 (p-1)/p * M        M = this rank's tensor bytes
     allgather   (p-1)/p * T          T = bytes of the gathered result ((p-1) M for equal parts)
+    reduce_scatter (p-1)/p * M       M = this rank's whole input (FSDP's gradients)
     alltoall    (p-1)/p * M          M = this rank's whole send buffer (a 1/p part stays home)
     broadcast   M                    (pipelined chain: each rank forwards the tensor once)
     send        M,  recv 0           point-to-point
@@ -63,7 +64,7 @@ def wire_bytes(op: str, payload_bytes: float, group_size: int) -> float:
         return 0.0
     if op == "allreduce":
         return 2.0 * (p - 1) / p * payload_bytes
-    if op in ("allgather", "alltoall"):  # allgather: payload_bytes is the gathered total here
+    if op in ("allgather", "alltoall", "reduce_scatter"):  # allgather: payload_bytes is the gathered total here
         return (p - 1) / p * payload_bytes
     if op in ("broadcast", "send"):
         return float(payload_bytes)

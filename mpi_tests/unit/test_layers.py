@@ -18,7 +18,7 @@ LAYERS = [
                     "hvd_lowcomm.trackers"]),
     ("comm", ["hvd_lowcomm.comm", "hvd_lowcomm.comm.engines", "hvd_lowcomm.comm.runtime", "hvd_lowcomm.comm.traffic",
               "hvd_lowcomm.comm.rendezvous",
-              "hvd_lowcomm.comm.half_wire"]),
+              "hvd_lowcomm.comm.half_wire", "hvd_lowcomm.comm.mesh"]),
     ("data and models", ["hvd_lowcomm.data", "hvd_lowcomm.models", "hvd_lowcomm.models.*"]),
     ("cost model", ["hvd_lowcomm.costmodel"]),
     ("methods", ["hvd_lowcomm.methods", "hvd_lowcomm.methods.*"]),

@@ -1,0 +1,109 @@
+"""Sharding inside groups: a DeviceMesh made from hvd_lowcomm's groups, for PyTorch's FSDP2.
+
+    hl.init(engine="torch")
+    mesh = hl.device_mesh(group_size=4)       # ("replicate", "shard"): groups of 4 ranks shard one copy
+    for block in model.blocks:
+        hl.fully_shard(block, mesh)           # torch's fully_shard, its collectives metered
+    hl.fully_shard(model, mesh)
+
+The mesh's dimensions are process groups made from the same MPI splits as the methods' groups
+(`runtime.split_world`): "shard" holds the ranks of one group (contiguous ranks, a node's when
+the group is a node), "replicate" the ranks at the same position in every group. With one group
+(group_size 0 or the world) the mesh is 1-D, ("shard",): plain FSDP over every rank; with
+several, fully_shard on the 2-D mesh is HSDP (shards reduce-scattered inside a group,
+all-reduced across groups).
+
+`fully_shard` routes FSDP2's all-gathers and reduce-scatters through custom comms that record
+each call in the traffic meter (its all-reduce across groups through FSDP2's all-reduce hook),
+so FSDP's bytes are counted with every other method's. FSDP2 runs on torch.distributed process
+groups: the torch engine only.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+from hvd_lowcomm.comm import runtime
+from hvd_lowcomm.comm.runtime import Group
+from hvd_lowcomm.comm.traffic import meter
+from hvd_lowcomm.config import ConfigError
+
+# The groups behind each mesh made here: what the metered comms record a call's group as.
+_groups_of: dict[int, tuple[Group | None, Group | None]] = {}  # id(mesh) -> (shard group, replicate group)
+
+
+def device_mesh(group_size: int = 0, device: torch.device | str | None = None) -> DeviceMesh:
+    """A DeviceMesh whose "shard" dimension is this rank's group of `group_size` contiguous ranks
+    (0: every rank) and whose "replicate" dimension, when there are several groups, the ranks at
+    its position in the others; collective, call on every rank after init(engine="torch")."""
+    if runtime.engine().name != "torch":
+        raise ConfigError("sharding (FSDP2) runs on torch.distributed process groups, not Horovod's: "
+                          "hvd_lowcomm.init(engine='torch'), or --comm.engine torch")
+    world = runtime.world()
+    size = group_size or world.size
+    if size < 1 or world.size % size:
+        raise ConfigError(f"sharding groups of {size} ranks do not divide {world.size} ranks: choose a group size "
+                          f"that divides the rank count (0: every rank in one group)")
+    device_type = torch.device(device).type if device is not None else runtime.device().type
+    if size == world.size:
+        mesh = DeviceMesh.from_group(dist.group.WORLD, device_type, mesh_dim_names=("shard",))
+        _groups_of[id(mesh)] = (world, None)
+        return mesh
+    shard, _ = runtime.split_world(group_size=size, label="shard")
+    replicate, _ = runtime.split_by_position(world.size // size, label="replicate")
+    layout = torch.arange(world.size).view(world.size // size, size)
+    mesh = DeviceMesh.from_group([replicate.process_set, shard.process_set], device_type, mesh=layout,
+                                 mesh_dim_names=("replicate", "shard"))
+    _groups_of[id(mesh)] = (shard, replicate)
+    return mesh
+
+
+def groups_of(mesh: DeviceMesh) -> tuple[Group | None, Group | None]:
+    """(this rank's shard group, its replicate group or None) of a mesh made by device_mesh."""
+    if id(mesh) not in _groups_of:
+        raise ValueError("this DeviceMesh was not made by hvd_lowcomm.device_mesh: its groups are not known")
+    return _groups_of[id(mesh)]
+
+
+class MeteredAllGather(DefaultAllGather):
+    """FSDP2's all-gather of a module's parameters, recorded in the meter."""
+
+    def __init__(self, group: Group | None, name: str) -> None:
+        self.group, self.name = group, name
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> Any:
+        meter.record("allgather", self.name, output_tensor.numel() * output_tensor.element_size(), self.group)
+        return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+class MeteredReduceScatter(DefaultReduceScatter):
+    """FSDP2's reduce-scatter of a module's gradients, recorded in the meter."""
+
+    def __init__(self, group: Group | None, name: str) -> None:
+        self.group, self.name = group, name
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any, async_op: bool = False) -> Any:
+        meter.record("reduce_scatter", self.name, input_tensor.numel() * input_tensor.element_size(), self.group)
+        return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+
+def fully_shard(module: torch.nn.Module, mesh: DeviceMesh, **options: Any) -> torch.nn.Module:
+    """torch's fully_shard(module, mesh=mesh, **options), its collectives recorded in the meter
+    under the module's class name; `mesh` from device_mesh. Returns the module (now an FSDPModule)."""
+    shard, replicate = groups_of(mesh)
+    sharded = torch_fully_shard(module, mesh=mesh, **options)
+    name = f"fsdp/{type(module).__name__}"
+    sharded.set_custom_all_gather(MeteredAllGather(shard, name))
+    sharded.set_custom_reduce_scatter(MeteredReduceScatter(shard, name))
+    if replicate is not None:  # HSDP: the shard's all-reduce across groups, seen once it is done
+        def record_allreduce(reduced: torch.Tensor) -> None:
+            meter.record("allreduce", name, reduced.numel() * reduced.element_size(), replicate)
+        sharded.set_all_reduce_hook(record_allreduce)
+    return sharded

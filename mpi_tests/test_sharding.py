@@ -1,0 +1,112 @@
+"""Sharding inside groups (hvd_lowcomm.comm.mesh): a user's loop that applies FSDP2's
+fully_shard on hvd_lowcomm's mesh trains the zoo's GPT as ddp does, step for step, as plain FSDP
+(np 2: one group of 2) and as HSDP (np 4: 2 groups of 2), and the meter counts FSDP's
+all-gathers, reduce-scatters and all-reduces across groups."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import SIZE, clean_env, mpirun
+
+JOB = textwrap.dedent("""
+    import json, sys
+    import torch, torch.nn.functional as F
+    import hvd_lowcomm as hl
+    from hvd_lowcomm.models.transformer import gpt
+    from hvd_lowcomm.comm.traffic import FLOAT_BYTES
+    hl.init(engine="torch")
+    rank, size, group_size = hl.rank(), hl.size(), int(sys.argv[1])
+    vocab, context, steps = 40, 16, 4
+
+    def batch():
+        g = torch.Generator().manual_seed(100)  # one batch per rank, fitted step by step
+        tokens = torch.randint(0, vocab, (size, 4, context + 1), generator=g)[rank]
+        return tokens[:, :-1], tokens[:, 1:]
+
+    report = {}
+    for name in ("ddp", "fsdp"):
+        torch.manual_seed(0)
+        model = gpt(vocab, context, layers=2, width=32, heads=2)
+        params = sum(p.numel() for p in model.parameters())
+        in_blocks = sum(p.numel() for block in list(model)[1:-1] for p in block.parameters())
+        # SGD: a wrong gradient scale shows in the parameters (Adam would normalise it away)
+        opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+        if name == "ddp":
+            opt = hl.DistributedOptimizer(opt, model.named_parameters())
+        else:
+            mesh = hl.device_mesh(group_size=group_size)
+            for block in list(model)[1:-1]:
+                hl.fully_shard(block, mesh)
+            hl.fully_shard(model, mesh)
+            opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)  # over the shards
+            local = sum(p.to_local().numel() for p in model.parameters())
+            report["shard_share"] = local / params
+        hl.meter.reset()
+        losses = []
+        for step in range(steps):
+            x, y = batch()
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
+            loss.backward()
+            opt.step()
+            hl.meter.next_step()
+            losses.append(hl.meter.allreduce(loss.detach().reshape(1), "loss").item())
+        if name == "fsdp":
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
+            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        else:
+            state = model.state_dict()
+        report[name] = {"losses": losses,
+                        "parameters": torch.cat([v.float().reshape(-1) for v in state.values()]).tolist(),
+                        "bytes": {f"{op}/{group}": t.wire_bytes / steps for (phase, op, group), t in
+                                  hl.meter.by_kind.items() if phase == "train" and op != "allreduce" or
+                                  (op == "allreduce" and group.startswith("replicate"))},
+                        "model_bytes": params * FLOAT_BYTES, "block_bytes": in_blocks * FLOAT_BYTES}
+    with open(f"{sys.argv[2]}/report{rank}.json", "w") as f:
+        json.dump(report, f)
+""")
+
+
+def run_job(tmp_path, ranks: int, group_size: int) -> list[dict]:
+    """Every rank's report."""
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    env = {k: v for k, v in clean_env().items() if k != "HVD_LOWCOMM_ENGINE"}
+    done = subprocess.run(mpirun(ranks, "-x", "PYTHONPATH", sys.executable, str(script), str(group_size),
+                                 str(tmp_path)), env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return [json.loads((tmp_path / f"report{rank}.json").read_text()) for rank in range(ranks)]
+
+
+@pytest.mark.skipif(SIZE > 1, reason="launches jobs of its own")
+@pytest.mark.parametrize("ranks,group_size", [(2, 0), (4, 2)], ids=["fsdp-1x2", "hsdp-2x2"])
+def test_a_loop_sharded_on_the_mesh_trains_as_ddp_and_the_meter_counts_fsdp(tmp_path, ranks, group_size):
+    import torch
+
+    shard = group_size or ranks
+    for report in run_job(tmp_path, ranks, group_size):
+        ddp, fsdp = report["ddp"], report["fsdp"]
+        # each rank holds about 1/shard of the parameters (FSDP pads a dim-0 split)
+        assert abs(report["shard_share"] - 1 / shard) < 0.05, report["shard_share"]
+        torch.testing.assert_close(torch.tensor(fsdp["losses"]), torch.tensor(ddp["losses"]), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(fsdp["parameters"]), torch.tensor(ddp["parameters"]),
+                                   rtol=1e-4, atol=1e-5)
+        assert fsdp["losses"][-1] < fsdp["losses"][0]  # it trained
+        # inside a group, (shard-1)/shard of what is sent per step: the blocks' parameters
+        # gathered in forward and again in backward (the root's stay gathered), every gradient
+        # reduce-scattered
+        model_bytes, block_bytes = fsdp["model_bytes"], fsdp["block_bytes"]
+        ring = (shard - 1) / shard
+        gathered = sum(v for k, v in fsdp["bytes"].items() if k.startswith("allgather/"))
+        scattered = sum(v for k, v in fsdp["bytes"].items() if k.startswith("reduce_scatter/"))
+        assert gathered == pytest.approx(ring * (model_bytes + block_bytes), rel=0.02), fsdp["bytes"]
+        assert scattered == pytest.approx(ring * model_bytes, rel=0.02), fsdp["bytes"]
+        across = sum(v for k, v in fsdp["bytes"].items() if k.startswith("allreduce/replicate"))
+        groups = ranks // shard
+        # HSDP: each rank's gradient shard all-reduced across the groups
+        assert across == pytest.approx(2 * (groups - 1) / groups * model_bytes / shard, rel=0.02), fsdp["bytes"]
