@@ -110,3 +110,18 @@ def test_a_loop_sharded_on_the_mesh_trains_as_ddp_and_the_meter_counts_fsdp(tmp_
         groups = ranks // shard
         # HSDP: each rank's gradient shard all-reduced across the groups
         assert across == pytest.approx(2 * (groups - 1) / groups * model_bytes / shard, rel=0.02), fsdp["bytes"]
+
+
+def test_the_mesh_is_refused_with_how_to_fix_it_where_it_cannot_be_made():
+    import hvd_lowcomm as hl
+    from hvd_lowcomm.comm import runtime
+    from hvd_lowcomm.config import ConfigError
+
+    if runtime.engine().name == "horovod":  # every rank runs the same engine: all refuse alike
+        with pytest.raises(ConfigError, match="engine='torch'"):
+            hl.device_mesh()
+        return
+    with pytest.raises(ConfigError, match=f"do not divide {SIZE} ranks"):
+        hl.device_mesh(group_size=SIZE + 1)
+    mesh = hl.device_mesh(group_size=SIZE)  # one group: plain FSDP over every rank
+    assert mesh.mesh_dim_names == ("shard",) and mesh.size() == SIZE
