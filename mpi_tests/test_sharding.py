@@ -1,7 +1,8 @@
 """Sharding inside groups (hvd_lowcomm.comm.mesh): a user's loop that applies FSDP2's
 fully_shard on hvd_lowcomm's mesh trains the zoo's GPT as ddp does, step for step, as plain FSDP
-(np 2: one group of 2) and as HSDP (np 4: 2 groups of 2), and the meter counts FSDP's
-all-gathers, reduce-scatters and all-reduces across groups."""
+(np 2: one group of 2) and as HSDP (np 4: 2 groups of 2), resumes bit for bit from a sharded
+(DCP) checkpoint, and the meter counts FSDP's all-gathers, reduce-scatters and all-reduces
+across groups."""
 from __future__ import annotations
 
 import json
@@ -19,6 +20,9 @@ JOB = textwrap.dedent("""
     import hvd_lowcomm as hl
     from hvd_lowcomm.models.transformer import gpt
     from hvd_lowcomm.comm.traffic import FLOAT_BYTES
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                         set_state_dict)
     hl.init(engine="torch")
     rank, size, group_size = hl.rank(), hl.size(), int(sys.argv[1])
     vocab, context, steps = 40, 16, 4
@@ -28,25 +32,19 @@ JOB = textwrap.dedent("""
         tokens = torch.randint(0, vocab, (size, 4, context + 1), generator=g)[rank]
         return tokens[:, :-1], tokens[:, 1:]
 
-    report = {}
-    for name in ("ddp", "fsdp"):
-        torch.manual_seed(0)
-        model = gpt(vocab, context, layers=2, width=32, heads=2)
-        params = sum(p.numel() for p in model.parameters())
-        in_blocks = sum(p.numel() for block in list(model)[1:-1] for p in block.parameters())
-        # SGD: a wrong gradient scale shows in the parameters (Adam would normalise it away)
-        opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
-        if name == "ddp":
-            opt = hl.DistributedOptimizer(opt, model.named_parameters())
-        else:
-            mesh = hl.device_mesh(group_size=group_size)
-            for block in list(model)[1:-1]:
-                hl.fully_shard(block, mesh)
-            hl.fully_shard(model, mesh)
-            opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)  # over the shards
-            local = sum(p.to_local().numel() for p in model.parameters())
-            report["shard_share"] = local / params
-        hl.meter.reset()
+    def build(seed):
+        torch.manual_seed(seed)
+        return gpt(vocab, context, layers=2, width=32, heads=2)
+
+    def sharded(seed):
+        model = build(seed)
+        mesh = hl.device_mesh(group_size=group_size)
+        for block in list(model)[1:-1]:
+            hl.fully_shard(block, mesh)
+        hl.fully_shard(model, mesh)
+        return model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)  # over the shards
+
+    def train(model, opt, steps):
         losses = []
         for step in range(steps):
             x, y = batch()
@@ -56,13 +54,36 @@ JOB = textwrap.dedent("""
             opt.step()
             hl.meter.next_step()
             losses.append(hl.meter.allreduce(loss.detach().reshape(1), "loss").item())
-        if name == "fsdp":
-            from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
-            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        return losses
+
+    report = {}
+    for name in ("ddp", "fsdp", "fsdp-resumed"):
+        if name == "ddp":
+            model = build(0)
+            # SGD: a wrong gradient scale shows in the parameters (Adam would normalise it away)
+            opt = hl.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9),
+                                          model.named_parameters())
         else:
-            state = model.state_dict()
+            model, opt = sharded(0)
+            params = sum(p.numel() for p in model.parameters())
+            report["shard_share"] = sum(p.to_local().numel() for p in model.parameters()) / params
+        hl.meter.reset()
+        if name == "fsdp-resumed":  # half the steps, a DCP checkpoint, a fresh job's model from it
+            losses = train(model, opt, steps // 2)
+            dcp.save(dict(zip(("model", "optim"), get_state_dict(model, opt))), checkpoint_id=sys.argv[2] + "/dcp")
+            model, opt = sharded(1)  # another initialisation: what the checkpoint holds must replace it
+            state = dict(zip(("model", "optim"), get_state_dict(model, opt)))
+            dcp.load(state, checkpoint_id=sys.argv[2] + "/dcp")
+            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            losses += train(model, opt, steps - steps // 2)
+        else:
+            losses = train(model, opt, steps)
+        full = (model.state_dict() if name == "ddp" else
+                get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
+        params = sum(p.numel() for p in full.values())
+        in_blocks = sum(p.numel() for block in list(build(0))[1:-1] for p in block.parameters())
         report[name] = {"losses": losses,
-                        "parameters": torch.cat([v.float().reshape(-1) for v in state.values()]).tolist(),
+                        "parameters": torch.cat([v.float().reshape(-1) for v in full.values()]).tolist(),
                         "bytes": {f"{op}/{group}": t.wire_bytes / steps for (phase, op, group), t in
                                   hl.meter.by_kind.items() if phase == "train" and op != "allreduce" or
                                   (op == "allreduce" and group.startswith("replicate"))},
@@ -85,7 +106,7 @@ def run_job(tmp_path, ranks: int, group_size: int) -> list[dict]:
 
 @pytest.mark.skipif(SIZE > 1, reason="launches jobs of its own")
 @pytest.mark.parametrize("ranks,group_size", [(2, 0), (4, 2)], ids=["fsdp-1x2", "hsdp-2x2"])
-def test_a_loop_sharded_on_the_mesh_trains_as_ddp_and_the_meter_counts_fsdp(tmp_path, ranks, group_size):
+def test_a_loop_sharded_on_the_mesh_trains_as_ddp_resumes_from_dcp_and_the_meter_counts_fsdp(tmp_path, ranks, group_size):
     import torch
 
     shard = group_size or ranks
@@ -97,6 +118,9 @@ def test_a_loop_sharded_on_the_mesh_trains_as_ddp_and_the_meter_counts_fsdp(tmp_
         torch.testing.assert_close(torch.tensor(fsdp["parameters"]), torch.tensor(ddp["parameters"]),
                                    rtol=1e-4, atol=1e-5)
         assert fsdp["losses"][-1] < fsdp["losses"][0]  # it trained
+        # resumed from a DCP checkpoint halfway, into a differently initialised model: bit for bit
+        resumed = report["fsdp-resumed"]
+        assert resumed["losses"] == fsdp["losses"] and resumed["parameters"] == fsdp["parameters"]
         # inside a group, (shard-1)/shard of what is sent per step: the blocks' parameters
         # gathered in forward and again in backward (the root's stay gathered), every gradient
         # reduce-scattered
