@@ -25,13 +25,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.runtime import Group
 from hvd_lowcomm.comm.traffic import meter
 from hvd_lowcomm.config import ConfigError
+
+try:  # FSDP2 with custom comms; the defaults subclassed are torch's own (no public name yet)
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+except ImportError as missing:
+    raise ConfigError(f"sharding needs a torch whose FSDP2 takes custom collectives (fully_shard's "
+                      f"set_custom_all_gather; torch {torch.__version__} has not: {missing}): "
+                      f"pip install -U torch") from missing
 
 # The groups behind each mesh made here: what the metered comms record a call's group as.
 _groups_of: dict[int, tuple[Group | None, Group | None]] = {}  # id(mesh) -> (shard group, replicate group)
