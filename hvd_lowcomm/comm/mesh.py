@@ -101,7 +101,7 @@ class MeteredReduceScatter(DefaultReduceScatter):
 
 
 def fully_shard(module: torch.nn.Module, mesh: DeviceMesh, **options: Any) -> torch.nn.Module:
-    """torch's fully_shard(module, mesh=mesh, **options), its collectives recorded in the meter
+    """torch's ``fully_shard(module, mesh=mesh, **options)``, its collectives recorded in the meter
     under the module's class name; `mesh` from device_mesh. Returns the module (now an FSDPModule)."""
     shard, replicate = groups_of(mesh)
     sharded = torch_fully_shard(module, mesh=mesh, **options)
