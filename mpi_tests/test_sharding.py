@@ -56,6 +56,8 @@ JOB = textwrap.dedent("""
             losses.append(hl.meter.allreduce(loss.detach().reshape(1), "loss").item())
         return losses
 
+    params = sum(p.numel() for p in build(0).parameters())
+    in_blocks = sum(p.numel() for block in list(build(0))[1:-1] for p in block.parameters())
     report = {}
     for name in ("ddp", "fsdp", "fsdp-resumed"):
         if name == "ddp":
@@ -65,7 +67,6 @@ JOB = textwrap.dedent("""
                                           model.named_parameters())
         else:
             model, opt = sharded(0)
-            params = sum(p.numel() for p in model.parameters())
             report["shard_share"] = sum(p.to_local().numel() for p in model.parameters()) / params
         hl.meter.reset()
         if name == "fsdp-resumed":  # half the steps, a DCP checkpoint, a fresh job's model from it
@@ -80,8 +81,6 @@ JOB = textwrap.dedent("""
             losses = train(model, opt, steps)
         full = (model.state_dict() if name == "ddp" else
                 get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
-        params = sum(p.numel() for p in full.values())
-        in_blocks = sum(p.numel() for block in list(build(0))[1:-1] for p in block.parameters())
         report[name] = {"losses": losses,
                         "parameters": torch.cat([v.float().reshape(-1) for v in full.values()]).tolist(),
                         "bytes": {f"{op}/{group}": t.wire_bytes / steps for (phase, op, group), t in

@@ -39,8 +39,9 @@ except ImportError as missing:
                       f"set_custom_all_gather; torch {torch.__version__} has not: {missing}): "
                       f"pip install -U torch") from missing
 
-# The groups behind each mesh made here: what the metered comms record a call's group as.
-_groups_of: dict[int, tuple[Group | None, Group | None]] = {}  # id(mesh) -> (shard group, replicate group)
+# The attribute a mesh made here carries its groups in (shard, replicate or None): what the
+# metered comms record a call's group as; it lives and dies with the mesh.
+GROUPS_ATTRIBUTE = "_hvd_lowcomm_groups"
 
 
 def device_mesh(group_size: int = 0, device: torch.device | str | None = None) -> DeviceMesh:
@@ -58,22 +59,23 @@ def device_mesh(group_size: int = 0, device: torch.device | str | None = None) -
     device_type = torch.device(device).type if device is not None else runtime.device().type
     if size == world.size:
         mesh = DeviceMesh.from_group(dist.group.WORLD, device_type, mesh_dim_names=("shard",))
-        _groups_of[id(mesh)] = (world, None)
+        setattr(mesh, GROUPS_ATTRIBUTE, (world, None))
         return mesh
     shard, _ = runtime.split_world(group_size=size, label="shard")
     replicate, _ = runtime.split_by_position(world.size // size, label="replicate")
     layout = torch.arange(world.size).view(world.size // size, size)
     mesh = DeviceMesh.from_group([replicate.process_set, shard.process_set], device_type, mesh=layout,
                                  mesh_dim_names=("replicate", "shard"))
-    _groups_of[id(mesh)] = (shard, replicate)
+    setattr(mesh, GROUPS_ATTRIBUTE, (shard, replicate))
     return mesh
 
 
 def groups_of(mesh: DeviceMesh) -> tuple[Group | None, Group | None]:
     """(this rank's shard group, its replicate group or None) of a mesh made by device_mesh."""
-    if id(mesh) not in _groups_of:
-        raise ValueError("this DeviceMesh was not made by hvd_lowcomm.device_mesh: its groups are not known")
-    return _groups_of[id(mesh)]
+    if not hasattr(mesh, GROUPS_ATTRIBUTE):
+        raise ValueError("this DeviceMesh was not made by hvd_lowcomm.device_mesh: its groups are not known "
+                         "(make it with hvd_lowcomm.device_mesh)")
+    return getattr(mesh, GROUPS_ATTRIBUTE)
 
 
 class MeteredAllGather(DefaultAllGather):

@@ -9,9 +9,10 @@ from hvd_lowcomm.comm.traffic import wire_bytes
 def test_ring_formulas():
     assert wire_bytes("allreduce", 1000, 4) == pytest.approx(1500.0)     # 2 (p-1)/p M
     assert wire_bytes("allgather", 4000, 4) == pytest.approx(3000.0)     # (p-1)/p T
+    assert wire_bytes("reduce_scatter", 4000, 4) == pytest.approx(3000.0)  # (p-1)/p M
     assert wire_bytes("broadcast", 1000, 8) == 1000.0
     assert wire_bytes("send", 123, 2) == 123.0 and wire_bytes("recv", 123, 2) == 0.0
-    assert all(wire_bytes(op, 1000, 1) == 0.0 for op in ("allreduce", "allgather", "broadcast"))
+    assert all(wire_bytes(op, 1000, 1) == 0.0 for op in ("allreduce", "allgather", "reduce_scatter", "broadcast"))
 
 
 def test_total_on_sums_the_wire_bytes_of_process_sets_by_label_prefix_and_phase(fresh_meter):
