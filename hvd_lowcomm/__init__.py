@@ -23,6 +23,7 @@ _EXPORTS = {
     "size": "hvd_lowcomm.comm.runtime",                 # the number of ranks
     "device_mesh": "hvd_lowcomm.comm.mesh",             # groups as a DeviceMesh, for FSDP2 (torch engine)
     "fully_shard": "hvd_lowcomm.comm.mesh",             # torch's fully_shard, its collectives metered
+    "shard_model": "hvd_lowcomm.comm.mesh",             # fully_shard on each repeated block, then the root
     "DistributedOptimizer": "hvd_lowcomm.methods.ddp",  # Horovod's, metered (fp32 / fp16)
     "PowerSGDOptimizer": "hvd_lowcomm.methods.powersgd",
     "PowerSGDState": "hvd_lowcomm.methods.powersgd",

@@ -144,6 +144,10 @@ class Link:
     def allgather(self, nbytes_per_rank: float, group: int, ranks: int, spans_nodes: bool | None = None) -> float:
         return self._time(_log2(group), (group - 1) * nbytes_per_rank, group, ranks, spans_nodes)
 
+    def reduce_scatter(self, nbytes: float, group: int, ranks: int, spans_nodes: bool | None = None) -> float:
+        """`nbytes`: each rank's whole input, of which it keeps the reduced 1/group."""
+        return self._time(_log2(group), (group - 1) / group * nbytes, group, ranks, spans_nodes)
+
     def send(self, nbytes: float, ranks: int, across_nodes: bool = True) -> float:
         if self.shared:
             return self.latency + ranks * nbytes / self.bandwidth

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from hvd_lowcomm import checkpoint, data, task
 from hvd_lowcomm.checkpoint import Checkpointer, PreemptionSignal, TrainState
@@ -190,9 +191,11 @@ def train_epoch(cfg: Config, method: Method, batches: Any, epoch: int, first_bat
         else:
             loss_sum, steps = loss_sum + loss, steps + 1
         step_bytes = meter.step_total()
-        if meter.step % cfg.run.log_every == 0 and log.active:
-            log.log("step", {"step": meter.step, "epoch": epoch, "loss": loss, "wire_bytes": step_bytes,
-                             **step_figures(method.model, x, y, lr, step_seconds)})
+        if meter.step % cfg.run.log_every == 0:  # on every rank: a sharded gradient's norm is collective
+            figures = step_figures(method.model, x, y, lr, step_seconds)
+            if log.active:
+                log.log("step", {"step": meter.step, "epoch": epoch, "loss": loss, "wire_bytes": step_bytes,
+                                 **figures})
         if hasattr(bar, "set_postfix"):
             bar.set_postfix(loss=f"{loss:.4f}", sent=human_bytes(step_bytes), refresh=False)
         meter.next_step()
@@ -212,8 +215,14 @@ def step_figures(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lr: f
     of the gradient the optimiser stepped with (pooled over the ranks that share it), the
     step's time, throughput over all ranks (tokens for a language model's windows, else
     samples; every rank takes a batch of the same size), and peak memory (CUDA memory on a GPU,
-    the process's resident memory on the CPU)."""
-    grads = [p.grad.detach().float().pow(2).sum() for p in model.parameters() if p.grad is not None]
+    the process's resident memory on the CPU). Collective where the model is sharded (FSDP's
+    DTensor gradients: the norm sums over their shards): call it on every rank."""
+    grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
+    if any(isinstance(g, DTensor) for g in grads):
+        norm = torch.nn.utils.get_total_norm(grads)
+        grads = [(norm.full_tensor() if isinstance(norm, DTensor) else norm).float().pow(2)]
+    else:
+        grads = [g.float().pow(2).sum() for g in grads]
     positions = "tokens" if y.dim() > 1 else "samples"
     peak = torch.cuda.max_memory_allocated(x.device) if x.device.type == "cuda" else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -230,15 +239,21 @@ def nonfinite(loss: float, model: torch.nn.Module) -> str | None:
     # each tensor and one host sync, where isfinite().all() per tensor makes a mask the size of
     # the tensor and syncs once per tensor): NaN and inf always propagate through a sum, so a
     # finite total clears the tensor; a sum that overflowed is cleared by the exact check.
-    sums = [t.sum() for p in model.parameters() for t in (p, p.grad) if t is not None]
+    # A sharded model's parameters are DTensors: each rank checks its own shards.
+    sums = [local(t).sum() for p in model.parameters() for t in (p, p.grad) if t is not None]
     if math.isfinite(loss) and (not sums or bool(torch.stack([s.to(sums[0].device) for s in sums]).isfinite().all())):
         return None
     for name, p in model.named_parameters():
-        if p.grad is not None and not torch.isfinite(p.grad).all():
+        if p.grad is not None and not torch.isfinite(local(p.grad)).all():
             return f"loss {loss}, gradient of layer {name!r} is not finite"
-        if not torch.isfinite(p).all():
+        if not torch.isfinite(local(p)).all():
             return f"loss {loss}, parameters of layer {name!r} are not finite"
     return None if math.isfinite(loss) else f"loss is {loss}"
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `tensor`: its shard of a DTensor, else the tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def evaluate(method: Method, test_batches: Any, local_train_loss: float, info: data.DatasetInfo) -> dict[str, float]:

@@ -205,12 +205,26 @@ def synthetic_dataset(path: Path) -> Path:
 
 
 def run_training(args: argparse.Namespace, ranks: int, device: str, argv: list[str]) -> tuple[int, float, str]:
-    """One launch of the training program; (exit status, seconds, output)."""
+    """One launch of the training program; (exit status, seconds, what went wrong). Its whole
+    output is appended to launch.log beside the run."""
     command = [*args.mpirun.split(), "-np", str(ranks), "-x", "HVD_LOWCOMM_SHARE_GPUS=1", "-x", "PYTHONPATH",
                sys.executable, str(Path(__file__).resolve()), "--device", device, "run-one", *argv]
     start = time.time()
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HVD_LOWCOMM_SHARE_GPUS": "1"})
-    return done.returncode, time.time() - start, done.stdout + done.stderr
+    output = done.stdout + done.stderr
+    log = Path(argv[argv.index("--run.dir") + 1]) / argv[argv.index("--run.name") + 1] / "launch.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as sink:
+        sink.write(output)
+    return done.returncode, time.time() - start, f"{failure_line(output)} (whole output: {log})"
+
+
+def failure_line(output: str) -> str:
+    """The line of a failed launch that says what went wrong: a rank's error or signal, not the
+    launcher's banner."""
+    lines = [line.strip() for line in output.splitlines() if line.strip().strip("-=")]
+    telling = [line for line in lines if any(word in line for word in ("rror", "signal", "Abort", "terminate"))]
+    return (telling or lines or ["no output"])[-1]
 
 
 def run_one(device: str, argv: list[str]) -> int:
@@ -249,7 +263,7 @@ def compare(args: argparse.Namespace, engine: str, ranks: int, method: str, data
         status, spent, output = run_training(args, ranks, device, argv)
         seconds += spent if device != "cpu" else 0.0
         if status:
-            problems.append(f"{device}: exit {status}: {output.strip().splitlines()[-1] if output.strip() else ''}")
+            problems.append(f"{device}: exit {status}: {output}")
             continue
         losses[device] = json.loads((run_dir / method / "summary.json").read_text())["final_test_loss"]
     if "cpu" in losses:
@@ -273,7 +287,7 @@ def resume_check(args: argparse.Namespace, engine: str, data: Path, out: Path) -
     results = [run_training(args, 2, args.device, [*whole, "--train.max_steps", steps]),
                run_training(args, 2, args.device, parts),
                run_training(args, 2, args.device, [*parts, "--train.max_steps", steps, "--resume", "auto"])]
-    problems = [output.strip().splitlines()[-1] for status, _, output in results if status and output.strip()]
+    problems = [f"exit {status}: {output}" for status, _, output in results if status]
     difference = None
     if not problems:
         if args.device == "testdev":  # its tensors load only where the device is registered

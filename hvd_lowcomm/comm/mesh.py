@@ -5,6 +5,7 @@
     for block in model.blocks:
         hl.fully_shard(block, mesh)           # torch's fully_shard, its collectives metered
     hl.fully_shard(model, mesh)
+    # or, the same on any model: hl.shard_model(model, mesh)
 
 The mesh's dimensions are process groups made from the same MPI splits as the methods' groups
 (`runtime.split_world`): "shard" holds the ranks of one group (contiguous ranks, a node's when
@@ -15,8 +16,9 @@ all-reduced across groups).
 
 `fully_shard` routes FSDP2's all-gathers and reduce-scatters through custom comms that record
 each call in the traffic meter (its all-reduce across groups through FSDP2's all-reduce hook),
-so FSDP's bytes are counted with every other method's. FSDP2 runs on torch.distributed process
-groups: the torch engine only.
+so FSDP's bytes are counted with every other method's. `shard_model` applies it as torchtitan
+does: each repeated block on its own (a transformer's layers), then the rest as the root. FSDP2
+runs on torch.distributed process groups: the torch engine only.
 """
 from __future__ import annotations
 
@@ -34,10 +36,11 @@ from hvd_lowcomm.config import ConfigError
 try:  # FSDP2 with custom comms; the defaults subclassed are torch's own (no public name yet)
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
-except ImportError as missing:
-    raise ConfigError(f"sharding needs a torch whose FSDP2 takes custom collectives (fully_shard's "
-                      f"set_custom_all_gather; torch {torch.__version__} has not: {missing}): "
-                      f"pip install -U torch") from missing
+    MISSING = ""
+except ImportError as missing:  # said when sharding is asked for, not when the package loads
+    DefaultAllGather = DefaultReduceScatter = object  # type: ignore[assignment,misc]
+    MISSING = (f"sharding needs a torch whose FSDP2 takes custom collectives (fully_shard's "
+               f"set_custom_all_gather; torch {torch.__version__} has not: {missing}): pip install -U torch")
 
 # The attribute a mesh made here carries its groups in (shard, replicate or None): what the
 # metered comms record a call's group as; it lives and dies with the mesh.
@@ -48,6 +51,8 @@ def device_mesh(group_size: int = 0, device: torch.device | str | None = None) -
     """A DeviceMesh whose "shard" dimension is this rank's group of `group_size` contiguous ranks
     (0: every rank) and whose "replicate" dimension, when there are several groups, the ranks at
     its position in the others; collective, call on every rank after init(engine="torch")."""
+    if MISSING:
+        raise ConfigError(MISSING)
     if runtime.engine().name != "torch":
         raise ConfigError("sharding (FSDP2) runs on torch.distributed process groups, not Horovod's: "
                           "hvd_lowcomm.init(engine='torch'), or --comm.engine torch")
@@ -115,3 +120,41 @@ def fully_shard(module: torch.nn.Module, mesh: DeviceMesh, **options: Any) -> to
             meter.record("allreduce", name, reduced.numel() * reduced.element_size(), replicate)
         sharded.set_all_reduce_hook(record_allreduce)
     return sharded
+
+
+def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules shard_model shards one by one before the root, outermost first: children of
+    one parent that repeat its other children's class (a transformer's blocks, an MLP's layers)
+    and hold parameters, none of them shared with a module outside (a tied weight stays in the
+    root, which gathers it once for both)."""
+    names_of: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        names_of[id(p)] = names_of.get(id(p), 0) + 1
+
+    def unit(child: torch.nn.Module, siblings: list[torch.nn.Module]) -> bool:
+        params = list(child.parameters())
+        inside = {}
+        for _, p in child.named_parameters(remove_duplicate=False):
+            inside[id(p)] = inside.get(id(p), 0) + 1
+        return (bool(params) and sum(type(s) is type(child) for s in siblings) > 1
+                and all(names_of[key] == count for key, count in inside.items()))
+
+    units: list[torch.nn.Module] = []
+
+    def visit(module: torch.nn.Module) -> None:
+        children = list(module.children())
+        for child in children:
+            if unit(child, children):
+                units.append(child)
+            else:
+                visit(child)
+    visit(model)
+    return units
+
+
+def shard_model(model: torch.nn.Module, mesh: DeviceMesh, **options: Any) -> torch.nn.Module:
+    """`fully_shard` on each of `shard_units(model)`, then on `model` (the root: what is left);
+    `options` go to every call. Returns the model."""
+    for unit in shard_units(model):
+        fully_shard(unit, mesh, **options)
+    return fully_shard(model, mesh, **options)

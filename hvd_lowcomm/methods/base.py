@@ -96,9 +96,9 @@ class Method:
         assert self.model is not None
         t = self.cfg.train
         total = 0.0
-        for xs, ys in zip(x.tensor_split(t.accumulate), y.tensor_split(t.accumulate)):
-            if len(ys) == 0:
-                continue
+        parts = [(xs, ys) for xs, ys in zip(x.tensor_split(t.accumulate), y.tensor_split(t.accumulate)) if len(ys)]
+        for index, (xs, ys) in enumerate(parts):
+            self.start_micro_batch(last=index == len(parts) - 1)
             start = runtime.clock(x.device)
             with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=t.amp == "bf16"):
                 loss = task.loss(task.logits(self.model(xs)), ys) * (len(ys) / len(y))
@@ -109,6 +109,10 @@ class Method:
             self.pass_seconds["backward"] += runtime.clock(x.device) - middle - (
                 getattr(self.optimizer, "exchange_seconds", 0.0) - exchanged)
         return total
+
+    def start_micro_batch(self, last: bool) -> None:
+        """Called before each micro-batch's forward pass; `last`: the batch's last one, whose
+        backward pass completes the step's gradient."""
 
     def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int, float]:
         assert self.model is not None

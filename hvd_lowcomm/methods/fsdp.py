@@ -1,0 +1,189 @@
+"""`fsdp`: the model, its gradients and its optimiser state sharded over ranks (PyTorch's FSDP2).
+
+Each rank keeps 1/group_size of every parameter, gradient and optimiser moment; a layer's
+parameters are all-gathered just before its forward (and again before its backward) pass and
+its gradients reduce-scattered after it, so a rank needs memory for its shards and for one
+layer gathered at a time: a model whose replicas do not fit a rank trains. With one group (the
+default) it is plain FSDP over every rank; with several it is HSDP: each group of group_size
+contiguous ranks shards one copy and the groups all-reduce their shards' gradients every step.
+The optimisation is ddp's: the same gradient, the same steps, to float32 rounding.
+
+Built on hvd_lowcomm.comm.mesh (the mesh from hvd_lowcomm's groups; fully_shard with metered
+collectives), so it runs on the torch engine; a checkpoint holds each rank's own shards.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+from torch.distributed.tensor import DTensor
+
+from hvd_lowcomm.comm import runtime
+from hvd_lowcomm.comm.mesh import device_mesh, shard_model, shard_units
+from hvd_lowcomm.comm.traffic import FLOAT_BYTES
+from hvd_lowcomm.config import Config, ConfigError, option
+from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, RunAssumptions, sent_bytes
+from hvd_lowcomm.methods.base import Method, broadcast_parameters, make_optimizer
+from hvd_lowcomm.registry import register
+
+
+@dataclass
+class FSDPOptions:
+    """FSDP: which ranks shard one copy of the model."""
+
+    section: ClassVar[str] = "fsdp"
+
+    group_size: int = option(0, "ranks that shard one copy of the model: 0 every rank (plain FSDP); a divisor of "
+                                "the rank count: groups of that many contiguous ranks (a node's, with the node's "
+                                "rank count) each shard a copy, and the groups all-reduce their gradient shards "
+                                "every step (HSDP)")
+
+    def validate(self) -> None:
+        if self.group_size < 0:
+            raise ConfigError(f"fsdp.group_size must be >= 0 (0: every rank), got {self.group_size}")
+
+
+def check_sharding_world(cfg: Config, world_size: int, group_size: int, option_name: str) -> None:
+    """Refuse, with the fix, a run that cannot shard: Horovod asked for, or a group size that
+    does not divide the rank count."""
+    if cfg.comm.engine == "horovod":
+        raise ConfigError(f"--method {cfg.method} shards the model with PyTorch's FSDP2, which runs on "
+                          f"torch.distributed process groups, not Horovod's: use --comm.engine torch (or auto)")
+    if group_size and world_size % group_size:
+        raise ConfigError(f"{option_name} {group_size} does not divide the {world_size} ranks: choose a divisor of "
+                          f"the rank count, or 0 for every rank")
+
+
+def gathered_numbers(shapes: list[tuple[int, ...]], shard: int) -> int:
+    """Numbers an all-gather of these parameters returns on `shard` ranks: FSDP2 splits each
+    along dim 0, padded to a multiple of the rank count."""
+    return sum(shard * math.ceil(shape[0] / shard) * math.prod(shape[1:]) for shape in shapes)
+
+
+def fsdp_facts(model: torch.nn.Module, input_shape: tuple[int, ...], options: FSDPOptions | None,
+               cfg: Config) -> dict[str, list[tuple[int, ...]]]:
+    """The parameters' shapes as shard_model groups them: in the repeated blocks (gathered in
+    forward and again in backward) and in the root (gathered once)."""
+    in_units = [p for unit in shard_units(model) for p in unit.parameters()]
+    ids = {id(p) for p in in_units}
+    shape = lambda p: tuple(p.shape) or (1,)  # noqa: E731 - a scalar is sharded as one row
+    return {"units": [shape(p) for p in in_units], "root": [shape(p) for p in model.parameters() if id(p) not in ids]}
+
+
+def sharded_step_bytes(facts: dict[str, list[tuple[int, ...]]], shard: int, accumulate: int) -> dict[str, float]:
+    """Payload bytes of one step's collectives inside a group: every micro-batch gathers the
+    blocks twice and the root once; the last reduce-scatters every gradient."""
+    units, root = (FLOAT_BYTES * gathered_numbers(facts[k], shard) for k in ("units", "root"))
+    return {"allgather": accumulate * (2 * units + root), "reduce_scatter": units + root,
+            "shard": (units + root) / shard}
+
+
+def predict_fsdp(profile: Profile, world_size: int, link: Link, o: FSDPOptions, cfg: Config,
+                 assumptions: RunAssumptions) -> Prediction:
+    """All-gathers and a reduce-scatter inside each group (on a node's links when a group fits
+    in one), each gradient shard all-reduced across groups, FSDP2's prefetch hiding what the
+    forward and backward passes cover."""
+    shard = o.group_size or world_size
+    if world_size % shard:
+        raise ConfigError(f"fsdp: groups of {shard} ranks do not divide {world_size} ranks")
+    groups = world_size // shard
+    step = sharded_step_bytes(profile.facts["fsdp"], shard, cfg.train.accumulate)
+    inside = (sent_bytes("allgather", step["allgather"] / shard, shard)
+              + sent_bytes("reduce_scatter", step["reduce_scatter"], shard))
+    across = sent_bytes("allreduce", step["shard"], groups)
+    spans = shard >= link.ranks_per_node  # a column's ranks sit on different nodes once groups fill nodes
+    comm = (link.allgather(step["allgather"] / shard, shard, world_size)
+            + link.reduce_scatter(step["reduce_scatter"], shard, world_size)
+            + link.allreduce(step["shard"], groups, world_size, spans_nodes=spans))
+    hidden = min(comm, link.overlap * (profile.forward_seconds + profile.backward_seconds))
+    return Prediction("fsdp", world_size, profile.step_seconds, 0.0, comm, hidden, inside + across,
+                      inside * link.node_share(shard) + across * link.node_share(groups, spans))
+
+
+def fsdp_quality(options: FSDPOptions | None, cfg: Config) -> str:
+    """Exact: ddp's gradient, reduced in another order."""
+    return ""
+
+
+@register("fsdp", options=FSDPOptions, presets={"comm.engine": "torch"},
+          cost=MethodCost(predict_fsdp, model_facts=fsdp_facts, quality=fsdp_quality))
+class FullyShardedDataParallel(Method):
+    """ddp's training with the model, gradients and optimiser state sharded (FSDP2)."""
+
+    @classmethod
+    def check_world(cls, cfg: Config, world_size: int) -> None:
+        check_sharding_world(cfg, world_size, cfg.options.group_size, "fsdp.group_size")
+
+    def setup(self, model: torch.nn.Module) -> None:
+        broadcast_parameters(model.state_dict())  # every group shards the same start
+        self.mesh = device_mesh(self.options.group_size, runtime.device_of(model.parameters()))
+        self.model = shard_model(model, self.mesh)
+        self.optimizer = make_optimizer(self.cfg, self.model.parameters())  # over this rank's shards
+
+    def start_micro_batch(self, last: bool) -> None:
+        assert self.model is not None
+        self.model.set_requires_gradient_sync(last)  # earlier micro-batches accumulate unreduced
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        assert self.model is not None and self.optimizer is not None
+        self.optimizer.zero_grad()
+        loss = self.forward_backward(x, y)
+        if self.cfg.train.clip_grad_norm:  # the norm over every shard: one all-reduce
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.clip_grad_norm)
+        self.optimizer.step()
+        return loss
+
+    def final_state_dict(self) -> dict[str, Any] | None:
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return state if runtime.rank() == 0 else None
+
+    def state_owner(self) -> int:
+        return runtime.rank()  # each rank holds its own shards
+
+    def state_dict(self) -> dict[str, Any]:
+        return local_shards(self._sharded_state())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        restored = as_template(self._sharded_state(), state)
+        set_state_dict(self.model, self.optimizer, model_state_dict=restored["model"],
+                       optim_state_dict=restored["optimizer"])
+
+    def _sharded_state(self) -> dict[str, Any]:
+        """The model's and the optimiser's state by parameter name, as DTensors (the optimiser's
+        made first where it has not stepped yet)."""
+        assert self.model is not None and self.optimizer is not None
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optimizer": optimizer}
+
+    def summary_metrics(self) -> dict[str, Any]:
+        assert self.model is not None
+        shards = sum(p.to_local().numel() for p in self.model.parameters())
+        total = sum(p.numel() for p in self.model.parameters())
+        return {"parameter_share_per_rank": shards / max(total, 1)}
+
+
+def local_shards(tree: Any) -> Any:
+    """`tree` with every DTensor replaced by this rank's shard of it (a plain tensor to save)."""
+    if isinstance(tree, DTensor):
+        return tree.to_local()
+    if isinstance(tree, dict):
+        return {k: local_shards(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(local_shards(v) for v in tree)
+    return tree
+
+
+def as_template(template: Any, saved: Any) -> Any:
+    """`saved` (from local_shards) with each shard placed back where `template` has a DTensor."""
+    if isinstance(template, DTensor):
+        return DTensor.from_local(saved.to(template.device), template.device_mesh, template.placements,
+                                  shape=template.shape, stride=template.stride())
+    if isinstance(template, dict):
+        return {k: as_template(template[k], v) if k in template else v for k, v in saved.items()}
+    if isinstance(template, (list, tuple)) and isinstance(saved, (list, tuple)) and len(template) == len(saved):
+        return type(saved)(as_template(t, v) for t, v in zip(template, saved))
+    return saved
