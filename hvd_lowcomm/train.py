@@ -45,7 +45,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
         return 2
 
-    world = runtime.init(cfg.train.seed, cfg.comm.engine, cfg.comm.reduce_dtype)
+    try:
+        world = runtime.init(cfg.train.seed, cfg.comm.engine, cfg.comm.reduce_dtype)
+    except ConfigError as err:  # an engine this job cannot start, or not the one it already runs on
+        if _launcher_rank() == 0:
+            print(f"error: {err}", file=sys.stderr)
+        return 2
     meter.reset()  # one run's traffic, from start-up checks to the summary
     preemption = PreemptionSignal()  # from here on SIGTERM/SIGUSR1 mean "checkpoint and stop"
     try:

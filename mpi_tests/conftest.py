@@ -116,6 +116,18 @@ def needs_ranks(minimum: int):
     return pytest.mark.skipif(SIZE < minimum, reason=f"needs mpirun -np >= {minimum}")
 
 
+def skip_where_its_engine_is_not_running(method: str) -> None:
+    """Skip `method` in a suite whose job runs on another engine than the one its name presets
+    (fsdp: torch; make test-2-torch runs it), decided alike on every rank."""
+    from hvd_lowcomm.comm import runtime
+    from hvd_lowcomm.registry import specs
+
+    wanted = specs()[method].presets.get("comm.engine") if method in specs() else None
+    if wanted and runtime.initialized() and runtime.engine().name != wanted:
+        pytest.skip(f"{method} runs on the {wanted} engine, this job on {runtime.engine().name} "
+                    f"(make test-2-torch runs it)")
+
+
 def clean_env() -> dict[str, str]:
     """Environment for a child process that must not think it is one of our MPI ranks."""
     return {k: v for k, v in os.environ.items()

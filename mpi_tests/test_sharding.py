@@ -6,6 +6,7 @@ across groups."""
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 import textwrap
@@ -148,3 +149,70 @@ def test_the_mesh_is_refused_with_how_to_fix_it_where_it_cannot_be_made():
         hl.device_mesh(group_size=SIZE + 1)
     mesh = hl.device_mesh(group_size=SIZE)  # one group: plain FSDP over every rank
     assert mesh.mesh_dim_names == ("shard",) and mesh.size() == SIZE
+
+
+# ---------------------------------------------------------------------------------------------
+# the built-in trainer's --method fsdp
+
+def text_dataset(folder):
+    """A small byte-level text dataset made by data_prep (words over a few sentences)."""
+    from data_prep.__main__ import main as data_prep_main
+
+    rng = random.Random(3)
+    words = "the cat sat on a mat while dogs ran past two red birds and one old fox".split()
+    (folder / "text").mkdir()
+    (folder / "text" / "a.txt").write_text("\n".join(" ".join(rng.choice(words) for _ in range(8))
+                                                     for _ in range(300)))
+    assert data_prep_main(["text", str(folder / "text"), "--out", str(folder / "text.h5")]) == 0
+    return folder / "text.h5"
+
+
+def train_job(tmp_path, ranks: int, name: str, *options: str) -> tuple[dict, dict]:
+    """(summary, final model) of one run of the trainer on the torch engine."""
+    command = mpirun(ranks, sys.executable, "-m", "hvd_lowcomm.train", "--comm.engine", "torch",
+                     "--data.path", str(tmp_path / "text.h5"), "--model.name", "gpt", "--model.layers", "2",
+                     "--model.width", "32", "--model.heads", "2", "--data.seq_len", "16", "--data.batch_size", "8",
+                     "--train.optimizer", "sgd", "--train.lr", "0.1", "--train.momentum", "0.9",
+                     "--train.lr_schedule", "constant", "--train.accumulate", "2", "--train.clip_grad_norm", "0.5",
+                     "--train.epochs", "1", "--run.dir", str(tmp_path / "runs"), "--run.name", name,
+                     "--run.progress", "false", *options)
+    done = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    import torch
+
+    run = tmp_path / "runs" / name
+    return json.loads((run / "summary.json").read_text()), torch.load(run / "model.pt")
+
+
+@pytest.mark.skipif(SIZE > 1, reason="launches jobs of its own")
+@pytest.mark.parametrize("ranks,group_size", [(2, 0), (4, 2)], ids=["fsdp-1x2", "hsdp-2x2"])
+def test_the_trainer_s_fsdp_trains_as_ddp_and_resumes_bit_for_bit(tmp_path, ranks, group_size):
+    """Through the trainer, with accumulation (the first micro-batch skips the reduce-scatter)
+    and clipping (the norm over every shard): fsdp's model after 8 steps is ddp's, and 4 steps,
+    a checkpoint and a resume to 8 give the same model bit for bit."""
+    import torch
+
+    text_dataset(tmp_path)
+    steps = ["--train.max_steps", "8"]
+    ddp, ddp_model = train_job(tmp_path, ranks, "ddp", "--method", "ddp", *steps)
+    sharding = ["--method", "fsdp", "--fsdp.group_size", str(group_size)]
+    fsdp, fsdp_model = train_job(tmp_path, ranks, "fsdp", *sharding, *steps)
+    assert fsdp_model.keys() == ddp_model.keys()
+    for key in ddp_model:  # the same gradient to float32 rounding: SGD shows any wrong scale or term
+        torch.testing.assert_close(fsdp_model[key], ddp_model[key], rtol=1e-4, atol=1e-5, msg=key)
+    assert fsdp["final_test_loss"] == pytest.approx(ddp["final_test_loss"], rel=1e-4)
+    assert fsdp["parameter_share_per_rank"] == pytest.approx(1 / (group_size or ranks), abs=0.05)
+    train_job(tmp_path, ranks, "parts", *sharding, "--train.max_steps", "4", "--run.checkpoint_every", "0")
+    _, resumed = train_job(tmp_path, ranks, "parts", *sharding, *steps, "--resume", "auto")
+    for key in fsdp_model:
+        assert torch.equal(resumed[key], fsdp_model[key]), key
+
+
+@pytest.mark.skipif(SIZE > 1, reason="launches jobs of its own")
+def test_the_trainer_refuses_fsdp_on_horovod_and_a_group_size_that_does_not_divide(tmp_path):
+    for options, reason in ((["--comm.engine", "horovod"], "not Horovod's: use --comm.engine torch"),
+                            (["--fsdp.group_size", "3"], "fsdp.group_size 3 does not divide the 2 ranks")):
+        done = subprocess.run(mpirun(2, sys.executable, "-m", "hvd_lowcomm.train", "--method", "fsdp",
+                                     "--train.max_steps", "1", "--run.dir", str(tmp_path), *options),
+                              env=clean_env(), capture_output=True, text=True, timeout=300)
+        assert done.returncode != 0 and reason in done.stderr, done.stdout + done.stderr

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import RANK, SIZE
+from conftest import RANK, SIZE, skip_where_its_engine_is_not_running
 from data_prep.__main__ import main as data_prep_main
 from data_prep.text import split_documents
 from hvd_lowcomm import task
@@ -140,6 +140,7 @@ def test_sil_refuses_a_language_model_with_the_measured_reason(world):
 @pytest.mark.skipif(SIZE < 2, reason="every method's smoke run on several ranks")
 @pytest.mark.parametrize("method", sorted(specs()))
 def test_every_method_trains_a_gpt_at_its_defaults_or_refuses_before_training(corpus, shared_tmp, method, capsys):
+    skip_where_its_engine_is_not_running(method)
     path, _ = corpus
     argv = ["--method", method, "--data.path", str(path), "--model.name", "gpt", "--model.layers", "2",
             "--model.width", "32", "--model.heads", "2", "--data.seq_len", "16", "--data.batch_size", "8",

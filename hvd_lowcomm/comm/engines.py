@@ -20,6 +20,7 @@ point-to-point messages go through mpi4py on either engine (MPI launched the job
 """
 from __future__ import annotations
 
+import atexit
 from typing import Any, Callable
 
 import torch
@@ -127,6 +128,7 @@ class TorchEngine:
                 store = dist.TCPStore(address[0], address[1], size, is_master=False)
             backend = "cpu:gloo,cuda:nccl" if dist.is_nccl_available() else "gloo"
             dist.init_process_group(backend, store=store, rank=rank, world_size=size)
+            atexit.register(_destroy_process_groups)
 
     def takes(self, device: torch.device, gpus_shared: bool) -> bool:
         if device.type == "cpu":
@@ -248,3 +250,11 @@ def choose(requested: str, reduce_dtype: str = "float32") -> tuple[str, str]:
     if torch.cuda.is_available() and not hvd.nccl_built():
         return "torch", "auto: this Horovod has no GPU operations (built without NCCL)"
     return "horovod", "auto: Horovod is installed"
+
+
+def _destroy_process_groups() -> None:
+    """At exit, while Python still runs: Gloo's worker threads, left to the interpreter's
+    teardown, may drop the last reference to a tensor after Python is gone and abort the
+    process."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
