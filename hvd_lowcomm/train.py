@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
         return 2
 
+    needed = spec(cfg.method).method.engine_needed(cfg) if cfg.method != AUTO else None
+    if needed and cfg.comm.engine == "auto":  # sharding runs on torch.distributed only
+        cfg.comm.engine = needed
     try:
         world = runtime.init(cfg.train.seed, cfg.comm.engine, cfg.comm.reduce_dtype)
     except ConfigError as err:  # an engine this job cannot start, or not the one it already runs on

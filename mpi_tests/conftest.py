@@ -117,12 +117,13 @@ def needs_ranks(minimum: int):
 
 
 def skip_where_its_engine_is_not_running(method: str) -> None:
-    """Skip `method` in a suite whose job runs on another engine than the one its name presets
-    (fsdp: torch; make test-2-torch runs it), decided alike on every rank."""
+    """Skip `method` in a suite whose job runs on another engine than the one it needs at its
+    defaults (fsdp: torch; make test-2-torch runs it), decided alike on every rank."""
+    from hvd_lowcomm import config
     from hvd_lowcomm.comm import runtime
     from hvd_lowcomm.registry import specs
 
-    wanted = specs()[method].presets.get("comm.engine") if method in specs() else None
+    wanted = specs()[method].method.engine_needed(config.load(["--method", method])) if method in specs() else None
     if wanted and runtime.initialized() and runtime.engine().name != wanted:
         pytest.skip(f"{method} runs on the {wanted} engine, this job on {runtime.engine().name} "
                     f"(make test-2-torch runs it)")

@@ -26,7 +26,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.runtime import Group
@@ -47,10 +50,13 @@ except ImportError as missing:  # said when sharding is asked for, not when the 
 GROUPS_ATTRIBUTE = "_hvd_lowcomm_groups"
 
 
-def device_mesh(group_size: int = 0, device: torch.device | str | None = None) -> DeviceMesh:
+def device_mesh(group_size: int = 0, device: torch.device | str | None = None,
+                replicate: bool = True) -> DeviceMesh:
     """A DeviceMesh whose "shard" dimension is this rank's group of `group_size` contiguous ranks
     (0: every rank) and whose "replicate" dimension, when there are several groups, the ranks at
-    its position in the others; collective, call on every rank after init(engine="torch")."""
+    its position in the others; collective, call on every rank after init(engine="torch").
+    `replicate` False: the group's own 1-D mesh, for a method that joins the groups itself
+    (DiLoCo, PowerSGD across groups): FSDP then exchanges nothing between groups."""
     if MISSING:
         raise ConfigError(MISSING)
     if runtime.engine().name != "torch":
@@ -67,6 +73,10 @@ def device_mesh(group_size: int = 0, device: torch.device | str | None = None) -
         setattr(mesh, GROUPS_ATTRIBUTE, (world, None))
         return mesh
     shard, _ = runtime.split_world(group_size=size, label="shard")
+    if not replicate:
+        mesh = DeviceMesh.from_group(shard.process_set, device_type, mesh_dim_names=("shard",))
+        setattr(mesh, GROUPS_ATTRIBUTE, (shard, None))
+        return mesh
     replicate, _ = runtime.split_by_position(world.size // size, label="replicate")
     layout = torch.arange(world.size).view(world.size // size, size)
     mesh = DeviceMesh.from_group([replicate.process_set, shard.process_set], device_type, mesh=layout,
@@ -158,3 +168,45 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, **options: Any) -> tor
     for unit in shard_units(model):
         fully_shard(unit, mesh, **options)
     return fully_shard(model, mesh, **options)
+
+
+def local_shards(tree: Any) -> Any:
+    """`tree` with every DTensor replaced by this rank's shard of it (a plain tensor to save)."""
+    if isinstance(tree, DTensor):
+        return tree.to_local()
+    if isinstance(tree, dict):
+        return {k: local_shards(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(local_shards(v) for v in tree)
+    return tree
+
+
+def as_template(template: Any, saved: Any) -> Any:
+    """`saved` (from local_shards) with each shard placed back where `template` has a DTensor."""
+    if isinstance(template, DTensor):
+        return DTensor.from_local(saved.to(template.device), template.device_mesh, template.placements,
+                                  shape=template.shape, stride=template.stride())
+    if isinstance(template, dict):
+        return {k: as_template(template[k], v) if k in template else v for k, v in saved.items()}
+    if isinstance(template, (list, tuple)) and isinstance(saved, (list, tuple)) and len(template) == len(saved):
+        return type(saved)(as_template(t, v) for t, v in zip(template, saved))
+    return saved
+
+
+def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """A sharded model's and its optimiser's state by parameter name, as DTensors (the
+    optimiser's made first where it has not stepped yet): local_shards makes it saveable."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def load_sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """Put back what local_shards(sharded_state(...)) saved, on the same layout."""
+    restored = as_template(sharded_state(model, optimizer), saved)
+    set_state_dict(model, optimizer, model_state_dict=restored["model"], optim_state_dict=restored["optimizer"])
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, Any] | None:
+    """A sharded model as one ordinary state dict on global rank 0 (None elsewhere); collective."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return state if runtime.rank() == 0 else None

@@ -63,6 +63,12 @@ class Method:
         self.pass_seconds: dict[str, float] = {"forward": 0.0, "backward": 0.0}
 
     @classmethod
+    def engine_needed(cls, cfg: Config) -> str | None:
+        """The engine this method needs with these options (what comm.engine auto then picks),
+        or None for either."""
+        return None
+
+    @classmethod
     def check_world(cls, cfg: Config, world_size: int) -> None:
         """Raise ConfigError when this method cannot run on `world_size` ranks."""
 

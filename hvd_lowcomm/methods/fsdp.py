@@ -18,12 +18,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
-from torch.distributed.tensor import DTensor
 
 from hvd_lowcomm.comm import runtime
-from hvd_lowcomm.comm.mesh import device_mesh, shard_model, shard_units
+from hvd_lowcomm.comm.mesh import (device_mesh, full_state_dict, load_sharded_state, local_shards, shard_model,
+                                   shard_units, sharded_state)
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES
 from hvd_lowcomm.config import Config, ConfigError, option
 from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, RunAssumptions, sent_bytes
@@ -109,10 +107,14 @@ def fsdp_quality(options: FSDPOptions | None, cfg: Config) -> str:
     return ""
 
 
-@register("fsdp", options=FSDPOptions, presets={"comm.engine": "torch"},
+@register("fsdp", options=FSDPOptions,
           cost=MethodCost(predict_fsdp, model_facts=fsdp_facts, quality=fsdp_quality))
 class FullyShardedDataParallel(Method):
     """ddp's training with the model, gradients and optimiser state sharded (FSDP2)."""
+
+    @classmethod
+    def engine_needed(cls, cfg: Config) -> str | None:
+        return "torch"
 
     @classmethod
     def check_world(cls, cfg: Config, world_size: int) -> None:
@@ -138,26 +140,16 @@ class FullyShardedDataParallel(Method):
         return loss
 
     def final_state_dict(self) -> dict[str, Any] | None:
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return state if runtime.rank() == 0 else None
+        return full_state_dict(self.model)
 
     def state_owner(self) -> int:
         return runtime.rank()  # each rank holds its own shards
 
     def state_dict(self) -> dict[str, Any]:
-        return local_shards(self._sharded_state())
+        return local_shards(sharded_state(self.model, self.optimizer))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        restored = as_template(self._sharded_state(), state)
-        set_state_dict(self.model, self.optimizer, model_state_dict=restored["model"],
-                       optim_state_dict=restored["optimizer"])
-
-    def _sharded_state(self) -> dict[str, Any]:
-        """The model's and the optimiser's state by parameter name, as DTensors (the optimiser's
-        made first where it has not stepped yet)."""
-        assert self.model is not None and self.optimizer is not None
-        model, optimizer = get_state_dict(self.model, self.optimizer)
-        return {"model": model, "optimizer": optimizer}
+        load_sharded_state(self.model, self.optimizer, state)
 
     def summary_metrics(self) -> dict[str, Any]:
         assert self.model is not None
@@ -165,25 +157,3 @@ class FullyShardedDataParallel(Method):
         total = sum(p.numel() for p in self.model.parameters())
         return {"parameter_share_per_rank": shards / max(total, 1)}
 
-
-def local_shards(tree: Any) -> Any:
-    """`tree` with every DTensor replaced by this rank's shard of it (a plain tensor to save)."""
-    if isinstance(tree, DTensor):
-        return tree.to_local()
-    if isinstance(tree, dict):
-        return {k: local_shards(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(local_shards(v) for v in tree)
-    return tree
-
-
-def as_template(template: Any, saved: Any) -> Any:
-    """`saved` (from local_shards) with each shard placed back where `template` has a DTensor."""
-    if isinstance(template, DTensor):
-        return DTensor.from_local(saved.to(template.device), template.device_mesh, template.placements,
-                                  shape=template.shape, stride=template.stride())
-    if isinstance(template, dict):
-        return {k: as_template(template[k], v) if k in template else v for k, v in saved.items()}
-    if isinstance(template, (list, tuple)) and isinstance(saved, (list, tuple)) and len(template) == len(saved):
-        return type(saved)(as_template(t, v) for t, v in zip(template, saved))
-    return saved

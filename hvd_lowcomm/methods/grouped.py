@@ -85,7 +85,9 @@ def trial_sync(model: nn.Module, sync: Callable[[], None], state: Callable[[], A
     """The model a sync would give now, without changing the run: `sync()` on the live model,
     yield it, then put back the model and what `state()` returned (the method's own sync state,
     given to `restore`). Collective where the sync is."""
-    saved = copy.deepcopy(model.state_dict()), state()
+    # clones, not a deepcopy: a sharded model's DTensors hold their process groups
+    saved = {k: v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v) for k, v in model.state_dict().items()}, \
+        state()
     sync()
     try:
         yield model
@@ -97,7 +99,7 @@ def trial_sync(model: nn.Module, sync: Callable[[], None], state: Callable[[], A
 def group_traffic(between: tuple[str, ...]) -> dict[str, float]:
     """Training bytes inside the groups and between them (on the process sets whose labels
     start with `between`; the loop's checks on the world count as between)."""
-    return {"intra_group_wire_bytes": meter.total_on(("group",)),
+    return {"intra_group_wire_bytes": meter.total_on(("group", "shard")),
             "inter_group_wire_bytes": meter.total_on(between, ("train", "control"))}
 
 

@@ -1,13 +1,20 @@
 """`--method diloco`: the built-in loop's adapter to DiLoCo, registered with its options and cost."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 
+from hvd_lowcomm.comm import runtime
+from hvd_lowcomm.comm.mesh import device_mesh, shard_model
+from hvd_lowcomm.config import Config
 from hvd_lowcomm.costmodel import MethodCost
 from hvd_lowcomm.methods.diloco.algorithm import DiLoCo
 from hvd_lowcomm.methods.diloco.cost import diloco_facts, predict_diloco
 from hvd_lowcomm.methods.diloco.options import DiLoCoOptions, fragment_bounds
+from hvd_lowcomm.methods.base import broadcast_parameters
+from hvd_lowcomm.methods.fsdp import check_sharding_world
 from hvd_lowcomm.methods.grouped import GroupTrainerMethod
 from hvd_lowcomm.registry import register
 
@@ -20,6 +27,30 @@ class DiLoCoMethod(GroupTrainerMethod):
 
     def check_model(self, model: nn.Module) -> None:
         fragment_bounds([p.numel() for p in model.parameters() if p.requires_grad], self.options.fragments)
+
+    @classmethod
+    def engine_needed(cls, cfg: Config) -> str | None:
+        return "torch" if cfg.options.shard else None
+
+    @classmethod
+    def check_groups(cls, cfg: Config, groups: int, world_size: int) -> None:
+        if cfg.options.shard:
+            check_sharding_world(cfg, world_size, world_size // groups, "diloco.groups' group size")
+
+    def setup(self, model: nn.Module) -> None:
+        if self.options.shard:  # FSDP2 over each group, the same start in every group
+            broadcast_parameters(model.state_dict())
+            groups = runtime.default_group_count(self.options.groups, runtime.size())
+            mesh = device_mesh(runtime.size() // groups, runtime.device_of(model.parameters()), replicate=False)
+            model = shard_model(model, mesh)
+        super().setup(model)
+
+    def start_micro_batch(self, last: bool) -> None:
+        if self.options.shard:
+            self.model.set_requires_gradient_sync(last)  # earlier micro-batches accumulate unreduced
+
+    def final_state_dict(self) -> dict[str, Any] | None:
+        return self.trainer.full_state_dict()
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         self.optimizer.zero_grad()

@@ -45,6 +45,12 @@ slices: a rank sends model/|group| across the network per sync, not the whole mo
   parts (plain averaging only: outer momentum would let their outer states drift apart);
   evaluation and the final model add the other groups' outstanding parts.
 
+A model sharded with FSDP2 over each group (`shard_model` on `device_mesh(group_size,
+replicate=False)`; `--diloco.shard` in the built-in trainer) needs no slicing: a rank's shards
+are its slice. FSDP reduce-scatters the gradients inside the group, and each rank's outer step,
+outer state and exchange work on its own shards with the ranks holding the same shards in the
+other groups (its column); nothing is gathered after the outer step.
+
 Floating-point buffers (BatchNorm statistics) are averaged plainly with fragment 0. Evaluation
 and the final model use the model a sync of every fragment would give now (as AB-training's).
 """
@@ -59,11 +65,13 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from hvd_lowcomm.comm import runtime
+from hvd_lowcomm.comm.mesh import full_state_dict, load_sharded_state, local_shards, sharded_state
 from hvd_lowcomm.comm.traffic import meter, side_thread_problem
 from hvd_lowcomm.config import ConfigError, make_options
-from hvd_lowcomm.methods.base import broadcast_model_and_optimizer, exchange_gradients
+from hvd_lowcomm.methods.base import broadcast_model_and_optimizer, broadcast_parameters, exchange_gradients
 from hvd_lowcomm.methods.diloco.options import DiLoCoOptions, fragment_bounds, shard_length, sync_due
 from hvd_lowcomm.methods.grouped import group_traffic, outer_optimizer, step_inner_optimizer, trial_sync
 from hvd_lowcomm.methods.outer_exchange import Exchange, make_exchange
@@ -105,11 +113,16 @@ class DiLoCo:
         self.column, _ = runtime.split_by_position(groups, label="column", side=True)
         self.position = self.group.rank_of(runtime.rank())
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        self.sharded = check_sharding(named, self.group)
         bounds = fragment_bounds([p.numel() for _, p in named], o.fragments)
         parts = [named[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-        self.inner_named = [(f"diloco.inner.{name}", p) for name, p in named]  # what the group averages
+        # what the group averages (nothing where FSDP reduce-scatters the gradients itself)
+        self.inner_named = [] if self.sharded else [(f"diloco.inner.{name}", p) for name, p in named]
         self.buffers = [(name, b) for name, b in model.named_buffers() if b.is_floating_point()]
-        broadcast_model_and_optimizer(model, optimizer)
+        if self.sharded:  # the same shards start alike in every group (the optimiser is a fresh one)
+            broadcast_parameters([(n, local_part(p)) for n, p in named], self.column.ranks[0], self.column)
+        else:
+            broadcast_model_and_optimizer(model, optimizer)
         # Per fragment: this rank's slice of its global copy (rank 0's now), its outer optimiser, its exchange.
         self.fragments = [Fragment.make(f, params, self._local_slice(params), self.column, o)
                           for f, params in enumerate(parts)]
@@ -156,8 +169,10 @@ class DiLoCo:
         fragment due (see the class)."""
         if self.every is None:  # steps only: a fraction needs set_total_steps()
             self._set_every(max(1, run_steps(self.options.sync_every, None, "diloco.sync_every")))
-        exchange_gradients(self.inner_named, self.group)
-        step_inner_optimizer(self.optimizer, [p for _, p in self.inner_named], self.clip_grad_norm, self.scaler)
+        if self.inner_named:
+            exchange_gradients(self.inner_named, self.group)
+        step_inner_optimizer(self.optimizer, [p for f in self.fragments for _, p in f.params], self.clip_grad_norm,
+                             self.scaler)
         self.inner_steps += 1
         for f in self.fragments:
             f.since_sync += 1
@@ -186,11 +201,15 @@ class DiLoCo:
         """A fragment's parameters as one float32 vector (the outer state is float32 whatever the
         parameters' dtype: bfloat16 would round away most of a pseudo-gradient), padded with
         zeros to a whole number of slices."""
-        flat = torch.cat([p.detach().reshape(-1).float() for _, p in params])
+        flat = torch.cat([local_part(p).detach().reshape(-1).float() for _, p in params])
+        if self.sharded:  # this rank's shards: its slice as they are
+            return flat
         length = shard_length(len(flat), self.group.size) * self.group.size
         return torch.cat([flat, flat.new_zeros(length - len(flat))])
 
     def _local_slice(self, params: list[tuple[str, nn.Parameter]]) -> torch.Tensor:
+        if self.sharded:
+            return self._flat(params).clone()
         length = shard_length(sum(p.numel() for _, p in params), self.group.size)
         return self._flat(params)[self.position * length:(self.position + 1) * length].clone()
 
@@ -200,10 +219,11 @@ class DiLoCo:
         later (eager: at the fragment's next sync)."""
         if delta is None:
             delta = fragment.global_slice.detach() - self._local_slice(fragment.params)
-        shapes = [tuple(p.shape) for _, p in fragment.params]
-        collective = fragment.exchange.start(fragment.index, delta, shapes, self.position * len(delta))
+        shapes = [tuple(local_part(p).shape) for _, p in fragment.params]  # sharded: this rank's rows of each
+        offset = 0 if self.sharded else self.position * len(delta)
+        collective = fragment.exchange.start(fragment.index, delta, shapes, offset)
         keeps = background and bool(self.options.sync_delay) and self.options.update_alpha > 0
-        prepared = [p.detach().clone() for _, p in fragment.params] if keeps else None
+        prepared = [local_part(p).detach().clone() for _, p in fragment.params] if keeps else None
         if background:
             result = self.worker.submit(collective)
         else:
@@ -272,11 +292,12 @@ class DiLoCo:
                       if keep_unsent and self.options.keeps_unsent else None)
             own = f.global_slice.detach()
             models.append((f"diloco.global.{f.index}", own if unsent is None else own - unsent.to(own.device)))
-        gathered = meter.allgather_many(models, self.group)
+        gathered = [m for _, m in models] if self.sharded else meter.allgather_many(models, self.group)
         with torch.no_grad():
             for f, flat, flight in zip(due, gathered, flights):
                 offset = 0
                 for i, (_, p) in enumerate(f.params):
+                    p = local_part(p)
                     new = flat[offset:offset + p.numel()].view_as(p)
                     if flight.prepared is not None:  # keep alpha of what was learned meanwhile
                         new = new + self.options.update_alpha * (p - flight.prepared[i])
@@ -332,15 +353,33 @@ class DiLoCo:
                 f.since_sync = since
 
     def full_model(self) -> nn.Module:
-        """The synced model, the same on every rank (collective; its traffic counts as eval)."""
+        """The synced model, the same on every rank (collective; its traffic counts as eval).
+        A sharded model's: full_state_dict()."""
+        if self.sharded:
+            raise ConfigError("diloco: a sharded model is not copied whole onto every rank; take "
+                              "diloco.full_state_dict() (the synced model's state dict on rank 0)")
         with meter.in_phase("eval"):
             with self.synced() as model:
                 final = copy.deepcopy(model)
-            self._settle()  # nothing may be left on the wire when the job ends
-            # The sync's last collective is the group's own allgather: without this, a group that
-            # finishes first may exit, and Horovod's shutdown then fails another group's gather.
-            meter.barrier("diloco.full_model")
+            self._end_sync()
         return final
+
+    def full_state_dict(self) -> dict[str, Any] | None:
+        """The synced model as one ordinary state dict on global rank 0, None elsewhere
+        (collective; its traffic counts as eval); the model itself may be sharded."""
+        with meter.in_phase("eval"):
+            with self.synced() as model:
+                state = full_state_dict(model) if self.sharded else (
+                    model.state_dict() if runtime.rank() == 0 else None)
+                state = None if state is None else {k: v.detach().clone() for k, v in state.items()}
+            self._end_sync()
+        return state
+
+    def _end_sync(self) -> None:
+        self._settle()  # nothing may be left on the wire when the job ends
+        # The sync's last collective is the group's own allgather: without this, a group that
+        # finishes first may exit, and Horovod's shutdown then fails another group's gather.
+        meter.barrier("diloco.full_model")
 
     between_groups = ("column", "world")  # the column exchange, and the loop's checks at outer steps
 
@@ -351,14 +390,17 @@ class DiLoCo:
     summary_metrics = epoch_metrics
 
     def state_dict(self) -> dict[str, Any]:
-        """What the ranks of one group share: model, inner optimiser, position in the cycle."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        """What the ranks of one group share: model, inner optimiser (each rank's own shards of
+        them where the model is sharded: in local_state_dict), position in the cycle."""
+        shared = {} if self.sharded else {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        return {**shared,
                 "diloco": {"inner_steps": self.inner_steps, "since_sync": [f.since_sync for f in self.fragments],
                            "outer_steps": self.outer_steps, "synced_now": self.synced_now}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if not self.sharded:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         d = state["diloco"]
         self.inner_steps = d["inner_steps"]
         for f, since in zip(self.fragments, d["since_sync"]):
@@ -370,7 +412,8 @@ class DiLoCo:
         exchange's error feedback (and warm start), and any exchange in flight (waited for, so
         a run resumed from here applies the same result at the same step)."""
         self._settle()
-        return {"global_slices": [f.global_slice.detach().clone() for f in self.fragments],
+        shards = {"shards": local_shards(sharded_state(self.model, self.optimizer))} if self.sharded else {}
+        return {**shards, "global_slices": [f.global_slice.detach().clone() for f in self.fragments],
                 "outer": joined_outer_state([f.outer for f in self.fragments]),
                 "exchange": joined_exchange_state([f.exchange for f in self.fragments]),
                 "own_previous": {f.index: f.own_previous.clone() for f in self.fragments if f.own_previous is not None},
@@ -380,6 +423,8 @@ class DiLoCo:
     def load_local_state_dict(self, state: dict[str, Any]) -> None:
         in_flight = {int(f): InFlight(*flight) for f, flight in state["in_flight"].items()}
         own_previous = {int(f): own.clone() for f, own in state.get("own_previous", {}).items()}
+        if self.sharded:
+            load_sharded_state(self.model, self.optimizer, state["shards"])
         with torch.no_grad():
             for f, global_slice in zip(self.fragments, state["global_slices"]):
                 f.global_slice.copy_(global_slice)
@@ -447,3 +492,25 @@ def joined_exchange_state(exchanges: list[Exchange]) -> dict[str, Any]:
 def exchange_state_of(joined: dict[str, Any], fragment: int) -> dict[str, Any]:
     """One fragment's exchange state from `joined_exchange_state`'s form."""
     return {key: {f: v for f, v in value.items() if int(f) == fragment} for key, value in joined.items()}
+
+
+def local_part(p: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of a parameter: its shard of an FSDP2 DTensor, else all of it."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def check_sharding(named: list[tuple[str, nn.Parameter]], group: runtime.Group) -> bool:
+    """Whether the model is sharded (FSDP2 DTensors); if so, refuse a layout DiLoCo cannot join:
+    shards that span more than this rank's group, or a mesh that also replicates across groups."""
+    sharded = [p for _, p in named if isinstance(p, DTensor)]
+    if not sharded:
+        return False
+    if len(sharded) < len(named):
+        raise ConfigError("diloco: some parameters are sharded (FSDP2) and some are not; fully_shard the root "
+                          "module too (hvd_lowcomm.shard_model does)")
+    mesh = sharded[0].device_mesh
+    if mesh.mesh_dim_names != ("shard",) or tuple(sorted(mesh.mesh.flatten().tolist())) != tuple(group.ranks):
+        raise ConfigError(f"diloco: the model must be sharded over this rank's DiLoCo group (ranks {group.ranks[0]}-"
+                          f"{group.ranks[-1]}) alone: shard it on hvd_lowcomm.device_mesh(group_size={group.size}, "
+                          f"replicate=False), DiLoCo joins the groups itself")
+    return True

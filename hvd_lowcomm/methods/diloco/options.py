@@ -75,6 +75,9 @@ class DiLoCoOptions(GroupedOptions):
                                 "this group's own pseudo-gradient and the other groups' from one period earlier; "
                                 "plain averaging only (outer_momentum 0), not with sync_delay; pays at few groups "
                                 "(the other groups' part, a period late, grows with their number)")
+    shard: bool = option(False, "shard the model, its gradients and optimiser state over each group's ranks "
+                                "(FSDP2, torch engine): each rank's outer step and exchange work on its own shards, "
+                                "with the ranks holding the same shards in the other groups")
 
     def validate(self) -> None:
         super().validate()
