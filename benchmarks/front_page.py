@@ -27,19 +27,19 @@ ROWS = (
     ("Nodes on 10-25 GbE, a model whose step waits on the network", "``powersgd``", "powersgd"),
     ("Dense layers (MLP, CNN, ViT) wider than a step's batch rows", "``dad`` exact, or ``rank-dad``", "rank-dad"),
     ("Groups of nodes behind a slow link (1 Gbit/s and below)", "``diloco``", "diloco"),
-    ("A model too large for one device", "``mp``; ``sil`` for CNNs", None),
+    ("A model too large for one device", "``fsdp``; ``diloco`` + ``shard``", None),
 )
 
 
 def _saves(m: heldout.Measured | None) -> str:
-    if m is None:
-        return "activations at the cuts"
+    if m is None:  # FSDP: each parameter gathered twice and each gradient reduce-scattered, ddp's 2
+        return "1.5, inside each group"
     return "1 (the reference)" if m.method == "ddp" else f"{m.bytes_vs_ddp:.3g}"
 
 
 def _costs(m: heldout.Measured | None) -> str:
     if m is None:
-        return "see the method's page"
+        return "none: ddp's (or diloco's) training, sharded"
     if m.method == "ddp":
         return "none"
     worst = m.worst.replace(" points", " accuracy points").replace("% loss", "% validation loss")

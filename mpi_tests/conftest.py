@@ -116,14 +116,15 @@ def needs_ranks(minimum: int):
     return pytest.mark.skipif(SIZE < minimum, reason=f"needs mpirun -np >= {minimum}")
 
 
-def skip_where_its_engine_is_not_running(method: str) -> None:
-    """Skip `method` in a suite whose job runs on another engine than the one it needs at its
-    defaults (fsdp: torch; make test-2-torch runs it), decided alike on every rank."""
+def skip_where_its_engine_is_not_running(method: str, argv: tuple[str, ...] | list[str] = ()) -> None:
+    """Skip `method` (with options `argv`) in a suite whose job runs on another engine than the
+    one it needs (fsdp: torch; make test-2-torch runs it), decided alike on every rank."""
     from hvd_lowcomm import config
     from hvd_lowcomm.comm import runtime
     from hvd_lowcomm.registry import specs
 
-    wanted = specs()[method].method.engine_needed(config.load(["--method", method])) if method in specs() else None
+    cfg = config.load(list(argv) if "--method" in argv else ["--method", method, *argv])
+    wanted = specs()[cfg.method].method.engine_needed(cfg) if cfg.method in specs() else None
     if wanted and runtime.initialized() and runtime.engine().name != wanted:
         pytest.skip(f"{method} runs on the {wanted} engine, this job on {runtime.engine().name} "
                     f"(make test-2-torch runs it)")

@@ -53,6 +53,11 @@ EXACT = {
                       "2"], {}, 1e-6),
     "diloco-eager": (["--method", "diloco", "--diloco.groups", "2", "--diloco.sync_every", "4", "--diloco.eager",
                       "true"], {}, 1e-6),
+    # FSDP inside each group (at np 4: 2 shards), each rank's shards exchanged across groups
+    **{f"diloco-shard-{form}": (["--method", "diloco", "--diloco.groups", "2", "--diloco.sync_every", "4",
+                                 "--diloco.shard", "true", "--diloco.compression", form], {}, 1e-6)
+       for form in ("none", "int2", "lowrank")},
+    "fsdp-hsdp": (["--method", "fsdp", "--fsdp.group_size", str(max(1, SIZE // 2))], {}, 1e-6),
 }
 STEPS = 40
 
@@ -63,8 +68,8 @@ def test_predicted_bytes_per_step_are_what_the_busiest_rank_sends(world, fresh_m
     """For every registered method (and every form of DiLoCo's exchange, and AB's first cut): the cost model's bytes
     per step equal the meter's over a real run through the trainer (the rank that sends most;
     AB's B-groups and mp's partitions send less or other things)."""
-    skip_where_its_engine_is_not_running(method)
     argv, assumed, tolerance = EXACT.get(method, ([], {}, 1e-6))
+    skip_where_its_engine_is_not_running(method, argv)
     method = method if method in costmodel.predicted_methods() else method.split("-")[0]  # a variant's method
     argv = ["--method", method, "--model.name", "mlp", "--model.hidden", "128,96,64", "--data.batch_size", "8",
             "--train.epochs", "1", "--train.max_steps", str(STEPS), "--data.path", str(shared_tmp / "digits.h5"),

@@ -10,6 +10,7 @@ import random
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -243,3 +244,14 @@ def test_diloco_across_sharded_groups_trains_as_diloco_and_resumes_bit_for_bit(t
     _, resumed = train_job(tmp_path, 4, "parts", *diloco, "--diloco.shard", "true", "--resume", "auto")
     for key in whole:
         assert torch.equal(resumed[key], whole[key]), key
+
+
+@pytest.mark.skipif(SIZE > 1, reason="launches jobs of its own")
+def test_the_cost_model_predicts_the_sharded_methods_bytes_at_np4_on_torch():
+    """The suites at np 4 run on Horovod, which cannot shard: the cost model's exact-bytes test
+    for fsdp, HSDP and DiLoCo across sharded groups (2 x 2), here on the torch engine."""
+    env = {**clean_env(), "HVD_LOWCOMM_ENGINE": "torch"}
+    done = subprocess.run(mpirun(4, "-x", "HVD_LOWCOMM_ENGINE", sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                                 "-q", "mpi_tests/test_costmodel.py", "-k", "fsdp or shard"),
+                          env=env, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0 and "5 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]

@@ -79,7 +79,8 @@ def device_mesh(group_size: int = 0, device: torch.device | str | None = None,
         return mesh
     replicate, _ = runtime.split_by_position(world.size // size, label="replicate")
     layout = torch.arange(world.size).view(world.size // size, size)
-    mesh = DeviceMesh.from_group([replicate.process_set, shard.process_set], device_type, mesh=layout,
+    columns = replicate.process_set if replicate.size < world.size else dist.group.WORLD  # groups of one rank
+    mesh = DeviceMesh.from_group([columns, shard.process_set], device_type, mesh=layout,
                                  mesh_dim_names=("replicate", "shard"))
     setattr(mesh, GROUPS_ATTRIBUTE, (shard, replicate))
     return mesh
