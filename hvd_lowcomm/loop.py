@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from hvd_lowcomm import checkpoint, data, task
 from hvd_lowcomm.checkpoint import Checkpointer, PreemptionSignal, TrainState
 from hvd_lowcomm.comm import runtime
+from hvd_lowcomm.comm.mesh import local_part
 from hvd_lowcomm.comm.traffic import meter
 from hvd_lowcomm.config import Config
 from hvd_lowcomm.methods.base import Method
@@ -240,20 +241,15 @@ def nonfinite(loss: float, model: torch.nn.Module) -> str | None:
     # the tensor and syncs once per tensor): NaN and inf always propagate through a sum, so a
     # finite total clears the tensor; a sum that overflowed is cleared by the exact check.
     # A sharded model's parameters are DTensors: each rank checks its own shards.
-    sums = [local(t).sum() for p in model.parameters() for t in (p, p.grad) if t is not None]
+    sums = [local_part(t).sum() for p in model.parameters() for t in (p, p.grad) if t is not None]
     if math.isfinite(loss) and (not sums or bool(torch.stack([s.to(sums[0].device) for s in sums]).isfinite().all())):
         return None
     for name, p in model.named_parameters():
-        if p.grad is not None and not torch.isfinite(local(p.grad)).all():
+        if p.grad is not None and not torch.isfinite(local_part(p.grad)).all():
             return f"loss {loss}, gradient of layer {name!r} is not finite"
-        if not torch.isfinite(local(p)).all():
+        if not torch.isfinite(local_part(p)).all():
             return f"loss {loss}, parameters of layer {name!r} are not finite"
     return None if math.isfinite(loss) else f"loss is {loss}"
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of `tensor`: its shard of a DTensor, else the tensor."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def evaluate(method: Method, test_batches: Any, local_train_loss: float, info: data.DatasetInfo) -> dict[str, float]:

@@ -57,6 +57,9 @@ EXACT = {
     **{f"diloco-shard-{form}": (["--method", "diloco", "--diloco.groups", "2", "--diloco.sync_every", "4",
                                  "--diloco.shard", "true", "--diloco.compression", form], {}, 1e-6)
        for form in ("none", "int2", "lowrank")},
+    # FSDP inside groups of half the ranks, each rank's gradient rows compressed across them
+    "powersgd-shard": (["--method", "powersgd", "--powersgd.rank", "2", "--powersgd.start_iter", "0",
+                        "--powersgd.adapt_every", "10", "--powersgd.shard_group_size", str(max(1, SIZE // 2))], {}, 1e-6),
     "fsdp-hsdp": (["--method", "fsdp", "--fsdp.group_size", str(max(1, SIZE // 2))], {}, 1e-6),
 }
 STEPS = 40

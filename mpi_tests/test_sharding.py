@@ -249,9 +249,35 @@ def test_diloco_across_sharded_groups_trains_as_diloco_and_resumes_bit_for_bit(t
 @pytest.mark.skipif(SIZE > 1, reason="launches jobs of its own")
 def test_the_cost_model_predicts_the_sharded_methods_bytes_at_np4_on_torch():
     """The suites at np 4 run on Horovod, which cannot shard: the cost model's exact-bytes test
-    for fsdp, HSDP and DiLoCo across sharded groups (2 x 2), here on the torch engine."""
+    for fsdp, HSDP, DiLoCo and PowerSGD across sharded groups (2 x 2), here on the torch engine."""
     env = {**clean_env(), "HVD_LOWCOMM_ENGINE": "torch"}
     done = subprocess.run(mpirun(4, "-x", "HVD_LOWCOMM_ENGINE", sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
                                  "-q", "mpi_tests/test_costmodel.py", "-k", "fsdp or shard"),
                           env=env, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent)
-    assert done.returncode == 0 and "5 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0 and "6 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+@pytest.mark.skipif(SIZE > 1, reason="launches jobs of its own")
+def test_powersgd_across_sharded_groups_trains_as_powersgd_and_resumes_bit_for_bit(tmp_path):
+    """np 4 as 2 groups sharding the model over 2 ranks each, PowerSGD compressing each rank's
+    gradient shard (rows of each matrix) across the groups: at full rank it trains as unsharded
+    PowerSGD; adaptive (ranks this small model's matrices can pay for), with error feedback and
+    warm start, it compresses and a resume halfway is bit for bit."""
+    import torch
+
+    text_dataset(tmp_path)
+    steps = ["--train.max_steps", "8"]
+    full = ["--method", "powersgd", "--powersgd.rank", "256", "--powersgd.min_compression_rate", "0.001",
+            "--powersgd.start_iter", "2"]
+    _, plain = train_job(tmp_path, 4, "plain", *full, *steps)
+    _, sharded = train_job(tmp_path, 4, "sharded", *full, "--powersgd.shard_group_size", "2", *steps)
+    for key in plain:
+        torch.testing.assert_close(sharded[key], plain[key], rtol=1e-4, atol=1e-5, msg=key)
+    defaults = ["--method", "powersgd", "--powersgd.shard_group_size", "2", "--powersgd.start_iter", "2",
+                "--powersgd.min_rank", "2", "--powersgd.max_rank", "4", "--powersgd.adapt_every", "3"]
+    compressed, whole = train_job(tmp_path, 4, "defaults", *defaults, *steps)
+    assert compressed["powersgd_compression_rate"] > 1
+    train_job(tmp_path, 4, "parts", *defaults, "--train.max_steps", "4")
+    _, resumed = train_job(tmp_path, 4, "parts", *defaults, *steps, "--resume", "auto")
+    for key in whole:
+        assert torch.equal(resumed[key], whole[key]), key

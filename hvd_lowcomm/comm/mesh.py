@@ -171,6 +171,12 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, **options: Any) -> tor
     return fully_shard(model, mesh, **options)
 
 
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of a tensor: its shard of a DTensor (an FSDP2 parameter or
+    gradient), else all of it."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def local_shards(tree: Any) -> Any:
     """`tree` with every DTensor replaced by this rank's shard of it (a plain tensor to save)."""
     if isinstance(tree, DTensor):

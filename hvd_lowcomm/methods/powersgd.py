@@ -38,9 +38,12 @@ import math
 from typing import Any, Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.half_wire import HalfSums
+from hvd_lowcomm.comm.mesh import (device_mesh, full_state_dict, load_sharded_state, local_part, local_shards,
+                                   shard_model, sharded_state)
 from hvd_lowcomm.comm.runtime import Group
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
 from hvd_lowcomm.config import Config, ConfigError, make_options, option
@@ -49,7 +52,9 @@ from hvd_lowcomm.registry import register
 from hvd_lowcomm.methods.adaptive_rank import PROBES, next_rank, probe_residual, probes, smallest_rank_within
 from hvd_lowcomm.methods.drop_in import (GradientExchange, HorovodArguments, NamedParameters, dense_gradient,
                                         horovod_arguments, wrap_optimizer)
+from hvd_lowcomm.methods.base import broadcast_parameters, make_optimizer
 from hvd_lowcomm.methods.ddp import DataParallel
+from hvd_lowcomm.methods.fsdp import check_sharding_world, fsdp_facts, sharded_step_bytes
 
 
 @dataclass
@@ -88,6 +93,9 @@ class PowerSGDOptions:
                                choices=("float16", "float32"))
     error_feedback: bool = option(True, "add back what compression dropped at earlier steps")
     warm_start: bool = option(True, "reuse the previous step's Q")
+    shard_group_size: int = option(0, "shard the model over groups of this many contiguous ranks (FSDP2, torch "
+                                      "engine: gradients reduce-scattered inside a group) and compress each "
+                                      "rank's gradient shard across the groups; 0: no sharding")
 
     @property
     def adaptive(self) -> bool:
@@ -106,6 +114,8 @@ class PowerSGDOptions:
             raise ConfigError(f"powersgd.start_iter must be >= 0, got {self.start_iter}")
         if self.min_compression_rate <= 0:
             raise ConfigError(f"powersgd.min_compression_rate must be > 0, got {self.min_compression_rate}")
+        if self.shard_group_size < 0:
+            raise ConfigError(f"powersgd.shard_group_size must be >= 0 (0: no sharding), got {self.shard_group_size}")
 
 
 def compresses(n: int, m: int, options: PowerSGDOptions) -> tuple[bool, int]:
@@ -204,7 +214,8 @@ class _PowerSGDExchange(GradientExchange):
         state, options = self.powersgd, self.powersgd.options
         # float32 whatever the parameters' dtype: QR takes no bfloat16, and the error buffers must
         # keep what bfloat16 would round away
-        grads = {name: dense_gradient(p).float() for name, p in self.named_parameters()}
+        # a sharded model's: this rank's rows of each gradient (FSDP reduce-scattered them in the group)
+        grads = {name: local_part(dense_gradient(p)).float() for name, p in self.named_parameters()}
         size = self.group.size if self.group is not None else runtime.size()
         if state.iter < options.start_iter:
             # The plain mean until compression starts, in factor_dtype on the wire too, each
@@ -373,7 +384,9 @@ class _PowerSGDExchange(GradientExchange):
 
     def _assign(self, grads: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
         for name, param in self.named_parameters():
-            param.grad = new[name].reshape(grads[name].shape).to(param.dtype)
+            grad = new[name].reshape(grads[name].shape).to(param.dtype)
+            param.grad = (DTensor.from_local(grad, param.device_mesh, param.placements, shape=param.shape,
+                                             stride=param.stride()) if isinstance(param, DTensor) else grad)
 
 
 def PowerSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters: NamedParameters | None = None,
@@ -421,6 +434,8 @@ def predict_powersgd(profile: Profile, world_size: int, link: Link, options: Pow
     then Q; each compressed layer's cycle as the method's own work; nothing overlaps backward.
     An adaptive rank is assumed to settle at planned_rank; the probes that measure each matrix
     every adapt_every steps count as their average per step."""
+    if options.shard_group_size:
+        return predict_sharded_powersgd(profile, world_size, link, options, cfg, assumptions)
     compressed_p = compressed_q = plain = matrices = 0
     own = 0.0
     for layer in profile.layers:
@@ -447,6 +462,49 @@ def predict_powersgd(profile: Profile, world_size: int, link: Link, options: Pow
     return Prediction("powersgd", world_size, profile.step_seconds, own, comm, 0.0, sent, sent * link.node_share(world_size))
 
 
+def predict_sharded_powersgd(profile: Profile, world_size: int, link: Link, options: PowerSGDOptions, cfg: Config,
+                             assumptions: RunAssumptions) -> Prediction:
+    """FSDP's gathers and reduce-scatter inside each group of shard_group_size ranks, then
+    PowerSGD across the groups on each rank's rows of every gradient (the first position's,
+    which holds the most), as predict_powersgd's rounds; the factors' work a share of the
+    whole layers'."""
+    shard = options.shard_group_size
+    if world_size % shard:
+        raise ConfigError(f"powersgd: groups of {shard} ranks do not divide {world_size} ranks")
+    groups, facts = world_size // shard, profile.facts["powersgd"]
+    compressed_p = compressed_q = plain = matrices = 0
+    for shape in facts["units"] + facts["root"]:
+        n = math.ceil(shape[0] / shard)
+        m = math.prod(shape[1:])
+        compress, r = compresses(n, m, options)[0], planned_rank(n, m, options)
+        if compress:
+            compressed_p += n * (r + PROBES / options.adapt_every)
+            compressed_q += m * r
+            matrices += 1
+        else:
+            plain += n * m
+    factor_bytes = 2 if options.factor_dtype == "float16" and groups > 1 else FLOAT_BYTES
+    rounds = [factor_bytes * (compressed_p + plain), factor_bytes * compressed_q]
+    scales = FLOAT_BYTES * (2 * matrices + (1 if plain else 0)) / assumptions.run_steps if factor_bytes == 2 else 0.0
+    spans = shard >= link.ranks_per_node  # a column's ranks sit on different nodes once groups fill nodes
+    across = sum(sent_bytes("allreduce", nbytes, groups) for nbytes in (*rounds, scales))
+    step = sharded_step_bytes(facts, shard, cfg.train.accumulate)
+    inside = (sent_bytes("allgather", step["allgather"] / shard, shard)
+              + sent_bytes("reduce_scatter", step["reduce_scatter"], shard))
+    comm = (sum(link.allreduce(nbytes, groups, world_size, spans_nodes=spans) for nbytes in rounds if nbytes)
+            + link.allgather(step["allgather"] / shard, shard, world_size)
+            + link.reduce_scatter(step["reduce_scatter"], shard, world_size))
+    own = sum(layer.kernels["powersgd"] for layer in profile.layers) / shard
+    return Prediction("powersgd", world_size, profile.step_seconds, own, comm, 0.0, inside + across,
+                      inside * link.node_share(shard) + across * link.node_share(groups, spans))
+
+
+def powersgd_facts(model: torch.nn.Module, input_shape: tuple[int, ...], options: PowerSGDOptions,
+                   cfg: Config) -> Any:
+    """Sharded: the parameters' shapes as FSDP shards them (fsdp_facts); else nothing."""
+    return fsdp_facts(model, input_shape, None, cfg) if options.shard_group_size else None
+
+
 def powersgd_quality(options: PowerSGDOptions, cfg: Config) -> str | None:
     """Held to its error target when adaptive with error feedback; a fixed rank has no target,
     and without error feedback what the target lets go is lost for good."""
@@ -457,17 +515,44 @@ def powersgd_quality(options: PowerSGDOptions, cfg: Config) -> str | None:
 
 
 @register("powersgd", options=PowerSGDOptions,
-          cost=MethodCost(predict_powersgd, powersgd_kernels, quality=powersgd_quality, judged=True),
+          cost=MethodCost(predict_powersgd, powersgd_kernels, powersgd_facts, powersgd_quality, judged=True),
           drop_in=True)
 class PowerSGD(DataParallel):
     """Gradients compressed to rank-r factors before they are averaged (PowerSGD)."""
 
     honours_compression = False  # its own compression
 
+    @classmethod
+    def engine_needed(cls, cfg: Config) -> str | None:
+        return "torch" if cfg.options.shard_group_size else None
+
+    @classmethod
+    def check_world(cls, cfg: Config, world_size: int) -> None:
+        if cfg.options.shard_group_size:
+            check_sharding_world(cfg, world_size, cfg.options.shard_group_size, "powersgd.shard_group_size")
+
+    def setup(self, model: torch.nn.Module) -> None:
+        size = self.options.shard_group_size
+        if not size:
+            super().setup(model)
+            return
+        broadcast_parameters(model.state_dict())  # every group shards the same start
+        self.model = shard_model(model, device_mesh(size, runtime.device_of(model.parameters()), replicate=False))
+        self.column, _ = runtime.split_by_position(runtime.size() // size, label="column")
+        self.optimizer = self.distribute(make_optimizer(self.cfg, self.model.parameters()), self.model)
+
     def distribute(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> torch.optim.Optimizer:
         state = PowerSGDState(self.options, seed=self.cfg.train.seed)
-        return PowerSGDOptimizer(optimizer, model.named_parameters(), state=state,
+        column = getattr(self, "column", None)  # sharded: across the groups, with the same shards
+        return PowerSGDOptimizer(optimizer, model.named_parameters(), state=state, group=column,
                                  backward_passes_per_step=self.cfg.train.accumulate)
+
+    def start_micro_batch(self, last: bool) -> None:
+        if self.options.shard_group_size:
+            self.model.set_requires_gradient_sync(last)  # earlier micro-batches accumulate unreduced
+
+    def final_state_dict(self) -> dict[str, Any] | None:
+        return full_state_dict(self.model) if self.options.shard_group_size else super().final_state_dict()
 
     def epoch_metrics(self) -> dict[str, Any]:
         """The compression rate so far, and each compressed matrix's current rank and kept
@@ -480,10 +565,15 @@ class PowerSGD(DataParallel):
     summary_metrics = epoch_metrics
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "powersgd": self.optimizer.powersgd.state_dict()}
+        own = local_shards(sharded_state(self.model, self.optimizer)) if self.options.shard_group_size else \
+            super().state_dict()
+        return {**own, "powersgd": self.optimizer.powersgd.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+        if self.options.shard_group_size:
+            load_sharded_state(self.model, self.optimizer, state)
+        else:
+            super().load_state_dict(state)
         self.optimizer.powersgd.load_state_dict(state["powersgd"])
 
     def state_owner(self) -> int:

@@ -68,7 +68,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from hvd_lowcomm.comm import runtime
-from hvd_lowcomm.comm.mesh import full_state_dict, load_sharded_state, local_shards, sharded_state
+from hvd_lowcomm.comm.mesh import full_state_dict, load_sharded_state, local_part, local_shards, sharded_state
 from hvd_lowcomm.comm.traffic import meter, side_thread_problem
 from hvd_lowcomm.config import ConfigError, make_options
 from hvd_lowcomm.methods.base import broadcast_model_and_optimizer, broadcast_parameters, exchange_gradients
@@ -492,11 +492,6 @@ def joined_exchange_state(exchanges: list[Exchange]) -> dict[str, Any]:
 def exchange_state_of(joined: dict[str, Any], fragment: int) -> dict[str, Any]:
     """One fragment's exchange state from `joined_exchange_state`'s form."""
     return {key: {f: v for f, v in value.items() if int(f) == fragment} for key, value in joined.items()}
-
-
-def local_part(p: torch.Tensor) -> torch.Tensor:
-    """What this rank holds of a parameter: its shard of an FSDP2 DTensor, else all of it."""
-    return p.to_local() if isinstance(p, DTensor) else p
 
 
 def check_sharding(named: list[tuple[str, nn.Parameter]], group: runtime.Group) -> bool:
