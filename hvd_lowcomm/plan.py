@@ -15,15 +15,18 @@ over a run of --run-steps steps with cuts that keep --ab-rank-share of each fact
 smaller side, never below the cuts' floor (ab.min_rank_share) (both unknown before training).
 Prints, and with --out writes (predicted.md, predicted.csv), the compute floor (a step with no
 communication, `--method local`), one table per link (step ms per method and rank count, × ddp),
-the break-even bandwidth of each method (the bandwidth below which it steps faster than ddp) and
-what each may lose against ddp's quality: exact, or its error target and its measured result on
+the break-even bandwidth of each method (the bandwidth below which it steps faster than ddp),
+memory per rank beside step time for ddp, DiLoCo and PowerSGD and their sharded forms (fsdp,
+diloco.shard, powersgd.shard_group_size), and what each may lose against ddp's quality: exact, or its error target and its measured result on
 the held-out suite (what `--method auto` chooses among: exact methods and those that held).
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,8 @@ import torch
 
 from data_prep import prepare_if_bundled
 from hvd_lowcomm import config, costmodel, data, models
+from hvd_lowcomm.comm import runtime
+from hvd_lowcomm.comm.traffic import FLOAT_BYTES
 from hvd_lowcomm.config import ConfigError
 from hvd_lowcomm.metrics import write_csv
 
@@ -155,6 +160,8 @@ def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dic
             cells.append("never" if bandwidth == 0 else "always" if math.isinf(bandwidth) else
                          f"{bandwidth * 8 / 1e9:.3g} Gbit/s")
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    model = _model(cfg, info)
+    lines += ["", *memory_table(profile, model, info, cfg, ranks, links[0], assumptions)]
     lines += ["", "## Quality against ddp (`--method auto` chooses only exact methods and those whose defaults held on "
               "the held-out suite)", "",
               "| method | quality |", "|---|---|"]
@@ -165,6 +172,78 @@ def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dic
     lines += [f"| {name} | " + " | ".join(costmodel.choose(profile, p, link, cfg)[0] for p in ranks) + " |"
               for name, link in links]
     return "\n".join(lines), rows
+
+
+# The replicated methods and their sharded forms, for the memory table: (row, method, options
+# set on the method's section); NODE: the ranks of a node.
+NODE = "node"
+MEMORY_FORMS = (("ddp", "ddp", {}), ("fsdp over every rank", "fsdp", {}),
+                ("fsdp in each node, all-reduced across (HSDP)", "fsdp", {"group_size": NODE}),
+                ("diloco", "diloco", {}), ("diloco + shard (FSDP in each group)", "diloco", {"shard": True}),
+                ("powersgd", "powersgd", {}),
+                ("powersgd + shard_group_size a node", "powersgd", {"shard_group_size": NODE}))
+# Error-feedback buffers DiLoCo's compressed exchanges keep, one number per parameter of the slice
+FED_BACK = ("int8", "int2", "sparse", "lowrank")
+
+
+def memory_table(profile: costmodel.Profile, model: Any, info: data.DatasetInfo, cfg: config.Config,
+                 ranks: list[int], link: tuple[str, costmodel.Link], assumptions: costmodel.RunAssumptions
+                 ) -> list[str]:
+    """Memory per rank (weights, gradients, optimiser and method state) beside the step's time
+    on the first link, for the replicated methods and their sharded forms."""
+    name, network = link
+    node = network.ranks_per_node
+    lines = [f"## Memory per rank and step time ({name})", "",
+             "Weights, gradients, optimiser state and the method's own state in float32, with what FSDP holds "
+             "gathered at once (the root and the largest block, twice in backward); activations are not counted."
+             + ("" if node > 1 else " One rank per node: --gpus-per-node N shows sharding inside nodes."), "",
+             "| method | " + " | ".join(f"{p} ranks: GiB, ms (× ddp)" for p in ranks) + " |",
+             "|---|" + "---|" * len(ranks)]
+    for row, method, options in MEMORY_FORMS:
+        if node < 2 and NODE in options.values():
+            continue
+        variant = copy.deepcopy(cfg)
+        section = variant.method_options[method] if method in variant.method_options else None
+        for key, value in options.items():
+            setattr(section, key, node if value == NODE else value)
+        facts = costmodel.specs()[method].cost.model_facts
+        shaped = replace(profile, facts={**profile.facts, method: facts(model, info.input_shape, section, variant)}) \
+            if facts else profile
+        cells = []
+        for p in ranks:
+            if p % node:
+                cells.append("-")
+                continue
+            step = costmodel.predict(shaped, method, p, network, variant, assumptions).step
+            ddp = costmodel.predict(profile, "ddp", p, network, cfg, assumptions).step
+            gib = memory_per_rank(profile, method, section, p, node, variant) / 2 ** 30
+            cells.append(f"{gib:.3g}, {step * 1e3:.2f} ({step / ddp:.2f})")
+        lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def memory_per_rank(profile: costmodel.Profile, method: str, options: Any, ranks: int, ranks_per_node: int,
+                    cfg: config.Config) -> float:
+    """Bytes a rank holds for `method` on `ranks` ranks (see memory_table): its share of the
+    weights, gradients and optimiser state, FSDP's gathered blocks, and DiLoCo's outer state
+    (global slice, momentum, error feedback) or PowerSGD's error buffers."""
+    t = cfg.train
+    slots = 2 if t.optimizer in ("adam", "adamw") else (1 if t.momentum else 0)
+    group = ranks // runtime.groups_for(options.groups, ranks, ranks_per_node) if method == "diloco" else 1
+    shard = {"fsdp": (options.group_size if method == "fsdp" else 0) or ranks,
+             "diloco": group if method == "diloco" and options.shard else 1,
+             "powersgd": options.shard_group_size if method == "powersgd" else 1}.get(method, 1) or 1
+    params = profile.params
+    held = FLOAT_BYTES * params * (2 + slots) / shard
+    if shard > 1:
+        facts = profile.facts["fsdp"]
+        largest = max((math.prod(s) for s in facts["units"]), default=0)
+        held += FLOAT_BYTES * (sum(math.prod(s) for s in facts["root"]) + 2 * largest)
+    if method == "diloco":
+        held += FLOAT_BYTES * params / group * (1 + bool(options.outer_momentum) + (options.compression in FED_BACK))
+    if method == "powersgd" and options.error_feedback:
+        held += FLOAT_BYTES * params / shard
+    return held
 
 
 def networks(args: argparse.Namespace) -> list[tuple[str, costmodel.Link]]:

@@ -146,6 +146,12 @@ def test_the_planner_command_writes_its_tables(tmp_path, capsys):
     assert "## 1gbit" in text and "## 100gbit" in text and "| sil |" in text and "Break-even bandwidth" in text
     assert "8 ranks: ms (× ddp)" in text and "TFLOP forward and backward; 10 TFLOP/s)" in text
     assert "Compute floor (a step with no communication, as `--method local`)" in text and "| local |" not in text
+    # memory per rank beside step time: fsdp over 8 ranks holds about an eighth of ddp's
+    # weights, gradients and Adam state, plus what it gathers at once
+    memory = {line.split(" | ")[0].strip("| "): float(line.split(" | ")[1].split(",")[0])
+              for line in text.split("## Memory per rank")[1].split("## Quality")[0].splitlines()
+              if line.startswith("| ") and " GiB" not in line}
+    assert memory["fsdp over every rank"] < memory["ddp"] / 4 < memory["diloco"] and "powersgd" in memory
     # auto's choice per link and rank count: always one that keeps quality, and on 1 Gbit/s,
     # with 10 TFLOP/s of compute, one that sends less than ddp
     keeping = costmodel.quality_keeping_methods(config.default_config())
