@@ -126,7 +126,8 @@ def skip_where_its_engine_is_not_running(method: str, argv: tuple[str, ...] | li
     cfg = config.load(list(argv) if "--method" in argv else ["--method", method, *argv])
     wanted = specs()[cfg.method].method.engine_needed(cfg) if cfg.method in specs() else None
     if wanted and runtime.initialized() and runtime.engine().name != wanted:
-        pytest.skip(f"{method} runs on the {wanted} engine, this job on {runtime.engine().name} "
+        pytest.skip(f"{method}{' with these options' if argv else ''} runs on the {wanted} engine, this job on "
+                    f"{runtime.engine().name} "
                     f"(make test-2-torch runs it)")
 
 

@@ -56,6 +56,14 @@ def check_sharding_world(cfg: Config, world_size: int, group_size: int, option_n
                           f"the rank count, or 0 for every rank")
 
 
+def shard_the_replicas(model: torch.nn.Module, group_size: int, replicate: bool = True) -> torch.nn.Module:
+    """The built-in trainer's sharding: every rank starts from rank 0's model, then shard_model
+    over groups of `group_size` ranks (0: every rank); `replicate` False leaves the groups to the
+    method (DiLoCo, PowerSGD). Collective."""
+    broadcast_parameters(model.state_dict())  # every group shards the same start
+    return shard_model(model, device_mesh(group_size, runtime.device_of(model.parameters()), replicate=replicate))
+
+
 def gathered_numbers(shapes: list[tuple[int, ...]], shard: int) -> int:
     """Numbers an all-gather of these parameters returns on `shard` ranks: FSDP2 splits each
     along dim 0, padded to a multiple of the rank count."""
@@ -121,9 +129,7 @@ class FullyShardedDataParallel(Method):
         check_sharding_world(cfg, world_size, cfg.options.group_size, "fsdp.group_size")
 
     def setup(self, model: torch.nn.Module) -> None:
-        broadcast_parameters(model.state_dict())  # every group shards the same start
-        self.mesh = device_mesh(self.options.group_size, runtime.device_of(model.parameters()))
-        self.model = shard_model(model, self.mesh)
+        self.model = shard_the_replicas(model, self.options.group_size)
         self.optimizer = make_optimizer(self.cfg, self.model.parameters())  # over this rank's shards
 
     def start_micro_batch(self, last: bool) -> None:

@@ -42,8 +42,7 @@ from torch.distributed.tensor import DTensor
 
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.half_wire import HalfSums
-from hvd_lowcomm.comm.mesh import (device_mesh, full_state_dict, load_sharded_state, local_part, local_shards,
-                                   shard_model, sharded_state)
+from hvd_lowcomm.comm.mesh import full_state_dict, load_sharded_state, local_part, local_shards, sharded_state
 from hvd_lowcomm.comm.runtime import Group
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
 from hvd_lowcomm.config import Config, ConfigError, make_options, option
@@ -52,9 +51,9 @@ from hvd_lowcomm.registry import register
 from hvd_lowcomm.methods.adaptive_rank import PROBES, next_rank, probe_residual, probes, smallest_rank_within
 from hvd_lowcomm.methods.drop_in import (GradientExchange, HorovodArguments, NamedParameters, dense_gradient,
                                         horovod_arguments, wrap_optimizer)
-from hvd_lowcomm.methods.base import broadcast_parameters, make_optimizer
+from hvd_lowcomm.methods.base import make_optimizer
 from hvd_lowcomm.methods.ddp import DataParallel
-from hvd_lowcomm.methods.fsdp import check_sharding_world, fsdp_facts, sharded_step_bytes
+from hvd_lowcomm.methods.fsdp import check_sharding_world, fsdp_facts, shard_the_replicas, sharded_step_bytes
 
 
 @dataclass
@@ -536,8 +535,7 @@ class PowerSGD(DataParallel):
         if not size:
             super().setup(model)
             return
-        broadcast_parameters(model.state_dict())  # every group shards the same start
-        self.model = shard_model(model, device_mesh(size, runtime.device_of(model.parameters()), replicate=False))
+        self.model = shard_the_replicas(model, size, replicate=False)
         self.column, _ = runtime.split_by_position(runtime.size() // size, label="column")
         self.optimizer = self.distribute(make_optimizer(self.cfg, self.model.parameters()), self.model)
 

@@ -7,14 +7,12 @@ import torch
 import torch.nn as nn
 
 from hvd_lowcomm.comm import runtime
-from hvd_lowcomm.comm.mesh import device_mesh, shard_model
 from hvd_lowcomm.config import Config
 from hvd_lowcomm.costmodel import MethodCost
 from hvd_lowcomm.methods.diloco.algorithm import DiLoCo
 from hvd_lowcomm.methods.diloco.cost import diloco_facts, predict_diloco
 from hvd_lowcomm.methods.diloco.options import DiLoCoOptions, fragment_bounds
-from hvd_lowcomm.methods.base import broadcast_parameters
-from hvd_lowcomm.methods.fsdp import check_sharding_world
+from hvd_lowcomm.methods.fsdp import check_sharding_world, shard_the_replicas
 from hvd_lowcomm.methods.grouped import GroupTrainerMethod
 from hvd_lowcomm.registry import register
 
@@ -39,10 +37,8 @@ class DiLoCoMethod(GroupTrainerMethod):
 
     def setup(self, model: nn.Module) -> None:
         if self.options.shard:  # FSDP2 over each group, the same start in every group
-            broadcast_parameters(model.state_dict())
             groups = runtime.default_group_count(self.options.groups, runtime.size())
-            mesh = device_mesh(runtime.size() // groups, runtime.device_of(model.parameters()), replicate=False)
-            model = shard_model(model, mesh)
+            model = shard_the_replicas(model, runtime.size() // groups, replicate=False)
         super().setup(model)
 
     def start_micro_batch(self, last: bool) -> None:
