@@ -20,7 +20,6 @@ why, when it is corrupt or partial.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import random
@@ -88,13 +87,28 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def _write_atomic(path: Path, data: bytes | Any) -> None:
+    """`data` (bytes, or an object torch.save writes straight to the file: no copy of a large
+    model's state in memory) into `path` through a temporary name, fsynced."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as fh:
-        fh.write(data)
+        if isinstance(data, bytes):
+            fh.write(data)
+        else:
+            torch.save(data, fh)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+def _size_and_sha256(path: Path) -> tuple[int, str]:
+    """A file's size and sha256, read in chunks (a rank's state can be gigabytes)."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 24), b""):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
 
 
 def save(run_dir: Path, method: Method, position: dict[str, Any], extra: dict[str, Any], keep: int) -> Path:
@@ -117,13 +131,10 @@ def save(run_dir: Path, method: Method, position: dict[str, Any], extra: dict[st
                "position": position, "rng": rng_state(), "traffic": meter.state_dict(),
                "local": method.local_state_dict(), "owner": owner, "extra": extra,
                "state": method.state_dict() if owner == rank else None}
-    buffer = io.BytesIO()
-    torch.save(payload, buffer)
-    data = buffer.getvalue()
     name = f"rank-{rank:05d}.pt"
-    _write_atomic(tmp / name, data)
+    _write_atomic(tmp / name, payload)
     with meter.in_phase("control"):
-        files = meter.gather_object((name, len(data), hashlib.sha256(data).hexdigest()), "checkpoint.files")
+        files = meter.gather_object((name, *_size_and_sha256(tmp / name)), "checkpoint.files")
     if rank == 0:
         manifest = {"format": FORMAT, "step": step, "world_size": comm.Get_size(), "method": method.cfg.method,
                     "position": position, "time": time.time(),
@@ -160,8 +171,7 @@ def problem(path: Path) -> str | None:
         file = path / name
         if not file.is_file():
             return f"{name} is missing"
-        data = file.read_bytes()
-        if len(data) != meta["bytes"] or hashlib.sha256(data).hexdigest() != meta["sha256"]:
+        if _size_and_sha256(file) != (meta["bytes"], meta["sha256"]):
             return f"{name} does not match its checksum (truncated or overwritten)"
     if len(manifest.get("files", {})) != manifest.get("world_size"):
         return "the manifest lists fewer files than ranks"
