@@ -120,7 +120,8 @@ def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dic
     if not cfg.data.source:
         prepare_if_bundled(cfg.data.path)  # as the trainer does: only the shapes are read
     info = data.from_source(cfg.data.source) if cfg.data.source else data.inspect(cfg.data.path, cfg.data.seq_len)
-    profile = costmodel.profile_model(_model(cfg, info), info.input_shape, cfg.data.batch_size, cfg=cfg,
+    model = _model(cfg, info)  # on the meta device: the profile's, and the memory table's facts
+    profile = costmodel.profile_model(model, info.input_shape, cfg.data.batch_size, cfg=cfg,
                                       vocabulary=info.vocabulary, device=device)
     methods = [m for m in costmodel.predicted_methods() if m != FLOOR and _applies(profile, m, cfg, assumptions)]
     timed = profile.device == costmodel.Profile.device
@@ -160,7 +161,6 @@ def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dic
             cells.append("never" if bandwidth == 0 else "always" if math.isinf(bandwidth) else
                          f"{bandwidth * 8 / 1e9:.3g} Gbit/s")
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    model = _model(cfg, info)
     lines += ["", *memory_table(profile, model, info, cfg, ranks, links[0], assumptions)]
     lines += ["", "## Quality against ddp (`--method auto` chooses only exact methods and those whose defaults held on "
               "the held-out suite)", "",
