@@ -2,6 +2,7 @@
 
     <run dir>/checkpoints/step-00001200/
         rank-00000.pt ... rank-0000N.pt   one per rank
+        sharded/                          a sharded method's DTensors, by torch.distributed.checkpoint
         manifest.json                     written last: files, sizes, sha256, step, ranks, method
 
 Every rank writes a small file with what is its own: RNG states, data position, traffic
@@ -9,7 +10,12 @@ totals and the method's per-rank extras (`Method.local_state_dict`). The method'
 (model, optimiser, schedule, its own state) is written only by the ranks that own it
 (`Method.state_owner()`: rank 0 when all ranks hold the same state; one rank per group or
 partition where groups differ; every rank where each holds its own, like PowerSGD's error
-feedback); every rank restores from its owner's file.
+feedback); every rank restores from its owner's file. A sharded model's and optimiser's state
+(`Method.sharded_state_dict`: FSDP2's DTensors) is saved with PyTorch Distributed Checkpoint
+(DCP) into `sharded/`: each rank writes its shards, one copy of what groups hold alike, and DCP
+loads it onto whatever layout the resumed run has. A method whose whole layout-dependent state
+is there (`Method.reshards`: fsdp) resumes on another rank count or group size; the others on
+the layout they were written with.
 
 A checkpoint is written into `.step-N.tmp/` (each file: temporary name, fsync, rename), then
 rank 0 writes the manifest and renames the directory: a checkpoint directory without the
@@ -33,15 +39,18 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.traffic import meter
 from hvd_lowcomm.config import Config, ConfigError
 from hvd_lowcomm.methods.base import Method
 from hvd_lowcomm.metrics import RunLogger
+from hvd_lowcomm.registry import spec
 
 FORMAT = "hvd_lowcomm-ckpt/1"
 _STEP_DIR = re.compile(r"step-(\d{8})")
+SHARDED = "sharded"  # the DCP checkpoint's folder inside a step directory
 
 
 class CheckpointError(ConfigError):
@@ -133,12 +142,18 @@ def save(run_dir: Path, method: Method, position: dict[str, Any], extra: dict[st
                "state": method.state_dict() if owner == rank else None}
     name = f"rank-{rank:05d}.pt"
     _write_atomic(tmp / name, payload)
+    written = [name]
+    sharded = method.sharded_state_dict()
+    if sharded is not None:
+        dcp.save(sharded, checkpoint_id=tmp / SHARDED)  # collective; rank 0 writes its metadata last
+        written += [f"{SHARDED}/{f.name}" for f in sorted((tmp / SHARDED).glob(f"__{rank}_*"))]
+        written += [f"{SHARDED}/.metadata"] if rank == 0 else []
     with meter.in_phase("control"):
-        files = meter.gather_object((name, *_size_and_sha256(tmp / name)), "checkpoint.files")
+        files = meter.gather_object([(n, *_size_and_sha256(tmp / n)) for n in written], "checkpoint.files")
     if rank == 0:
         manifest = {"format": FORMAT, "step": step, "world_size": comm.Get_size(), "method": method.cfg.method,
                     "position": position, "time": time.time(),
-                    "files": {n: {"bytes": b, "sha256": h} for n, b, h in files}}
+                    "files": {n: {"bytes": b, "sha256": h} for rank_files in files for n, b, h in rank_files}}
         _write_atomic(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
         _fsync_dir(tmp)
         if final.exists():  # the same step saved twice (e.g. a periodic save, then the last one)
@@ -173,7 +188,7 @@ def problem(path: Path) -> str | None:
             return f"{name} is missing"
         if _size_and_sha256(file) != (meta["bytes"], meta["sha256"]):
             return f"{name} does not match its checksum (truncated or overwritten)"
-    if len(manifest.get("files", {})) != manifest.get("world_size"):
+    if sum(name.startswith("rank-") for name in manifest.get("files", {})) != manifest.get("world_size"):
         return "the manifest lists fewer files than ranks"
     return None
 
@@ -219,28 +234,44 @@ def resolve(cfg: Config, world_size: int, say: Any = print) -> tuple[Path | None
                                       f"checkpoints/ or one step-N directory)")
     if found is not None:
         manifest = json.loads((found / "manifest.json").read_text())
-        if manifest["world_size"] != world_size or manifest["method"] != cfg.method:
-            raise CheckpointError(f"checkpoint {found} was written by {manifest['world_size']} ranks running "
-                                  f"{manifest['method']}; resume it with mpirun -np {manifest['world_size']} "
-                                  f"and --method {manifest['method']}")
+        if manifest["method"] != cfg.method:
+            raise CheckpointError(f"checkpoint {found} was written by {manifest['method']}; resume it with "
+                                  f"--method {manifest['method']}")
+        if manifest["world_size"] != world_size and not spec(cfg.method).method.reshards(cfg):
+            raise CheckpointError(f"checkpoint {found} was written by {manifest['world_size']} ranks; resume it "
+                                  f"with mpirun -np {manifest['world_size']} ({cfg.method}'s state depends on "
+                                  f"the rank count; fsdp's checkpoints resume on any)")
     return run_dir, found
 
 
 def load(path: Path, method: Method) -> dict[str, Any]:
     """Restore this rank's state from checkpoint `path` (after `method.setup`); returns this
-    rank's payload (position, extra...)."""
+    rank's payload (position, extra...). Written by another rank count (a method that
+    reshards): the sharded state is DCP's, the rest rank 0's, and the random streams start
+    afresh."""
     from mpi4py import MPI
 
     rank = MPI.COMM_WORLD.Get_rank()
+    resharded = json.loads((path / "manifest.json").read_text())["world_size"] != MPI.COMM_WORLD.Get_size()
     device = runtime.device_of(method.model.parameters() if method.model is not None else ())
-    own = torch.load(path / f"rank-{rank:05d}.pt", weights_only=False, map_location=onto(device))
+    sharded = method.sharded_state_dict()
+    if sharded is not None:
+        try:
+            dcp.load(sharded, checkpoint_id=path / SHARDED)  # in place, onto this run's layout
+        except Exception as err:  # a DCP error names a missing key or a shape: say what to do
+            raise CheckpointError(f"checkpoint {path}'s sharded state does not fit this run ({err}); resume "
+                                  f"with the groups and sharding options it was written with") from err
+        method.load_sharded_state_dict(sharded)
+    own = torch.load(path / f"rank-{0 if resharded else rank:05d}.pt", weights_only=False,
+                     map_location=onto(device))
     owner = own["owner"]
-    state = own["state"] if owner == rank else \
+    state = own["state"] if owner == own["rank"] else \
         torch.load(path / f"rank-{owner:05d}.pt", weights_only=False, map_location=onto(device))["state"]
     method.load_state_dict(state)
-    method.load_local_state_dict(own["local"])
     meter.load_state_dict(own["traffic"])
-    set_rng_state(own["rng"])
+    if not resharded:
+        method.load_local_state_dict(own["local"])
+        set_rng_state(own["rng"])
     return own
 
 
@@ -281,13 +312,14 @@ class Checkpointer:
     """Periodic checkpoints, the last one, and the stop on a preemption signal."""
 
     def __init__(self, cfg: Config, method: Method, run_dir: Path, preemption: PreemptionSignal | None,
-                 state: TrainState | None = None) -> None:
+                 state: TrainState | None = None, batches_per_epoch: int = 0) -> None:
         self.cfg, self.method, self.run_dir, self.preemption = cfg, method, run_dir, preemption
+        self.batches_per_epoch = batches_per_epoch
         self.state = state or TrainState()
         self.stopping, self.checkpoint_due = False, False
 
     def save(self, epoch: int, batch: int) -> Path:
-        position = {"epoch": epoch, "batch": batch, "step": meter.step}
+        position = {"epoch": epoch, "batch": batch, "step": meter.step, "batches_per_epoch": self.batches_per_epoch}
         extra = {"best_acc": self.state.best_acc, "skipped": self.state.skipped, "config": self.cfg.to_dict()}
         return save(self.run_dir, self.method, position, extra, self.cfg.run.keep_checkpoints)
 

@@ -78,11 +78,16 @@ def train(cfg: Config, method: Method, info: data.DatasetInfo, model: torch.nn.M
                   f"random part every epoch); write a shard count that is a multiple or divisor of the rank count")
 
     state = TrainState()
-    keeper = Checkpointer(cfg, method, run_dir, preemption, state)
+    keeper = Checkpointer(cfg, method, run_dir, preemption, state, len(train_batches))
     if resume_from is not None:
         own = checkpoint.load(resume_from, method)
         position = own["position"]
         state.epoch, state.batch = position["epoch"], position["batch"]
+        written_with = position.get("batches_per_epoch", len(train_batches))
+        if written_with != len(train_batches):  # resharded onto another rank count: the same share of the epoch
+            state.batch = round(state.batch * len(train_batches) / written_with)
+            log.print(f"the checkpoint's epoch had {written_with} steps, this run's {len(train_batches)}: "
+                      f"continuing at the same share of it, with new random streams")
         state.best_acc, state.skipped = own["extra"]["best_acc"], own["extra"]["skipped"]
         log.continue_from(position["step"])
         log.print(f"resumed from {resume_from} at step {position['step']} (epoch {state.epoch}, "

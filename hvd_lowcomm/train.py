@@ -158,4 +158,4 @@ def _rank_list(ranks: list[int]) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    runtime.exit_process(main())

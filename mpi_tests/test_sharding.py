@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -207,6 +208,36 @@ def test_the_trainer_s_fsdp_trains_as_ddp_and_resumes_bit_for_bit(tmp_path, rank
     _, resumed = train_job(tmp_path, ranks, "parts", *sharding, *steps, "--resume", "auto")
     for key in fsdp_model:
         assert torch.equal(resumed[key], fsdp_model[key]), key
+
+
+@pytest.mark.skipif(SIZE > 1, reason="launches jobs of its own")
+def test_fsdp_s_dcp_checkpoint_resumes_on_another_group_size_and_rank_count(tmp_path):
+    """A checkpoint of HSDP at np 4 (2 x 2) after 4 steps, in DCP's sharded form: resumed as
+    plain FSDP over the 4 ranks (model and momentum resharded) its 8th step is the
+    uninterrupted run's to float32 rounding; resumed on 2 ranks it holds the same model."""
+    import torch
+
+    text_dataset(tmp_path)
+    hsdp = ["--method", "fsdp", "--fsdp.group_size", "2"]
+    _, whole = train_job(tmp_path, 4, "whole", *hsdp, "--train.max_steps", "8")
+    _, at_four = train_job(tmp_path, 4, "parts", *hsdp, "--train.max_steps", "4")
+    written = sorted((tmp_path / "runs" / "parts" / "checkpoints").iterdir())[-1]
+    assert (written / "sharded" / ".metadata").is_file() and len(list((written / "sharded").glob("*.distcp"))) == 4
+    (tmp_path / "runs" / "parts2").mkdir()
+    shutil.copytree(written.parent, tmp_path / "runs" / "parts2" / "checkpoints")
+    _, regrouped = train_job(tmp_path, 4, "parts", "--method", "fsdp", "--fsdp.group_size", "0",
+                             "--train.max_steps", "8", "--resume", "auto")
+    for key in whole:
+        torch.testing.assert_close(regrouped[key], whole[key], rtol=1e-4, atol=1e-5, msg=key)
+    summary, on_two = train_job(tmp_path, 2, "parts2", "--method", "fsdp", "--train.max_steps", "4",
+                                "--resume", "auto")
+    for key in at_four:
+        assert torch.equal(on_two[key], at_four[key]), key
+    done = subprocess.run(mpirun(2, sys.executable, "-m", "hvd_lowcomm.train", "--method", "ddp", "--comm.engine",
+                                 "torch", "--data.path", str(tmp_path / "text.h5"), "--resume", str(written)),
+                          env=clean_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode != 0 and "written by fsdp; resume it with --method fsdp" in done.stderr, done.stderr
 
 
 @pytest.mark.skipif(SIZE > 1, reason="launches jobs of its own")

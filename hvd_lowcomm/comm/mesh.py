@@ -177,40 +177,17 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def local_shards(tree: Any) -> Any:
-    """`tree` with every DTensor replaced by this rank's shard of it (a plain tensor to save)."""
-    if isinstance(tree, DTensor):
-        return tree.to_local()
-    if isinstance(tree, dict):
-        return {k: local_shards(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(local_shards(v) for v in tree)
-    return tree
-
-
-def as_template(template: Any, saved: Any) -> Any:
-    """`saved` (from local_shards) with each shard placed back where `template` has a DTensor."""
-    if isinstance(template, DTensor):
-        return DTensor.from_local(saved.to(template.device), template.device_mesh, template.placements,
-                                  shape=template.shape, stride=template.stride())
-    if isinstance(template, dict):
-        return {k: as_template(template[k], v) if k in template else v for k, v in saved.items()}
-    if isinstance(template, (list, tuple)) and isinstance(saved, (list, tuple)) and len(template) == len(saved):
-        return type(saved)(as_template(t, v) for t, v in zip(template, saved))
-    return saved
-
-
 def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """A sharded model's and its optimiser's state by parameter name, as DTensors (the
-    optimiser's made first where it has not stepped yet): local_shards makes it saveable."""
+    optimiser's made first where it has not stepped yet): what torch.distributed.checkpoint
+    saves, and loads in place onto any layout."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
     return {"model": model_state, "optimizer": optimizer_state}
 
 
-def load_sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
-    """Put back what local_shards(sharded_state(...)) saved, on the same layout."""
-    restored = as_template(sharded_state(model, optimizer), saved)
-    set_state_dict(model, optimizer, model_state_dict=restored["model"], optim_state_dict=restored["optimizer"])
+def load_sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Put back a sharded_state(...) tree that torch.distributed.checkpoint loaded in place."""
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, Any] | None:

@@ -13,6 +13,7 @@ every rank and exit non-zero.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import random
@@ -460,6 +461,24 @@ def abort_on_error() -> Iterator[None]:
             print("".join(f"{where} {line}\n" for line in text.rstrip().splitlines()),
                   file=sys.stderr, end="", flush=True)
         _abort(2 if isinstance(exc, ConfigError) else 1)
+
+
+def exit_process(code: int) -> None:
+    """End a finished program: its exit handlers and MPI_Finalize while Python still runs,
+    then the process, without the interpreter's teardown, where a Gloo worker thread still
+    alive (its process group referenced by a mesh or a module) may drop a tensor's last
+    reference and abort the process (pytorch/pytorch#190489)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()  # the torch engine's destroy_process_group, loggers, Horovod's shutdown
+    if "mpi4py.MPI" in sys.modules:
+        from mpi4py import MPI
+
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            MPI.Finalize()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _abort(code: int) -> None:

@@ -181,6 +181,20 @@ class Method:
     def load_local_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
+    def sharded_state_dict(self) -> dict[str, Any] | None:
+        """State held as DTensors (a sharded model's and its optimiser's), which a checkpoint
+        saves with torch.distributed.checkpoint (DCP) beside the ranks' files; None: none."""
+        return None
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        """Take back sharded_state_dict()'s tree, which DCP loaded in place."""
+
+    @classmethod
+    def reshards(cls, cfg: Config) -> bool:
+        """Whether a checkpoint resumes on another rank count or group size: only where all of
+        the state that depends on the layout is in sharded_state_dict()."""
+        return False
+
 
 def make_optimizer(cfg: Config, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     t = cfg.train

@@ -9,7 +9,8 @@ contiguous ranks shards one copy and the groups all-reduce their shards' gradien
 The optimisation is ddp's: the same gradient, the same steps, to float32 rounding.
 
 Built on hvd_lowcomm.comm.mesh (the mesh from hvd_lowcomm's groups; fully_shard with metered
-collectives), so it runs on the torch engine; a checkpoint holds each rank's own shards.
+collectives), so it runs on the torch engine. Checkpoints are DCP's: they resume on any rank count
+or group size.
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from typing import Any, ClassVar
 import torch
 
 from hvd_lowcomm.comm import runtime
-from hvd_lowcomm.comm.mesh import (device_mesh, full_state_dict, load_sharded_state, local_shards, shard_model,
-                                   shard_units, sharded_state)
+from hvd_lowcomm.comm.mesh import (device_mesh, full_state_dict, load_sharded_state, shard_model, shard_units,
+                                   sharded_state)
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES
 from hvd_lowcomm.config import Config, ConfigError, option
 from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, RunAssumptions, sent_bytes
@@ -148,14 +149,21 @@ class FullyShardedDataParallel(Method):
     def final_state_dict(self) -> dict[str, Any] | None:
         return full_state_dict(self.model)
 
-    def state_owner(self) -> int:
-        return runtime.rank()  # each rank holds its own shards
-
     def state_dict(self) -> dict[str, Any]:
-        return local_shards(sharded_state(self.model, self.optimizer))
+        return {}  # all of it is sharded: sharded_state_dict
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        return sharded_state(self.model, self.optimizer)
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
         load_sharded_state(self.model, self.optimizer, state)
+
+    @classmethod
+    def reshards(cls, cfg: Config) -> bool:
+        return True
 
     def summary_metrics(self) -> dict[str, Any]:
         assert self.model is not None

@@ -117,7 +117,8 @@ class GroupTrainerMethod(Method):
     trainer_class: ClassVar[type]
     # The loop's calls the trainer answers as they are (the Method contract's names and arguments).
     FORWARDED: ClassVar[tuple[str, ...]] = ("set_total_steps", "agreement_group", "epoch_metrics", "state_dict",
-                                            "load_state_dict", "local_state_dict", "load_local_state_dict")
+                                            "load_state_dict", "local_state_dict", "load_local_state_dict",
+                                            "sharded_state_dict", "load_sharded_state_dict")
     trainer_arguments: ClassVar[dict[str, Any]] = {}  # keywords of the trainer's own for the built-in loop
     trainer: Any
 

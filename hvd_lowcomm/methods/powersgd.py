@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.half_wire import HalfSums
-from hvd_lowcomm.comm.mesh import full_state_dict, load_sharded_state, local_part, local_shards, sharded_state
+from hvd_lowcomm.comm.mesh import full_state_dict, load_sharded_state, local_part, sharded_state
 from hvd_lowcomm.comm.runtime import Group
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
 from hvd_lowcomm.config import Config, ConfigError, make_options, option
@@ -563,16 +563,19 @@ class PowerSGD(DataParallel):
     summary_metrics = epoch_metrics
 
     def state_dict(self) -> dict[str, Any]:
-        own = local_shards(sharded_state(self.model, self.optimizer)) if self.options.shard_group_size else \
-            super().state_dict()
+        own = {} if self.options.shard_group_size else super().state_dict()  # sharded: in sharded_state_dict
         return {**own, "powersgd": self.optimizer.powersgd.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.options.shard_group_size:
-            load_sharded_state(self.model, self.optimizer, state)
-        else:
+        if not self.options.shard_group_size:
             super().load_state_dict(state)
         self.optimizer.powersgd.load_state_dict(state["powersgd"])
+
+    def sharded_state_dict(self) -> dict[str, Any] | None:
+        return sharded_state(self.model, self.optimizer) if self.options.shard_group_size else None
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        load_sharded_state(self.model, self.optimizer, state)
 
     def state_owner(self) -> int:
         return runtime.rank()  # error-feedback buffers are each rank's own

@@ -68,7 +68,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from hvd_lowcomm.comm import runtime
-from hvd_lowcomm.comm.mesh import full_state_dict, load_sharded_state, local_part, local_shards, sharded_state
+from hvd_lowcomm.comm.mesh import full_state_dict, load_sharded_state, local_part, sharded_state
 from hvd_lowcomm.comm.traffic import meter, side_thread_problem
 from hvd_lowcomm.config import ConfigError, make_options
 from hvd_lowcomm.methods.base import broadcast_model_and_optimizer, broadcast_parameters, exchange_gradients
@@ -391,7 +391,7 @@ class DiLoCo:
 
     def state_dict(self) -> dict[str, Any]:
         """What the ranks of one group share: model, inner optimiser (each rank's own shards of
-        them where the model is sharded: in local_state_dict), position in the cycle."""
+        them where the model is sharded: in sharded_state_dict), position in the cycle."""
         shared = {} if self.sharded else {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
         return {**shared,
                 "diloco": {"inner_steps": self.inner_steps, "since_sync": [f.since_sync for f in self.fragments],
@@ -407,13 +407,23 @@ class DiLoCo:
             f.since_sync = since
         self.outer_steps, self.synced_now = d["outer_steps"], d["synced_now"]
 
+    def sharded_state_dict(self) -> dict[str, Any] | None:
+        """A sharded model's and inner optimiser's shards, under the group's name: the groups'
+        models differ between syncs, and DCP keeps one copy of state saved under one name."""
+        if not self.sharded:
+            return None
+        return {f"group-of-rank-{self.group.ranks[0]}": sharded_state(self.model, self.optimizer)}
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        (own,) = state.values()
+        load_sharded_state(self.model, self.optimizer, own)
+
     def local_state_dict(self) -> dict[str, Any]:
         """What is this rank's own: its slices of the global copy, their outer momentum, the
         exchange's error feedback (and warm start), and any exchange in flight (waited for, so
         a run resumed from here applies the same result at the same step)."""
         self._settle()
-        shards = {"shards": local_shards(sharded_state(self.model, self.optimizer))} if self.sharded else {}
-        return {**shards, "global_slices": [f.global_slice.detach().clone() for f in self.fragments],
+        return {"global_slices": [f.global_slice.detach().clone() for f in self.fragments],
                 "outer": joined_outer_state([f.outer for f in self.fragments]),
                 "exchange": joined_exchange_state([f.exchange for f in self.fragments]),
                 "own_previous": {f.index: f.own_previous.clone() for f in self.fragments if f.own_previous is not None},
@@ -423,8 +433,6 @@ class DiLoCo:
     def load_local_state_dict(self, state: dict[str, Any]) -> None:
         in_flight = {int(f): InFlight(*flight) for f, flight in state["in_flight"].items()}
         own_previous = {int(f): own.clone() for f, own in state.get("own_previous", {}).items()}
-        if self.sharded:
-            load_sharded_state(self.model, self.optimizer, state["shards"])
         with torch.no_grad():
             for f, global_slice in zip(self.fragments, state["global_slices"]):
                 f.global_slice.copy_(global_slice)
