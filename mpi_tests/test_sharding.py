@@ -90,6 +90,19 @@ JOB = textwrap.dedent("""
                                   hl.meter.by_kind.items() if phase == "train" and op != "allreduce" or
                                   (op == "allreduce" and group.startswith("replicate"))},
                         "model_bytes": params * FLOAT_BYTES, "block_bytes": in_blocks * FLOAT_BYTES}
+    if group_size and size > group_size:  # PowerSGD at full rank across groups, each sharding the model
+        for name in ("powersgd", "powersgd-sharded"):
+            model = build(0)
+            if name == "powersgd-sharded":
+                hl.shard_model(model, hl.device_mesh(group_size=group_size, replicate=False))
+            state = hl.PowerSGDState(rank=256, min_compression_rate=0.001, start_iter=2)
+            opt = hl.PowerSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9),
+                                       model.named_parameters(), state=state)
+            losses = train(model, opt, steps)
+            full = (model.state_dict() if name == "powersgd" else
+                    get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
+            report[name] = {"losses": losses, "compressed": len(state.qs),
+                            "parameters": torch.cat([v.float().reshape(-1) for v in full.values()]).tolist()}
     with open(f"{sys.argv[2]}/report{rank}.json", "w") as f:
         json.dump(report, f)
 """)
@@ -136,6 +149,11 @@ def test_a_loop_sharded_on_the_mesh_trains_as_ddp_resumes_from_dcp_and_the_meter
         groups = ranks // shard
         # HSDP: each rank's gradient shard all-reduced across the groups
         assert across == pytest.approx(2 * (groups - 1) / groups * model_bytes / shard, rel=0.02), fsdp["bytes"]
+        if group_size:  # a user's PowerSGDOptimizer on a model sharded in each group joins the groups itself
+            plain, sharded = report["powersgd"], report["powersgd-sharded"]
+            assert plain["compressed"] > 0 and sharded["compressed"] == plain["compressed"]
+            torch.testing.assert_close(torch.tensor(sharded["parameters"]), torch.tensor(plain["parameters"]),
+                                       rtol=1e-4, atol=1e-5)
 
 
 def test_the_mesh_is_refused_with_how_to_fix_it_where_it_cannot_be_made():

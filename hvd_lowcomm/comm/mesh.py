@@ -94,6 +94,20 @@ def groups_of(mesh: DeviceMesh) -> tuple[Group | None, Group | None]:
     return getattr(mesh, GROUPS_ATTRIBUTE)
 
 
+def columns_across_groups(parameters: Any) -> Group | None:
+    """For parameters sharded on a group's own mesh (device_mesh(g, replicate=False)): the ranks
+    at this rank's position in every group, which hold the same shards, for a method that
+    joins the groups itself; None where nothing is sharded so. Collective over every rank."""
+    mesh = next((p.device_mesh for p in parameters if isinstance(p, DTensor)), None)
+    if mesh is None:
+        return None
+    shard, replicate = groups_of(mesh)
+    if replicate is not None or shard is None or shard.size == runtime.size():
+        return None  # HSDP's mesh replicates across groups itself; one group has none to join
+    column, _ = runtime.split_by_position(runtime.size() // shard.size, label="column")
+    return column
+
+
 class MeteredAllGather(DefaultAllGather):
     """FSDP2's all-gather of a module's parameters, recorded in the meter."""
 

@@ -27,6 +27,7 @@ from hvd_lowcomm.comm.traffic import FLOAT_BYTES
 from hvd_lowcomm.config import Config, ConfigError, option
 from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, RunAssumptions, sent_bytes
 from hvd_lowcomm.methods.base import Method, broadcast_parameters, make_optimizer
+from hvd_lowcomm.methods.grouped import group_traffic
 from hvd_lowcomm.registry import register
 
 
@@ -169,5 +170,6 @@ class FullyShardedDataParallel(Method):
         assert self.model is not None
         shards = sum(p.to_local().numel() for p in self.model.parameters())
         total = sum(p.numel() for p in self.model.parameters())
-        return {"parameter_share_per_rank": shards / max(total, 1)}
+        hsdp = 0 < self.options.group_size < runtime.size()
+        return {"parameter_share_per_rank": shards / max(total, 1), **(group_traffic(("replicate",)) if hsdp else {})}
 

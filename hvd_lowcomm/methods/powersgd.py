@@ -42,7 +42,8 @@ from torch.distributed.tensor import DTensor
 
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.half_wire import HalfSums
-from hvd_lowcomm.comm.mesh import full_state_dict, load_sharded_state, local_part, sharded_state
+from hvd_lowcomm.comm.mesh import (columns_across_groups, full_state_dict, load_sharded_state, local_part,
+                                   sharded_state)
 from hvd_lowcomm.comm.runtime import Group
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
 from hvd_lowcomm.config import Config, ConfigError, make_options, option
@@ -53,6 +54,7 @@ from hvd_lowcomm.methods.drop_in import (GradientExchange, HorovodArguments, Nam
                                         horovod_arguments, wrap_optimizer)
 from hvd_lowcomm.methods.base import make_optimizer
 from hvd_lowcomm.methods.ddp import DataParallel
+from hvd_lowcomm.methods.grouped import group_traffic
 from hvd_lowcomm.methods.fsdp import check_sharding_world, fsdp_facts, shard_the_replicas, sharded_step_bytes
 
 
@@ -400,9 +402,14 @@ def PowerSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters: NamedP
     `state` (a PowerSGDState) holds PowerSGD's own options. Use it like Horovod's
     DistributedOptimizer; `opt.powersgd` is the PowerSGDState (error buffers, Q matrices, step
     count) to checkpoint. `model`, when given, is where DDP's accumulation flags are read too
-    (`model.require_backward_grad_sync`, `with model.no_sync():`).
+    (`model.require_backward_grad_sync`, `with model.no_sync():`). A model sharded over groups
+    (`shard_model(model, device_mesh(g, replicate=False))`): FSDP reduce-scatters inside each
+    group, and PowerSGD compresses each rank's gradient shard across the groups.
     """
     state = state or PowerSGDState()
+    if named_parameters is not None and group is None:
+        named_parameters = list(named_parameters)
+        group = columns_across_groups(p for _, p in named_parameters)
     arguments = horovod_arguments("PowerSGDOptimizer", compression, backward_passes_per_step, op,
                                   gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set, group,
                                   compressors=("none", "fp16"), model=model,
@@ -535,14 +542,12 @@ class PowerSGD(DataParallel):
         if not size:
             super().setup(model)
             return
-        self.model = shard_the_replicas(model, size, replicate=False)
-        self.column, _ = runtime.split_by_position(runtime.size() // size, label="column")
+        self.model = shard_the_replicas(model, size, replicate=False)  # PowerSGD then joins the groups
         self.optimizer = self.distribute(make_optimizer(self.cfg, self.model.parameters()), self.model)
 
     def distribute(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> torch.optim.Optimizer:
         state = PowerSGDState(self.options, seed=self.cfg.train.seed)
-        column = getattr(self, "column", None)  # sharded: across the groups, with the same shards
-        return PowerSGDOptimizer(optimizer, model.named_parameters(), state=state, group=column,
+        return PowerSGDOptimizer(optimizer, model.named_parameters(), state=state,
                                  backward_passes_per_step=self.cfg.train.accumulate)
 
     def start_micro_batch(self, last: bool) -> None:
@@ -558,7 +563,8 @@ class PowerSGD(DataParallel):
         state = self.optimizer.powersgd
         return {"powersgd_compression_rate": state.compression_rate(),
                 **{f"effective_rank/{name}": rank for name, rank in state.ranks.items()},
-                **{f"kept_energy/{name}": kept for name, kept in state.kept_energy.items()}}
+                **{f"kept_energy/{name}": kept for name, kept in state.kept_energy.items()},
+                **(group_traffic(("column",)) if self.options.shard_group_size else {})}
 
     summary_metrics = epoch_metrics
 
