@@ -110,15 +110,14 @@ def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_used(world, 
         assert summary["steps"] == 24
 
 
-def test_resume_refuses_a_checkpoint_from_another_rank_count_or_method(world, shared_tmp, capsys):
+def test_resume_refuses_a_checkpoint_from_another_method(world, shared_tmp, capsys):
     _train(shared_tmp, "m", "--train.max_steps", "3")
     capsys.readouterr()
     argv = ["--data.path", str(shared_tmp / "digits.h5"), "--run.dir", str(shared_tmp / "runs"), "--run.name", "m",
             "--resume", "auto", "--method", "dad"]
     assert train_main(argv) == 2
     if RANK == 0:
-        assert f"was written by {SIZE} ranks running ddp; resume it with mpirun -np {SIZE} and --method ddp" \
-            in capsys.readouterr().err
+        assert "was written by ddp; resume it with --method ddp" in capsys.readouterr().err
 
 
 only_from_the_1_rank_suite = pytest.mark.skipif(SIZE != 1 or RANK != 0,

@@ -232,7 +232,8 @@ def test_the_trainer_s_fsdp_trains_as_ddp_and_resumes_bit_for_bit(tmp_path, rank
 def test_fsdp_s_dcp_checkpoint_resumes_on_another_group_size_and_rank_count(tmp_path):
     """A checkpoint of HSDP at np 4 (2 x 2) after 4 steps, in DCP's sharded form: resumed as
     plain FSDP over the 4 ranks (model and momentum resharded) its 8th step is the
-    uninterrupted run's to float32 rounding; resumed on 2 ranks it holds the same model."""
+    uninterrupted run's to float32 rounding; resumed on 2 ranks it holds the same model. A
+    ddp or another method's checkpoint is refused with the fix."""
     import torch
 
     text_dataset(tmp_path)
@@ -256,6 +257,12 @@ def test_fsdp_s_dcp_checkpoint_resumes_on_another_group_size_and_rank_count(tmp_
                           env=clean_env(), capture_output=True,
                           text=True, timeout=300)
     assert done.returncode != 0 and "written by fsdp; resume it with --method fsdp" in done.stderr, done.stderr
+    train_job(tmp_path, 4, "ddp", "--method", "ddp", "--train.max_steps", "2")  # a replica's state: its rank count
+    done = subprocess.run(mpirun(2, sys.executable, "-m", "hvd_lowcomm.train", "--method", "ddp", "--comm.engine",
+                                 "torch", "--data.path", str(tmp_path / "text.h5"), "--resume",
+                                 str(tmp_path / "runs" / "ddp")), env=clean_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode != 0 and "written by 4 ranks; resume it with mpirun -np 4" in done.stderr, done.stderr
 
 
 @pytest.mark.skipif(SIZE > 1, reason="launches jobs of its own")

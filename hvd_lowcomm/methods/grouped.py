@@ -117,8 +117,7 @@ class GroupTrainerMethod(Method):
     trainer_class: ClassVar[type]
     # The loop's calls the trainer answers as they are (the Method contract's names and arguments).
     FORWARDED: ClassVar[tuple[str, ...]] = ("set_total_steps", "agreement_group", "epoch_metrics", "state_dict",
-                                            "load_state_dict", "local_state_dict", "load_local_state_dict",
-                                            "sharded_state_dict", "load_sharded_state_dict")
+                                            "load_state_dict", "local_state_dict", "load_local_state_dict")
     trainer_arguments: ClassVar[dict[str, Any]] = {}  # keywords of the trainer's own for the built-in loop
     trainer: Any
 
@@ -153,6 +152,13 @@ class GroupTrainerMethod(Method):
 
     def state_owner(self) -> int:
         return self.trainer.group.ranks[0]  # groups differ between syncs; the ranks of a group agree
+
+    def sharded_state_dict(self) -> dict[str, Any] | None:
+        own = getattr(self.trainer, "sharded_state_dict", None)  # a trainer that can hold a sharded model
+        return own() if own is not None else None
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        self.trainer.load_sharded_state_dict(state)
 
 
 def _forwarded(name: str) -> Callable[..., Any]:
