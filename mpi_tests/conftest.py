@@ -78,6 +78,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if SIZE > 1 and not all(is_unit(item) for item in session.items):
         from hvd_lowcomm.comm import runtime
 
+        capture = session.config.pluginmanager.get_plugin("capturemanager")
+
+        def report_past_capture(text: str) -> None:
+            """A rank that aborts inside a test (abort_on_error) never reaches pytest's report."""
+            with capture.global_and_fixture_disabled():
+                print(f"\n{text}", file=sys.stderr, end="", flush=True)
+
+        if capture is not None:
+            runtime.report_failure = report_past_capture
         runtime.init(seed=0)
 
 

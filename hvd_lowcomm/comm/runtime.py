@@ -21,7 +21,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -455,12 +455,20 @@ def abort_on_error() -> Iterator[None]:
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the other ranks
         where = f"[rank {_safe_rank()}]"
         if isinstance(exc, (ConfigError, FloatingPointError)):  # the message says it all
-            print(f"{where} error: {exc}", file=sys.stderr, flush=True)
+            report_failure(f"{where} error: {exc}\n")
         else:
             text = "".join(traceback.format_exception(exc))
-            print("".join(f"{where} {line}\n" for line in text.rstrip().splitlines()),
-                  file=sys.stderr, end="", flush=True)
+            report_failure("".join(f"{where} {line}\n" for line in text.rstrip().splitlines()))
         _abort(2 if isinstance(exc, ConfigError) else 1)
+
+
+def _print_to_stderr(text: str) -> None:
+    print(text, file=sys.stderr, end="", flush=True)
+
+
+# How a failing rank shows why it ends the job; mpi_tests' conftest prints past pytest's capture,
+# which MPI_Abort would otherwise discard with the traceback in it.
+report_failure: Callable[[str], None] = _print_to_stderr
 
 
 def exit_process(code: int) -> None:
