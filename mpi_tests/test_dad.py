@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from conftest import RANK, SIZE
 from hvd_lowcomm.methods.lowrank import (WAYS, exact_factors, gradient_power_iteration, structured_power_iteration)
 from hvd_lowcomm.methods.dad import DadOptimizer
+from hvd_lowcomm.methods.dad.algorithm import FALLBACK_STEPS
 from hvd_lowcomm.train import main
 
 
@@ -202,6 +203,33 @@ def test_rank_dad_error_feedback_carries_what_the_factors_dropped(world, factor_
         want = 3 * reference.get_submodule(name).weight.grad
         assert relative_error(summed + mean_error, want) <= 1e-4, name
         assert relative_error(summed, want) > 1e-3, name  # rank 1 alone did drop something
+
+
+def test_a_layer_whose_factors_keep_missing_the_target_falls_back_to_its_exact_gradient_and_loses_nothing(world):
+    """One component cannot hold 1 % of these gradients' energy: after FALLBACK_STEPS steps over
+    the target every layer allreduces its exact gradient, the first time with what its factors
+    still owed, so that the steps' gradients add up to the pooled ones."""
+    x, y, local, n = unequal_batches(world.size, world.comm.Get_rank(), (6,), 3)
+    model = mlp()
+    reference = copy.deepcopy(model)
+    F.cross_entropy(reference(x), y).backward()
+    opt = DadOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, mode="rank", min_rank=1, max_rank=1,
+                       error_target=0.01, plan="all")
+    layers = ("1", "3", "5")
+    applied = {name: torch.zeros_like(model.get_submodule(name).weight) for name in layers}
+    steps = FALLBACK_STEPS + 2
+    for step in range(steps):
+        opt.zero_grad()
+        F.cross_entropy(model(x[local]), y[local]).backward()
+        opt.step()
+        for name in layers:
+            applied[name] += model.get_submodule(name).weight.grad
+        assert opt.sharing.exact == ([] if step < FALLBACK_STEPS - 1 else list(layers)), step
+    for name in layers:
+        want = reference.get_submodule(name).weight.grad
+        assert relative_error(model.get_submodule(name).weight.grad, want) <= 1e-5, name  # the last step: exact
+        assert relative_error(applied[name], steps * want) <= 1e-4, name
+    assert not opt.sharing.errors and opt.effective_ranks["1"] == [1] * FALLBACK_STEPS
 
 
 @pytest.mark.parametrize("magnitude", [1e-9, 1.0, 1e6])

@@ -47,8 +47,9 @@ class DistributedAutoDiff(DataParallel):
 
     def epoch_metrics(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        exact = self.optimizer.sharing.exact_layers()
         for name, lp in self.optimizer.plan.items():
-            out[f"plan/{name}"] = lp.choice
+            out[f"plan/{name}"] = "allreduce (fallen back)" if name in exact else lp.choice
         for name, totals in meter.by_name.items():
             if name.split(".", 1)[0] in ("dad", "rank-dad", "edad", "allreduce"):
                 out[f"layer_payload_bytes/{name}"] = totals.payload_bytes

@@ -215,11 +215,13 @@ class _DadExchange(GradientExchange):
         shared_layers = [n for n, lp in self.plan.items() if lp.choice == "dad"]
         if first_step:
             self._stop_unused_weight_gradients(shared_layers)
+        exact = self.sharing.exact_layers()  # (planned, but their exact gradient is allreduced)
+        factored = [n for n in shared_layers if n not in exact]
         # Rows only where they are shared: a conv layer's im2col rows cost more than its
         # allreduce saves; rank-dAD's factors of a conv layer come from its gradient instead.
-        rows = {n: self.local_rows(n, scale) for n in shared_layers if self.sharing.needs_rows(self, n)}
+        rows = {n: self.local_rows(n, scale) for n in factored if self.sharing.needs_rows(self, n)}
 
-        shared = self.sharing.payload(self, rows, shared_layers, scale)
+        shared = self.sharing.payload(self, rows, factored, scale)
         covered = {id(p) for n in shared_layers for p in self._layers[n].parameters(recurse=False)}
         if not self.sharing.carries_bias:  # allreduce autograd's bias gradient (= scaled delta sums)
             covered -= {id(self._layers[n].bias) for n in shared_layers if self._layers[n].bias is not None}
@@ -228,13 +230,19 @@ class _DadExchange(GradientExchange):
         # Summed in float32 (also for bfloat16 parameters), written back in the parameter's dtype.
         reduced = [(f"allreduce.{self._names.get(p, id(p))}",
                     dense_gradient(p).float() * scale) for p in others]
+        reduced += [(f"allreduce.{n}.weight", self.sharing.exact_gradient(self, n, scale)) for n in exact]
+        votes = self.sharing.votes(factored)
+        reduced += votes
         reduced.append(("dad.batch_size", torch.tensor([scale])))
 
         gathered, summed = meter.gather_and_reduce(shared, reduced, self.group, op="sum")
         total_batch = float(summed[-1])
-        self.sharing.apply(self, dict(zip([n for n, _ in shared], gathered)), shared_layers, total_batch)
+        self.sharing.apply(self, dict(zip([n for n, _ in shared], gathered)), factored, total_batch)
         for param, value in zip(others, summed):
             param.grad = (value / total_batch).to(param.dtype)
+        for n, value in zip(exact, summed[len(others):]):
+            self.set_pooled_gradient(self._layers[n].weight, value / total_batch)
+        self.sharing.count_votes(factored, summed[len(others) + len(exact):len(summed) - 1])
         if first_step:
             self._keep_local_gradients_out_of_grad(shared_layers)
         self._clear_captures()
@@ -361,6 +369,21 @@ class _Sharing:
         """Per-step factor errors by series and layer, for the epoch record (exact modes: none)."""
         return {}
 
+    def exact_layers(self) -> list[str]:
+        """Planned layers this sharing has handed back to an exact allreduce of their gradient."""
+        return []
+
+    def votes(self, layers: list[str]) -> list[tuple[str, torch.Tensor]]:
+        """Numbers summed over the ranks in the step's own allreduce (no round of their own)."""
+        return []
+
+    def count_votes(self, layers: list[str], summed: list[torch.Tensor]) -> None:
+        pass
+
+    def exact_gradient(self, exchange: _DadExchange, name: str, scale: float) -> torch.Tensor:
+        """This rank's exact weight gradient of an exact layer, × `scale`, to be allreduced."""
+        raise NotImplementedError
+
     def state_dict(self) -> dict[str, Any]:
         """What the sharing carries from step to step (a checkpoint's, per rank)."""
         return {}
@@ -383,6 +406,11 @@ class ExactRows(_Sharing):
               total_batch: float) -> None:
         for n in layers:
             exchange.apply_rows(n, results[f"dad.{n}"], total_batch, with_bias=True)
+
+
+# A layer goes to the exact allreduce only after this many steps in a row over the target at
+# max_rank: one step's spike (a loss jump) does not show a gradient the factors cannot follow.
+FALLBACK_STEPS = 10
 
 
 class FactorRows(_Sharing):
@@ -413,6 +441,10 @@ class FactorRows(_Sharing):
         # energy the sent factors left out, and the fed-back error against the step's gradient, ‖e‖ / ‖G‖
         self.missed_shares: dict[str, list[float]] = {}
         self.feedback_norms: dict[str, list[float]] = {}
+        self.fallback = self.adaptive and options.exact_fallback
+        self.over_target: dict[str, torch.Tensor] = {}  # this step: 1 where max_rank missed more than the target
+        self.steps_over_target: dict[str, int] = {}     # agreed by every rank: consecutive steps over it
+        self.exact: list[str] = []                      # layers handed to an exact allreduce
 
     def planned_rows(self, module: nn.Module, rows: int, world_size: int) -> tuple[int, int]:
         return world_size * planned_rank(self.options), module.bias.numel() if module.bias is not None else 0
@@ -479,6 +511,9 @@ class FactorRows(_Sharing):
                 self.errors[name] = missed / scale
         elif self.adaptive:
             self.missed_shares.setdefault(name, []).append((1 - b_rows.pow(2).sum() / max(energy, 1e-30)).clamp_min(0))
+        if self.fallback:  # the target missed with every component allowed: the factors cannot follow
+            at_ceiling = self.iterated_rank(name) == self.options.max_rank
+            self.over_target[name] = (self.missed_shares[name][-1] > self.options.error_target).float() * at_ceiling
         self.last_rank[name] = max(1, b_rows.shape[0])
         return packed
 
@@ -492,11 +527,47 @@ class FactorRows(_Sharing):
     def factor_errors(self) -> dict[str, dict[str, list[torch.Tensor]]]:
         return {"missed_energy": self.missed_shares, "feedback_norm": self.feedback_norms}
 
+    def exact_layers(self) -> list[str]:
+        return self.exact
+
+    def votes(self, layers: list[str]) -> list[tuple[str, torch.Tensor]]:
+        if not self.fallback or not layers:
+            return []
+        return [("rank-dad.over_target", torch.stack([self.over_target.pop(n, torch.zeros(())) for n in layers]))]
+
+    def count_votes(self, layers: list[str], summed: list[torch.Tensor]) -> None:
+        """A layer over the target on any rank for FALLBACK_STEPS steps in a row allreduces its
+        exact gradient from the next step on (every rank counts the same summed votes)."""
+        if not summed:
+            return
+        for name, votes in zip(layers, summed[0].tolist()):
+            self.steps_over_target[name] = self.steps_over_target.get(name, 0) + 1 if votes > 0 else 0
+            if self.steps_over_target[name] >= FALLBACK_STEPS:
+                self.exact.append(name)
+                runtime.announce(f"rank-dAD: {name}'s {self.options.max_rank} components left out more than "
+                                 f"{self.options.error_target:g} of its gradient's energy for {FALLBACK_STEPS} steps "
+                                 f"in a row: it allreduces its exact gradient from the next step on")
+
+    def exact_gradient(self, exchange: _DadExchange, name: str, scale: float) -> torch.Tensor:
+        """The local gradient (from the rows where autograd no longer forms it), with what the
+        factors still owed it added once."""
+        module = exchange.layer(name)
+        kind = kind_of(module)
+        if module.weight.requires_grad:
+            gradient = exchange.local_weight_gradient(module).float() * scale
+        else:
+            acts, deltas = exchange.local_rows(name, scale)
+            gradient = kind.from_matrix(module, deltas.T @ acts)
+        owed = self.errors.pop(name, None)  # (d_in × d_out, unscaled: factors_of's orientation)
+        return gradient if owed is None else gradient + kind.from_matrix(module, owed.T * scale).reshape(gradient.shape)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"last_rank": dict(self.last_rank), "errors": dict(self.errors)}
+        return {"last_rank": dict(self.last_rank), "errors": dict(self.errors), "exact": list(self.exact),
+                "steps_over_target": dict(self.steps_over_target)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.last_rank, self.errors = dict(state.get("last_rank", {})), dict(state.get("errors", {}))
+        self.exact, self.steps_over_target = list(state.get("exact", [])), dict(state.get("steps_over_target", {}))
 
     def payload(self, exchange: _DadExchange, rows: Rows, layers: list[str], scale: float) -> list[tuple[str, torch.Tensor]]:
         # Each rank sends its own k rows (Horovod's allgather takes a different count from every

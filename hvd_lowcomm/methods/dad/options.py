@@ -29,6 +29,9 @@ class RankDadOptions(DadOptions):
     # layers, and what they dropped cost loss no later step won back (docs: dad, "How many").
     min_rank: int = option(16, "adaptive rank: the fewest components per layer (where the layer has them)")
     max_rank: int = option(32, "adaptive rank: the most components per layer")
+    exact_fallback: bool = option(True, "adaptive rank: a layer whose max_rank components keep leaving out more "
+                                        "than error_target of its gradient's energy allreduces its exact gradient "
+                                        "from then on")
     error_feedback: bool = option(True, "add what a rank's factors left out of its gradient to its next one "
                                         "(factors then come from the gradient autograd forms)")
     # The factor rows are fed back (the rounding joins each rank's error), so 16 bits per number
