@@ -16,6 +16,7 @@ do where that matters for correctness:
 """
 from __future__ import annotations
 
+import contextlib
 import types
 
 import torch
@@ -91,8 +92,26 @@ class DeviceTensor(torch.Tensor):
 _CROSSING_OPS = {torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default, torch.ops.aten.index.Tensor}
 
 
+class _Stream:
+    """The device's one stream, as torch.cuda's: its work is done when an op returns (the device
+    computes on the host), so waiting on it returns at once. torch.distributed.checkpoint saves
+    through the stream of any device that is available."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_stream(self, other: "_Stream") -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
 def _backend_module() -> types.ModuleType:
     module = types.ModuleType(f"torch.{NAME}")
+    stream = _Stream()
+    module.current_stream = lambda device=None: stream
+    module.stream = lambda chosen: contextlib.nullcontext()
     module.is_available = lambda: True
     module.device_count = lambda: 1
     module.current_device = lambda: 0

@@ -55,6 +55,18 @@ def test_a_device_tensor_is_staged_through_host_memory_and_metered_once(world, f
     assert fresh_meter.step_records[0].payload_bytes == 20
 
 
+def test_a_dcp_checkpoint_of_host_tensors_saves_and_loads_while_a_device_is_available(tmp_path):
+    """DCP writes through the available device's stream (here the second device's), as on a GPU
+    machine: an fsdp checkpoint of CPU shards in the same process must still save."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"weight": torch.arange(6.0).view(2, 3), "step": torch.tensor(7)}
+    dcp.save(state, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    loaded = {"weight": torch.zeros(2, 3), "step": torch.tensor(0)}
+    dcp.load(loaded, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    assert torch.equal(loaded["weight"], state["weight"]) and int(loaded["step"]) == 7
+
+
 def test_the_second_device_refuses_what_a_gpu_refuses(world):
     on_device = torch.ones(3, 3).to(DEVICE)
     with pytest.raises(RuntimeError, match="same device"):
