@@ -15,6 +15,7 @@ compression (AB's parameters: the full model's over the low-rank one's at the en
 × ddp, time to 90 % of ddp) and accuracy_vs_inter_group_bytes.png (every method's final
 accuracy against its inter-group bytes per rank per step: the Pareto picture).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,6 +35,8 @@ FP32 = "diloco:compression=none"
 # The DiLoCo paper's outer optimiser, on DiLoCo and on AB's syncs.
 DILOCO_PAPER = f"{FP32},outer_lr=0.7,outer_momentum=0.9"
 AB_OUTER = "ab:outer_lr=0.7,outer_momentum=0.9"
+
+
 def _lowrank_default() -> str:
     """What DiLoCo's low-rank exchange sends at its defaults, for the table's label."""
     o = DiLoCoOptions()
@@ -43,14 +46,21 @@ def _lowrank_default() -> str:
 
 # DiLoCo's other exchanges: quantised, sparse and low-rank pseudo-gradients (error feedback),
 # and the blocking exchange overlapped with the next inner step.
-FORMS = {"diloco": f"diloco, defaults ({DiLoCoOptions().compression} exchange)",
-         "diloco:compression=int8": "diloco, int8 exchange",
-         "diloco:compression=sparse": f"diloco, sparse (top {DiLoCoOptions().density:.0%}, 2 bits)",
-         "diloco:compression=lowrank": f"diloco, low-rank ({_lowrank_default()})",
-         f"{FP32},sync_delay=1": "diloco, fp32 exchange overlapped (τ = 1)"}
+FORMS = {
+    "diloco": f"diloco, defaults ({DiLoCoOptions().compression} exchange)",
+    "diloco:compression=int8": "diloco, int8 exchange",
+    "diloco:compression=sparse": f"diloco, sparse (top {DiLoCoOptions().density:.0%}, 2 bits)",
+    "diloco:compression=lowrank": f"diloco, low-rank ({_lowrank_default()})",
+    f"{FP32},sync_delay=1": "diloco, fp32 exchange overlapped (τ = 1)",
+}
 FIRST = ["ddp", FP32, DILOCO_PAPER, "ab", AB_OUTER, *FORMS]
-ROLES = {FP32: "diloco, fp32 (plain averaging)", DILOCO_PAPER: "diloco, fp32, the paper's outer Nesterov",
-         "ab": "ab (defaults: plain averaging)", AB_OUTER: "ab + the paper's outer Nesterov", **FORMS}
+ROLES = {
+    FP32: "diloco, fp32 (plain averaging)",
+    DILOCO_PAPER: "diloco, fp32, the paper's outer Nesterov",
+    "ab": "ab (defaults: plain averaging)",
+    AB_OUTER: "ab + the paper's outer Nesterov",
+    **FORMS,
+}
 
 
 def equal_bytes_h(ab_summary: dict[str, Any], ranks: int, groups: int) -> int:
@@ -71,8 +81,9 @@ def run_count(np_: int, args: argparse.Namespace, common: list[str]) -> list[dic
     h = equal_bytes_h(ab, np_, groups)
     equal = f"{FP32},sync_every={h}"
     print(f"ab_vs_diloco: np {np_}: fp32 diloco at ab's inter-group bytes syncs every {h} steps", flush=True)
-    compare.main([*common, "--np", str(np_), "--methods", ",".join([*FIRST, equal]), "--out", str(out), "--reuse",
-                  *extra])
+    compare.main(
+        [*common, "--np", str(np_), "--methods", ",".join([*FIRST, equal]), "--out", str(out), "--reuse", *extra]
+    )
     with open(out / "results.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
     for row in rows:
@@ -82,20 +93,35 @@ def run_count(np_: int, args: argparse.Namespace, common: list[str]) -> list[dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.ab_vs_diloco", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.ab_vs_diloco",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--data", required=True)
     parser.add_argument("--model", default="mlp")
     parser.add_argument("--hidden", default="512,512,512")
     parser.add_argument("--np", default="4,8,16", help="rank counts (default: %(default)s)")
-    parser.add_argument("--ranks-per-group", type=int, default=2, help="ranks per group, a node's (default: %(default)s)")
+    parser.add_argument(
+        "--ranks-per-group", type=int, default=2, help="ranks per group, a node's (default: %(default)s)"
+    )
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--out", required=True)
     parser.add_argument("--reuse", action="store_true", help="reuse finished runs under --out/np<N>/runs")
     args = parser.parse_args(argv)
-    common = ["--data", args.data, "--model", args.model, "--hidden", args.hidden, "--epochs", str(args.epochs),
-              "--batch-size", str(args.batch_size)]
+    common = [
+        "--data",
+        args.data,
+        "--model",
+        args.model,
+        "--hidden",
+        args.hidden,
+        "--epochs",
+        str(args.epochs),
+        "--batch-size",
+        str(args.batch_size),
+    ]
     rows = []
     for np_ in (int(n) for n in args.np.split(",")):
         if np_ % args.ranks_per_group or np_ // args.ranks_per_group < 2:
@@ -103,20 +129,45 @@ def main(argv: list[str] | None = None) -> int:
         rows += run_count(np_, args, common)
     out = Path(args.out)
     write_csv(out / "results.csv", rows)
-    header = ["np", "groups", "method", "test acc", "Δ acc vs ddp", "inter-group bytes/step", "inter-group × ddp",
-              "compression", "step × ddp", "time to 90 % of ddp"]
-    lines = [f"# AB-training vs DiLoCo: {args.model} {args.hidden} on {args.data}, {args.epochs} epochs, batch "
-             f"{args.batch_size}/rank, one group per {args.ranks_per_group} ranks", "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    header = [
+        "np",
+        "groups",
+        "method",
+        "test acc",
+        "Δ acc vs ddp",
+        "inter-group bytes/step",
+        "inter-group × ddp",
+        "compression",
+        "step × ddp",
+        "time to 90 % of ddp",
+    ]
+    lines = [
+        f"# AB-training vs DiLoCo: {args.model} {args.hidden} on {args.data}, {args.epochs} epochs, batch "
+        f"{args.batch_size}/rank, one group per {args.ranks_per_group} ranks",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
     for row in rows:
         steps_bytes = float(row["world_bytes_per_step"])
-        lines.append("| " + " | ".join([
-            row["np"], str(row["groups"]), row["role"], f"{100 * float(row['final_test_acc']):.2f} %",
-            f"{float(row.get('acc_diff_to_ddp_points') or 'nan'):+.2f}", human_bytes(steps_bytes),
-            f"{float(row.get('world_bytes_ratio_to_ddp') or 'nan'):.4f}",
-            f"{float(row['compression_ratio']):.2f}x" if row.get("compression_ratio") else "–",
-            f"{float(row.get('step_time_ratio_to_ddp') or 'nan'):.2f}",
-            f"{float(row.get('seconds_to_90pct_of_ddp') or 'nan'):.1f} s"]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    row["np"],
+                    str(row["groups"]),
+                    row["role"],
+                    f"{100 * float(row['final_test_acc']):.2f} %",
+                    f"{float(row.get('acc_diff_to_ddp_points') or 'nan'):+.2f}",
+                    human_bytes(steps_bytes),
+                    f"{float(row.get('world_bytes_ratio_to_ddp') or 'nan'):.4f}",
+                    f"{float(row['compression_ratio']):.2f}x" if row.get("compression_ratio") else "–",
+                    f"{float(row.get('step_time_ratio_to_ddp') or 'nan'):.2f}",
+                    f"{float(row.get('seconds_to_90pct_of_ddp') or 'nan'):.1f} s",
+                ]
+            )
+            + " |"
+        )
     (out / "results.md").write_text("\n".join(lines) + "\n")
     plot(rows, out / "accuracy_vs_inter_group_bytes.png")
     print("\n".join(lines))
@@ -129,14 +180,19 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len({r["np"] for r in rows}), figsize=(5 * len({r["np"] for r in rows}), 4),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        1, len({r["np"] for r in rows}), figsize=(5 * len({r["np"] for r in rows}), 4), squeeze=False
+    )
     for ax, np_ in zip(axes[0], sorted({r["np"] for r in rows}, key=int)):
         for row in (r for r in rows if r["np"] == np_):
             x = float(row["world_bytes_per_step"])
             ax.scatter(max(x, 1.0), 100 * float(row["final_test_acc"]), label=row["role"])
-        ax.set(xscale="log", xlabel="inter-group bytes per rank per step", ylabel="test accuracy (%)",
-               title=f"np {np_} ({next(r['groups'] for r in rows if r['np'] == np_)} groups)")
+        ax.set(
+            xscale="log",
+            xlabel="inter-group bytes per rank per step",
+            ylabel="test accuracy (%)",
+            title=f"np {np_} ({next(r['groups'] for r in rows if r['np'] == np_)} groups)",
+        )
         ax.grid(True, alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()

@@ -9,6 +9,7 @@ the same model, optimiser, batches and epochs. benchmarks.compare runs it as the
 Writes summary.json and epochs.csv in --run-dir with the fields compare reads (bytes per step
 are the analytic ring-allreduce bytes of the gradients: nothing meters them here).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,13 +77,23 @@ def main() -> None:
         for row in rows:
             row["train_wire_bytes_total"] = wire * steps * row["epoch"] / args.epochs
         write_csv(run_dir / "epochs.csv", rows)
-        summary = {"method": "horovod", "world_size": p, "steps": steps, "final_test_acc": rows[-1]["test_acc"],
-                   "best_test_acc": max(r["test_acc"] for r in rows), "step_seconds_mean": step_seconds / steps,
-                   "train_wire_bytes_per_step": wire, "train_wire_bytes": wire * steps,
-                   "train_wire_bytes_all_ranks": wire * steps * p, "train_allreduce_world_wire_bytes": wire * steps,
-                   "peak_rss_bytes_max_rank": peak_rss}
+        summary = {
+            "method": "horovod",
+            "world_size": p,
+            "steps": steps,
+            "final_test_acc": rows[-1]["test_acc"],
+            "best_test_acc": max(r["test_acc"] for r in rows),
+            "step_seconds_mean": step_seconds / steps,
+            "train_wire_bytes_per_step": wire,
+            "train_wire_bytes": wire * steps,
+            "train_wire_bytes_all_ranks": wire * steps * p,
+            "train_allreduce_world_wire_bytes": wire * steps,
+            "peak_rss_bytes_max_rank": peak_rss,
+        }
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        print(f"horovod: {steps} steps, {1000 * step_seconds / steps:.1f} ms/step, test acc {100 * rows[-1]['test_acc']:.2f} %")
+        print(
+            f"horovod: {steps} steps, {1000 * step_seconds / steps:.1f} ms/step, test acc {100 * rows[-1]['test_acc']:.2f} %"
+        )
 
 
 if __name__ == "__main__":

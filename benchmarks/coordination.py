@@ -29,6 +29,7 @@ with no such reading (`compare --reuse`), the probe runs alone with the layout's
 
     mpirun ... python -m benchmarks.coordination --sets '[[0, 1], [2, 3]]' --seconds 10
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,16 @@ def idle_bytes_per_second(net: Any, np_: int, process_sets: list[list[int]], sec
     """Bytes per second that Horovod's coordination sends over `net`'s counted links (all
     together) while np_ ranks with `process_sets` sit idle: the probe below in a launch of its
     own, on a network made like the runs' (benchmarks.netns)."""
-    command = [*net.mpirun(np_), sys.executable, "-m", "benchmarks.coordination",
-               "--sets", json.dumps(process_sets), "--seconds", str(seconds)]
+    command = [
+        *net.mpirun(np_),
+        sys.executable,
+        "-m",
+        "benchmarks.coordination",
+        "--sets",
+        json.dumps(process_sets),
+        "--seconds",
+        str(seconds),
+    ]
     code, lines, readings = run_reading_counters(command, net, IDLE_MARKS)
     if code != 0 or len(readings) != 2:
         tail = "".join(lines[-15:])
@@ -65,12 +74,15 @@ def idle_rate_between(readings: dict[str, tuple[float, list[int]]]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Horovod's ranks idle with the given process sets, or after a "
-                                     "training run with its own (run under mpirun).")
+    parser = argparse.ArgumentParser(
+        description="Horovod's ranks idle with the given process sets, or after a "
+        "training run with its own (run under mpirun)."
+    )
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--sets", help="JSON list of rank lists (the world's may be among them)")
-    what.add_argument("--after-training", action="store_true",
-                      help="run hvd_lowcomm.train with the arguments after '--', then idle")
+    what.add_argument(
+        "--after-training", action="store_true", help="run hvd_lowcomm.train with the arguments after '--', then idle"
+    )
     parser.add_argument("--seconds", type=float, default=PROBE_SECONDS, help="how long every rank sleeps")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- and the trainer's arguments")
     args = parser.parse_args(argv)

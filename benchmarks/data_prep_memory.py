@@ -9,6 +9,7 @@ memory (VmHWM) and wall time. Streaming means the peak stays flat while the corp
 the bound is one document plus one copy block (data_prep.writer.BLOCK_BYTES, 64 MiB), not the
 corpus. Writes results.md and results.csv to --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,10 @@ from hvd_lowcomm.metrics import human_bytes, write_csv
 
 # The child's own peak: VmHWM (kB) of its address space. Not ru_maxrss, which Linux carries over
 # from the parent at fork/exec (this script's own arrays would show up in it).
-CHILD = ("import re, sys; from data_prep.__main__ import main; code = main(sys.argv[1:]); "
-         "print(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1)); sys.exit(code)")
+CHILD = (
+    "import re, sys; from data_prep.__main__ import main; code = main(sys.argv[1:]); "
+    "print(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1)); sys.exit(code)"
+)
 
 
 def convert(argv: list[str]) -> tuple[int, float]:
@@ -55,17 +58,38 @@ def main() -> int:
                 for _ in range(megabytes * 2**20 // len(line)):
                     fh.write(line)
             peak, seconds = convert(["text", str(corpus), "--column", "text", "--out", str(scratch / "text.h5")])
-            rows.append({"source": "jsonl, bytes tokenizer", "corpus_mb": megabytes, "peak_rss_mb": peak / 2**20,
-                         "seconds": seconds})
+            rows.append(
+                {
+                    "source": "jsonl, bytes tokenizer",
+                    "corpus_mb": megabytes,
+                    "peak_rss_mb": peak / 2**20,
+                    "seconds": seconds,
+                }
+            )
             corpus.unlink()
             tokens = np.arange(megabytes * 2**19, dtype=np.uint32) % 50257  # uint16: 2 bytes per token
             tokens.astype(np.uint16).tofile(scratch / "train.bin")
             tokens[: len(tokens) // 10].astype(np.uint16).tofile(scratch / "val.bin")
             del tokens
-            peak, seconds = convert(["tokens", str(scratch / "train.bin"), str(scratch / "val.bin"),
-                                     "--vocab-size", "50257", "--out", str(scratch / "tokens.h5")])
-            rows.append({"source": "nanoGPT uint16 .bin", "corpus_mb": megabytes * 1.1, "peak_rss_mb": peak / 2**20,
-                         "seconds": seconds})
+            peak, seconds = convert(
+                [
+                    "tokens",
+                    str(scratch / "train.bin"),
+                    str(scratch / "val.bin"),
+                    "--vocab-size",
+                    "50257",
+                    "--out",
+                    str(scratch / "tokens.h5"),
+                ]
+            )
+            rows.append(
+                {
+                    "source": "nanoGPT uint16 .bin",
+                    "corpus_mb": megabytes * 1.1,
+                    "peak_rss_mb": peak / 2**20,
+                    "seconds": seconds,
+                }
+            )
             for name in ("text.h5", "tokens.h5", "train.bin", "val.bin"):
                 (scratch / name).unlink(missing_ok=True)
             print(rows[-2], rows[-1], flush=True)
@@ -74,8 +98,12 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "results.csv", rows)
-    lines = [f"# data_prep peak resident memory against corpus size (copy block {human_bytes(BLOCK_BYTES)})", "",
-             "| source | corpus MB | peak RSS MB | seconds |", "|---|---|---|---|"]
+    lines = [
+        f"# data_prep peak resident memory against corpus size (copy block {human_bytes(BLOCK_BYTES)})",
+        "",
+        "| source | corpus MB | peak RSS MB | seconds |",
+        "|---|---|---|---|",
+    ]
     lines += [f"| {r['source']} | {r['corpus_mb']:.0f} | {r['peak_rss_mb']:.0f} | {r['seconds']:.1f} |" for r in rows]
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

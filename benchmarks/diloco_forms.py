@@ -13,6 +13,7 @@ group count (what the done criteria of the exchange forms compare against), its 
 per rank × that run's and × ddp's bytes, its outer steps, and the time its steps waited for the
 exchange.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,9 +49,11 @@ def baseline_of(form: str) -> str:
     return "nesterov" if "nesterov" in form.split("+") else "none"
 
 
-def rows(out: Path, np_: int, groups: list[int], forms: list[str], sync_every: int
-         ) -> tuple[list[dict[str, Any]], bool]:
+def rows(
+    out: Path, np_: int, groups: list[int], forms: list[str], sync_every: int
+) -> tuple[list[dict[str, Any]], bool]:
     """The table's rows, and whether quality is a language model's validation loss."""
+
     def summary(method: str) -> dict[str, Any]:
         return json.loads((out / "runs" / compare.run_name(np_, method) / "summary.json").read_text())
 
@@ -63,48 +66,65 @@ def rows(out: Path, np_: int, groups: list[int], forms: list[str], sync_every: i
         for form, s in runs.items():
             base = runs.get(baseline_of(form))
             ddp_bytes = ddp["train_wire_bytes"]
-            row = {"groups": g, "form": form, "quality": s[quality], "ddp_quality": ddp[quality],
-                   "inter_group_bytes": s["inter_group_wire_bytes"], "outer_steps": s["outer_steps"],
-                   "exchange_wait_seconds": s.get("exchange_wait_seconds"),
-                   "inter_bytes_x_ddp": s["inter_group_wire_bytes"] / ddp_bytes}
+            row = {
+                "groups": g,
+                "form": form,
+                "quality": s[quality],
+                "ddp_quality": ddp[quality],
+                "inter_group_bytes": s["inter_group_wire_bytes"],
+                "outer_steps": s["outer_steps"],
+                "exchange_wait_seconds": s.get("exchange_wait_seconds"),
+                "inter_bytes_x_ddp": s["inter_group_wire_bytes"] / ddp_bytes,
+            }
             if base is not None:
                 row["inter_bytes_x_fp32_diloco"] = s["inter_group_wire_bytes"] / base["inter_group_wire_bytes"]
-                row["quality_vs_fp32_diloco"] = (s[quality] / base[quality] - 1) * 100 if language else \
-                    (s[quality] - base[quality]) * 100
+                row["quality_vs_fp32_diloco"] = (
+                    (s[quality] / base[quality] - 1) * 100 if language else (s[quality] - base[quality]) * 100
+                )
             table.append(row)
     return table, language
 
 
 def markdown(table: list[dict[str, Any]], title: str, language: bool) -> str:
     unit = "Δ loss vs {} (%)" if language else "Δ acc vs {} (points)"
-    lines = [f"# {title}", "",
-             "Each form against fp32 DiLoCo with the same outer step and group count; bytes are what one "
-             "rank sent between groups over the run.", "",
-             f"| groups | form | {'val loss' if language else 'test acc'} | {unit.format('ddp')} | "
-             f"{unit.format('fp32 DiLoCo')} | inter-group bytes/rank | × fp32 DiLoCo | × ddp's bytes | outer steps | "
-             "waited for the exchange |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# {title}",
+        "",
+        "Each form against fp32 DiLoCo with the same outer step and group count; bytes are what one "
+        "rank sent between groups over the run.",
+        "",
+        f"| groups | form | {'val loss' if language else 'test acc'} | {unit.format('ddp')} | "
+        f"{unit.format('fp32 DiLoCo')} | inter-group bytes/rank | × fp32 DiLoCo | × ddp's bytes | outer steps | "
+        "waited for the exchange |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in table:
         q = f"{r['quality']:.4f}" if language else f"{100 * r['quality']:.2f} %"
         d = f"{r['quality_vs_fp32_diloco']:+.2f}" if "quality_vs_fp32_diloco" in r else "–"
         vs_ddp = (r["quality"] / r["ddp_quality"] - 1) * 100 if language else (r["quality"] - r["ddp_quality"]) * 100
         x = f"1/{1 / r['inter_bytes_x_fp32_diloco']:.1f}" if r.get("inter_bytes_x_fp32_diloco") else "–"
         wait = f"{r['exchange_wait_seconds']:.2f} s" if r["exchange_wait_seconds"] is not None else "–"
-        lines.append(f"| {r['groups']} | {r['form']} | {q} | {vs_ddp:+.2f} | {d} | {human_bytes(r['inter_group_bytes'])} | {x} | "
-                     f"{r['inter_bytes_x_ddp']:.4f} | {r['outer_steps']} | {wait} |")
+        lines.append(
+            f"| {r['groups']} | {r['form']} | {q} | {vs_ddp:+.2f} | {d} | {human_bytes(r['inter_group_bytes'])} | {x} | "
+            f"{r['inter_bytes_x_ddp']:.4f} | {r['outer_steps']} | {wait} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.diloco_forms", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.diloco_forms",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--data", required=True)
     parser.add_argument("--model", default="mlp")
     parser.add_argument("--hidden", default="256,256")
     parser.add_argument("--np", type=int, default=8, help="ranks (default: %(default)s)")
     parser.add_argument("--groups", default="2,4,8", help="group counts, each dividing --np (default: %(default)s)")
-    parser.add_argument("--forms", default="none,int8,sparse,lowrank,nesterov",
-                        help="forms to run (default: %(default)s)")
+    parser.add_argument(
+        "--forms", default="none,int8,sparse,lowrank,nesterov", help="forms to run (default: %(default)s)"
+    )
     parser.add_argument("--sync-every", type=int, default=10, help="H, inner steps per outer step (default: 10)")
     parser.add_argument("--epochs", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -117,12 +137,35 @@ def main(argv: list[str] | None = None) -> int:
     if any(args.np % g for g in groups):
         parser.error(f"every group count must divide --np {args.np}: {groups}")
     methods = ["ddp"] + [entry(f, g, args.sync_every) for g in groups for f in forms]
-    title = args.title or (f"DiLoCo's exchange forms: {args.model} on {Path(args.data).stem}, np {args.np} as "
-                           f"{'/'.join(map(str, groups))} groups, H = {args.sync_every}")
+    title = args.title or (
+        f"DiLoCo's exchange forms: {args.model} on {Path(args.data).stem}, np {args.np} as "
+        f"{'/'.join(map(str, groups))} groups, H = {args.sync_every}"
+    )
     out = Path(args.out)
-    compare.main(["--methods", ",".join(methods), "--np", str(args.np), "--data", args.data, "--model", args.model,
-                  "--hidden", args.hidden, "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
-                  "--out", str(out), "--title", title, *(["--reuse"] if args.reuse else []), *rest])
+    compare.main(
+        [
+            "--methods",
+            ",".join(methods),
+            "--np",
+            str(args.np),
+            "--data",
+            args.data,
+            "--model",
+            args.model,
+            "--hidden",
+            args.hidden,
+            "--epochs",
+            str(args.epochs),
+            "--batch-size",
+            str(args.batch_size),
+            "--out",
+            str(out),
+            "--title",
+            title,
+            *(["--reuse"] if args.reuse else []),
+            *rest,
+        ]
+    )
     table, language = rows(out, args.np, groups, forms, args.sync_every)
     (out / "forms.md").write_text(markdown(table, title, language))
     write_csv(out / "forms.csv", table)

@@ -14,6 +14,7 @@ Variants after '@' change one Horovod setting: its background thread's cycle tim
 Writes results.csv and results.md in --out; --report also writes the committed report
 (benchmarks/reports/engines.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,11 +27,23 @@ import sys
 import time
 from pathlib import Path
 
-VARIANTS = ["torch-ddp", "ddp/horovod", "ddp/torch", "powersgd/horovod", "powersgd/torch", "dad/horovod",
-            "dad/torch", "diloco/horovod", "diloco/torch",
-            # Horovod's own settings: its background thread's cycle (HOROVOD_CYCLE_TIME, ms; default
-            # 1) and mpirun's binding of each rank to a core, which its thread shares (--bind-to none)
-            "ddp/horovod@cycle5", "diloco/horovod@cycle20", "ddp/horovod@unbound", "diloco/horovod@unbound"]
+VARIANTS = [
+    "torch-ddp",
+    "ddp/horovod",
+    "ddp/torch",
+    "powersgd/horovod",
+    "powersgd/torch",
+    "dad/horovod",
+    "dad/torch",
+    "diloco/horovod",
+    "diloco/torch",
+    # Horovod's own settings: its background thread's cycle (HOROVOD_CYCLE_TIME, ms; default
+    # 1) and mpirun's binding of each rank to a core, which its thread shares (--bind-to none)
+    "ddp/horovod@cycle5",
+    "diloco/horovod@cycle20",
+    "ddp/horovod@unbound",
+    "diloco/horovod@unbound",
+]
 WARMUP = 10  # steps left out of the median: allocation, the plans, PowerSGD's start
 
 
@@ -84,15 +97,20 @@ def worker(variant: str, steps: int, layers: int, width: int, batch: int, contex
         seconds.append(time.perf_counter() - start)
         loss = float(loss_tensor)
     if rank == 0:
-        print("RESULT " + json.dumps({"variant": variant, "step_ms": 1000 * statistics.median(seconds[WARMUP:]),
-                                      "final_loss": loss}), flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                {"variant": variant, "step_ms": 1000 * statistics.median(seconds[WARMUP:]), "final_loss": loss}
+            ),
+            flush=True,
+        )
 
 
 def launch_settings(variant: str) -> tuple[list[str], dict[str, str]]:
     """mpirun options and environment of a variant's Horovod setting (after '@')."""
     setting = variant.partition("@")[2]
     if setting.startswith("cycle"):
-        return [], {"HOROVOD_CYCLE_TIME": setting[len("cycle"):]}
+        return [], {"HOROVOD_CYCLE_TIME": setting[len("cycle") :]}
     return (["--bind-to", "none"], {}) if setting == "unbound" else ([], {})
 
 
@@ -100,16 +118,35 @@ def run(args: argparse.Namespace, ranks: int) -> list[dict]:
     rows = []
     for variant in args.variants:
         options, env = launch_settings(variant)
-        command = ["mpirun", "--allow-run-as-root", "--oversubscribe", *options, "-np", str(ranks), sys.executable,
-                   "-m", "benchmarks.engines", "--worker", variant, "--steps", str(args.steps), "--layers",
-                   str(args.layers), "--width", str(args.width), "--batch", str(args.batch), "--context",
-                   str(args.context)]
+        command = [
+            "mpirun",
+            "--allow-run-as-root",
+            "--oversubscribe",
+            *options,
+            "-np",
+            str(ranks),
+            sys.executable,
+            "-m",
+            "benchmarks.engines",
+            "--worker",
+            variant,
+            "--steps",
+            str(args.steps),
+            "--layers",
+            str(args.layers),
+            "--width",
+            str(args.width),
+            "--batch",
+            str(args.batch),
+            "--context",
+            str(args.context),
+        ]
         print(f"[engines] np {ranks} {variant} ...", flush=True)
         done = subprocess.run(command, capture_output=True, text=True, timeout=1800, env={**os.environ, **env})
         line = next((line for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
         if done.returncode != 0 or line is None:
             sys.exit(f"[engines] {variant} failed:\n{done.stdout}\n{done.stderr}")
-        rows.append({"np": ranks, **json.loads(line[len("RESULT "):])})
+        rows.append({"np": ranks, **json.loads(line[len("RESULT ") :])})
         print(f"[engines] {variant}: {rows[-1]['step_ms']:.1f} ms/step", flush=True)
     reference = rows[0]["step_ms"]
     for row in rows:
@@ -125,17 +162,23 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
         writer.writeheader()
         writer.writerows({k: row[k] for k in writer.fieldnames} for row in rows)
     table = ["| np | variant | step (ms, median) | × PyTorch DDP | final loss |", "|---|---|---|---|---|"]
-    table += [f"| {r['np']} | {r['variant']} | {r['step_ms']:.1f} | {r['ratio_to_torch_ddp']:.2f} | "
-              f"{r['final_loss']:.4f} |" for r in rows]
-    shape = (f"np {args.np}, gpt {args.layers} x {args.width} (tied head), batch {args.batch} x {args.context} tokens, "
-             f"AdamW, {args.steps} steps (median after {WARMUP})")
+    table += [
+        f"| {r['np']} | {r['variant']} | {r['step_ms']:.1f} | {r['ratio_to_torch_ddp']:.2f} | {r['final_loss']:.4f} |"
+        for r in rows
+    ]
+    shape = (
+        f"np {args.np}, gpt {args.layers} x {args.width} (tied head), batch {args.batch} x {args.context} tokens, "
+        f"AdamW, {args.steps} steps (median after {WARMUP})"
+    )
     (out / "results.md").write_text(f"{shape}\n\n" + "\n".join(table) + "\n")
     if args.report:
         report = Path(__file__).parent / "reports" / "engines.md"
         report.parent.mkdir(exist_ok=True)
-        report.write_text(f"# Engines: step time against PyTorch DDP\n\nWhat ran: {shape}, one mpirun job per "
-                          f"variant on one machine, one after another.\n\nCommand: `python -m benchmarks.engines "
-                          f"--np {args.np} --steps {args.steps} --report`\n\n" + "\n".join(table) + "\n")
+        report.write_text(
+            f"# Engines: step time against PyTorch DDP\n\nWhat ran: {shape}, one mpirun job per "
+            f"variant on one machine, one after another.\n\nCommand: `python -m benchmarks.engines "
+            f"--np {args.np} --steps {args.steps} --report`\n\n" + "\n".join(table) + "\n"
+        )
     print((out / "results.md").read_text())
 
 
@@ -147,8 +190,13 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=128, help="GPT width")
     parser.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
     parser.add_argument("--context", type=int, default=64, help="tokens per sequence")
-    parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS,
-                        help="what to run; the first is the reference of the ratio column")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=VARIANTS,
+        choices=VARIANTS,
+        help="what to run; the first is the reference of the ratio column",
+    )
     parser.add_argument("--out", default="runs/engines", help="where results.csv and results.md go")
     parser.add_argument("--report", action="store_true", help="also write benchmarks/reports/engines.md")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)

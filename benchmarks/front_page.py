@@ -7,6 +7,7 @@ Every figure in the table comes from ``hvd_lowcomm/heldout.csv`` (the held-out s
 written by ``python -m benchmarks.heldout --package``), so the front page says what the methods'
 current defaults measured; a unit test fails when README.rst's copy differs from this output.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,13 +51,27 @@ def decision_table(measured: dict[str, heldout.Measured] | None = None) -> str:
     """The README's table: situation, method, what it saves and what it costs at its defaults."""
     measured = heldout.measured() if measured is None else measured
     rows = [("Your situation", "Method", "Bytes sent, × ddp", "Worst set's result against ddp")]
-    rows += [(situation, method, _saves(measured.get(key) if key else None),
-              _costs(measured.get(key) if key else None)) for situation, method, key in ROWS]
+    rows += [
+        (situation, method, _saves(measured.get(key) if key else None), _costs(measured.get(key) if key else None))
+        for situation, method, key in ROWS
+    ]
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     border = "  ".join("=" * w for w in widths)
-    lines = [BEGIN, "", border, _line(rows[0], widths), border, *(_line(r, widths) for r in rows[1:]), border,
-             "", f"Bound: {heldout.LOSS_BOUND_PCT:g} % of ddp's validation loss or {heldout.ACC_BOUND_POINTS:g} "
-             "point of its accuracy.", f"Source: `the held-out suite <{RESULTS}>`_.", "", END]
+    lines = [
+        BEGIN,
+        "",
+        border,
+        _line(rows[0], widths),
+        border,
+        *(_line(r, widths) for r in rows[1:]),
+        border,
+        "",
+        f"Bound: {heldout.LOSS_BOUND_PCT:g} % of ddp's validation loss or {heldout.ACC_BOUND_POINTS:g} "
+        "point of its accuracy.",
+        f"Source: `the held-out suite <{RESULTS}>`_.",
+        "",
+        END,
+    ]
     return "\n".join(lines)
 
 
@@ -68,12 +83,15 @@ def readme_table(text: str) -> str:
     """The decision table as README.rst has it (markers included)."""
     if BEGIN not in text or END not in text:
         raise ValueError(f"{README} has no decision table markers ({BEGIN!r} ... {END!r})")
-    return text[text.index(BEGIN):text.index(END) + len(END)]
+    return text[text.index(BEGIN) : text.index(END) + len(END)]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.front_page", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.front_page",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--write", action="store_true", help="rewrite the table in README.rst")
     args = parser.parse_args(argv)
     table = decision_table()

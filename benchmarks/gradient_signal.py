@@ -25,6 +25,7 @@ Ratios are pooled (sums over the measurements of a third, then divided), since o
 of a small signal is mostly noise. Writes signal.md and signal.csv; Adam at a constant --lr, not
 the trainer's schedule.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,9 @@ KEPT = 0.85  # the energy share the ranks are reported at (PowerSGD's default ta
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     add_model_arguments(p)
     p.add_argument("--batch-size", type=int, default=32, help="samples per rank")
     p.add_argument("--ranks", type=int, default=2, help="ranks the training batch and the mean stand for")
@@ -51,8 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="directory for signal.md and signal.csv")
     args = p.parse_args(argv)
     if args.samples < max(2, args.ranks):
-        p.error(f"--samples must be at least 2 and at least --ranks ({args.ranks}): the signal is read off pairs of "
-                f"independent batches, and the mean's rank off --ranks of them")
+        p.error(
+            f"--samples must be at least 2 and at least --ranks ({args.ranks}): the signal is read off pairs of "
+            f"independent batches, and the mean's rank off --ranks of them"
+        )
     return args
 
 
@@ -88,10 +92,12 @@ class Pooled:
 
     def row(self, ranks: int, batch: int) -> dict[str, float]:
         signal = max(self.signal, 0.0)
-        return {"signal share of the mean": signal / (signal + self.noise / ranks) if signal + self.noise else 0.0,
-                "noise scale B (samples)": self.noise * batch / signal if signal > 0 else float("inf"),
-                "signal rank": float(rank_holding(self.signal_gram, KEPT)),
-                "mean's rank": float(rank_holding(self.mean_gram, KEPT))}
+        return {
+            "signal share of the mean": signal / (signal + self.noise / ranks) if signal + self.noise else 0.0,
+            "noise scale B (samples)": self.noise * batch / signal if signal > 0 else float("inf"),
+            "signal rank": float(rank_holding(self.signal_gram, KEPT)),
+            "mean's rank": float(rank_holding(self.mean_gram, KEPT)),
+        }
 
 
 def rank_holding(gram: torch.Tensor, share: float) -> int:
@@ -125,20 +131,35 @@ def main(argv: list[str] | None = None) -> None:
         if (step + 1) % max(1, args.steps // 10) == 0:
             print(f"step {step + 1}/{args.steps}", flush=True)
 
-    rows = [{"parameter": name, "shape": "×".join(map(str, params[name].shape)), "phase": phase,
-             **pooled[(phase, name)].row(args.ranks, args.batch_size)}
-            for name in matrices for phase in PHASES if pooled[(phase, name)].measurements]
+    rows = [
+        {
+            "parameter": name,
+            "shape": "×".join(map(str, params[name].shape)),
+            "phase": phase,
+            **pooled[(phase, name)].row(args.ranks, args.batch_size),
+        }
+        for name in matrices
+        for phase in PHASES
+        if pooled[(phase, name)].measurements
+    ]
     write(rows, args)
 
 
 def write(rows: list[dict], args: argparse.Namespace) -> None:
-    write_table(args.out, "signal",
-                [f"# Signal and noise in each weight matrix's gradient: {args.model} on {Path(args.data).name}", "",
-                 f"Adam at lr {args.lr} on batches of {args.ranks} × {args.batch_size} for {args.steps} steps; every "
-                 f"{args.every} steps {args.samples} independent batches of {args.batch_size} (`python -m "
-                 f"benchmarks.gradient_signal`). Signal share: of the mean over {args.ranks} ranks' gradients; "
-                 f"ranks: the directions holding {KEPT:.0%} of the energy over each third of the run."],
-                rows, _cell)
+    write_table(
+        args.out,
+        "signal",
+        [
+            f"# Signal and noise in each weight matrix's gradient: {args.model} on {Path(args.data).name}",
+            "",
+            f"Adam at lr {args.lr} on batches of {args.ranks} × {args.batch_size} for {args.steps} steps; every "
+            f"{args.every} steps {args.samples} independent batches of {args.batch_size} (`python -m "
+            f"benchmarks.gradient_signal`). Signal share: of the mean over {args.ranks} ranks' gradients; "
+            f"ranks: the directions holding {KEPT:.0%} of the energy over each third of the run.",
+        ],
+        rows,
+        _cell,
+    )
 
 
 def _cell(value: object) -> str:

@@ -30,6 +30,7 @@ judged result and whether it held). --out/corpora.csv keeps the sha256 of each c
 were made on: the corpora are cut from the machine's files, and a run on other text (another
 machine's packages or versions) into the same --out is refused before it starts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,18 +79,23 @@ class Corpus:
         if len(text) < self.limit // 2:
             raise SystemExit(f"heldout: corpus {self.name} found only {len(text)} bytes under {self.patterns}")
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(bytes(text[:self.limit]))
+        path.write_bytes(bytes(text[: self.limit]))
 
 
-CORPORA = {c.name: c for c in (
-    Corpus("debian-changelogs", ("/usr/share/doc/*/changelog.Debian.gz",), 250_000),
-    Corpus("python-stdlib", tuple(f"{sys.base_prefix}/lib/python3.*/{m}.py"
-                                  for m in ("argparse", "textwrap", "shutil", "tarfile"))),
-    Corpus("perl-pod", ("/usr/share/perl/5.*/**/*.pod",)),
-    Corpus("gnu-info", ("/usr/share/info/coreutils.info*.gz",)),
-    # in no set: what a default is checked on after its rule is fixed (rank-dAD's, #81)
-    Corpus("man-pages", ("/usr/share/man/man1/*.1.gz",), 250_000),
-)}
+CORPORA = {
+    c.name: c
+    for c in (
+        Corpus("debian-changelogs", ("/usr/share/doc/*/changelog.Debian.gz",), 250_000),
+        Corpus(
+            "python-stdlib",
+            tuple(f"{sys.base_prefix}/lib/python3.*/{m}.py" for m in ("argparse", "textwrap", "shutil", "tarfile")),
+        ),
+        Corpus("perl-pod", ("/usr/share/perl/5.*/**/*.pod",)),
+        Corpus("gnu-info", ("/usr/share/info/coreutils.info*.gz",)),
+        # in no set: what a default is checked on after its rule is fixed (rank-dAD's, #81)
+        Corpus("man-pages", ("/usr/share/man/man1/*.1.gz",), 250_000),
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -97,10 +103,10 @@ class HeldOutSet:
     """One model on one dataset, and whether defaults were chosen on it or are judged on it."""
 
     name: str
-    split: str          # "chosen" or "judged"
-    data: str           # a Corpus name, or a bundled image source of data_prep
-    model: str          # benchmarks.compare --model
-    hidden: str = ""    # benchmarks.compare --hidden
+    split: str  # "chosen" or "judged"
+    data: str  # a Corpus name, or a bundled image source of data_prep
+    model: str  # benchmarks.compare --model
+    hidden: str = ""  # benchmarks.compare --hidden
     epochs: int = 10
     extra: tuple[str, ...] = ()  # more train options
     methods: tuple[str, ...] = METHODS
@@ -112,20 +118,29 @@ class HeldOutSet:
 
 
 HF = "hf:benchmarks/configs/hf-{}-4x128.json"
-SETS = {s.name: s for s in (
-    HeldOutSet("gpt-changelogs", "chosen", "debian-changelogs", "gpt", methods=GRADIENT_METHODS),
-    HeldOutSet("vit-animals", "chosen", "animals", "vit", epochs=3),
-    HeldOutSet("gpt-python-stdlib", "judged", "python-stdlib", "gpt"),
-    HeldOutSet("gpt-perl-pod", "judged", "perl-pod", "gpt"),
-    HeldOutSet("gpt-gnu-info", "judged", "gnu-info", "gpt"),
-    HeldOutSet("gpt6x96-gnu-info", "judged", "gnu-info", "gpt", extra=("--model.layers", "6", "--model.width", "96"),
-               methods=GRADIENT_METHODS),
-    HeldOutSet("hf-gpt2-python-stdlib", "judged", "python-stdlib", HF.format("gpt2"), methods=GRADIENT_METHODS),
-    HeldOutSet("hf-llama-perl-pod", "judged", "perl-pod", HF.format("llama"), methods=GRADIENT_METHODS),
-    HeldOutSet("mlp-digits", "judged", "digits", "mlp", "256,256", epochs=20),
-    HeldOutSet("cnn-animals", "judged", "animals", "cnn", epochs=3),
-    HeldOutSet("vit-mnist5k", "judged", "mnist5k", "vit", epochs=5, seeds=NOISY_SET_SEEDS),
-)}
+SETS = {
+    s.name: s
+    for s in (
+        HeldOutSet("gpt-changelogs", "chosen", "debian-changelogs", "gpt", methods=GRADIENT_METHODS),
+        HeldOutSet("vit-animals", "chosen", "animals", "vit", epochs=3),
+        HeldOutSet("gpt-python-stdlib", "judged", "python-stdlib", "gpt"),
+        HeldOutSet("gpt-perl-pod", "judged", "perl-pod", "gpt"),
+        HeldOutSet("gpt-gnu-info", "judged", "gnu-info", "gpt"),
+        HeldOutSet(
+            "gpt6x96-gnu-info",
+            "judged",
+            "gnu-info",
+            "gpt",
+            extra=("--model.layers", "6", "--model.width", "96"),
+            methods=GRADIENT_METHODS,
+        ),
+        HeldOutSet("hf-gpt2-python-stdlib", "judged", "python-stdlib", HF.format("gpt2"), methods=GRADIENT_METHODS),
+        HeldOutSet("hf-llama-perl-pod", "judged", "perl-pod", HF.format("llama"), methods=GRADIENT_METHODS),
+        HeldOutSet("mlp-digits", "judged", "digits", "mlp", "256,256", epochs=20),
+        HeldOutSet("cnn-animals", "judged", "animals", "cnn", epochs=3),
+        HeldOutSet("vit-mnist5k", "judged", "mnist5k", "vit", epochs=5, seeds=NOISY_SET_SEEDS),
+    )
+}
 
 
 def text_of(corpus: str, data_dir: Path) -> Path:
@@ -160,10 +175,12 @@ def check_same_text(corpus: str, data_dir: Path, out: Path) -> None:
         with open(record) as f:
             known = {r["corpus"]: r["sha256"] for r in csv.DictReader(f)}
     if known.get(corpus, digest) != digest:
-        raise SystemExit(f"heldout: corpus {corpus} here (sha256 {digest[:12]}) is not the text the results in "
-                         f"{out} were made on ({known[corpus][:12]}, {record}): this machine's files differ "
-                         "(other packages or versions). Run into another --out: results on other text cannot "
-                         "be averaged with those.")
+        raise SystemExit(
+            f"heldout: corpus {corpus} here (sha256 {digest[:12]}) is not the text the results in "
+            f"{out} were made on ({known[corpus][:12]}, {record}): this machine's files differ "
+            "(other packages or versions). Run into another --out: results on other text cannot "
+            "be averaged with those."
+        )
     if corpus not in known:
         out.mkdir(parents=True, exist_ok=True)
         with open(record, "a", newline="") as f:
@@ -177,10 +194,27 @@ def run_set(s: HeldOutSet, seed: int, args: argparse.Namespace) -> Path:
     """Every method of `s` at its defaults and `seed` (finished runs are reused); its results
     directory."""
     out = s.results(Path(args.out), seed)
-    argv = ["--methods", args.methods or ",".join(s.methods), "--np", str(args.np),
-            "--data", str(prepare(s.data, Path(args.data_dir))), "--model", s.model, "--hidden", s.hidden,
-            "--epochs", str(s.epochs), "--seed", str(seed), "--out", str(out), "--reuse", "--title",
-            f"held-out set {s.name} ({s.split}): {s.model} on {s.data}, defaults, {s.epochs} epochs, seed {seed}"]
+    argv = [
+        "--methods",
+        args.methods or ",".join(s.methods),
+        "--np",
+        str(args.np),
+        "--data",
+        str(prepare(s.data, Path(args.data_dir))),
+        "--model",
+        s.model,
+        "--hidden",
+        s.hidden,
+        "--epochs",
+        str(s.epochs),
+        "--seed",
+        str(seed),
+        "--out",
+        str(out),
+        "--reuse",
+        "--title",
+        f"held-out set {s.name} ({s.split}): {s.model} on {s.data}, defaults, {s.epochs} epochs, seed {seed}",
+    ]
     code = compare.main(argv + (["--", *s.extra] if s.extra else []))
     if code:
         print(f"heldout: some runs of {s.name} failed (see {out}/runs/*.log)", file=sys.stderr)
@@ -199,11 +233,17 @@ def seed_results(out: Path) -> dict[str, dict[str, float | str]]:
         value = r["loss_diff_to_ddp_pct"] if language else r["acc_diff_to_ddp_points"]
         if value in ("", "nan"):
             continue
-        result: dict[str, float | str] = {"metric": "loss_pct" if language else "acc_points", "vs_ddp": float(value),
-                                          "bytes_vs_ddp": float(r["bytes_ratio_to_ddp"])}
+        result: dict[str, float | str] = {
+            "metric": "loss_pct" if language else "acc_points",
+            "vs_ddp": float(value),
+            "bytes_vs_ddp": float(r["bytes_ratio_to_ddp"]),
+        }
         if method.split(":")[0] == "diloco" and method != FP32_DILOCO and fp32 is not None:
-            result["vs_fp32_diloco"] = 100 * (float(r["final_test_loss"]) / float(fp32["final_test_loss"]) - 1) \
-                if language else 100 * (float(r["final_test_acc"]) - float(fp32["final_test_acc"]))
+            result["vs_fp32_diloco"] = (
+                100 * (float(r["final_test_loss"]) / float(fp32["final_test_loss"]) - 1)
+                if language
+                else 100 * (float(r["final_test_acc"]) - float(fp32["final_test_acc"]))
+            )
             result["bytes_vs_fp32_diloco"] = float(r["bytes_per_step"]) / float(fp32["bytes_per_step"])
         results[method] = result
     return results
@@ -212,8 +252,9 @@ def seed_results(out: Path) -> dict[str, dict[str, float | str]]:
 def rows_of(s: HeldOutSet, out: Path) -> list[dict[str, str]]:
     """The set's held-out rows, one per method: each figure the mean over the seeds whose
     results are under `out`, the seeds and each one's result against ddp beside it."""
-    per_seed = {seed: seed_results(s.results(out, seed)) for seed in s.seeds
-                if (s.results(out, seed) / "results.csv").exists()}
+    per_seed = {
+        seed: seed_results(s.results(out, seed)) for seed in s.seeds if (s.results(out, seed) / "results.csv").exists()
+    }
     rows = []
     for method in dict.fromkeys(m for found in per_seed.values() for m in found):
         runs = {seed: found[method] for seed, found in per_seed.items() if method in found}
@@ -222,11 +263,20 @@ def rows_of(s: HeldOutSet, out: Path) -> list[dict[str, str]]:
             values = [float(r[key]) for r in runs.values() if key in r]
             return str(sum(values) / len(values)) if values else ""
 
-        rows.append({"set": s.name, "split": s.split, "method": method,
-                     "metric": str(next(iter(runs.values()))["metric"]), "vs_ddp": mean("vs_ddp"),
-                     "bytes_vs_ddp": mean("bytes_vs_ddp"), "vs_fp32_diloco": mean("vs_fp32_diloco"),
-                     "bytes_vs_fp32_diloco": mean("bytes_vs_fp32_diloco"), "seeds": " ".join(map(str, runs)),
-                     "vs_ddp_per_seed": " ".join(f"{float(r['vs_ddp']):.4g}" for r in runs.values())})
+        rows.append(
+            {
+                "set": s.name,
+                "split": s.split,
+                "method": method,
+                "metric": str(next(iter(runs.values()))["metric"]),
+                "vs_ddp": mean("vs_ddp"),
+                "bytes_vs_ddp": mean("bytes_vs_ddp"),
+                "vs_fp32_diloco": mean("vs_fp32_diloco"),
+                "bytes_vs_fp32_diloco": mean("bytes_vs_fp32_diloco"),
+                "seeds": " ".join(map(str, runs)),
+                "vs_ddp_per_seed": " ".join(f"{float(r['vs_ddp']):.4g}" for r in runs.values()),
+            }
+        )
     return rows
 
 
@@ -240,24 +290,35 @@ def write(rows: list[dict[str, str]], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.heldout", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.heldout", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sets", default="all", help=f"comma-separated sets, or all ({', '.join(SETS)})")
-    parser.add_argument("--split", choices=("chosen", "judged", "both"), default="both",
-                        help="run only the sets of this half")
-    parser.add_argument("--seeds", default="all",
-                        help=f"comma-separated seeds to run this time, or all (each set's: {', '.join(map(str, SEEDS))}; "
-                             f"{', '.join(s.name for s in SETS.values() if s.seeds == NOISY_SET_SEEDS)} also "
-                             f"{', '.join(map(str, NOISY_SET_SEEDS[len(SEEDS):]))}); the table covers every seed with "
-                             "results")
-    parser.add_argument("--methods", default="",
-                        help="comma-separated method entries to run instead of each set's own (a rule tried on the "
-                             "suite: write it to another --out, with ddp among them)")
+    parser.add_argument(
+        "--split", choices=("chosen", "judged", "both"), default="both", help="run only the sets of this half"
+    )
+    parser.add_argument(
+        "--seeds",
+        default="all",
+        help=f"comma-separated seeds to run this time, or all (each set's: {', '.join(map(str, SEEDS))}; "
+        f"{', '.join(s.name for s in SETS.values() if s.seeds == NOISY_SET_SEEDS)} also "
+        f"{', '.join(map(str, NOISY_SET_SEEDS[len(SEEDS) :]))}); the table covers every seed with "
+        "results",
+    )
+    parser.add_argument(
+        "--methods",
+        default="",
+        help="comma-separated method entries to run instead of each set's own (a rule tried on the "
+        "suite: write it to another --out, with ddp among them)",
+    )
     parser.add_argument("--np", type=int, default=2, help="ranks per run (default: %(default)s)")
     parser.add_argument("--data-dir", default="data/heldout", help="where the prepared sets go (default: %(default)s)")
     parser.add_argument("--out", default="benchmarks/results/heldout", help="output directory (default: %(default)s)")
-    parser.add_argument("--package", action="store_true",
-                        help=f"also write the per-method summary auto and plan read ({heldout.SUMMARY})")
+    parser.add_argument(
+        "--package",
+        action="store_true",
+        help=f"also write the per-method summary auto and plan read ({heldout.SUMMARY})",
+    )
     args = parser.parse_args(argv)
     names = list(SETS) if args.sets == "all" else args.sets.split(",")
     unknown = [n for n in names if n not in SETS]
@@ -266,11 +327,15 @@ def main(argv: list[str] | None = None) -> int:
     seeds = None if args.seeds == "all" else args.seeds.split(",")
     known = sorted({seed for s in SETS.values() for seed in s.seeds})
     if seeds is not None and not set(seeds) <= set(map(str, known)):
-        raise SystemExit(f"heldout: --seeds {args.seeds}: the sets run at seeds {', '.join(map(str, known))}; "
-                         "choose among them (a seed outside them would judge nothing)")
+        raise SystemExit(
+            f"heldout: --seeds {args.seeds}: the sets run at seeds {', '.join(map(str, known))}; "
+            "choose among them (a seed outside them would judge nothing)"
+        )
     if args.methods and "ddp" not in args.methods.split(","):
-        raise SystemExit(f"heldout: --methods {args.methods}: every result is against ddp at the same seed, so ddp "
-                         "must be among them (its finished runs are reused)")
+        raise SystemExit(
+            f"heldout: --methods {args.methods}: every result is against ddp at the same seed, so ddp "
+            "must be among them (its finished runs are reused)"
+        )
     chosen = [SETS[n] for n in names if args.split in ("both", SETS[n].split)]
     for s in chosen:  # every set's data ready, and the same text as before, before anything runs
         prepare(s.data, Path(args.data_dir))

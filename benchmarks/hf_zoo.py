@@ -15,6 +15,7 @@ results.md and results.csv: per architecture and method, the training loss (mean
 5 steps) against ddp's, and the bytes a rank sent per step against ddp's. The question is
 "does it run and learn like ddp on this family", not a tuned quality.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,50 +38,136 @@ def configs() -> dict[str, Callable[[], Any]]:
     import transformers as T
 
     seq = 128  # position tables longer than any window used here
-    common = dict(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                  intermediate_size=2 * WIDTH, max_position_embeddings=seq)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=WIDTH,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        intermediate_size=2 * WIDTH,
+        max_position_embeddings=seq,
+    )
     no_dropout = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     decoder_ids = dict(bos_token_id=0, eos_token_id=0, pad_token_id=0)
     return {
-        "gpt2": lambda: T.GPT2LMHeadModel(T.GPT2Config(vocab_size=VOCAB, n_positions=seq, n_embd=WIDTH, n_layer=LAYERS,
-                                                       n_head=HEADS, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+        "gpt2": lambda: T.GPT2LMHeadModel(
+            T.GPT2Config(
+                vocab_size=VOCAB,
+                n_positions=seq,
+                n_embd=WIDTH,
+                n_layer=LAYERS,
+                n_head=HEADS,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+            )
+        ),
         "llama": lambda: T.LlamaForCausalLM(T.LlamaConfig(**common, num_key_value_heads=2, **decoder_ids)),
         "mistral": lambda: T.MistralForCausalLM(T.MistralConfig(**common, num_key_value_heads=1, **decoder_ids)),
-        "qwen2": lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**common, num_key_value_heads=1, tie_word_embeddings=True,
-                                                          **decoder_ids)),
-        "gemma": lambda: T.GemmaForCausalLM(T.GemmaConfig(**common, num_key_value_heads=1, head_dim=WIDTH // HEADS,
-                                                          **decoder_ids)),
-        "mixtral": lambda: T.MixtralForCausalLM(T.MixtralConfig(**common, num_key_value_heads=1, num_local_experts=4,
-                                                                num_experts_per_tok=2, **decoder_ids)),
+        "qwen2": lambda: T.Qwen2ForCausalLM(
+            T.Qwen2Config(**common, num_key_value_heads=1, tie_word_embeddings=True, **decoder_ids)
+        ),
+        "gemma": lambda: T.GemmaForCausalLM(
+            T.GemmaConfig(**common, num_key_value_heads=1, head_dim=WIDTH // HEADS, **decoder_ids)
+        ),
+        "mixtral": lambda: T.MixtralForCausalLM(
+            T.MixtralConfig(**common, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, **decoder_ids)
+        ),
         "phi": lambda: T.PhiForCausalLM(T.PhiConfig(**common, resid_pdrop=0.0, embd_pdrop=0.0)),
         "gpt-neox": lambda: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**common)),
-        "gptj": lambda: T.GPTJForCausalLM(T.GPTJConfig(vocab_size=VOCAB, n_positions=seq, n_embd=WIDTH, n_layer=LAYERS,
-                                                       n_head=HEADS, rotary_dim=8, resid_pdrop=0.0, embd_pdrop=0.0,
-                                                       attn_pdrop=0.0)),
-        "gpt-bigcode": lambda: T.GPTBigCodeForCausalLM(T.GPTBigCodeConfig(
-            vocab_size=VOCAB, n_positions=seq, n_embd=WIDTH, n_layer=LAYERS, n_head=HEADS, multi_query=True,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
-        "opt": lambda: T.OPTForCausalLM(T.OPTConfig(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=LAYERS,
-                                                    num_attention_heads=HEADS, ffn_dim=2 * WIDTH,
-                                                    max_position_embeddings=seq, word_embed_proj_dim=WIDTH,
-                                                    dropout=0.0, pad_token_id=1)),
-        "falcon": lambda: T.FalconForCausalLM(T.FalconConfig(vocab_size=VOCAB, hidden_size=WIDTH,
-                                                             num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                                                             hidden_dropout=0.0, attention_dropout=0.0)),
-        "bloom": lambda: T.BloomForCausalLM(T.BloomConfig(vocab_size=VOCAB, hidden_size=WIDTH, n_layer=LAYERS,
-                                                          n_head=HEADS, hidden_dropout=0.0, attention_dropout=0.0)),
+        "gptj": lambda: T.GPTJForCausalLM(
+            T.GPTJConfig(
+                vocab_size=VOCAB,
+                n_positions=seq,
+                n_embd=WIDTH,
+                n_layer=LAYERS,
+                n_head=HEADS,
+                rotary_dim=8,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+            )
+        ),
+        "gpt-bigcode": lambda: T.GPTBigCodeForCausalLM(
+            T.GPTBigCodeConfig(
+                vocab_size=VOCAB,
+                n_positions=seq,
+                n_embd=WIDTH,
+                n_layer=LAYERS,
+                n_head=HEADS,
+                multi_query=True,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+            )
+        ),
+        "opt": lambda: T.OPTForCausalLM(
+            T.OPTConfig(
+                vocab_size=VOCAB,
+                hidden_size=WIDTH,
+                num_hidden_layers=LAYERS,
+                num_attention_heads=HEADS,
+                ffn_dim=2 * WIDTH,
+                max_position_embeddings=seq,
+                word_embed_proj_dim=WIDTH,
+                dropout=0.0,
+                pad_token_id=1,
+            )
+        ),
+        "falcon": lambda: T.FalconForCausalLM(
+            T.FalconConfig(
+                vocab_size=VOCAB,
+                hidden_size=WIDTH,
+                num_hidden_layers=LAYERS,
+                num_attention_heads=HEADS,
+                hidden_dropout=0.0,
+                attention_dropout=0.0,
+            )
+        ),
+        "bloom": lambda: T.BloomForCausalLM(
+            T.BloomConfig(
+                vocab_size=VOCAB,
+                hidden_size=WIDTH,
+                n_layer=LAYERS,
+                n_head=HEADS,
+                hidden_dropout=0.0,
+                attention_dropout=0.0,
+            )
+        ),
         "bert": lambda: T.BertForMaskedLM(T.BertConfig(**common, **no_dropout)),
-        "roberta": lambda: T.RobertaForMaskedLM(T.RobertaConfig(**{**common, "max_position_embeddings": seq + 2},
-                                                                pad_token_id=1, **no_dropout)),
-        "t5": lambda: T.T5ForConditionalGeneration(T.T5Config(vocab_size=VOCAB, d_model=WIDTH, d_kv=WIDTH // HEADS,
-                                                              d_ff=2 * WIDTH, num_layers=LAYERS, num_heads=HEADS,
-                                                              dropout_rate=0.0, decoder_start_token_id=0,
-                                                              pad_token_id=0)),
-        "bart": lambda: T.BartForConditionalGeneration(T.BartConfig(
-            vocab_size=VOCAB, d_model=WIDTH, encoder_layers=LAYERS, decoder_layers=LAYERS,
-            encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=2 * WIDTH,
-            decoder_ffn_dim=2 * WIDTH, max_position_embeddings=seq, dropout=0.0, pad_token_id=1, bos_token_id=0,
-            eos_token_id=2, decoder_start_token_id=2)),
+        "roberta": lambda: T.RobertaForMaskedLM(
+            T.RobertaConfig(**{**common, "max_position_embeddings": seq + 2}, pad_token_id=1, **no_dropout)
+        ),
+        "t5": lambda: T.T5ForConditionalGeneration(
+            T.T5Config(
+                vocab_size=VOCAB,
+                d_model=WIDTH,
+                d_kv=WIDTH // HEADS,
+                d_ff=2 * WIDTH,
+                num_layers=LAYERS,
+                num_heads=HEADS,
+                dropout_rate=0.0,
+                decoder_start_token_id=0,
+                pad_token_id=0,
+            )
+        ),
+        "bart": lambda: T.BartForConditionalGeneration(
+            T.BartConfig(
+                vocab_size=VOCAB,
+                d_model=WIDTH,
+                encoder_layers=LAYERS,
+                decoder_layers=LAYERS,
+                encoder_attention_heads=HEADS,
+                decoder_attention_heads=HEADS,
+                encoder_ffn_dim=2 * WIDTH,
+                decoder_ffn_dim=2 * WIDTH,
+                max_position_embeddings=seq,
+                dropout=0.0,
+                pad_token_id=1,
+                bos_token_id=0,
+                eos_token_id=2,
+                decoder_start_token_id=2,
+            )
+        ),
     }
 
 
@@ -94,6 +181,7 @@ MASK_SHARE, MASK_TOKEN = 0.15, 0
 
 # ---------------------------------------------------------------------------------------------
 # one launch: an architecture, the methods in turn (under mpirun)
+
 
 def train_one(arch: str, method: str, tokens: Any, steps: int, batch: int, seq: int) -> dict[str, Any]:
     import numpy as np
@@ -122,8 +210,8 @@ def train_one(arch: str, method: str, tokens: Any, steps: int, batch: int, seq: 
     windows = np.random.default_rng(0)  # the same batches for every method
     losses = []
     for _ in range(steps):
-        starts = windows.integers(0, len(tokens) - seq, size * batch)[rank * batch:(rank + 1) * batch]
-        x = labels = torch.from_numpy(np.stack([tokens[s:s + seq] for s in starts]).astype(np.int64))
+        starts = windows.integers(0, len(tokens) - seq, size * batch)[rank * batch : (rank + 1) * batch]
+        x = labels = torch.from_numpy(np.stack([tokens[s : s + seq] for s in starts]).astype(np.int64))
         if arch in MASKED_LMS:
             masked = torch.from_numpy(windows.random(x.shape) < MASK_SHARE)
             x, labels = x.masked_fill(masked, MASK_TOKEN), labels.masked_fill(~masked, -100)
@@ -138,9 +226,14 @@ def train_one(arch: str, method: str, tokens: Any, steps: int, batch: int, seq: 
             opt.step()
         losses.append(loss.item())
         meter.next_step()
-    return {"arch": arch, "method": method, "first_loss": float(np.mean(losses[:5])),
-            "last_loss": float(np.mean(losses[-5:])), "bytes_per_step": meter.total("train") / steps,
-            "parameters": sum(p.numel() for p in model.parameters())}
+    return {
+        "arch": arch,
+        "method": method,
+        "first_loss": float(np.mean(losses[:5])),
+        "last_loss": float(np.mean(losses[-5:])),
+        "bytes_per_step": meter.total("train") / steps,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -162,11 +255,34 @@ def worker(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------------
 # the driver
 
+
 def launch(args: argparse.Namespace, arch: str, methods: list[str], log: Path) -> int:
-    command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(args.np), "-x", "OMP_NUM_THREADS=1",
-               sys.executable, "-m", "benchmarks.hf_zoo", "--worker", arch, "--methods", ",".join(methods),
-               "--data", args.data, "--out", args.out, "--steps", str(args.steps),
-               "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
+    command = [
+        "mpirun",
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        str(args.np),
+        "-x",
+        "OMP_NUM_THREADS=1",
+        sys.executable,
+        "-m",
+        "benchmarks.hf_zoo",
+        "--worker",
+        arch,
+        "--methods",
+        ",".join(methods),
+        "--data",
+        args.data,
+        "--out",
+        args.out,
+        "--steps",
+        str(args.steps),
+        "--batch-size",
+        str(args.batch_size),
+        "--seq-len",
+        str(args.seq_len),
+    ]
     with open(log, "a") as out:
         # A session of its own: a launch past --timeout is ended with all of its ranks.
         job = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -214,8 +330,11 @@ def end_session(session: int, patience: float = 30.0) -> None:
 
 
 def last_error(log: Path) -> str:
-    lines = [line.strip() for line in log.read_text(errors="replace").splitlines()
-             if "Error" in line and not line.startswith(("File ", "raise "))]
+    lines = [
+        line.strip()
+        for line in log.read_text(errors="replace").splitlines()
+        if "Error" in line and not line.startswith(("File ", "raise "))
+    ]
     return lines[-1][:160] if lines else "the launch failed (see its log)"
 
 
@@ -227,8 +346,10 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     methods, archs = args.methods.split(","), args.archs.split(",")
     failed = []
     for number, arch in enumerate(archs, 1):
-        print(f"[{number}/{len(archs)}] {arch}: {len(methods)} methods, one launch (log: {out / 'logs' / arch}.log)",
-              flush=True)
+        print(
+            f"[{number}/{len(archs)}] {arch}: {len(methods)} methods, one launch (log: {out / 'logs' / arch}.log)",
+            flush=True,
+        )
         log, remaining = out / "logs" / f"{arch}.log", list(methods)
         log.unlink(missing_ok=True)
         while remaining:
@@ -255,19 +376,33 @@ def write_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         if base and "error" not in r:
             r["loss_vs_ddp"] = r["last_loss"] / base["last_loss"] - 1
             r["bytes_vs_ddp"] = r["bytes_per_step"] / base["bytes_per_step"] if base["bytes_per_step"] else float("nan")
-    fields = ["arch", "method", "parameters", "first_loss", "last_loss", "loss_vs_ddp", "bytes_per_step",
-              "bytes_vs_ddp", "error"]
+    fields = [
+        "arch",
+        "method",
+        "parameters",
+        "first_loss",
+        "last_loss",
+        "loss_vs_ddp",
+        "bytes_per_step",
+        "bytes_vs_ddp",
+        "error",
+    ]
     with open(out / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fields)
         writer.writeheader()
         writer.writerows({k: r.get(k, "") for k in fields} for r in rows)
     archs = list(dict.fromkeys(r["arch"] for r in rows))
     methods = args.methods.split(",")
-    lines = [f"# Every wrapper at its defaults on Hugging Face architectures (2 layers x {WIDTH}, random init), "
-             f"{args.steps} steps of AdamW, batch {args.batch_size} x {args.seq_len} byte tokens per rank, "
-             f"np {args.np}, {args.data}", "",
-             "Each cell: training loss (mean of the last 5 steps) vs ddp's, and bytes a rank sent per step × ddp's.",
-             "", "| architecture | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
+    lines = [
+        f"# Every wrapper at its defaults on Hugging Face architectures (2 layers x {WIDTH}, random init), "
+        f"{args.steps} steps of AdamW, batch {args.batch_size} x {args.seq_len} byte tokens per rank, "
+        f"np {args.np}, {args.data}",
+        "",
+        "Each cell: training loss (mean of the last 5 steps) vs ddp's, and bytes a rank sent per step × ddp's.",
+        "",
+        "| architecture | " + " | ".join(methods) + " |",
+        "|---|" + "---|" * len(methods),
+    ]
     for arch in archs:
         cells = []
         for method in methods:
@@ -286,8 +421,9 @@ def write_tables(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--data", required=True, help="a byte-level text dataset from data_prep (train/tokens)")
     p.add_argument("--out", required=True, help="directory for results.md, results.csv, rows.jsonl and logs/")
     p.add_argument("--np", type=int, default=2, help="ranks per launch")
@@ -307,8 +443,10 @@ def check_data(path: str) -> None:
     try:
         with h5py.File(path) as f:
             if "train/tokens" not in f:
-                raise SystemExit(f"hf_zoo: {path} holds no train/tokens: give a byte-level text dataset "
-                                 f"(python -m data_prep shakespeare --out data/shakespeare.h5)")
+                raise SystemExit(
+                    f"hf_zoo: {path} holds no train/tokens: give a byte-level text dataset "
+                    f"(python -m data_prep shakespeare --out data/shakespeare.h5)"
+                )
     except OSError as e:
         raise SystemExit(f"hf_zoo: cannot read {path} ({e}); prepare one with python -m data_prep shakespeare") from e
 

@@ -11,6 +11,7 @@ Writes results.md, results.csv and throughput.png to --out; the datasets and run
 --out/work (git-ignored). Each measurement is its own `mpirun -np N` job; ratios to the
 in-memory read are what compare across machines.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,8 +74,22 @@ def worker(path: str, layout: str, batch_size: int, epochs: int) -> None:
 
 
 def measure(path: Path, layout: str, np_: int, batch_size: int, epochs: int) -> float:
-    cmd = [*MPIRUN, "-np", str(np_), sys.executable, "-m", "benchmarks.loader", "--worker", layout,
-           "--path", str(path), "--batch", str(batch_size), "--epochs", str(epochs)]
+    cmd = [
+        *MPIRUN,
+        "-np",
+        str(np_),
+        sys.executable,
+        "-m",
+        "benchmarks.loader",
+        "--worker",
+        layout,
+        "--path",
+        str(path),
+        "--batch",
+        str(batch_size),
+        "--epochs",
+        str(epochs),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     result = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
     return result["samples"] / result["seconds"]
@@ -82,17 +97,36 @@ def measure(path: Path, layout: str, np_: int, batch_size: int, epochs: int) -> 
 
 def data_wait(work: Path, label: str, np_: int, args: list[str]) -> dict:
     run_dir = work / "runs"
-    cmd = [*MPIRUN, "-np", str(np_), sys.executable, "-m", "hvd_lowcomm.train", "--run.dir", str(run_dir),
-           "--run.name", label, "--run.progress", "false", *args]
+    cmd = [
+        *MPIRUN,
+        "-np",
+        str(np_),
+        sys.executable,
+        "-m",
+        "hvd_lowcomm.train",
+        "--run.dir",
+        str(run_dir),
+        "--run.name",
+        label,
+        "--run.progress",
+        "false",
+        *args,
+    ]
     subprocess.run(cmd, capture_output=True, text=True, check=True)
     summary = json.loads((run_dir / label / "summary.json").read_text())
-    return {"run": label, "np": np_, "data_wait_fraction": summary["data_wait_fraction"],
-            "step_ms": 1000 * summary["step_seconds_mean"], "test_acc": summary["final_test_acc"]}
+    return {
+        "run": label,
+        "np": np_,
+        "data_wait_fraction": summary["data_wait_fraction"],
+        "step_ms": 1000 * summary["step_seconds_mean"],
+        "test_acc": summary["final_test_acc"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.loader", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.loader", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", default="benchmarks/results/loader", help="where tables and plots go")
     parser.add_argument("--samples", type=int, default=20000, help="training images in the benchmark dataset")
     parser.add_argument("--shape", default="3,32,32", help="image shape (CIFAR-sized by default)")
@@ -117,17 +151,45 @@ def main(argv: list[str] | None = None) -> int:
     for np_ in (int(v) for v in args.np.split(",")):
         rates = {layout: measure(paths[layout], layout, np_, args.batch, args.epochs) for layout in LAYOUTS}
         for layout in LAYOUTS:
-            rows.append({"np": np_, "source": layout, "samples_per_s": round(rates[layout]),
-                         "per_rank": round(rates[layout] / np_), "x_memory": round(rates[layout] / rates["memory"], 3)})
-            print(f"np {np_} {layout:>7}: {rates[layout]:10.0f} samples/s ({rates[layout] / rates['memory']:.2f} x memory)",
-                  flush=True)
-    waits = [data_wait(work, "demo", 2, []),
-             data_wait(work, "cnn-images", 2, ["--data.path", str(paths["shards"]), "--model.name", "cnn",
-                                               "--model.hidden", "16,32", "--train.max_steps", "40",
-                                               "--data.batch_size", "64"])]
+            rows.append(
+                {
+                    "np": np_,
+                    "source": layout,
+                    "samples_per_s": round(rates[layout]),
+                    "per_rank": round(rates[layout] / np_),
+                    "x_memory": round(rates[layout] / rates["memory"], 3),
+                }
+            )
+            print(
+                f"np {np_} {layout:>7}: {rates[layout]:10.0f} samples/s ({rates[layout] / rates['memory']:.2f} x memory)",
+                flush=True,
+            )
+    waits = [
+        data_wait(work, "demo", 2, []),
+        data_wait(
+            work,
+            "cnn-images",
+            2,
+            [
+                "--data.path",
+                str(paths["shards"]),
+                "--model.name",
+                "cnn",
+                "--model.hidden",
+                "16,32",
+                "--train.max_steps",
+                "40",
+                "--data.batch_size",
+                "64",
+            ],
+        ),
+    ]
     for w in waits:
-        print(f"{w['run']}: waiting for data {100 * w['data_wait_fraction']:.1f}% of step time "
-              f"({w['step_ms']:.2f} ms/step)", flush=True)
+        print(
+            f"{w['run']}: waiting for data {100 * w['data_wait_fraction']:.1f}% of step time "
+            f"({w['step_ms']:.2f} ms/step)",
+            flush=True,
+        )
     write_results(out, rows, waits, args)
     return 0
 
@@ -139,17 +201,31 @@ def write_results(out: Path, rows: list[dict], waits: list[dict], args: argparse
     import matplotlib.pyplot as plt
 
     write_csv(out / "results.csv", rows)
-    lines = [f"# Loader throughput ({args.samples} uint8 images of {args.shape}, batch {args.batch}/rank, "
-             f"{args.epochs} epochs, {args.shards} shards)", "",
-             "| ranks | source | samples/s (all ranks) | per rank | x in-memory |", "|---|---|---|---|---|"]
-    lines += [f"| {r['np']} | {r['source']} | {r['samples_per_s']:,} | {r['per_rank']:,} | {r['x_memory']:.2f} |"
-              for r in rows]
-    lines += ["", "## Waiting for data during training (2 ranks)", "",
-              "demo: the default run (MLP on digits). cnn-images: a CNN on the sharded benchmark images "
-              "(random pixels and labels, so its accuracy is chance by construction).", "",
-              "| run | waiting / step time | ms per step | test acc |", "|---|---|---|---|"]
-    lines += [f"| {w['run']} | {100 * w['data_wait_fraction']:.1f} % | {w['step_ms']:.2f} | "
-              f"{100 * w['test_acc']:.2f} % |" for w in waits]
+    lines = [
+        f"# Loader throughput ({args.samples} uint8 images of {args.shape}, batch {args.batch}/rank, "
+        f"{args.epochs} epochs, {args.shards} shards)",
+        "",
+        "| ranks | source | samples/s (all ranks) | per rank | x in-memory |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['np']} | {r['source']} | {r['samples_per_s']:,} | {r['per_rank']:,} | {r['x_memory']:.2f} |"
+        for r in rows
+    ]
+    lines += [
+        "",
+        "## Waiting for data during training (2 ranks)",
+        "",
+        "demo: the default run (MLP on digits). cnn-images: a CNN on the sharded benchmark images "
+        "(random pixels and labels, so its accuracy is chance by construction).",
+        "",
+        "| run | waiting / step time | ms per step | test acc |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {w['run']} | {100 * w['data_wait_fraction']:.1f} % | {w['step_ms']:.2f} | {100 * w['test_acc']:.2f} % |"
+        for w in waits
+    ]
     (out / "results.md").write_text("\n".join(lines) + "\n")
     fig, ax = plt.subplots(figsize=(6, 4))
     for layout in LAYOUTS:

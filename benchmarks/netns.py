@@ -14,6 +14,7 @@ The interfaces' own counters (/proc/net/dev inside a namespace) count the bytes:
 independent of hvd_lowcomm's meter. Only interfaces and addresses inside these namespaces are
 touched; the namespaces are deleted on exit, also when the run fails or is interrupted.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,17 @@ MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
 STOP_GRACE_SECONDS = 60
 # Open MPI over TCP on the namespace's loopback only: btl tcp,self excludes shared memory
 # (vader), which would bypass the shaped interface.
-MPI_OVER_LOOPBACK = ["--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo",
-                     "--mca", "oob_tcp_if_include", "lo"]
+MPI_OVER_LOOPBACK = [
+    "--mca",
+    "btl",
+    "tcp,self",
+    "--mca",
+    "btl_tcp_if_include",
+    "lo",
+    "--mca",
+    "oob_tcp_if_include",
+    "lo",
+]
 # Ranks run at a lower priority than mpirun and the harness: on a machine whose cores the ranks
 # fill, a line they print is then forwarded, and the counters read, at once rather than after the
 # ranks' next time slices, which can be longer than a short run's whole training.
@@ -114,13 +124,34 @@ CLUSTER_MTU = 9000
 # second hop would run the agent inside a node's namespace). Allreduce and allgatherv are pinned to
 # the ring algorithm, the one hvd_lowcomm's meter and cost model count (a ring leaves each node
 # once per node); left to choose, Open MPI's recursive halving sends less between 2 nodes of 2.
-MPI_ON_CLUSTER = ["--mca", "btl", "tcp,self,vader", "--mca", "btl_tcp_if_include", CLUSTER_SUBNET,
-                  "--mca", "oob_tcp_if_include", CLUSTER_SUBNET, "--mca", "plm_rsh_no_tree_spawn", "1",
-                  "--mca", "coll_tuned_use_dynamic_rules", "1", "--mca", "coll_tuned_allreduce_algorithm", "4",
-                  "--mca", "coll_tuned_allgatherv_algorithm", "3",
-                  # The emulated nodes share this machine's few cores, but each claims np/N slots, so
-                  # Open MPI would busy-poll while waiting and starve the ranks that have work.
-                  "--mca", "mpi_yield_when_idle", "1"]
+MPI_ON_CLUSTER = [
+    "--mca",
+    "btl",
+    "tcp,self,vader",
+    "--mca",
+    "btl_tcp_if_include",
+    CLUSTER_SUBNET,
+    "--mca",
+    "oob_tcp_if_include",
+    CLUSTER_SUBNET,
+    "--mca",
+    "plm_rsh_no_tree_spawn",
+    "1",
+    "--mca",
+    "coll_tuned_use_dynamic_rules",
+    "1",
+    "--mca",
+    "coll_tuned_allreduce_algorithm",
+    "4",
+    "--mca",
+    "coll_tuned_allgatherv_algorithm",
+    "3",
+    # The emulated nodes share this machine's few cores, but each claims np/N slots, so
+    # Open MPI would busy-poll while waiting and starve the ranks that have work.
+    "--mca",
+    "mpi_yield_when_idle",
+    "1",
+]
 # Open MPI's launcher calls `AGENT HOST COMMAND...` where it would call ssh; this agent enters the
 # host's namespace instead, with a host name of its own (Open MPI tells nodes apart by host name,
 # and shared-memory segments of two "nodes" with one name would collide).
@@ -167,9 +198,24 @@ class EmulatedCluster(_EmulatedNetwork):
         if np_ % self.nodes:
             raise ValueError(f"{np_} ranks do not fill {self.nodes} nodes evenly: use a multiple of {self.nodes}")
         per_node = np_ // self.nodes
-        return ["ip", "netns", "exec", self.launcher, *MPIRUN, "--mca", "plm_rsh_agent", self.agent, *MPI_ON_CLUSTER,
-                "--host", ",".join(f"{host}:{per_node}" for host in self.hosts), "--map-by", "slot", "-np", str(np_),
-                *RANKS_BELOW_OBSERVER]
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.launcher,
+            *MPIRUN,
+            "--mca",
+            "plm_rsh_agent",
+            self.agent,
+            *MPI_ON_CLUSTER,
+            "--host",
+            ",".join(f"{host}:{per_node}" for host in self.hosts),
+            "--map-by",
+            "slot",
+            "-np",
+            str(np_),
+            *RANKS_BELOW_OBSERVER,
+        ]
 
     def node_bytes(self) -> list[int]:
         """Bytes each node has sent to the others so far (its eth0 transmit counter)."""
@@ -177,8 +223,11 @@ class EmulatedCluster(_EmulatedNetwork):
 
     def _create(self) -> None:
         with open(self.agent, "w") as fh:
-            fh.write(AGENT.format(cases="\n".join(f'  {host}) ns={ns};;' for host, ns in
-                                                  zip(self.hosts, self.node_namespaces))))
+            fh.write(
+                AGENT.format(
+                    cases="\n".join(f"  {host}) ns={ns};;" for host, ns in zip(self.hosts, self.node_namespaces))
+                )
+            )
         os.chmod(self.agent, 0o755)
         _run(["ip", "netns", "add", self.switch])
         _run(["ip", "-n", self.switch, "link", "add", "br0", "type", "bridge"])
@@ -187,8 +236,27 @@ class EmulatedCluster(_EmulatedNetwork):
         for i, (ns, address) in enumerate(zip([*self.node_namespaces, self.launcher], addresses)):
             port = f"port{i}"
             _run(["ip", "netns", "add", ns])
-            _run(["ip", "-n", self.switch, "link", "add", port, "mtu", str(CLUSTER_MTU), "type", "veth",
-                  "peer", "name", "eth0", "mtu", str(CLUSTER_MTU), "netns", ns])
+            _run(
+                [
+                    "ip",
+                    "-n",
+                    self.switch,
+                    "link",
+                    "add",
+                    port,
+                    "mtu",
+                    str(CLUSTER_MTU),
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    "eth0",
+                    "mtu",
+                    str(CLUSTER_MTU),
+                    "netns",
+                    ns,
+                ]
+            )
             _run(["ip", "-n", self.switch, "link", "set", port, "master", "br0", "up"])
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
             _run(["ip", "-n", ns, "addr", "add", f"{address}/24", "dev", "eth0"])
@@ -203,10 +271,13 @@ class EmulatedCluster(_EmulatedNetwork):
         shutil.rmtree(self._directory, ignore_errors=True)
 
 
-def run_reading_counters(command: list[str], net: "_EmulatedNetwork | None",
-                         marks: dict[str, Callable[[str], bool]],
-                         env: dict[str, str] | None = None, log: TextIO | None = None,
-                         ) -> tuple[int, list[str], dict[str, tuple[float, list[int]]]]:
+def run_reading_counters(
+    command: list[str],
+    net: "_EmulatedNetwork | None",
+    marks: dict[str, Callable[[str], bool]],
+    env: dict[str, str] | None = None,
+    log: TextIO | None = None,
+) -> tuple[int, list[str], dict[str, tuple[float, list[int]]]]:
     """Run `command` (stdout and stderr merged) and, whenever an output line satisfies
     marks[name], read `net`'s counters with the time under that name (a later line replaces an
     earlier one): counts between moments the program announces. Returns the exit status, the
@@ -249,11 +320,14 @@ def _shape(ns: str, device: str, rate: str, latency: str | None = None) -> None:
     tc = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", device]
     parent = ["root"]
     if latency:  # netem delays every packet; the token bucket below it sets the rate
-        proc = subprocess.run([*tc, "root", "handle", "1:", "netem", "delay", latency, "limit", "100000"],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [*tc, "root", "handle", "1:", "netem", "delay", latency, "limit", "100000"], capture_output=True, text=True
+        )
         if proc.returncode != 0:
-            raise LinkUnavailable(f"cannot add {latency} of latency: {proc.stderr.strip()} (latency needs the "
-                                  "kernel's netem qdisc, sch_netem; give the link without a latency)")
+            raise LinkUnavailable(
+                f"cannot add {latency} of latency: {proc.stderr.strip()} (latency needs the "
+                "kernel's netem qdisc, sch_netem; give the link without a latency)"
+            )
         parent = ["parent", "1:1"]
     _run([*tc, *parent, "handle", "10:", "tbf", "rate", rate, "burst", "256kb", "latency", "100ms"])
 

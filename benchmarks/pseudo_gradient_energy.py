@@ -10,6 +10,7 @@ approximation keeps (the bound on DiLoCo's low-rank form, which reaches it only 
 power iterations) and that the largest --density share of its entries keeps (the sparse form's
 selection before its values are quantised). Writes energy.md and energy.csv.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,9 @@ from benchmarks.single_process import add_model_arguments, trainee, write_table
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     add_model_arguments(p)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--warmup", type=int, default=200, help="steps before the pseudo-gradient is taken")
@@ -39,8 +41,11 @@ def kept_energy(delta: torch.Tensor, ranks: list[int], density: float) -> dict[s
     energy = matrix.pow(2).sum()
     spectrum = torch.linalg.svdvals(matrix).pow(2)
     top = matrix.flatten().abs().topk(max(1, round(density * matrix.numel()))).values.pow(2).sum()
-    return {**{f"rank {r}": float(spectrum[:r].sum() / energy) for r in ranks},
-            f"top {density:.0%}": float(top / energy), "stable rank": float(energy / spectrum[0])}
+    return {
+        **{f"rank {r}": float(spectrum[:r].sum() / energy) for r in ranks},
+        f"top {density:.0%}": float(top / energy),
+        "stable rank": float(energy / spectrum[0]),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -56,14 +61,28 @@ def main(argv: list[str] | None = None) -> None:
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     train(args.sync_every)
     ranks = [int(r) for r in args.ranks.split(",")]
-    rows = [{"parameter": name, "shape": "×".join(map(str, p.shape)),
-             **kept_energy(before[name] - p.detach(), ranks, args.density)}
-            for name, p in model.named_parameters() if p.dim() > 1]
-    write_table(args.out, "energy",
-                [f"# Energy of a pseudo-gradient kept by rank and by top-k: {args.model} on {Path(args.data).name}",
-                 "", f"Δ over {args.sync_every} Adam steps (lr {args.lr}, batch {args.batch_size}) after "
-                 f"{args.warmup}; shares of each weight matrix's ‖Δ‖² (`python -m benchmarks.pseudo_gradient_energy`)."],
-                rows, lambda v: f"{v:.2f}" if isinstance(v, float) else str(v))
+    rows = [
+        {
+            "parameter": name,
+            "shape": "×".join(map(str, p.shape)),
+            **kept_energy(before[name] - p.detach(), ranks, args.density),
+        }
+        for name, p in model.named_parameters()
+        if p.dim() > 1
+    ]
+    write_table(
+        args.out,
+        "energy",
+        [
+            f"# Energy of a pseudo-gradient kept by rank and by top-k: {args.model} on {Path(args.data).name}",
+            "",
+            f"Δ over {args.sync_every} Adam steps (lr {args.lr}, batch {args.batch_size}) after "
+            f"{args.warmup}; shares of each weight matrix's ‖Δ‖² (`python -m benchmarks.pseudo_gradient_energy`).",
+        ],
+        rows,
+        lambda v: f"{v:.2f}" if isinstance(v, float) else str(v),
+    )
+
 
 if __name__ == "__main__":
     main()

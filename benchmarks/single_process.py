@@ -1,5 +1,6 @@
 """What the one-process gradient diagnostics share (benchmarks.pseudo_gradient_energy,
 benchmarks.gradient_signal): a model on an HDF5 dataset, trained by Adam on random batches."""
+
 from __future__ import annotations
 
 import argparse
@@ -47,14 +48,20 @@ def trainee(args: argparse.Namespace) -> Trainee:
     torch.manual_seed(args.seed)
     info = data.inspect(args.data)
     hidden = [int(h) for h in args.hidden.split(",") if h]
-    model = models.build_model(ModelConfig(name=args.model, hidden=hidden), info.input_shape, info.num_classes,
-                               info.task)
-    return Trainee(model, torch.optim.Adam(model.parameters(), lr=args.lr), data.open_split(info, "train"),
-                   np.random.default_rng(args.seed))
+    model = models.build_model(
+        ModelConfig(name=args.model, hidden=hidden), info.input_shape, info.num_classes, info.task
+    )
+    return Trainee(
+        model,
+        torch.optim.Adam(model.parameters(), lr=args.lr),
+        data.open_split(info, "train"),
+        np.random.default_rng(args.seed),
+    )
 
 
-def write_table(out: str, stem: str, heading: list[str], rows: list[dict[str, Any]],
-                cell: Callable[[Any], str]) -> None:
+def write_table(
+    out: str, stem: str, heading: list[str], rows: list[dict[str, Any]], cell: Callable[[Any], str]
+) -> None:
     """`rows` as out/stem.csv and as a markdown table under `heading` in out/stem.md (also printed)."""
     directory = Path(out)
     directory.mkdir(parents=True, exist_ok=True)

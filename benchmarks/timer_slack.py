@@ -17,6 +17,7 @@ threads Open MPI starts inside MPI_Init (its PMIx and event-loop threads) keep t
 they wait on sockets for launcher events, and the TCP transport is progressed by the calling
 thread (btl_tcp_progress_thread is off), so the training's messages do not pass through them.
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -5,6 +5,7 @@ The standard formats are read directly, with no torchvision: CIFAR-10/100 python
 batches, MNIST / Fashion-MNIST / EMNIST IDX files (gzipped or not), from a folder (torchvision's
 download root works: files are looked up by name below it) or from the archive itself.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -42,6 +43,7 @@ def _split(x: Any, y: np.ndarray, test_fraction: float, seed: int) -> tuple[Arra
 # ---------------------------------------------------------------------------------------------
 # Bundled with installed packages (offline)
 
+
 def digits(test_fraction: float = 0.2, seed: int = 0):
     """scikit-learn's bundled handwritten digits: 1,797 images of 8x8 pixels, 10 classes;
     the 17 grey levels (0-16) are stored as uint8 0-255, shape (N, 1, 8, 8)."""
@@ -74,8 +76,10 @@ def animals(test_fraction: float = 0.2, seed: int = 0):
 
     spec = importlib.util.find_spec(ANIMALS_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the animals dataset ships in the animal-mnist package, which is not installed: "
-                                "pip install --no-deps animal-mnist (--no-deps: its loader's TensorFlow is not needed)")
+        raise FileNotFoundError(
+            "the animals dataset ships in the animal-mnist package, which is not installed: "
+            "pip install --no-deps animal-mnist (--no-deps: its loader's TensorFlow is not needed)"
+        )
     folder = Path(list(spec.submodule_search_locations)[0]) / "data" / "Animal_MNIST"
     arrays = []
     for name in ("animal_data_version_3.gz", "animal_label_version_3.gz"):
@@ -88,20 +92,35 @@ def animals(test_fraction: float = 0.2, seed: int = 0):
     return train, test, 10, "animal-mnist (animal_data_version_3)"
 
 
-def synthetic(samples: int = 10000, shape: tuple[int, ...] = (784,), classes: int = 10,
-              test_fraction: float = 0.2, noise: float = 1.0, seed: int = 0):
+def synthetic(
+    samples: int = 10000,
+    shape: tuple[int, ...] = (784,),
+    classes: int = 10,
+    test_fraction: float = 0.2,
+    noise: float = 1.0,
+    seed: int = 0,
+):
     """Gaussian clusters, one centre per class, float32 samples of any shape: a learnable task
     of any size, for scaling runs."""
     if samples < classes or classes < 2 or any(d < 1 for d in shape):
-        raise ValueError(f"synthetic needs samples >= classes >= 2 and a positive shape, got "
-                         f"{samples} samples, {classes} classes, shape {shape}")
+        raise ValueError(
+            f"synthetic needs samples >= classes >= 2 and a positive shape, got "
+            f"{samples} samples, {classes} classes, shape {shape}"
+        )
     rng = np.random.default_rng(seed)
     centres = rng.normal(0.0, 1.0, size=(classes, *shape)).astype(np.float32)
     y = rng.integers(0, classes, size=samples)
     x = centres[y] + noise * rng.normal(0.0, 1.0, size=(samples, *shape)).astype(np.float32)
     train, test = _split(x, y, test_fraction, seed)
-    return train, test, classes, (f"synthetic(samples={samples}, shape={'x'.join(map(str, shape))}, "
-                                  f"classes={classes}, noise={noise}, seed={seed})")
+    return (
+        train,
+        test,
+        classes,
+        (
+            f"synthetic(samples={samples}, shape={'x'.join(map(str, shape))}, "
+            f"classes={classes}, noise={noise}, seed={seed})"
+        ),
+    )
 
 
 def npz(path: str | Path, test_fraction: float = 0.2, seed: int = 0):
@@ -139,14 +158,17 @@ def _as_samples(x: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 # Standard on-disk formats
 
+
 class Files:
     """Find files by base name under a folder, or inside a .tar(.gz) / .zip archive."""
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
         if not self.root.exists():
-            raise FileNotFoundError(f"{self.root} does not exist; download the dataset there "
-                                    f"(or add --download to let torchvision fetch it)")
+            raise FileNotFoundError(
+                f"{self.root} does not exist; download the dataset there "
+                f"(or add --download to let torchvision fetch it)"
+            )
         self._listing: list[tuple[str, Callable[[], bytes]]] | None = None
 
     def find(self, *names: str, prefer: str = "", avoid: str = "") -> bytes:
@@ -159,8 +181,10 @@ class Files:
             hits = [h for h in hits if prefer in h[0].lower() and not (avoid and avoid in h[0].lower())] or hits
         folders = sorted({h[0].rpartition("/")[0] for h in hits})
         if len(folders) > 1:
-            raise ValueError(f"{self.root} holds {names[0]} in several folders ({', '.join(folders[:3])}); "
-                             f"pass --root pointing at the one to use")
+            raise ValueError(
+                f"{self.root} holds {names[0]} in several folders ({', '.join(folders[:3])}); "
+                f"pass --root pointing at the one to use"
+            )
         name, opener = hits[0]
         raw = opener()
         return gzip.decompress(raw) if name.endswith(".gz") else raw
@@ -193,14 +217,17 @@ def read_idx(raw: bytes, name: str = "IDX data") -> np.ndarray:
     dtype = np.dtype(types[raw[2]])
     expected = 4 + 4 * ndim + dtype.itemsize * int(np.prod(dims))
     if len(raw) != expected:
-        raise ValueError(f"{name}: IDX header says {dims} but the file has {len(raw)} bytes, not {expected} "
-                         f"(truncated download?)")
+        raise ValueError(
+            f"{name}: IDX header says {dims} but the file has {len(raw)} bytes, not {expected} (truncated download?)"
+        )
     return np.frombuffer(raw, dtype=dtype, offset=4 + 4 * ndim).reshape(dims)
 
 
 EMNIST_CLASSES = {"balanced": 47, "byclass": 62, "bymerge": 47, "letters": 26, "digits": 10, "mnist": 10}
-_IDX_NAMES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
-              "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+_IDX_NAMES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
 
 
 def idx(root: str | Path, kind: str = "mnist", emnist_split: str = "balanced"):
@@ -274,7 +301,11 @@ class ImageFiles:
 
     def __getitem__(self, rows: np.ndarray) -> "ImageFiles | np.ndarray":
         rows = np.asarray(rows)
-        return np.stack([self.decode(self.paths[i]) for i in rows]) if len(rows) else np.zeros((0, *self.shape[1:]), np.uint8)
+        return (
+            np.stack([self.decode(self.paths[i]) for i in rows])
+            if len(rows)
+            else np.zeros((0, *self.shape[1:]), np.uint8)
+        )
 
     def subset(self, rows: np.ndarray) -> "ImageFiles":
         return ImageFiles([self.paths[i] for i in rows], self.size, self.grayscale)
@@ -303,8 +334,13 @@ def _class_images(root: Path, classes: list[str] | None = None) -> tuple[list[Pa
     return paths, np.asarray(labels, dtype=np.int64), names
 
 
-def imagefolder(root: str | Path, size: tuple[int, int] | None = None, grayscale: bool = False,
-                test_fraction: float = 0.2, seed: int = 0):
+def imagefolder(
+    root: str | Path,
+    size: tuple[int, int] | None = None,
+    grayscale: bool = False,
+    test_fraction: float = 0.2,
+    seed: int = 0,
+):
     """A directory of class folders of images (Pillow reads them). With train/ and test/ (or
     val/) subfolders those are the splits; otherwise a stratified split is made."""
     root = Path(root)
@@ -318,8 +354,10 @@ def imagefolder(root: str | Path, size: tuple[int, int] | None = None, grayscale
         paths, y, names = _class_images(root)
         test_paths = None
     if len(names) < 2 or not paths:
-        raise ValueError(f"{root}: found {len(names)} class folder(s) with {len(paths)} image(s); need at least "
-                         f"2 folders of images ({', '.join(sorted(IMAGE_SUFFIXES))})")
+        raise ValueError(
+            f"{root}: found {len(names)} class folder(s) with {len(paths)} image(s); need at least "
+            f"2 folders of images ({', '.join(sorted(IMAGE_SUFFIXES))})"
+        )
     if size is None:
         from PIL import Image
 
@@ -350,19 +388,23 @@ def _first_of_other_size(paths: list[Path], size: tuple[int, int]) -> Path | Non
 # ---------------------------------------------------------------------------------------------
 # --download: torchvision fetches the official files; the readers above convert them.
 
+
 def download(dataset: str, root: str | Path, emnist_split: str = "balanced") -> None:
     try:
         import torchvision.datasets as tvd
     except Exception as err:  # ImportError, or a torchvision built for another torch
-        raise RuntimeError(f"--download needs torchvision, which cannot be imported here ({err}). Install it "
-                           f"(pip install 'hvd_lowcomm[vision]'), or download the {dataset} files on a machine "
-                           f"with internet (e.g. a login node) and pass their folder with --root") from None
+        raise RuntimeError(
+            f"--download needs torchvision, which cannot be imported here ({err}). Install it "
+            f"(pip install 'hvd_lowcomm[vision]'), or download the {dataset} files on a machine "
+            f"with internet (e.g. a login node) and pass their folder with --root"
+        ) from None
     root = str(root)
     if dataset == "emnist":
         tvd.EMNIST(root, split=emnist_split, train=True, download=True)
         return
-    cls = {"cifar10": tvd.CIFAR10, "cifar100": tvd.CIFAR100, "mnist": tvd.MNIST,
-           "fashion-mnist": tvd.FashionMNIST}[dataset]
+    cls = {"cifar10": tvd.CIFAR10, "cifar100": tvd.CIFAR100, "mnist": tvd.MNIST, "fashion-mnist": tvd.FashionMNIST}[
+        dataset
+    ]
     for train in (True, False):
         cls(root, train=train, download=True)
 

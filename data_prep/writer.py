@@ -4,6 +4,7 @@
 increasing index array (data_prep.sources.ImageFiles decodes image files that way), so a
 dataset larger than memory is written block by block.
 """
+
 from __future__ import annotations
 
 import math
@@ -66,8 +67,15 @@ def _shard_rows(n: int, shards: int, seed: int) -> list[np.ndarray]:
     return [np.sort(part) for part in np.array_split(np.random.default_rng([seed, n]).permutation(n), shards)]
 
 
-def _write_split(group: h5py.Group, x: Any, y: np.ndarray, rows: np.ndarray, compression: str | None,
-                 stats: ChannelStats | None, bar: tqdm) -> None:
+def _write_split(
+    group: h5py.Group,
+    x: Any,
+    y: np.ndarray,
+    rows: np.ndarray,
+    compression: str | None,
+    stats: ChannelStats | None,
+    bar: tqdm,
+) -> None:
     dtype = np.uint8 if np.dtype(x.dtype) == np.uint8 else np.float32
     sample_shape = tuple(x.shape[1:])
     row_bytes = np.dtype(dtype).itemsize * max(1, math.prod(sample_shape))
@@ -75,20 +83,31 @@ def _write_split(group: h5py.Group, x: Any, y: np.ndarray, rows: np.ndarray, com
     compressed = compression is not None and len(rows) > 0
     opts = {"chunks": (chunk_rows, *sample_shape), "compression": compression} if compressed else {}
     xs = group.create_dataset("x", shape=(len(rows), *sample_shape), dtype=dtype, **opts)
-    group.create_dataset("y", data=y[rows], **({"chunks": (max(1, min(len(rows), CHUNK_BYTES // 8)),),
-                                                  "compression": compression} if compressed else {}))
+    group.create_dataset(
+        "y",
+        data=y[rows],
+        **({"chunks": (max(1, min(len(rows), CHUNK_BYTES // 8)),), "compression": compression} if compressed else {}),
+    )
     block = max(chunk_rows, (BLOCK_BYTES // row_bytes) // chunk_rows * chunk_rows)
     for start in range(0, len(rows), block):
-        values = np.asarray(x[rows[start:start + block]])
+        values = np.asarray(x[rows[start : start + block]])
         if stats is not None:
             stats.add(values)
-        xs[start:start + len(values)] = values.astype(dtype, copy=False)
+        xs[start : start + len(values)] = values.astype(dtype, copy=False)
         bar.update(len(values))
 
 
-def write_dataset(path: str | Path, train: tuple[Any, np.ndarray], test: tuple[Any, np.ndarray],
-                  num_classes: int, source: str, shards: int = 1, compression: str | None = None,
-                  seed: int = 0, progress: bool = False) -> list[Path]:
+def write_dataset(
+    path: str | Path,
+    train: tuple[Any, np.ndarray],
+    test: tuple[Any, np.ndarray],
+    num_classes: int,
+    source: str,
+    shards: int = 1,
+    compression: str | None = None,
+    seed: int = 0,
+    progress: bool = False,
+) -> list[Path]:
     """Write train/test arrays to `path` (one file), or with `shards` > 1 to the directory
     `path` holding that many shard files; return the files written.
 
@@ -99,29 +118,50 @@ def write_dataset(path: str | Path, train: tuple[Any, np.ndarray], test: tuple[A
     if shards > len(train[1]):
         raise ValueError(f"{shards} shards for {len(train[1])} training samples: every shard needs at least one")
     path = Path(path)
-    splits = {"train": (train[0], _checked("train", *train, num_classes)),
-              "test": (test[0], _checked("test", *test, num_classes))}
+    splits = {
+        "train": (train[0], _checked("train", *train, num_classes)),
+        "test": (test[0], _checked("test", *test, num_classes)),
+    }
     images = np.dtype(train[0].dtype) == np.uint8
     stats = ChannelStats() if images else None
     rows = {split: _shard_rows(len(y), shards, seed) for split, (_, y) in splits.items()}
     total = sum(len(y) for _, y in splits.values())
     with tqdm(total=total, unit="sample", desc=f"writing {path.name}", disable=not progress) as bar:
+
         def write_shard(f: h5py.File, index: int) -> None:
             for split in SPLITS:
                 x, y = splits[split]
-                _write_split(f.create_group(split), x, y, rows[split][index], compression,
-                             stats if split == "train" else None, bar)
-            f.attrs.update({"format": FORMAT, "num_classes": int(num_classes), "source": source,
-                            "input_shape": np.asarray(train[0].shape[1:], dtype=np.int64)})
+                _write_split(
+                    f.create_group(split),
+                    x,
+                    y,
+                    rows[split][index],
+                    compression,
+                    stats if split == "train" else None,
+                    bar,
+                )
+            f.attrs.update(
+                {
+                    "format": FORMAT,
+                    "num_classes": int(num_classes),
+                    "source": source,
+                    "input_shape": np.asarray(train[0].shape[1:], dtype=np.int64),
+                }
+            )
 
         def finish(f: h5py.File) -> None:  # the statistics cover the whole training split: known only now
             if stats is not None:
                 f.attrs["mean"], f.attrs["std"] = stats.mean_std()
+
         return write_atomically(path, shards, write_shard, finish)
 
 
-def write_atomically(path: Path, shards: int, write_shard: Callable[[h5py.File, int], None],
-                     finish: Callable[[h5py.File], None] | None = None) -> list[Path]:
+def write_atomically(
+    path: Path,
+    shards: int,
+    write_shard: Callable[[h5py.File, int], None],
+    finish: Callable[[h5py.File], None] | None = None,
+) -> list[Path]:
     """Write `shards` files (one file at `path`, or a directory of shard files) with
     `write_shard(file, index)`, which fills the file; each gets its shard index, count and
     checksum, then `finish(file)` runs on every file once all are written (for figures
@@ -166,8 +206,16 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint8 if vocab_size <= 1 << 8 else np.uint16 if vocab_size <= 1 << 16 else np.int32)
 
 
-def write_text_dataset(path: str | Path, train: np.ndarray, test: np.ndarray, vocab_size: int, source: str,
-                       tokenizer: str = "bytes", bytes_per_token: float = 1.0, shards: int = 1) -> list[Path]:
+def write_text_dataset(
+    path: str | Path,
+    train: np.ndarray,
+    test: np.ndarray,
+    vocab_size: int,
+    source: str,
+    tokenizer: str = "bytes",
+    bytes_per_token: float = 1.0,
+    shards: int = 1,
+) -> list[Path]:
     """Write token streams (train and held-out) as a text dataset (hvd_lowcomm.data's layout):
     with `shards` > 1 each stream is cut into that many consecutive pieces, one per file.
     The streams may be files read a slice at a time (data_prep.text.TokenFile): they are
@@ -188,11 +236,23 @@ def write_text_dataset(path: str | Path, train: np.ndarray, test: np.ndarray, vo
             tokens, begin, end = pieces[split][index]
             ds = f.create_group(split).create_dataset("tokens", shape=(end - begin,), dtype=dtype)
             for start in range(begin, end, block):
-                part = np.asarray(tokens[start:min(end, start + block)])
+                part = np.asarray(tokens[start : min(end, start + block)])
                 if part.min() < 0 or part.max() >= vocab_size:
-                    raise ValueError(f"{split}: token ids must be in [0, {vocab_size}), found {part.min()}.."
-                                     f"{part.max()} (is the vocabulary size right?)")
-                ds[start - begin:start - begin + len(part)] = part.astype(dtype)
-        f.attrs.update({"format": FORMAT, "kind": "text", "num_classes": int(vocab_size), "vocab_size": int(vocab_size),
-                        "tokenizer": tokenizer, "bytes_per_token": float(bytes_per_token), "source": source})
+                    raise ValueError(
+                        f"{split}: token ids must be in [0, {vocab_size}), found {part.min()}.."
+                        f"{part.max()} (is the vocabulary size right?)"
+                    )
+                ds[start - begin : start - begin + len(part)] = part.astype(dtype)
+        f.attrs.update(
+            {
+                "format": FORMAT,
+                "kind": "text",
+                "num_classes": int(vocab_size),
+                "vocab_size": int(vocab_size),
+                "tokenizer": tokenizer,
+                "bytes_per_token": float(bytes_per_token),
+                "source": source,
+            }
+        )
+
     return write_atomically(Path(path), shards, write_shard)

@@ -1,9 +1,10 @@
 """Sphinx configuration of the hvd_lowcomm documentation (``make docs``)."""
+
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))                     # hvd_lowcomm, data_prep, benchmarks
+sys.path.insert(0, str(ROOT))  # hvd_lowcomm, data_prep, benchmarks
 sys.path.insert(0, str(Path(__file__).parent / "_ext"))
 
 project = "hvd_lowcomm"
@@ -12,10 +13,10 @@ copyright = "2026, the hvd_lowcomm developers"
 
 extensions = [
     "sphinx.ext.autodoc",
-    "sphinx.ext.napoleon",      # Google/NumPy-style docstring sections
+    "sphinx.ext.napoleon",  # Google/NumPy-style docstring sections
     "sphinx.ext.viewcode",
-    "hvd_options",              # .. hvd-options:: the option reference from the config dataclasses
-    "hvd_results",              # .. hvd-heldout::, .. hvd-results:: tables generated from results CSVs
+    "hvd_options",  # .. hvd-options:: the option reference from the config dataclasses
+    "hvd_results",  # .. hvd-heldout::, .. hvd-results:: tables generated from results CSVs
 ]
 # The wrappers subclass torch and Horovod classes: document what this package adds.
 autodoc_default_options = {"members": True, "show-inheritance": True}

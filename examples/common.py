@@ -9,6 +9,7 @@ The data is CIFAR-shaped (3x32x32, 10 classes): an HDF5 file written by `python 
 when --data names one, else a synthetic task that can be learned (each class is a fixed random
 image plus noise), so the examples run anywhere without a download.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,9 @@ class BasicBlock(nn.Module):
         self.bn2 = nn.BatchNorm2d(channels_out)
         self.shortcut = nn.Sequential()
         if stride != 1 or channels_in != channels_out:
-            self.shortcut = nn.Sequential(nn.Conv2d(channels_in, channels_out, 1, stride, bias=False),
-                                          nn.BatchNorm2d(channels_out))
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(channels_in, channels_out, 1, stride, bias=False), nn.BatchNorm2d(channels_out)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.relu(self.bn1(self.conv1(x)))
@@ -77,8 +79,11 @@ def arguments(description: str, methods: tuple[str, ...] = ()) -> argparse.Names
     parser.add_argument("--batch-size", type=int, default=32, help="samples per rank per step")
     parser.add_argument("--width", type=int, default=16, help="channels of the first stage (64: ResNet-18)")
     parser.add_argument("--lr", type=float, default=1e-3, help="Adam(W) learning rate")
-    parser.add_argument("--data", default="", help="an HDF5 file from data_prep with 3x32x32 images "
-                                                   "(default: synthetic CIFAR-shaped data)")
+    parser.add_argument(
+        "--data",
+        default="",
+        help="an HDF5 file from data_prep with 3x32x32 images (default: synthetic CIFAR-shaped data)",
+    )
     return parser.parse_args()
 
 

@@ -5,6 +5,7 @@
 Nothing here is hvd_lowcomm's except the example data helpers; lowcomm.py is this script
 with the optimizer line switched to each low-communication method.
 """
+
 import horovod.torch as hvd
 import torch
 import torch.nn.functional as F

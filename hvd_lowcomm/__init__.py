@@ -12,27 +12,28 @@
 The names below are resolved on first use, so importing the package stays cheap (the command
 line parses its options before torch and MPI load).
 """
+
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
 _EXPORTS = {
-    "init": "hvd_lowcomm.comm.runtime",                 # start MPI and the engine (Horovod or torch)
-    "rank": "hvd_lowcomm.comm.runtime",                 # this process's global rank
-    "size": "hvd_lowcomm.comm.runtime",                 # the number of ranks
-    "device_mesh": "hvd_lowcomm.comm.mesh",             # groups as a DeviceMesh, for FSDP2 (torch engine)
-    "fully_shard": "hvd_lowcomm.comm.mesh",             # torch's fully_shard, its collectives metered
-    "shard_model": "hvd_lowcomm.comm.mesh",             # fully_shard on each repeated block, then the root
+    "init": "hvd_lowcomm.comm.runtime",  # start MPI and the engine (Horovod or torch)
+    "rank": "hvd_lowcomm.comm.runtime",  # this process's global rank
+    "size": "hvd_lowcomm.comm.runtime",  # the number of ranks
+    "device_mesh": "hvd_lowcomm.comm.mesh",  # groups as a DeviceMesh, for FSDP2 (torch engine)
+    "fully_shard": "hvd_lowcomm.comm.mesh",  # torch's fully_shard, its collectives metered
+    "shard_model": "hvd_lowcomm.comm.mesh",  # fully_shard on each repeated block, then the root
     "DistributedOptimizer": "hvd_lowcomm.methods.ddp",  # Horovod's, metered (fp32 / fp16)
     "PowerSGDOptimizer": "hvd_lowcomm.methods.powersgd",
     "PowerSGDState": "hvd_lowcomm.methods.powersgd",
-    "DadOptimizer": "hvd_lowcomm.methods.dad",          # mode="exact" | "rank" (rank=r) | "edad"
-    "ABTraining": "hvd_lowcomm.methods.ab",             # AB-training around the user's step
-    "SIL": "hvd_lowcomm.methods.sil",                   # synthetic intermediate labels, per partition
-    "DiLoCo": "hvd_lowcomm.methods.diloco",             # local SGD in groups with an outer optimiser
-    "meter": "hvd_lowcomm.comm.traffic",                # the traffic meter: bytes per op/tensor
-    "broadcast_parameters": "hvd_lowcomm.methods.base",       # Horovod's, on either engine
+    "DadOptimizer": "hvd_lowcomm.methods.dad",  # mode="exact" | "rank" (rank=r) | "edad"
+    "ABTraining": "hvd_lowcomm.methods.ab",  # AB-training around the user's step
+    "SIL": "hvd_lowcomm.methods.sil",  # synthetic intermediate labels, per partition
+    "DiLoCo": "hvd_lowcomm.methods.diloco",  # local SGD in groups with an outer optimiser
+    "meter": "hvd_lowcomm.comm.traffic",  # the traffic meter: bytes per op/tensor
+    "broadcast_parameters": "hvd_lowcomm.methods.base",  # Horovod's, on either engine
     "broadcast_optimizer_state": "hvd_lowcomm.methods.base",
 }
 __all__ = list(_EXPORTS)

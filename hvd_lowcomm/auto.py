@@ -16,6 +16,7 @@ every rank takes part in a short probe of the job's own network: allreduces of a
 (latency) and of `auto.probe_mb` (bandwidth). The choice, the predicted step of every candidate
 and why are printed before training; every rank trains with the method rank 0 chose.
 """
+
 from __future__ import annotations
 
 import math
@@ -46,13 +47,26 @@ class Choice:
 def choose(cfg: Config, model: torch.nn.Module, data: DatasetInfo, world_size: int) -> Choice:
     """Collective: the method the cost model predicts steps fastest here (the same on every rank)."""
     o = cfg.auto
-    link = probe_link(o.probe_mb) if not o.link else \
-        costmodel.Link.parse(o.link, None if o.latency_us == -1 else o.latency_us, ranks_per_node=o.ranks_per_node or _job_ranks_per_node())
+    link = (
+        probe_link(o.probe_mb)
+        if not o.link
+        else costmodel.Link.parse(
+            o.link,
+            None if o.latency_us == -1 else o.latency_us,
+            ranks_per_node=o.ranks_per_node or _job_ranks_per_node(),
+        )
+    )
     decision = None
     if runtime.rank() == 0:
-        profile = costmodel.profile_model(model, data.input_shape, cfg.data.batch_size, cfg=cfg,
-                                          methods=(*costmodel.quality_keeping_methods(cfg), *OTHERS_SHOWN),
-                                          vocabulary=data.vocabulary, device=_run_device(cfg))
+        profile = costmodel.profile_model(
+            model,
+            data.input_shape,
+            cfg.data.batch_size,
+            cfg=cfg,
+            methods=(*costmodel.quality_keeping_methods(cfg), *OTHERS_SHOWN),
+            vocabulary=data.vocabulary,
+            device=_run_device(cfg),
+        )
         if world_size == 1:
             decision = ("ddp", "one rank: nothing to exchange", "")
         else:
@@ -85,10 +99,15 @@ def _others(profile: costmodel.Profile, ranks: int, link: costmodel.Link, cfg: C
             q = costmodel.predict(profile, name, ranks, link, cfg)
         except ConfigError:  # this model or rank count does not suit it
             continue
-        lines.append(f"{name:<10} {q.step * 1e3:>9.1f} ms per step, {human_bytes(q.bytes_per_rank)} sent per rank "
-                     "per step on average")
-    return left_out + (("\nnot chosen automatically (they change how the model trains; choose them yourself):\n"
-                        + "\n".join(lines)) if lines else "")
+        lines.append(
+            f"{name:<10} {q.step * 1e3:>9.1f} ms per step, {human_bytes(q.bytes_per_rank)} sent per rank "
+            "per step on average"
+        )
+    return left_out + (
+        ("\nnot chosen automatically (they change how the model trains; choose them yourself):\n" + "\n".join(lines))
+        if lines
+        else ""
+    )
 
 
 def _job_ranks_per_node() -> int:
@@ -124,10 +143,17 @@ def probe_link(probe_mb: float) -> costmodel.Link:
         probe = torch.zeros(int(probe_mb * 1e6 / 4))
         small, large = fastest(torch.zeros(2), "auto.probe_latency"), fastest(probe, "auto.probe_bandwidth")
         node, _ = runtime.split(runtime.node_layout(), "node") if several else (None, None)
-        inside = (fastest(torch.zeros(2), "auto.probe_node_latency", node),
-                  fastest(probe, "auto.probe_node_bandwidth", node)) if several else (0.0, 0.0)
+        inside = (
+            (
+                fastest(torch.zeros(2), "auto.probe_node_latency", node),
+                fastest(probe, "auto.probe_node_bandwidth", node),
+            )
+            if several
+            else (0.0, 0.0)
+        )
         # Every rank uses rank 0's figures, so the choice is the same everywhere.
         small, large, inside = meter.broadcast_object((small, large, inside), "auto.probe")
-    link = costmodel.Link(bandwidth=bandwidth(p, small, large), latency=small / (2 * math.ceil(math.log2(p))),
-                          ranks_per_node=per_node)
+    link = costmodel.Link(
+        bandwidth=bandwidth(p, small, large), latency=small / (2 * math.ceil(math.log2(p))), ranks_per_node=per_node
+    )
     return replace(link, intra_bandwidth=bandwidth(per_node, *inside)) if several else link

@@ -23,6 +23,7 @@ rank 0 writes the manifest and renames the directory: a checkpoint directory wit
 checkpoint against its manifest (sizes and sha256) and falls back to the previous one, saying
 why, when it is corrupt or partial.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -85,6 +86,7 @@ def onto(device: torch.device) -> Any:
         if not location.startswith("cuda"):
             return storage
         return storage.cuda(device.index) if device.type == "cuda" else storage
+
     return place
 
 
@@ -136,10 +138,19 @@ def save(run_dir: Path, method: Method, position: dict[str, Any], extra: dict[st
     with meter.in_phase("control"):
         meter.barrier("checkpoint.directory")
     owner = method.state_owner()
-    payload = {"format": FORMAT, "rank": rank, "world_size": comm.Get_size(), "method": method.cfg.method,
-               "position": position, "rng": rng_state(), "traffic": meter.state_dict(),
-               "local": method.local_state_dict(), "owner": owner, "extra": extra,
-               "state": method.state_dict() if owner == rank else None}
+    payload = {
+        "format": FORMAT,
+        "rank": rank,
+        "world_size": comm.Get_size(),
+        "method": method.cfg.method,
+        "position": position,
+        "rng": rng_state(),
+        "traffic": meter.state_dict(),
+        "local": method.local_state_dict(),
+        "owner": owner,
+        "extra": extra,
+        "state": method.state_dict() if owner == rank else None,
+    }
     name = f"rank-{rank:05d}.pt"
     _write_atomic(tmp / name, payload)
     written = [name]
@@ -151,9 +162,15 @@ def save(run_dir: Path, method: Method, position: dict[str, Any], extra: dict[st
     with meter.in_phase("control"):
         files = meter.gather_object([(n, *_size_and_sha256(tmp / n)) for n in written], "checkpoint.files")
     if rank == 0:
-        manifest = {"format": FORMAT, "step": step, "world_size": comm.Get_size(), "method": method.cfg.method,
-                    "position": position, "time": time.time(),
-                    "files": {n: {"bytes": b, "sha256": h} for rank_files in files for n, b, h in rank_files}}
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "world_size": comm.Get_size(),
+            "method": method.cfg.method,
+            "position": position,
+            "time": time.time(),
+            "files": {n: {"bytes": b, "sha256": h} for rank_files in files for n, b, h in rank_files},
+        }
         _write_atomic(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
         _fsync_dir(tmp)
         if final.exists():  # the same step saved twice (e.g. a periodic save, then the last one)
@@ -212,8 +229,9 @@ def resolve(cfg: Config, world_size: int, say: Any = print) -> tuple[Path | None
         return None, None
     if resume == "auto":
         if not cfg.run.name:
-            raise CheckpointError("--resume auto needs --run.name, so it knows which run to continue "
-                                  "(job scripts set it to the job name)")
+            raise CheckpointError(
+                "--resume auto needs --run.name, so it knows which run to continue (job scripts set it to the job name)"
+            )
         run_dir = Path(cfg.run.dir) / cfg.run.name
         found = newest_usable(run_dir / "checkpoints", say)
         if found is None:
@@ -223,24 +241,30 @@ def resolve(cfg: Config, world_size: int, say: Any = print) -> tuple[Path | None
         if (path / "manifest.json").exists() or _STEP_DIR.fullmatch(path.name):
             why = problem(path)
             if why is not None:
-                raise CheckpointError(f"checkpoint {path} is unusable: {why}; give its run directory to take "
-                                      f"the newest usable one")
+                raise CheckpointError(
+                    f"checkpoint {path} is unusable: {why}; give its run directory to take the newest usable one"
+                )
             found, run_dir = path, path.parent.parent
         else:
             root = path if path.name == "checkpoints" else path / "checkpoints"
             found, run_dir = newest_usable(root, say), root.parent
             if found is None:
-                raise CheckpointError(f"no usable checkpoint in {root}; check --resume (a run directory, its "
-                                      f"checkpoints/ or one step-N directory)")
+                raise CheckpointError(
+                    f"no usable checkpoint in {root}; check --resume (a run directory, its "
+                    f"checkpoints/ or one step-N directory)"
+                )
     if found is not None:
         manifest = json.loads((found / "manifest.json").read_text())
         if manifest["method"] != cfg.method:
-            raise CheckpointError(f"checkpoint {found} was written by {manifest['method']}; resume it with "
-                                  f"--method {manifest['method']}")
+            raise CheckpointError(
+                f"checkpoint {found} was written by {manifest['method']}; resume it with --method {manifest['method']}"
+            )
         if manifest["world_size"] != world_size and not spec(cfg.method).method.reshards(cfg):
-            raise CheckpointError(f"checkpoint {found} was written by {manifest['world_size']} ranks; resume it "
-                                  f"with mpirun -np {manifest['world_size']} ({cfg.method}'s state depends on "
-                                  f"the rank count; fsdp's checkpoints resume on any)")
+            raise CheckpointError(
+                f"checkpoint {found} was written by {manifest['world_size']} ranks; resume it "
+                f"with mpirun -np {manifest['world_size']} ({cfg.method}'s state depends on "
+                f"the rank count; fsdp's checkpoints resume on any)"
+            )
     return run_dir, found
 
 
@@ -259,14 +283,18 @@ def load(path: Path, method: Method) -> dict[str, Any]:
         try:
             dcp.load(sharded, checkpoint_id=path / SHARDED)  # in place, onto this run's layout
         except Exception as err:  # a DCP error names a missing key or a shape: say what to do
-            raise CheckpointError(f"checkpoint {path}'s sharded state does not fit this run ({err}); resume "
-                                  f"with the groups and sharding options it was written with") from err
+            raise CheckpointError(
+                f"checkpoint {path}'s sharded state does not fit this run ({err}); resume "
+                f"with the groups and sharding options it was written with"
+            ) from err
         method.load_sharded_state_dict(sharded)
-    own = torch.load(path / f"rank-{0 if resharded else rank:05d}.pt", weights_only=False,
-                     map_location=onto(device))
+    own = torch.load(path / f"rank-{0 if resharded else rank:05d}.pt", weights_only=False, map_location=onto(device))
     owner = own["owner"]
-    state = own["state"] if owner == own["rank"] else \
-        torch.load(path / f"rank-{owner:05d}.pt", weights_only=False, map_location=onto(device))["state"]
+    state = (
+        own["state"]
+        if owner == own["rank"]
+        else torch.load(path / f"rank-{owner:05d}.pt", weights_only=False, map_location=onto(device))["state"]
+    )
     method.load_state_dict(state)
     meter.load_state_dict(own["traffic"])
     if not resharded:
@@ -311,8 +339,15 @@ class TrainState:
 class Checkpointer:
     """Periodic checkpoints, the last one, and the stop on a preemption signal."""
 
-    def __init__(self, cfg: Config, method: Method, run_dir: Path, preemption: PreemptionSignal | None,
-                 state: TrainState | None = None, batches_per_epoch: int = 0) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        method: Method,
+        run_dir: Path,
+        preemption: PreemptionSignal | None,
+        state: TrainState | None = None,
+        batches_per_epoch: int = 0,
+    ) -> None:
         self.cfg, self.method, self.run_dir, self.preemption = cfg, method, run_dir, preemption
         self.batches_per_epoch = batches_per_epoch
         self.state = state or TrainState()
@@ -363,6 +398,8 @@ class Checkpointer:
         if runtime.rank() == 0:
             (self.run_dir / "PREEMPTED").write_text(f"{path}\n")
         name = signal.Signals(self.preemption.received).name if self.signalled() else "a signal on another rank"
-        log.print(f"stopped by {name}: checkpoint {path} written; continue with --resume auto "
-                  f"(--run.name {self.run_dir.name}) or --resume {self.run_dir}")
+        log.print(
+            f"stopped by {name}: checkpoint {path} written; continue with --resume auto "
+            f"(--run.name {self.run_dir.name}) or --resume {self.run_dir}"
+        )
         log.close()

@@ -8,6 +8,7 @@ A method with its own options registers an options dataclass with it (see
 so adding a method never means editing this file. This module knows methods only through that
 registry, which imports none of them until asked.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,20 +73,32 @@ def rate_bits(rate: str) -> float:
 class DataConfig:
     """Where the samples come from and how many each rank takes per step."""
 
-    path: str = option("data/digits.h5", "HDF5 dataset file or shard directory written by `python -m "
-                       "data_prep`; a missing file named after a bundled dataset (digits.h5, mnist5k.h5, "
-                       "shakespeare.h5) "
-                       "is prepared on first use")
+    path: str = option(
+        "data/digits.h5",
+        "HDF5 dataset file or shard directory written by `python -m "
+        "data_prep`; a missing file named after a bundled dataset (digits.h5, mnist5k.h5, "
+        "shakespeare.h5) "
+        "is prepared on first use",
+    )
     batch_size: int = option(32, "training samples per rank per step")
     test_batch_size: int = option(512, "samples per rank per evaluation batch")
     normalize: bool = option(True, "standardise uint8 images with the stored per-channel mean/std")
-    verify: bool = option(True, "recompute every file's checksum before training (the ranks share the work); "
-                                "turn off for huge datasets already checked with `python -m data_prep verify`")
-    source: str = option("", "your own data instead of an HDF5 file: 'module:function' returning (train, test) "
-                             "torch Datasets of (x, y) items, or (train, test, num_classes); each rank calls it")
+    verify: bool = option(
+        True,
+        "recompute every file's checksum before training (the ranks share the work); "
+        "turn off for huge datasets already checked with `python -m data_prep verify`",
+    )
+    source: str = option(
+        "",
+        "your own data instead of an HDF5 file: 'module:function' returning (train, test) "
+        "torch Datasets of (x, y) items, or (train, test, num_classes); each rank calls it",
+    )
     seq_len: int = option(128, "text datasets: tokens per training window (the language model's context)")
-    driver: str = option("default", "HDF5 driver for reads: default (independent POSIX reads per rank) or "
-                                    "mpio (MPI-IO; needs h5py built with MPI)", choices=("default", "mpio"))
+    driver: str = option(
+        "default",
+        "HDF5 driver for reads: default (independent POSIX reads per rank) or mpio (MPI-IO; needs h5py built with MPI)",
+        choices=("default", "mpio"),
+    )
 
     def validate(self) -> None:
         _positive(self, "batch_size", "test_batch_size", "seq_len")
@@ -95,35 +108,49 @@ class DataConfig:
             import h5py
 
             if not h5py.get_config().mpi:
-                raise ConfigError("data.driver mpio needs h5py built with MPI support, which this h5py is not "
-                                  "(reinstall it with CC=mpicc HDF5_MPI=ON pip install --no-binary h5py h5py "
-                                  "against a parallel HDF5), or use --data.driver default")
+                raise ConfigError(
+                    "data.driver mpio needs h5py built with MPI support, which this h5py is not "
+                    "(reinstall it with CC=mpicc HDF5_MPI=ON pip install --no-binary h5py h5py "
+                    "against a parallel HDF5), or use --data.driver default"
+                )
 
 
 @dataclass
 class ModelConfig:
     """Which network to train."""
 
-    name: str = option("", "model from hvd_lowcomm.models: mlp, cnn, sil6 (six fully connected layers), gpt (a "
-                           "language model, for text datasets), vit (a vision transformer), tv:NAME (torchvision, "
-                           "the [vision] extra), hf:PATH (a Hugging Face model from a local config.json or "
-                           "pretrained directory, the [hf] extra: a causal LM on text, an image classifier on "
-                           "images), or your own 'module:factory' called as factory(input_shape, num_classes, "
-                           "**model.kwargs); empty: the method's default (sil6 for sil and mp, mlp otherwise)")
-    kwargs: dict = option({}, "keyword arguments for a 'module:factory' model, a YAML mapping (e.g. "
-                              "'{depth: 4, width: 128}')")
-    hidden: list[int] = option([], "hidden widths of the MLP, or channels of the CNN's conv blocks; empty: the "
-                                   "model's default (mlp 256,128; cnn 32,64; sil6 256,256,256,256,256)")
-    dropout: float = option(0.0, "dropout probability after each hidden layer (transformers: on embeddings, "
-                                 "attention and MLP outputs)")
+    name: str = option(
+        "",
+        "model from hvd_lowcomm.models: mlp, cnn, sil6 (six fully connected layers), gpt (a "
+        "language model, for text datasets), vit (a vision transformer), tv:NAME (torchvision, "
+        "the [vision] extra), hf:PATH (a Hugging Face model from a local config.json or "
+        "pretrained directory, the [hf] extra: a causal LM on text, an image classifier on "
+        "images), or your own 'module:factory' called as factory(input_shape, num_classes, "
+        "**model.kwargs); empty: the method's default (sil6 for sil and mp, mlp otherwise)",
+    )
+    kwargs: dict = option(
+        {}, "keyword arguments for a 'module:factory' model, a YAML mapping (e.g. '{depth: 4, width: 128}')"
+    )
+    hidden: list[int] = option(
+        [],
+        "hidden widths of the MLP, or channels of the CNN's conv blocks; empty: the "
+        "model's default (mlp 256,128; cnn 32,64; sil6 256,256,256,256,256)",
+    )
+    dropout: float = option(
+        0.0, "dropout probability after each hidden layer (transformers: on embeddings, attention and MLP outputs)"
+    )
     layers: int = option(4, "transformer blocks of gpt and vit")
     width: int = option(128, "gpt and vit: the residual stream's width (the MLP is four times as wide)")
     heads: int = option(4, "gpt and vit: attention heads (a divisor of model.width)")
     patch_size: int = option(4, "vit: side of the square image patches (a divisor of the image's height and width)")
-    pool: str = option("cls", "vit: classify from the class token or the mean of the patch tokens",
-                       choices=("cls", "mean"))
-    tie_weights: bool = option(False, "gpt: the output layer shares the token embedding's matrix (GPT-2); not with "
-                                      "sil or mp, whose partitions hold the two ends apart")
+    pool: str = option(
+        "cls", "vit: classify from the class token or the mean of the patch tokens", choices=("cls", "mean")
+    )
+    tie_weights: bool = option(
+        False,
+        "gpt: the output layer shares the token embedding's matrix (GPT-2); not with "
+        "sil or mp, whose partitions hold the two ends apart",
+    )
 
     def validate(self) -> None:
         if any(h <= 0 for h in self.hidden):
@@ -146,23 +173,42 @@ class TrainConfig:
     warmup_steps: int = option(0, "linear learning-rate warm-up from 0 over this many steps")
     momentum: float = option(0.9, "SGD momentum")
     weight_decay: float = option(0.0, "weight decay (ab: 0.1 unless set, as the AB-training paper trains)")
-    device: str = option("auto", "where each rank computes: cuda (the GPU the rank is given: the one it sees, else "
-                                 "its local rank's; collectives on the GPU with NCCL where Horovod has it, else "
-                                 "through host memory), cpu, auto (cuda when available), or the name of another "
-                                 "device PyTorch has a backend for")
+    device: str = option(
+        "auto",
+        "where each rank computes: cuda (the GPU the rank is given: the one it sees, else "
+        "its local rank's; collectives on the GPU with NCCL where Horovod has it, else "
+        "through host memory), cpu, auto (cuda when available), or the name of another "
+        "device PyTorch has a backend for",
+    )
     seed: int = option(42, "seed for initialisation, shuffling and every random choice")
-    max_steps: int = option(-1, "stop after this many training steps (-1: no limit; 0: start up, "
-                                "evaluate once and stop, which measures start-up traffic)")
-    accumulate: int = option(1, "split each rank's batch into this many micro-batches, forward and backward one "
-                                "at a time (less activation memory), and exchange once per step on their summed "
-                                "gradient (Horovod's backward_passes_per_step; not for sil and mp)")
-    amp: str = option("none", "autocast the forward pass: bf16 (CPU and GPU) or none; parameters, gradients "
-                              "and what is exchanged stay fp32 (not for sil and mp)", choices=("none", "bf16"))
-    clip_grad_norm: float = option(0.0, "clip the norm of the pooled (synchronised) gradient over all parameters "
-                                        "to this before each optimiser step, as with Horovod's synchronize() "
-                                        "(0: off; not for sil and mp, whose partitions each hold part of it)")
-    skip_nonfinite: bool = option(False, "skip (undo) a step whose loss or parameters become NaN/inf and go "
-                                         "on, counting it in the metrics; otherwise such a step stops the run")
+    max_steps: int = option(
+        -1,
+        "stop after this many training steps (-1: no limit; 0: start up, "
+        "evaluate once and stop, which measures start-up traffic)",
+    )
+    accumulate: int = option(
+        1,
+        "split each rank's batch into this many micro-batches, forward and backward one "
+        "at a time (less activation memory), and exchange once per step on their summed "
+        "gradient (Horovod's backward_passes_per_step; not for sil and mp)",
+    )
+    amp: str = option(
+        "none",
+        "autocast the forward pass: bf16 (CPU and GPU) or none; parameters, gradients "
+        "and what is exchanged stay fp32 (not for sil and mp)",
+        choices=("none", "bf16"),
+    )
+    clip_grad_norm: float = option(
+        0.0,
+        "clip the norm of the pooled (synchronised) gradient over all parameters "
+        "to this before each optimiser step, as with Horovod's synchronize() "
+        "(0: off; not for sil and mp, whose partitions each hold part of it)",
+    )
+    skip_nonfinite: bool = option(
+        False,
+        "skip (undo) a step whose loss or parameters become NaN/inf and go "
+        "on, counting it in the metrics; otherwise such a step stops the run",
+    )
 
     def validate(self) -> None:
         _positive(self, "epochs", "accumulate")
@@ -180,34 +226,49 @@ class TrainConfig:
 class CommConfig:
     """How gradients travel in data-parallel methods."""
 
-    compression: str = option("none", "gradient compression on the wire for ddp (refused for other methods)",
-                               choices=("none", "fp16"))
-    engine: str = option("auto", "what moves the tensors: horovod, torch (torch.distributed: Gloo on CPUs, NCCL on "
-                                 "GPUs; needs no Horovod) or auto (HVD_LOWCOMM_ENGINE where set, else Horovod where "
-                                 "it is installed, and built with NCCL on a GPU machine, else torch)",
-                         choices=("auto", "horovod", "torch"))
-    reduce_dtype: str = option("float32", "what bfloat16 tensors travel and are summed in: float32 (sums exact "
-                                          "to bfloat16's rounding, twice the bytes) or bfloat16 (half the bytes, "
-                                          "each partial sum rounded; the torch engine only: Horovod refuses "
-                                          "bfloat16, and auto then picks torch)", choices=("float32", "bfloat16"))
+    compression: str = option(
+        "none", "gradient compression on the wire for ddp (refused for other methods)", choices=("none", "fp16")
+    )
+    engine: str = option(
+        "auto",
+        "what moves the tensors: horovod, torch (torch.distributed: Gloo on CPUs, NCCL on "
+        "GPUs; needs no Horovod) or auto (HVD_LOWCOMM_ENGINE where set, else Horovod where "
+        "it is installed, and built with NCCL on a GPU machine, else torch)",
+        choices=("auto", "horovod", "torch"),
+    )
+    reduce_dtype: str = option(
+        "float32",
+        "what bfloat16 tensors travel and are summed in: float32 (sums exact "
+        "to bfloat16's rounding, twice the bytes) or bfloat16 (half the bytes, "
+        "each partial sum rounded; the torch engine only: Horovod refuses "
+        "bfloat16, and auto then picks torch)",
+        choices=("float32", "bfloat16"),
+    )
 
     def validate(self) -> None:
         if self.engine == "horovod" and self.reduce_dtype == "bfloat16":
-            raise ConfigError("comm.reduce_dtype bfloat16 needs the torch engine (Horovod refuses bfloat16 tensors): "
-                              "use --comm.engine torch, or --comm.reduce_dtype float32")
+            raise ConfigError(
+                "comm.reduce_dtype bfloat16 needs the torch engine (Horovod refuses bfloat16 tensors): "
+                "use --comm.engine torch, or --comm.reduce_dtype float32"
+            )
 
 
 @dataclass
 class AutoConfig:
     """--method auto: the cost model chooses the method from the measured compute and network."""
 
-    link: str = option("", "the network between nodes, a rate such as 25gbit, or its kind and rate, ib:200gbit or "
-                           "eth:100gbit (a rate alone is InfiniBand from 100gbit up; empty: measure this job's own "
-                           "with a short allreduce probe)")
-    latency_us: float = option(-1.0, "message latency with auto.link, in microseconds (-1: the link kind's, 2 for "
-                                     "InfiniBand, 30 for Ethernet)")
-    ranks_per_node: int = option(0, "ranks sharing a node, with auto.link (0: this job's own when it spans "
-                                    "several nodes, else 1)")
+    link: str = option(
+        "",
+        "the network between nodes, a rate such as 25gbit, or its kind and rate, ib:200gbit or "
+        "eth:100gbit (a rate alone is InfiniBand from 100gbit up; empty: measure this job's own "
+        "with a short allreduce probe)",
+    )
+    latency_us: float = option(
+        -1.0, "message latency with auto.link, in microseconds (-1: the link kind's, 2 for InfiniBand, 30 for Ethernet)"
+    )
+    ranks_per_node: int = option(
+        0, "ranks sharing a node, with auto.link (0: this job's own when it spans several nodes, else 1)"
+    )
     probe_mb: float = option(8.0, "size of the bandwidth probe's allreduce, in MB")
 
     def validate(self) -> None:
@@ -217,8 +278,9 @@ class AutoConfig:
             if kind.lower() not in ("", "ib", "eth"):
                 raise ConfigError(f"auto.link {self.link!r}: the kind before the rate is ib or eth (ib:200gbit)")
         if (self.latency_us < 0 and self.latency_us != -1) or self.ranks_per_node < 0 or self.probe_mb <= 0:
-            raise ConfigError("auto.latency_us must be >= 0 (or -1: the link kind's), auto.ranks_per_node >= 0 and "
-                              "auto.probe_mb > 0")
+            raise ConfigError(
+                "auto.latency_us must be >= 0 (or -1: the link kind's), auto.ranks_per_node >= 0 and auto.probe_mb > 0"
+            )
 
 
 LOGGERS = ("tensorboard", "wandb")  # run.loggers (hvd_lowcomm.trackers)
@@ -232,17 +294,25 @@ class RunConfig:
     name: str = option("", "run directory name (default: <method>-<timestamp>)")
     log_every: int = option(10, "write a step record to metrics.jsonl every N steps")
     progress: bool = option(True, "show a progress bar on rank 0")
-    eval_every: int = option(0, "also evaluate every N steps within an epoch (0: at epoch ends only; methods "
-                                "whose ranks take different steps, such as sil, evaluate at epoch ends only)")
-    checkpoint_every: int = option(500, "write a checkpoint every N steps (0: only at the end and on "
-                                        "preemption)")
+    eval_every: int = option(
+        0,
+        "also evaluate every N steps within an epoch (0: at epoch ends only; methods "
+        "whose ranks take different steps, such as sil, evaluate at epoch ends only)",
+    )
+    checkpoint_every: int = option(500, "write a checkpoint every N steps (0: only at the end and on preemption)")
     keep_checkpoints: int = option(3, "keep the newest K checkpoints")
-    resume: str = option("", "continue a run: 'auto' (the run run.dir/run.name from its newest usable "
-                             "checkpoint, or from scratch if it has none), or a run / checkpoint directory; "
-                             "also --resume")
-    loggers: list[str] = option([], "also log step, epoch and summary records to: tensorboard (event files in the "
-                                    "run dir), wandb (offline unless WANDB_MODE is set); a resumed run continues "
-                                    "the same tracker run; needs the [trackers] extra")
+    resume: str = option(
+        "",
+        "continue a run: 'auto' (the run run.dir/run.name from its newest usable "
+        "checkpoint, or from scratch if it has none), or a run / checkpoint directory; "
+        "also --resume",
+    )
+    loggers: list[str] = option(
+        [],
+        "also log step, epoch and summary records to: tensorboard (event files in the "
+        "run dir), wandb (offline unless WANDB_MODE is set); a resumed run continues "
+        "the same tracker run; needs the [trackers] extra",
+    )
 
     def validate(self) -> None:
         _positive(self, "log_every", "keep_checkpoints")
@@ -255,8 +325,12 @@ class RunConfig:
 
 
 BASE_SECTIONS: dict[str, type] = {
-    "data": DataConfig, "model": ModelConfig, "train": TrainConfig,
-    "comm": CommConfig, "auto": AutoConfig, "run": RunConfig,
+    "data": DataConfig,
+    "model": ModelConfig,
+    "train": TrainConfig,
+    "comm": CommConfig,
+    "auto": AutoConfig,
+    "run": RunConfig,
 }
 # Not a method but a choice among them, made before training (hvd_lowcomm.auto).
 AUTO = "auto"
@@ -284,19 +358,22 @@ class Config:
         return self.method_options.get(spec.section) if spec is not None else None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"method": self.method,
-                **{name: dataclasses.asdict(sec) for name, sec in self.sections().items()}}
+        return {"method": self.method, **{name: dataclasses.asdict(sec) for name, sec in self.sections().items()}}
 
     def validate(self) -> None:
         methods = method_names()
         if self.method not in methods:
-            raise ConfigError(f"unknown method {self.method!r}{_did_you_mean(self.method, methods)}; "
-                              f"available: {', '.join(methods)}")
-        if self.comm.compression != "none" and (self.method == AUTO or
-                                                not specs()[self.method].method.honours_compression):
-            raise ConfigError(f"comm.compression {self.comm.compression} is for ddp's allreduce; {self.method} sends "
-                              f"what it sends its own way and would ignore it: drop --comm.compression or use "
-                              f"--method ddp")
+            raise ConfigError(
+                f"unknown method {self.method!r}{_did_you_mean(self.method, methods)}; available: {', '.join(methods)}"
+            )
+        if self.comm.compression != "none" and (
+            self.method == AUTO or not specs()[self.method].method.honours_compression
+        ):
+            raise ConfigError(
+                f"comm.compression {self.comm.compression} is for ddp's allreduce; {self.method} sends "
+                f"what it sends its own way and would ignore it: drop --comm.compression or use "
+                f"--method ddp"
+            )
         for name, section in self.sections().items():
             _check_choices(name, section)
             if hasattr(section, "validate"):
@@ -323,8 +400,10 @@ def apply_presets(cfg: Config, presets: dict[str, Any], explicit: set[str] = fro
 # ---------------------------------------------------------------------------------------------
 # YAML + command line
 
-def load(argv: list[str] | None = None, prog: str = "python -m hvd_lowcomm.train",
-         other_options: tuple[str, ...] = ()) -> Config:
+
+def load(
+    argv: list[str] | None = None, prog: str = "python -m hvd_lowcomm.train", other_options: tuple[str, ...] = ()
+) -> Config:
     """Parse `argv` (YAML file and overrides) into a validated Config; exits with --help.
     `other_options`: the calling command's own options, offered too when a name is mistyped."""
     cfg = default_config()
@@ -394,8 +473,9 @@ RENAMED: dict[str, str] = {}
 def _renamed(name: str) -> str:
     if name not in RENAMED:
         return name
-    warnings.warn(f"option {name} is now {RENAMED[name]}: the old name goes in the next release", FutureWarning,
-                  stacklevel=3)
+    warnings.warn(
+        f"option {name} is now {RENAMED[name]}: the old name goes in the next release", FutureWarning, stacklevel=3
+    )
     return RENAMED[name]
 
 
@@ -418,22 +498,27 @@ def build_parser(cfg: Config, prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Train a PyTorch model across MPI ranks with hvd_lowcomm. Options come from "
-                    "their defaults, then --config FILE (YAML sections as below), then the command line.",
+        "their defaults, then --config FILE (YAML sections as below), then the command line.",
         epilog="Example: mpirun -np 4 python -m hvd_lowcomm.train --config run.yaml --train.epochs 5",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", metavar="FILE", help="YAML file with sections data, model, train, ...")
-    parser.add_argument("--method", default=None, choices=method_names(),
-                        help=f"training method (default: {cfg.method})")
+    parser.add_argument(
+        "--method", default=None, choices=method_names(), help=f"training method (default: {cfg.method})"
+    )
     groups: dict[str, Any] = {}
     for opt in describe_options(cfg):
         if opt.section not in groups:
             groups[opt.section] = parser.add_argument_group(f"{opt.section} options", opt.section_help)
         help_text = opt.help + (f" {{{', '.join(opt.choices)}}}" if opt.choices else "")
         groups[opt.section].add_argument(
-            f"--{opt.name}", *SHORT_FLAGS.get(opt.name, ()), dest=opt.name, default=None,
+            f"--{opt.name}",
+            *SHORT_FLAGS.get(opt.name, ()),
+            dest=opt.name,
+            default=None,
             type=lambda text, _n=opt.name, _t=opt.type: _convert_argument(_n, _t, text),
-            metavar=opt.metavar, help=f"{help_text} (default: {opt.default})",
+            metavar=opt.metavar,
+            help=f"{help_text} (default: {opt.default})",
         )
     return parser
 
@@ -441,13 +526,14 @@ def build_parser(cfg: Config, prog: str) -> argparse.ArgumentParser:
 @dataclass(frozen=True)
 class OptionDoc:
     """One `--section.key` option as --help and the documentation's option reference show it."""
-    section: str                  # 'train', or a method's section ('ab')
-    section_help: str | None      # first line of the section dataclass's docstring
-    name: str                     # 'train.lr'
-    type: Any                     # the field's declared type (int, list[int], ...)
-    metavar: str                  # how --help names the type: INT, FLOAT[,...], YAML
-    default: str                  # the default as --help prints it
-    help: str                     # the field's help text ('' if it has none: a test forbids that)
+
+    section: str  # 'train', or a method's section ('ab')
+    section_help: str | None  # first line of the section dataclass's docstring
+    name: str  # 'train.lr'
+    type: Any  # the field's declared type (int, list[int], ...)
+    metavar: str  # how --help names the type: INT, FLOAT[,...], YAML
+    default: str  # the default as --help prints it
+    help: str  # the field's help text ('' if it has none: a test forbids that)
     choices: tuple[str, ...] | None
 
 
@@ -460,14 +546,24 @@ def describe_options(cfg: Config | None = None) -> list[OptionDoc]:
         for f in dataclasses.fields(section):
             ftype = _field_type(section, f.name)
             choices = f.metadata.get("choices")
-            docs.append(OptionDoc(name, _first_line(type(section).__doc__), f"{name}.{f.name}", ftype,
-                                  _metavar(ftype), _show(getattr(section, f.name)), f.metadata.get("help", ""),
-                                  tuple(map(str, choices)) if choices else None))
+            docs.append(
+                OptionDoc(
+                    name,
+                    _first_line(type(section).__doc__),
+                    f"{name}.{f.name}",
+                    ftype,
+                    _metavar(ftype),
+                    _show(getattr(section, f.name)),
+                    f.metadata.get("help", ""),
+                    tuple(map(str, choices)) if choices else None,
+                )
+            )
     return docs
 
 
 # ---------------------------------------------------------------------------------------------
 # helpers
+
 
 def import_object(spec: str, option: str) -> Any:
     """What a 'module:name' option names (a user's model factory or data loader), imported
@@ -478,8 +574,10 @@ def import_object(spec: str, option: str) -> Any:
     try:
         return getattr(importlib.import_module(module_name), name)
     except (ImportError, AttributeError) as err:
-        raise ConfigError(f"{option} {spec!r} cannot be loaded: {err} (is {module_name} importable from where "
-                          f"mpirun starts, e.g. on PYTHONPATH?)") from None
+        raise ConfigError(
+            f"{option} {spec!r} cannot be loaded: {err} (is {module_name} importable from where "
+            f"mpirun starts, e.g. on PYTHONPATH?)"
+        ) from None
 
 
 def _positive(section: Any, *names: str) -> None:
@@ -487,8 +585,10 @@ def _positive(section: Any, *names: str) -> None:
     for name in names:
         value = getattr(section, name)
         if not isinstance(value, int) or value <= 0:
-            raise ConfigError(f"{prefix}.{name} must be a positive integer, got {value!r} "
-                              f"(e.g. --{prefix}.{name} {getattr(type(section)(), name)})")
+            raise ConfigError(
+                f"{prefix}.{name} must be a positive integer, got {value!r} "
+                f"(e.g. --{prefix}.{name} {getattr(type(section)(), name)})"
+            )
 
 
 def _check_choices(name: str, section: Any) -> None:

@@ -36,6 +36,7 @@ rates, or a given rate): every op runs on the meta device, shapes only, and its 
 are costed. The step is 3 × the forward pass's FLOPs at the device's peak × UTILISATION; each
 kernel op at the roofline (`Device.seconds`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -75,8 +76,10 @@ def link_kind(link: str) -> tuple[str, float]:
     bits = rate_bits(rate)
     kind = kind.strip().lower() or ("ib" if bits >= IB_FROM else "eth")
     if kind not in LATENCY_US:
-        raise ConfigError(f"link {link!r}: name its kind {' or '.join(LATENCY_US)} before the rate "
-                          f"(ib:200gbit, eth:100gbit), or give the rate alone (25gbit)")
+        raise ConfigError(
+            f"link {link!r}: name its kind {' or '.join(LATENCY_US)} before the rate "
+            f"(ib:200gbit, eth:100gbit), or give the rate alone (25gbit)"
+        )
     return kind, bits
 
 
@@ -84,11 +87,11 @@ def link_kind(link: str) -> tuple[str, float]:
 class Link:
     """The network between ranks."""
 
-    bandwidth: float                 # bytes per second, one direction, between nodes
-    latency: float = 2e-6            # seconds per message (α)
+    bandwidth: float  # bytes per second, one direction, between nodes
+    latency: float = 2e-6  # seconds per message (α)
     ranks_per_node: int = 1
-    intra_bandwidth: float = 20e9    # bytes per second between ranks of one node
-    shared: bool = False             # one medium for every rank's bytes (an emulated link)
+    intra_bandwidth: float = 20e9  # bytes per second between ranks of one node
+    shared: bool = False  # one medium for every rank's bytes (an emulated link)
     # The share of the backward pass that communication can hide behind: 1 when every rank has
     # a core (or a GPU) of its own, so a core is free to drive the network while it computes;
     # 0 when ranks outnumber cores (the emulated clusters on 2 cores: measured, none hides).
@@ -130,8 +133,7 @@ class Link:
             return 0.0
         return float(self.ranks_per_node) if spans_nodes is True else 1.0
 
-    def _time(self, messages: float, bytes_per_rank: float, group: int, ranks: int,
-              spans_nodes: bool | None) -> float:
+    def _time(self, messages: float, bytes_per_rank: float, group: int, ranks: int, spans_nodes: bool | None) -> float:
         if group <= 1:
             return 0.0
         if self.shared:  # every rank's bytes cross the one medium
@@ -163,11 +165,11 @@ class Layer:
     """A weight layer as the exchange methods see it: rows per sample of fan_in × fan_out."""
 
     name: str
-    module_index: int     # position among the Sequential's children (-1: not a Sequential)
+    module_index: int  # position among the Sequential's children (-1: not a Sequential)
     fan_in: int
     fan_out: int
-    rows: int             # rows per sample: 1 for Linear, output positions (H·W) for Conv2d
-    params: int           # weight + bias numbers
+    rows: int  # rows per sample: 1 for Linear, output positions (H·W) for Conv2d
+    params: int  # weight + bias numbers
     # Seconds of the methods' own kernels for this layer (Profile.device), by the names the
     # methods' costs give them (MethodCost.layer_kernels: e.g. "powersgd", "dad_product").
     kernels: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
@@ -183,18 +185,18 @@ class Profile:
     """The model as the cost model needs it, and its compute (timed here, or counted for a device)."""
 
     layers: list[Layer]
-    other_params: int                  # parameters outside weight layers (BatchNorm, ...)
-    batch: int                         # samples per rank per step
-    step_seconds: float                # forward + backward + optimiser step
+    other_params: int  # parameters outside weight layers (BatchNorm, ...)
+    batch: int  # samples per rank per step
+    step_seconds: float  # forward + backward + optimiser step
     forward_seconds: float
     backward_seconds: float
-    fp16_seconds: float = 0.0          # casting every gradient to fp16 and back (fp16 compression)
+    fp16_seconds: float = 0.0  # casting every gradient to fp16 and back (fp16 compression)
     # What a method's cost found out about the model (MethodCost.model_facts), by method name:
     # e.g. where SIL's default cut falls, which layers dAD can share rows of.
     facts: dict[str, Any] = field(default_factory=dict)
-    flops: float = 0.0                 # the forward pass's on the batch (products, convolutions, attention)
+    flops: float = 0.0  # the forward pass's on the batch (products, convolutions, attention)
     device: str = "timed on this machine"  # where the seconds come from (Device.name when counted)
-    tied_params: int = 0               # numbers in two layers' params at once (a tied embedding and output layer)
+    tied_params: int = 0  # numbers in two layers' params at once (a tied embedding and output layer)
 
     @property
     def params(self) -> int:
@@ -212,8 +214,14 @@ class Profile:
         passes did."""
         scale = (forward + backward) / max(self.forward_seconds + self.backward_seconds, 1e-12)
         layers = [replace(layer, kernels={k: t * scale for k, t in layer.kernels.items()}) for layer in self.layers]
-        return replace(self, layers=layers, step_seconds=step, forward_seconds=forward, backward_seconds=backward,
-                       fp16_seconds=self.fp16_seconds * scale)
+        return replace(
+            self,
+            layers=layers,
+            step_seconds=step,
+            forward_seconds=forward,
+            backward_seconds=backward,
+            fp16_seconds=self.fp16_seconds * scale,
+        )
 
 
 @dataclass(frozen=True)
@@ -235,11 +243,11 @@ class LayerSample:
 
     name: str
     module: nn.Module
-    inputs: torch.Tensor      # the layer's input on the profiled batch
-    output: torch.Tensor      # its output
+    inputs: torch.Tensor  # the layer's input on the profiled batch
+    output: torch.Tensor  # its output
     fan_in: int
     fan_out: int
-    rows: int                 # rows on this rank: batch × rows per sample
+    rows: int  # rows on this rank: batch × rows per sample
 
 
 @dataclass(frozen=True)
@@ -277,9 +285,16 @@ def sent_bytes(op: str, nbytes_per_rank: float, group: int) -> float:
     return wire_bytes(op, nbytes_per_rank * group if op == "allgather" else nbytes_per_rank, group)
 
 
-def profile_model(model: nn.Module, input_shape: tuple[int, ...], batch: int, repeats: int = 5,
-                  cfg: Config | None = None, methods: tuple[str, ...] | None = None,
-                  vocabulary: int | None = None, device: Device | None = None) -> Profile:
+def profile_model(
+    model: nn.Module,
+    input_shape: tuple[int, ...],
+    batch: int,
+    repeats: int = 5,
+    cfg: Config | None = None,
+    methods: tuple[str, ...] | None = None,
+    vocabulary: int | None = None,
+    device: Device | None = None,
+) -> Profile:
     """The model on `batch` samples of random data (token ids below `vocabulary` for a text
     dataset's model: DatasetInfo.vocabulary): its layer shapes and forward FLOPs from a pass on
     the meta device; for every method with a cost (or those in `methods`), its kernels per layer
@@ -297,8 +312,11 @@ def profile_model(model: nn.Module, input_shape: tuple[int, ...], batch: int, re
     with _MetaOps() as forward, torch.no_grad():
         layers, samples, other, tied = _weight_layers(shapes, x)
     with _MetaOps(), torch.no_grad():
-        facts = {name: cost.model_facts(shapes, tuple(input_shape), options(cfg), cfg)
-                 for name, (cost, options) in costs.items() if cost.model_facts is not None}
+        facts = {
+            name: cost.model_facts(shapes, tuple(input_shape), options(cfg), cfg)
+            for name, (cost, options) in costs.items()
+            if cost.model_facts is not None
+        }
     flops = sum(op_flops for op_flops, _ in forward.ops)
     if device is None:
         here = measured_device("cpu", cfg.train.amp)
@@ -319,12 +337,29 @@ def profile_model(model: nn.Module, input_shape: tuple[int, ...], batch: int, re
             gradients = torch.empty(sum(p.numel() for p in shapes.parameters()))
             fp16 = median_seconds(lambda: gradients.half().float())
     layers = [replace(layer, kernels=seconds) for layer, seconds in zip(layers, kernels)]
-    return Profile(layers, other, batch, step, forward_seconds, backward_seconds, fp16, facts, flops,
-                   Profile.device if device is None else device.name, tied)
+    return Profile(
+        layers,
+        other,
+        batch,
+        step,
+        forward_seconds,
+        backward_seconds,
+        fp16,
+        facts,
+        flops,
+        Profile.device if device is None else device.name,
+        tied,
+    )
 
 
-def _timing_seconds(flops: float, samples: list[LayerSample], costs: dict[str, tuple[MethodCost, Callable[[Config], Any]]],
-                    cfg: Config, repeats: int, here: Device) -> float:
+def _timing_seconds(
+    flops: float,
+    samples: list[LayerSample],
+    costs: dict[str, tuple[MethodCost, Callable[[Config], Any]]],
+    cfg: Config,
+    repeats: int,
+    here: Device,
+) -> float:
     """About how long timing a profile would take on this machine (`here`): its steps, and its
     layers' kernels run 4 times each (median_seconds), counted at this CPU's rates."""
     with costing(here):
@@ -350,8 +385,12 @@ def _copy(model: nn.Module, meta: bool) -> nn.Module:
             for t in chain(model.parameters(), model.buffers()):
                 t.normal_(0.0, 0.02) if t.is_floating_point() else t.zero_()
     for module in model.modules():
-        for hooks in (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
-                      getattr(module, "_backward_pre_hooks", {})):
+        for hooks in (
+            module._forward_hooks,
+            module._forward_pre_hooks,
+            module._backward_hooks,
+            getattr(module, "_backward_pre_hooks", {}),
+        ):
             hooks.clear()
     return model.train()
 
@@ -367,8 +406,11 @@ def _weight_layers(model: nn.Module, x: torch.Tensor) -> tuple[list[Layer], list
     children = list(model.children()) if isinstance(model, nn.Sequential) else []
     rows: dict[str, int] = {}
     seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # each weight layer's input and output
-    hooks = [m.register_forward_hook(_rows_hook(rows, seen, name)) for name, m in model.named_modules()
-             if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() >= 2]
+    hooks = [
+        m.register_forward_hook(_rows_hook(rows, seen, name))
+        for name, m in model.named_modules()
+        if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() >= 2
+    ]
     with torch.no_grad():
         model(x)
     for hook in hooks:
@@ -397,8 +439,9 @@ def _costs(methods: tuple[str, ...] | None) -> dict[str, tuple[MethodCost, Calla
     return found
 
 
-def _layer_kernels(samples: list[LayerSample], costs: dict[str, tuple[MethodCost, Callable[[Config], Any]]],
-                   cfg: Config) -> list[dict[str, float]]:
+def _layer_kernels(
+    samples: list[LayerSample], costs: dict[str, tuple[MethodCost, Callable[[Config], Any]]], cfg: Config
+) -> list[dict[str, float]]:
     """Seconds of every method's own kernels for each layer (median_seconds: timed, or counted
     while `costing`); layers alike (a transformer's blocks) share one figure."""
     found: dict[tuple[Any, ...], dict[str, float]] = {}
@@ -411,12 +454,18 @@ def _layer_kernels(samples: list[LayerSample], costs: dict[str, tuple[MethodCost
 def _alike(sample: LayerSample) -> tuple[Any, ...]:
     """What a layer's kernels depend on: its kind, its settings and its shapes."""
     module = sample.module
-    return (type(module), module.extra_repr(), tuple(module.weight.shape), tuple(sample.inputs.shape),
-            tuple(sample.output.shape))
+    return (
+        type(module),
+        module.extra_repr(),
+        tuple(module.weight.shape),
+        tuple(sample.inputs.shape),
+        tuple(sample.output.shape),
+    )
 
 
-def _kernels(sample: LayerSample, costs: dict[str, tuple[MethodCost, Callable[[Config], Any]]],
-             cfg: Config) -> dict[str, float]:
+def _kernels(
+    sample: LayerSample, costs: dict[str, tuple[MethodCost, Callable[[Config], Any]]], cfg: Config
+) -> dict[str, float]:
     """Seconds of every method's own kernels for one layer (each name once)."""
     seconds: dict[str, float] = {}
     for cost, options in costs.values():
@@ -428,12 +477,17 @@ def _kernels(sample: LayerSample, costs: dict[str, tuple[MethodCost, Callable[[C
     return seconds
 
 
-def _rows_hook(rows: dict[str, int], seen: dict[str, tuple[torch.Tensor, torch.Tensor]], name: str
-               ) -> Callable[..., None]:
+def _rows_hook(
+    rows: dict[str, int], seen: dict[str, tuple[torch.Tensor, torch.Tensor]], name: str
+) -> Callable[..., None]:
     def hook(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
-        rows[name] = output[0, 0].numel() if isinstance(module, nn.modules.conv._ConvNd) else \
-            output[0].numel() // output.shape[-1]
+        rows[name] = (
+            output[0, 0].numel()
+            if isinstance(module, nn.modules.conv._ConvNd)
+            else output[0].numel() // output.shape[-1]
+        )
         seen[name] = (inputs[0], output)
+
     return hook
 
 
@@ -474,14 +528,15 @@ def median_seconds(fn: Callable[[], Any], repeats: int = 3) -> float:
 # ---------------------------------------------------------------------------------------------
 # devices: compute counted at an accelerator's (or this machine's measured) rates
 
+
 @dataclass(frozen=True)
 class Accelerator:
     """A GPU's published rates (ACCELERATORS)."""
 
-    bf16_tflops: float     # dense peak in bf16 (fp16 on the V100, which has no bf16)
-    fp32_tflops: float     # dense peak in fp32 (without TF32, which PyTorch leaves off for products)
-    memory_tbps: float     # memory bandwidth, TB/s
-    nvlink_gbit: float     # between the GPUs of one node, each direction
+    bf16_tflops: float  # dense peak in bf16 (fp16 on the V100, which has no bf16)
+    fp32_tflops: float  # dense peak in fp32 (without TF32, which PyTorch leaves off for products)
+    memory_tbps: float  # memory bandwidth, TB/s
+    nvlink_gbit: float  # between the GPUs of one node, each direction
 
 
 # NVIDIA's data sheets for the SXM parts (A100 80GB, H100, H200, V100), without sparsity.
@@ -506,10 +561,10 @@ TIMING_LIMIT = 20.0
 class Device:
     """What the compute is costed on: the rates its work reaches."""
 
-    name: str                              # as a report says it
-    step_rate: float                       # flop/s of a training step's products, convolutions, attention
-    kernel_rate: float                     # flop/s of the methods' own kernels (fp32)
-    memory_bandwidth: float = math.inf     # bytes/s
+    name: str  # as a report says it
+    step_rate: float  # flop/s of a training step's products, convolutions, attention
+    kernel_rate: float  # flop/s of the methods' own kernels (fp32)
+    memory_bandwidth: float = math.inf  # bytes/s
 
     def seconds(self, ops: list[tuple[float, float]]) -> float:
         """Each op (FLOPs, bytes) at the roofline: its FLOPs at kernel_rate or its bytes at the
@@ -530,11 +585,17 @@ def compute_device(accelerator: str = "", tflops: float = 0.0, amp: str = "none"
     elif accelerator in ACCELERATORS:
         a = ACCELERATORS[accelerator]
         peak = a.bf16_tflops if amp == "bf16" else a.fp32_tflops
-        device = Device(f"{accelerator}: {UTILISATION:.0%} of its {peak:g} TFLOP/s {_precision(amp)} peak",
-                        UTILISATION * peak * 1e12, UTILISATION * a.fp32_tflops * 1e12, a.memory_tbps * 1e12)
+        device = Device(
+            f"{accelerator}: {UTILISATION:.0%} of its {peak:g} TFLOP/s {_precision(amp)} peak",
+            UTILISATION * peak * 1e12,
+            UTILISATION * a.fp32_tflops * 1e12,
+            a.memory_tbps * 1e12,
+        )
     else:
-        raise ConfigError(f"accelerator {accelerator!r}: use one of {', '.join([*ACCELERATORS, 'cpu'])}, or give "
-                          f"the rate yours reaches (--tflops)")
+        raise ConfigError(
+            f"accelerator {accelerator!r}: use one of {', '.join([*ACCELERATORS, 'cpu'])}, or give "
+            f"the rate yours reaches (--tflops)"
+        )
     return replace(device, name=f"{accelerator} at {tflops:g} TFLOP/s", step_rate=tflops * 1e12) if tflops else device
 
 
@@ -556,14 +617,18 @@ def measured_device(where: str, amp: str) -> Device:
     def product_rate(dtype: torch.dtype) -> float:
         n = 1024 if cpu else 8192
         a = torch.randn(n, n, device=place).to(dtype)
-        return 2 * n ** 3 / seconds(lambda: a @ a)
+        return 2 * n**3 / seconds(lambda: a @ a)
 
     block = torch.empty(1 << (24 if cpu else 28), device=place)
     bandwidth = 2 * block.nbytes / seconds(block.clone)  # read and written once
     fp32 = product_rate(torch.float32)
     step = product_rate(torch.bfloat16) if amp == "bf16" else fp32
-    return Device(f"{where}: {UTILISATION:.0%} of its measured {step / 1e12:.3g} TFLOP/s {_precision(amp)}",
-                  UTILISATION * step, UTILISATION * fp32, bandwidth)
+    return Device(
+        f"{where}: {UTILISATION:.0%} of its measured {step / 1e12:.3g} TFLOP/s {_precision(amp)}",
+        UTILISATION * step,
+        UTILISATION * fp32,
+        bandwidth,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -642,15 +707,20 @@ def _qr_flops(a: torch.Tensor, mode: str = "reduced") -> float:
     """Householder QR of each m × n matrix (l the longer side, k the shorter): 2lk² - 2k³/3, and
     as much again to form Q."""
     long, short = max(a.shape[-2:]), min(a.shape[-2:])
-    return math.prod(a.shape[:-2]) * (2 * long * short ** 2 - 2 * short ** 3 / 3) * (1 if mode == "r" else 2)
+    return math.prod(a.shape[:-2]) * (2 * long * short**2 - 2 * short**3 / 3) * (1 if mode == "r" else 2)
 
 
 def _svd_flops(a: torch.Tensor, full_matrices: bool = False, compute_uv: bool = True, **_: Any) -> float:
     """R-SVD of each m × n matrix (l, k as for QR): 2lk² + 2k³ for the singular values, 6lk² + 20k³
     with the thin factors, 4l²k + 22k³ with the full U (Golub and Van Loan, Matrix Computations)."""
     long, short = max(a.shape[-2:]), min(a.shape[-2:])
-    each = (2 * long * short ** 2 + 2 * short ** 3 if not compute_uv else
-            4 * long ** 2 * short + 22 * short ** 3 if full_matrices else 6 * long * short ** 2 + 20 * short ** 3)
+    each = (
+        2 * long * short**2 + 2 * short**3
+        if not compute_uv
+        else 4 * long**2 * short + 22 * short**3
+        if full_matrices
+        else 6 * long * short**2 + 20 * short**3
+    )
     return math.prod(a.shape[:-2]) * each
 
 
@@ -664,11 +734,11 @@ class Prediction:
 
     method: str
     ranks: int
-    compute: float            # seconds: forward, backward, optimiser
-    method_compute: float     # seconds: the method's own work (power iteration, row products, ...)
-    communication: float      # seconds on the network
-    hidden: float             # of which overlapped with the backward pass
-    bytes_per_rank: float     # sent per step
+    compute: float  # seconds: forward, backward, optimiser
+    method_compute: float  # seconds: the method's own work (power iteration, row products, ...)
+    communication: float  # seconds on the network
+    hidden: float  # of which overlapped with the backward pass
+    bytes_per_rank: float  # sent per step
     # Sent per step from one node to the others (what its network link carries; Link.node_share).
     node_link_bytes: float = 0.0
 
@@ -677,8 +747,14 @@ class Prediction:
         return self.compute + self.method_compute + self.communication - self.hidden
 
 
-def predict(profile: Profile, method: str, ranks: int, link: Link, cfg: Config | None = None,
-            assumptions: RunAssumptions = RunAssumptions()) -> Prediction:
+def predict(
+    profile: Profile,
+    method: str,
+    ranks: int,
+    link: Link,
+    cfg: Config | None = None,
+    assumptions: RunAssumptions = RunAssumptions(),
+) -> Prediction:
     """The step of `method` on `ranks` ranks, each with the profile's batch, with the options of
     `cfg` (the defaults if None) and the presets the method's name implies."""
     spec = specs().get(method)
@@ -749,15 +825,24 @@ def quality_keeping_methods(cfg: Config | None = None) -> tuple[str, ...]:
     return tuple(m for m in drop_in_methods() if left_out(m, cfg) is None)
 
 
-def break_even(profile: Profile, method: str, ranks: int, network: Link, cfg: Config | None = None,
-               assumptions: RunAssumptions = RunAssumptions()) -> float:
+def break_even(
+    profile: Profile,
+    method: str,
+    ranks: int,
+    network: Link,
+    cfg: Config | None = None,
+    assumptions: RunAssumptions = RunAssumptions(),
+) -> float:
     """The network bandwidth (bytes/s) below which `method` steps faster than ddp, the rest of
     `network` (latency, nodes, their own links) as given: inf when it is faster at every bandwidth
     from 100 Mbit/s to 10 Tbit/s, 0 when it is faster at none."""
+
     def gain(bandwidth: float) -> float:
         link = replace(network, bandwidth=bandwidth)
-        return predict(profile, "ddp", ranks, link, cfg, assumptions).step - \
-            predict(profile, method, ranks, link, cfg, assumptions).step
+        return (
+            predict(profile, "ddp", ranks, link, cfg, assumptions).step
+            - predict(profile, method, ranks, link, cfg, assumptions).step
+        )
 
     low, high = 100e6 / 8, 10e12 / 8
     if gain(low) <= 0:
@@ -775,8 +860,9 @@ def break_even(profile: Profile, method: str, ranks: int, network: Link, cfg: Co
 MIN_GAIN = 0.05
 
 
-def choose(profile: Profile, ranks: int, link: Link, cfg: Config | None = None,
-           candidates: tuple[str, ...] | None = None) -> tuple[str, list[Prediction], str]:
+def choose(
+    profile: Profile, ranks: int, link: Link, cfg: Config | None = None, candidates: tuple[str, ...] | None = None
+) -> tuple[str, list[Prediction], str]:
     """The candidate (default: every drop-in method that keeps quality) with the shortest
     predicted step (ddp unless another is MIN_GAIN faster), every prediction, and why (with what
     quality risk remains)."""
@@ -786,24 +872,32 @@ def choose(profile: Profile, ranks: int, link: Link, cfg: Config | None = None,
     best, ddp = predictions[0], next((q for q in predictions if q.method == "ddp"), None)
     if ddp is not None and best.step > (1 - MIN_GAIN) * ddp.step:
         best = ddp
-    why = (f"{best.method}: predicted {best.step * 1e3:.1f} ms per step on {ranks} ranks over {link.describe()} "
-           f"(compute {best.compute * 1e3:.1f} ms, its own work {best.method_compute * 1e3:.1f} ms, "
-           f"network {(best.communication - best.hidden) * 1e3:.1f} ms not hidden)")
+    why = (
+        f"{best.method}: predicted {best.step * 1e3:.1f} ms per step on {ranks} ranks over {link.describe()} "
+        f"(compute {best.compute * 1e3:.1f} ms, its own work {best.method_compute * 1e3:.1f} ms, "
+        f"network {(best.communication - best.hidden) * 1e3:.1f} ms not hidden)"
+    )
     if ddp is not None and best.method != "ddp":
         why += f"; ddp would take {ddp.step * 1e3:.1f} ms ({ddp.step / best.step:.2f}x)"
     else:
         runner = next((q for q in predictions if q.method != best.method), None)
         if runner is not None:
-            why += f"; the next best, {runner.method}, {runner.step * 1e3:.1f} ms (a method is chosen over " \
-                   f"ddp only when {MIN_GAIN:.0%} faster)"
+            why += (
+                f"; the next best, {runner.method}, {runner.step * 1e3:.1f} ms (a method is chosen over "
+                f"ddp only when {MIN_GAIN:.0%} faster)"
+            )
     risk, measured = quality_risk(best.method, cfg), measured_quality(best.method, cfg)
     why += f". Quality: {risk or 'the same gradient as ddp'}" + (f"; {measured.risk()}" if measured and risk else "")
     return best.method, predictions, why
 
 
 def format_predictions(predictions: list[Prediction]) -> str:
-    lines = [f"{'method':<10} {'step ms':>9} {'compute':>9} {'own work':>9} {'network':>9} {'hidden':>8} {'sent/rank':>10}"]
+    lines = [
+        f"{'method':<10} {'step ms':>9} {'compute':>9} {'own work':>9} {'network':>9} {'hidden':>8} {'sent/rank':>10}"
+    ]
     for q in predictions:
-        lines.append(f"{q.method:<10} {q.step * 1e3:>9.1f} {q.compute * 1e3:>9.1f} {q.method_compute * 1e3:>9.1f} "
-                     f"{q.communication * 1e3:>9.1f} {q.hidden * 1e3:>8.1f} {human_bytes(q.bytes_per_rank):>10}")
+        lines.append(
+            f"{q.method:<10} {q.step * 1e3:>9.1f} {q.compute * 1e3:>9.1f} {q.method_compute * 1e3:>9.1f} "
+            f"{q.communication * 1e3:>9.1f} {q.hidden * 1e3:>8.1f} {human_bytes(q.bytes_per_rank):>10}"
+        )
     return "\n".join(lines)

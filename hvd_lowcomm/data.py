@@ -42,6 +42,7 @@ smallest rank's sample count, which collective methods need. In training a rank 
 samples uses at most max(steps * batch_size, m + 1) of them per epoch (a fresh random choice
 each epoch); evaluation reads every sample.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -76,25 +77,25 @@ def checksum(f: h5py.File) -> str:
             ds = f[split][key]
             rows = max(1, (1 << 24) // max(1, ds.dtype.itemsize * math.prod(ds.shape[1:])))
             for start in range(0, ds.shape[0], rows):
-                digest.update(np.ascontiguousarray(ds[start:start + rows]).tobytes())
+                digest.update(np.ascontiguousarray(ds[start : start + rows]).tobytes())
     return digest.hexdigest()
 
 
 @dataclass(frozen=True)
 class DatasetInfo:
-    path: str                      # what the user gave: a file or a shard directory
-    files: tuple[str, ...]         # the HDF5 files, in shard order
+    path: str  # what the user gave: a file or a shard directory
+    files: tuple[str, ...]  # the HDF5 files, in shard order
     num_classes: int
     input_shape: tuple[int, ...]
-    train_sizes: tuple[int, ...]   # samples per file
+    train_sizes: tuple[int, ...]  # samples per file
     test_sizes: tuple[int, ...]
     source: str
-    dtype: str                     # "uint8" (images, normalised when read) or "float32"
+    dtype: str  # "uint8" (images, normalised when read) or "float32"
     mean: tuple[float, ...] | None
     std: tuple[float, ...] | None
     datasets: Any = field(default=None, compare=False, repr=False)  # data.source: {"train": ..., "test": ...}
-    task: str = CLASSIFY           # or LANGUAGE_MODEL: a text dataset (num_classes is its vocabulary)
-    bytes_per_token: float = 1.0   # text: bytes of text per token of the held-out split (bits per byte)
+    task: str = CLASSIFY  # or LANGUAGE_MODEL: a text dataset (num_classes is its vocabulary)
+    bytes_per_token: float = 1.0  # text: bytes of text per token of the held-out split (bits per byte)
 
     @property
     def num_train(self) -> int:
@@ -121,15 +122,18 @@ def shard_files(path: Path) -> list[Path]:
     """The shard files of a shard directory, checked to be complete."""
     found = sorted(p for p in path.iterdir() if _SHARD_PATTERN.fullmatch(p.name))
     if not found:
-        raise DataError(f"{path} is a directory without shard files (shard-NNNNN-of-NNNNN.h5); "
-                        f"{_remake(path)} --shards S")
+        raise DataError(
+            f"{path} is a directory without shard files (shard-NNNNN-of-NNNNN.h5); {_remake(path)} --shards S"
+        )
     counts = {int(_SHARD_PATTERN.fullmatch(p.name).group(2)) for p in found}
     count = counts.pop()
     expected = [path / SHARD_NAME.format(index=i, count=count) for i in range(count)]
     missing = [p.name for p in expected if p not in found]
     if counts or missing:
-        raise DataError(f"{path}: shard set incomplete or mixed (missing {', '.join(missing[:4]) or '-'}; "
-                        f"counts {sorted(counts | {count})}); {_remake(path)} --shards S")
+        raise DataError(
+            f"{path}: shard set incomplete or mixed (missing {', '.join(missing[:4]) or '-'}; "
+            f"counts {sorted(counts | {count})}); {_remake(path)} --shards S"
+        )
     return expected
 
 
@@ -142,14 +146,18 @@ def _describe(path: Path, seq_len: int) -> dict:
             missing = [f"/{s}/{k}" for s in SPLITS for k in ("x", "y") if f"{s}/{k}" not in f]
             missing += [f"attribute {a}" for a in ("format", "num_classes", "checksum") if a not in f.attrs]
             if missing:
-                raise DataError(f"{path} is not a complete hvd_lowcomm dataset: missing {', '.join(missing)}; "
-                                f"{_remake(path)}")
+                raise DataError(
+                    f"{path} is not a complete hvd_lowcomm dataset: missing {', '.join(missing)}; {_remake(path)}"
+                )
             if str(f.attrs["format"]) != FORMAT:
-                raise DataError(f"{path} has format {f.attrs['format']!r}, this version reads {FORMAT!r}; "
-                                f"{_remake(path)}")
+                raise DataError(
+                    f"{path} has format {f.attrs['format']!r}, this version reads {FORMAT!r}; {_remake(path)}"
+                )
             if not re.fullmatch(r"[0-9a-f]{64}", str(f.attrs["checksum"])):
-                raise DataError(f"{path}: checksum attribute {str(f.attrs['checksum'])[:20]!r} is not a sha256 "
-                                f"digest; the file was not written by data_prep: {_remake(path)}")
+                raise DataError(
+                    f"{path}: checksum attribute {str(f.attrs['checksum'])[:20]!r} is not a sha256 "
+                    f"digest; the file was not written by data_prep: {_remake(path)}"
+                )
             x = f["train/x"]
             for split in SPLITS:
                 xs, ys = f[f"{split}/x"], f[f"{split}/y"]
@@ -164,36 +172,56 @@ def _describe(path: Path, seq_len: int) -> dict:
                 if "mean" not in f.attrs or "std" not in f.attrs:
                     raise DataError(f"{path}: uint8 images without mean/std attributes; {_remake(path)}")
                 stats = (tuple(float(v) for v in f.attrs["mean"]), tuple(float(v) for v in f.attrs["std"]))
-            return {"num_classes": int(f.attrs["num_classes"]), "input_shape": tuple(int(d) for d in x.shape[1:]),
-                    "train": int(x.shape[0]), "test": int(f["test/x"].shape[0]), "dtype": str(x.dtype),
-                    "source": str(f.attrs.get("source", "?")), "stats": stats, "task": CLASSIFY,
-                    "bytes_per_token": 1.0,
-                    "shard": (int(f.attrs.get("shard_index", 0)), int(f.attrs.get("num_shards", 1)))}
+            return {
+                "num_classes": int(f.attrs["num_classes"]),
+                "input_shape": tuple(int(d) for d in x.shape[1:]),
+                "train": int(x.shape[0]),
+                "test": int(f["test/x"].shape[0]),
+                "dtype": str(x.dtype),
+                "source": str(f.attrs.get("source", "?")),
+                "stats": stats,
+                "task": CLASSIFY,
+                "bytes_per_token": 1.0,
+                "shard": (int(f.attrs.get("shard_index", 0)), int(f.attrs.get("num_shards", 1))),
+            }
     except OSError as err:
-        raise DataError(f"cannot read {path} as HDF5 ({err}); the file may be truncated or "
-                        f"corrupt: delete it and {_remake(path)}") from None
+        raise DataError(
+            f"cannot read {path} as HDF5 ({err}); the file may be truncated or corrupt: delete it and {_remake(path)}"
+        ) from None
 
 
 def _describe_text(path: Path, f: h5py.File, seq_len: int) -> dict:
     missing = [f"/{s}/tokens" for s in SPLITS if f"{s}/tokens" not in f]
     missing += [f"attribute {a}" for a in ("format", "vocab_size", "checksum") if a not in f.attrs]
     if missing:
-        raise DataError(f"{path} is not a complete hvd_lowcomm text dataset: missing {', '.join(missing)}; "
-                        f"recreate it with `python -m data_prep text <files> --out {path}`")
+        raise DataError(
+            f"{path} is not a complete hvd_lowcomm text dataset: missing {', '.join(missing)}; "
+            f"recreate it with `python -m data_prep text <files> --out {path}`"
+        )
     if str(f.attrs["format"]) != FORMAT:
-        raise DataError(f"{path} has format {f.attrs['format']!r}, this version reads {FORMAT!r}; "
-                        f"recreate it with `python -m data_prep text <files> --out {path}`")
+        raise DataError(
+            f"{path} has format {f.attrs['format']!r}, this version reads {FORMAT!r}; "
+            f"recreate it with `python -m data_prep text <files> --out {path}`"
+        )
     counts = {split: int(f[f"{split}/tokens"].shape[0]) for split in SPLITS}
     for split, count in counts.items():
         if count < seq_len + 1:
-            raise DataError(f"{path}: the {split} split has {count} tokens, fewer than one window of data.seq_len "
-                            f"{seq_len} + 1: use a shorter --data.seq_len, more text, or fewer --shards")
-    return {"num_classes": int(f.attrs["vocab_size"]), "input_shape": (seq_len,),
-            "train": TokenSplit.windows(counts["train"], seq_len, training=True),
-            "test": TokenSplit.windows(counts["test"], seq_len, training=False),
-            "dtype": str(f["train/tokens"].dtype), "source": str(f.attrs.get("source", "?")), "stats": None,
-            "task": LANGUAGE_MODEL, "bytes_per_token": float(f.attrs.get("bytes_per_token", 1.0)),
-            "shard": (int(f.attrs.get("shard_index", 0)), int(f.attrs.get("num_shards", 1)))}
+            raise DataError(
+                f"{path}: the {split} split has {count} tokens, fewer than one window of data.seq_len "
+                f"{seq_len} + 1: use a shorter --data.seq_len, more text, or fewer --shards"
+            )
+    return {
+        "num_classes": int(f.attrs["vocab_size"]),
+        "input_shape": (seq_len,),
+        "train": TokenSplit.windows(counts["train"], seq_len, training=True),
+        "test": TokenSplit.windows(counts["test"], seq_len, training=False),
+        "dtype": str(f["train/tokens"].dtype),
+        "source": str(f.attrs.get("source", "?")),
+        "stats": None,
+        "task": LANGUAGE_MODEL,
+        "bytes_per_token": float(f.attrs.get("bytes_per_token", 1.0)),
+        "shard": (int(f.attrs.get("shard_index", 0)), int(f.attrs.get("num_shards", 1))),
+    }
 
 
 def inspect(path: str | Path, seq_len: int = DataConfig.seq_len) -> DatasetInfo:
@@ -205,26 +233,39 @@ def inspect(path: str | Path, seq_len: int = DataConfig.seq_len) -> DatasetInfo:
     elif path.is_file():
         files = [path]
     else:
-        raise DataError(f"dataset {path} does not exist; create it with `python -m data_prep SOURCE --out {path}` "
-                        f"(SOURCE: a bundled set such as digits, mnist5k or shakespeare, or your own data; see "
-                        f"`python -m data_prep --help`)")
+        raise DataError(
+            f"dataset {path} does not exist; create it with `python -m data_prep SOURCE --out {path}` "
+            f"(SOURCE: a bundled set such as digits, mnist5k or shakespeare, or your own data; see "
+            f"`python -m data_prep --help`)"
+        )
     described = [_describe(f, seq_len) for f in files]
     first = described[0]
     for index, (file, d) in enumerate(zip(files, described)):
         for key in ("num_classes", "input_shape", "dtype", "stats", "task"):
             if d[key] != first[key]:
-                raise DataError(f"{file}: {key} {d[key]} differs from {files[0].name}'s {first[key]}; "
-                                f"the shards come from different data_prep runs: {_remake(path)}")
+                raise DataError(
+                    f"{file}: {key} {d[key]} differs from {files[0].name}'s {first[key]}; "
+                    f"the shards come from different data_prep runs: {_remake(path)}"
+                )
         if len(files) > 1 and d["shard"] != (index, len(files)):
             raise DataError(f"{file} says it is shard {d['shard'][0]} of {d['shard'][1]}; {_remake(path)}")
     if first["num_classes"] < 2:
         raise DataError(f"{path}: num_classes is {first['num_classes']}, need at least 2")
     stats = first["stats"]
-    return DatasetInfo(path=str(path), files=tuple(str(f) for f in files), num_classes=first["num_classes"],
-                       input_shape=first["input_shape"], train_sizes=tuple(d["train"] for d in described),
-                       test_sizes=tuple(d["test"] for d in described), source=first["source"],
-                       dtype=first["dtype"], mean=stats[0] if stats else None, std=stats[1] if stats else None,
-                       task=first["task"], bytes_per_token=first["bytes_per_token"])
+    return DatasetInfo(
+        path=str(path),
+        files=tuple(str(f) for f in files),
+        num_classes=first["num_classes"],
+        input_shape=first["input_shape"],
+        train_sizes=tuple(d["train"] for d in described),
+        test_sizes=tuple(d["test"] for d in described),
+        source=first["source"],
+        dtype=first["dtype"],
+        mean=stats[0] if stats else None,
+        std=stats[1] if stats else None,
+        task=first["task"],
+        bytes_per_token=first["bytes_per_token"],
+    )
 
 
 def verify(files: list[str] | tuple[str, ...]) -> None:
@@ -236,16 +277,19 @@ def verify(files: list[str] | tuple[str, ...]) -> None:
         except OSError as err:
             raise DataError(f"cannot read {file} ({err}): delete it and {_remake(Path(file))}") from None
         if stored != actual:
-            raise DataError(f"{file}: checksum mismatch (stored {stored[:12]}..., data {actual[:12]}...): the "
-                            f"file was changed or damaged after it was written; {_remake(Path(file))}")
+            raise DataError(
+                f"{file}: checksum mismatch (stored {stored[:12]}..., data {actual[:12]}...): the "
+                f"file was changed or damaged after it was written; {_remake(Path(file))}"
+            )
 
 
 class H5Split:
     """One split (train or test) of a dataset, over all its shard files; a file is opened on
     its first read in this process, so a rank only opens the files it reads."""
 
-    def __init__(self, info: DatasetInfo | str | Path, split: str, normalize: bool = True,
-                 driver: str = "default") -> None:
+    def __init__(
+        self, info: DatasetInfo | str | Path, split: str, normalize: bool = True, driver: str = "default"
+    ) -> None:
         self.info = info if isinstance(info, DatasetInfo) else inspect(info)
         self.split, self.driver = split, driver
         self.path = self.info.path
@@ -276,8 +320,10 @@ class H5Split:
                 kwargs = {"driver": "mpio", "comm": MPI.COMM_SELF}
             group = h5py.File(self.info.files[shard], "r", **kwargs)[self.split]
             # h5py lookups by name are slow: keep handles (or maps) for every later batch.
-            self._files[shard] = tuple(_mapped(group[key], self.info.files[shard]) if self.driver == "default"
-                                       else group[key] for key in ("x", "y"))
+            self._files[shard] = tuple(
+                _mapped(group[key], self.info.files[shard]) if self.driver == "default" else group[key]
+                for key in ("x", "y")
+            )
         return self._files[shard]
 
     def read(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -354,7 +400,7 @@ class TokenSplit:
         rows = np.empty((len(indices), length), dtype=np.int64)
         for i, (index, shard) in enumerate(zip(indices, shards)):
             start = (index - self.offsets[shard]) * self.seq_len + self._shift[shard]
-            rows[i] = self._stream(int(shard))[start:start + length]
+            rows[i] = self._stream(int(shard))[start : start + length]
         window = torch.from_numpy(rows)
         return window[:, :-1], window[:, 1:]
 
@@ -381,7 +427,7 @@ def _read_rows(ds: h5py.Dataset | np.ndarray, rows: np.ndarray) -> np.ndarray:
     first, last = int(rows[0]), int(rows[-1])
     row_bytes = ds.dtype.itemsize * math.prod(ds.shape[1:])
     if (last - first + 1) * row_bytes <= SLAB_BYTES:
-        return ds[first:last + 1][rows - first]
+        return ds[first : last + 1][rows - first]
     out = np.empty((len(rows), *ds.shape[1:]), dtype=ds.dtype)
     for i, row in enumerate(rows):
         out[i] = ds[row]
@@ -404,11 +450,21 @@ def assign_shards(sizes: tuple[int, ...] | list[int], world_size: int) -> list[l
 class ShardedBatches:
     """This rank's batches of one split for a given epoch (see the module docstring)."""
 
-    def __init__(self, split: H5Split, batch_size: int, rank: int, world_size: int,
-                 seed: int = 0, shuffle: bool = True, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        split: H5Split,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        device: torch.device | None = None,
+    ) -> None:
         if len(split) < world_size:
-            raise DataError(f"{split.path}: the {split.split} split has {len(split)} samples, "
-                            f"fewer than the {world_size} ranks; use fewer ranks or more data")
+            raise DataError(
+                f"{split.path}: the {split.split} split has {len(split)} samples, "
+                f"fewer than the {world_size} ranks; use fewer ranks or more data"
+            )
         self.split, self.batch_size = split, batch_size
         self.rank, self.world_size = rank, world_size
         self.seed, self.shuffle = seed, shuffle
@@ -417,8 +473,10 @@ class ShardedBatches:
         self.assignment = assign_shards(split.sizes, world_size)
         self.rank_sizes = [len(self._pool(r, 0, permute=False)) for r in range(world_size)]
         if min(self.rank_sizes) == 0:
-            raise DataError(f"{split.path}: with {len(split.sizes)} shards over {world_size} ranks some rank "
-                            f"gets no {split.split} samples; write more (or fewer) shards")
+            raise DataError(
+                f"{split.path}: with {len(split.sizes)} shards over {world_size} ranks some rank "
+                f"gets no {split.split} samples; write more (or fewer) shards"
+            )
 
     def _pool(self, rank: int, epoch: int, permute: bool = True) -> np.ndarray:
         """Rank `rank`'s global sample indices for `epoch`, in the order it visits them."""
@@ -429,7 +487,7 @@ class ShardedBatches:
             rows = self.split.shard_range(shard)
             if permute:
                 rows = rows[np.random.default_rng([self.seed, epoch, shard]).permutation(len(rows))]
-            return rows[sharing.index(rank)::len(sharing)]
+            return rows[sharing.index(rank) :: len(sharing)]
         rows = np.concatenate([self.split.shard_range(s) for s in shards])
         if permute:
             rows = rows[np.random.default_rng([self.seed, epoch, 1 << 20, rank]).permutation(len(rows))]
@@ -453,7 +511,7 @@ class ShardedBatches:
 
     def shard_indices(self, epoch: int | None = None) -> np.ndarray:
         pool = self._pool(self.rank, self.epoch if epoch is None else epoch, permute=self.shuffle)
-        return pool[:self._cap()] if self.shuffle else pool
+        return pool[: self._cap()] if self.shuffle else pool
 
     def batch_indices(self, epoch: int | None = None) -> list[np.ndarray]:
         return np.array_split(self.shard_indices(epoch), len(self))
@@ -462,7 +520,7 @@ class ShardedBatches:
         if self.shuffle and hasattr(self.split, "start_epoch"):  # a text split's windows move each epoch
             self.split.start_epoch(self.seed, self.epoch)
         gpu = self.device.type == "cuda"  # page-locked batches copy to a GPU while it still computes
-        for indices in self.batch_indices()[self.start:]:
+        for indices in self.batch_indices()[self.start :]:
             x, y = self.split.read(indices)
             if gpu:
                 x, y = x.pin_memory(), y.pin_memory()
@@ -471,6 +529,7 @@ class ShardedBatches:
 
 # ---------------------------------------------------------------------------------------------
 # a user's own datasets (--data.source mypkg.data:load)
+
 
 class DatasetSplit:
     """A torch Dataset (items (x, y)) behind the interface ShardedBatches reads: one "shard"
@@ -504,8 +563,10 @@ def from_source(source: str) -> DatasetInfo:
     load = import_object(source, "data.source")
     result = load()
     if not isinstance(result, tuple) or len(result) not in (2, 3):
-        raise DataError(f"data.source {source}() must return (train, test) or (train, test, num_classes) datasets, "
-                        f"got {type(result).__name__}")
+        raise DataError(
+            f"data.source {source}() must return (train, test) or (train, test, num_classes) datasets, "
+            f"got {type(result).__name__}"
+        )
     train, test = result[:2]
     for name, dataset in (("train", train), ("test", test)):
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__") or len(dataset) == 0:
@@ -513,20 +574,43 @@ def from_source(source: str) -> DatasetInfo:
     x, y = (torch.as_tensor(v) for v in train[0])
     if not x.is_floating_point() and x.dim() >= 1 and y.shape == x.shape:  # token windows
         if len(result) != 3:
-            raise DataError(f"data.source {source}() returns token windows (integer x, y of the same shape): "
-                            f"return (train, test, vocabulary_size) so the model's embedding can be checked")
-        return DatasetInfo(path=f"source {source}", files=(), num_classes=int(result[2]), input_shape=tuple(x.shape),
-                           train_sizes=(len(train),), test_sizes=(len(test),), source=source, dtype="int64",
-                           mean=None, std=None, datasets={"train": train, "test": test}, task=LANGUAGE_MODEL)
+            raise DataError(
+                f"data.source {source}() returns token windows (integer x, y of the same shape): "
+                f"return (train, test, vocabulary_size) so the model's embedding can be checked"
+            )
+        return DatasetInfo(
+            path=f"source {source}",
+            files=(),
+            num_classes=int(result[2]),
+            input_shape=tuple(x.shape),
+            train_sizes=(len(train),),
+            test_sizes=(len(test),),
+            source=source,
+            dtype="int64",
+            mean=None,
+            std=None,
+            datasets={"train": train, "test": test},
+            task=LANGUAGE_MODEL,
+        )
     if len(result) == 3:
         num_classes = int(result[2])
     else:  # from the labels: .targets where the dataset has them (torchvision's do), else every item
         labels = getattr(train, "targets", None)
         labels = labels if labels is not None else [train[i][1] for i in range(len(train))]
         num_classes = int(max(int(v) for v in labels)) + 1
-    return DatasetInfo(path=f"source {source}", files=(), num_classes=num_classes,
-                       input_shape=tuple(torch.as_tensor(x).shape), train_sizes=(len(train),), test_sizes=(len(test),),
-                       source=source, dtype="float32", mean=None, std=None, datasets={"train": train, "test": test})
+    return DatasetInfo(
+        path=f"source {source}",
+        files=(),
+        num_classes=num_classes,
+        input_shape=tuple(torch.as_tensor(x).shape),
+        train_sizes=(len(train),),
+        test_sizes=(len(test),),
+        source=source,
+        dtype="float32",
+        mean=None,
+        std=None,
+        datasets={"train": train, "test": test},
+    )
 
 
 def open_split(info: DatasetInfo, split: str, normalize: bool = True, driver: str = "default") -> Any:

@@ -8,6 +8,7 @@ beside its predicted time. The figures come from SUMMARY, which the
 benchmark writes from its results (`python -m benchmarks.heldout --package`); nothing here is
 typed by hand.
 """
+
 from __future__ import annotations
 
 import csv
@@ -15,9 +16,9 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
-LOSS_BOUND_PCT = 2.0    # a language model's validation loss, % above ddp's
+LOSS_BOUND_PCT = 2.0  # a language model's validation loss, % above ddp's
 ACC_BOUND_POINTS = 1.0  # a classifier's accuracy, points below ddp's
-DILOCO_BYTES = 0.1      # DiLoCo's default exchange, as a share of fp32 DiLoCo's bytes
+DILOCO_BYTES = 0.1  # DiLoCo's default exchange, as a share of fp32 DiLoCo's bytes
 SUMMARY = Path(__file__).with_name("heldout.csv")
 
 
@@ -70,9 +71,16 @@ def summarize(rows: list[dict[str, str]]) -> list[Measured]:
     for method, results in judged.items():
         worst = max(results, key=lambda r: excess(r["metric"], float(r["vs_ddp"])))
         ratios = sorted(float(r["bytes_vs_ddp"]) for r in results)
-        out.append(Measured(method, len(results), excess(worst["metric"], float(worst["vs_ddp"])) <= 0,
-                            worst["set"], describe(worst["metric"], float(worst["vs_ddp"])),
-                            ratios[len(ratios) // 2]))
+        out.append(
+            Measured(
+                method,
+                len(results),
+                excess(worst["metric"], float(worst["vs_ddp"])) <= 0,
+                worst["set"],
+                describe(worst["metric"], float(worst["vs_ddp"])),
+                ratios[len(ratios) // 2],
+            )
+        )
     return out
 
 
@@ -94,8 +102,12 @@ def _summary(path: Path) -> dict[str, Measured]:
     """The summary at `path`, read once (auto and plan ask for it per method and link)."""
     if not path.exists():
         return {}
-    return {r["method"]: Measured(r["method"], int(r["sets"]), r["held"] == "1", r["worst_set"], r["worst"],
-                                  float(r["bytes_vs_ddp"])) for r in read_rows(path)}
+    return {
+        r["method"]: Measured(
+            r["method"], int(r["sets"]), r["held"] == "1", r["worst_set"], r["worst"], float(r["bytes_vs_ddp"])
+        )
+        for r in read_rows(path)
+    }
 
 
 def seeds_of(row: dict[str, str]) -> str:
@@ -115,12 +127,15 @@ def cells(rows: list[dict[str, str]]) -> dict[tuple[str, str], str]:
         if r["vs_ddp"] in ("", "nan"):
             continue
         value = float(r["vs_ddp"])
-        text = f"{describe(r['metric'], value)}{'' if excess(r['metric'], value) <= 0 else ' ✗'}{seeds_of(r)}, " \
-               f"{float(r['bytes_vs_ddp']):.3g}× bytes"
+        text = (
+            f"{describe(r['metric'], value)}{'' if excess(r['metric'], value) <= 0 else ' ✗'}{seeds_of(r)}, "
+            f"{float(r['bytes_vs_ddp']):.3g}× bytes"
+        )
         if r["vs_fp32_diloco"] not in ("", "nan"):
             against, ratio = float(r["vs_fp32_diloco"]), float(r["bytes_vs_fp32_diloco"])
-            text += f"; vs fp32 DiLoCo {describe(r['metric'], against)}, {ratio:.3g}× bytes" + \
-                ("" if compressed_diloco_held(r["metric"], against, ratio) else " ✗")
+            text += f"; vs fp32 DiLoCo {describe(r['metric'], against)}, {ratio:.3g}× bytes" + (
+                "" if compressed_diloco_held(r["metric"], against, ratio) else " ✗"
+            )
         out[(r["method"], r["set"])] = text
     return out
 
@@ -131,6 +146,9 @@ def markdown(rows: list[dict[str, str]]) -> str:
     split = {r["set"]: r["split"] for r in rows}
     text = cells(rows)
     lines = ["| method | " + " | ".join(f"{n} ({split[n]})" for n in sets) + " |", "|---|" + "---|" * len(sets)]
-    lines += [f"| {m} | " + " | ".join(text.get((m, n), "–") for n in sets) + " |"
-              for m in dict.fromkeys(r["method"] for r in rows) if m != "ddp"]
+    lines += [
+        f"| {m} | " + " | ".join(text.get((m, n), "–") for n in sets) + " |"
+        for m in dict.fromkeys(r["method"] for r in rows)
+        if m != "ddp"
+    ]
     return "\n".join(lines)

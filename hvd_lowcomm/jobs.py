@@ -21,6 +21,7 @@ they then exit 0, requeues itself to continue.
 With --gpus-per-node G there is one rank per GPU: --tasks-per-node defaults to G, and more ranks
 per node than GPUs are refused.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,8 @@ class JobError(ConfigError):
 @dataclass
 class JobSpec:
     scheduler: str
-    config: str = ""           # the built-in training program's config...
-    command: str = ""          # ...or the user's own program, run on every rank instead
+    config: str = ""  # the built-in training program's config...
+    command: str = ""  # ...or the user's own program, run on every rank instead
     nodes: int = 1
     tasks_per_node: int = 1
     cpus_per_task: int = 1
@@ -75,7 +76,7 @@ class JobSpec:
     train_args: list[str] = field(default_factory=list)
     template: str = ""
     signal_seconds: int = 120  # Slurm's warning signal this long before the wall time (0: none)
-    requeue: bool = True       # requeue a preempted job so it resumes from its checkpoint
+    requeue: bool = True  # requeue a preempted job so it resumes from its checkpoint
 
     def validate(self) -> None:
         if self.scheduler not in SCHEDULERS:
@@ -86,9 +87,11 @@ class JobSpec:
         if self.gpus_per_node < 0:
             raise JobError(f"--gpus-per-node must be >= 0, got {self.gpus_per_node}")
         if 0 < self.gpus_per_node < self.tasks_per_node:
-            raise JobError(f"--tasks-per-node {self.tasks_per_node} with --gpus-per-node {self.gpus_per_node}: "
-                           f"each rank needs a GPU of its own; use --tasks-per-node {self.gpus_per_node} "
-                           f"(or --gpus-per-node {self.tasks_per_node})")
+            raise JobError(
+                f"--tasks-per-node {self.tasks_per_node} with --gpus-per-node {self.gpus_per_node}: "
+                f"each rank needs a GPU of its own; use --tasks-per-node {self.gpus_per_node} "
+                f"(or --gpus-per-node {self.tasks_per_node})"
+            )
         walltime_seconds(self.time)
         if self.launcher not in ("srun", "mpirun"):
             raise JobError(f"--launcher must be srun or mpirun, got {self.launcher!r}")
@@ -96,21 +99,27 @@ class JobSpec:
             raise JobError(f"srun is Slurm's launcher; a {self.scheduler} job needs --launcher mpirun")
         for name in ("job_name", "partition", "account", "output", "error"):
             if re.search(r"\s", getattr(self, name)):
-                raise JobError(f"--{name.replace('_', '-')} {getattr(self, name)!r} must not contain whitespace "
-                               f"(it goes into a scheduler directive)")
+                raise JobError(
+                    f"--{name.replace('_', '-')} {getattr(self, name)!r} must not contain whitespace "
+                    f"(it goes into a scheduler directive)"
+                )
         for name, _ in self.env:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
                 raise JobError(f"--env {name!r}: not a valid environment variable name")
         if self.command and self.config:
-            raise JobError("--config and --command both given: --config is for the built-in training program; "
-                           "give your program its config inside the command, e.g. "
-                           "--command 'python my_train.py --config run.yaml'")
+            raise JobError(
+                "--config and --command both given: --config is for the built-in training program; "
+                "give your program its config inside the command, e.g. "
+                "--command 'python my_train.py --config run.yaml'"
+            )
         if self.command:
             program(self)  # refuses a command that cannot be launched as it is
             return
         if not self.config:
-            raise JobError("nothing to run: give --config run.yaml (the built-in training program) or "
-                           "--command 'python my_train.py ...' (your own)")
+            raise JobError(
+                "nothing to run: give --config run.yaml (the built-in training program) or "
+                "--command 'python my_train.py ...' (your own)"
+            )
         if not Path(self.config).is_file():
             raise JobError(f"config file {self.config} does not exist")
         # The same validation `python -m hvd_lowcomm.train` does at start.
@@ -122,8 +131,20 @@ def program(spec: JobSpec) -> list[str]:
     run named after the job, which resumes from its checkpoint if it has one."""
     if not spec.command:
         # A batch job's output goes to a file, where a progress bar is only noise (yours win after).
-        return [spec.python, "-m", "hvd_lowcomm.train", "--config", spec.config, "--run.name", spec.job_name,
-                "--resume", "auto", "--run.progress", "false", *spec.train_args]
+        return [
+            spec.python,
+            "-m",
+            "hvd_lowcomm.train",
+            "--config",
+            spec.config,
+            "--run.name",
+            spec.job_name,
+            "--resume",
+            "auto",
+            "--run.progress",
+            "false",
+            *spec.train_args,
+        ]
     try:
         words = shlex.split(spec.command)
     except ValueError as err:
@@ -133,11 +154,15 @@ def program(spec: JobSpec) -> list[str]:
     # The launcher execs one program: shell syntax would reach it as plain arguments.
     operators = [word for word in words if not word.strip(";&|<>")]
     if operators:
-        raise JobError(f"--command {spec.command!r}: {operators[0]!r} is shell syntax, and the command runs "
-                       f"under {spec.launcher} without a shell; put it in a script and give --command 'bash my_job.sh'")
+        raise JobError(
+            f"--command {spec.command!r}: {operators[0]!r} is shell syntax, and the command runs "
+            f"under {spec.launcher} without a shell; put it in a script and give --command 'bash my_job.sh'"
+        )
     if Path(words[0]).name in ("srun", "mpirun", "mpiexec"):
-        raise JobError(f"--command {spec.command!r}: the job launches it with {spec.launcher} already; give the "
-                       f"program alone, e.g. --command {shlex.join(words[1:]) or 'python my_train.py'!r}")
+        raise JobError(
+            f"--command {spec.command!r}: the job launches it with {spec.launcher} already; give the "
+            f"program alone, e.g. --command {shlex.join(words[1:]) or 'python my_train.py'!r}"
+        )
     return [*words, *spec.train_args]
 
 
@@ -173,17 +198,26 @@ def render(spec: JobSpec) -> str:
             raise JobError(f"template {spec.template} does not exist")
         search.insert(0, str(Path(spec.template).resolve().parent))
         template_name = Path(spec.template).name
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(search), undefined=jinja2.StrictUndefined,
-                             keep_trailing_newline=True, trim_blocks=False)
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(search),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=False,
+    )
     env.filters["q"] = lambda value: shlex.quote(str(value))
     seconds = walltime_seconds(spec.time)
     suffix = "-%j" if spec.scheduler == "slurm" else ""
-    values = {**asdict(spec), "time": hhmmss(seconds), "walltime": hhmmss(seconds),
-              "output": spec.output or f"{spec.job_name}{suffix}.out",
-              "error": spec.error or f"{spec.job_name}{suffix}.err",
-              "train_command": shlex.join(program(spec)),  # quoted word by word: runs exactly as given
-              "run_dir": "" if spec.command else
-                         str(Path(config_mod.load(["--config", spec.config, *spec.train_args]).run.dir) / spec.job_name)}
+    values = {
+        **asdict(spec),
+        "time": hhmmss(seconds),
+        "walltime": hhmmss(seconds),
+        "output": spec.output or f"{spec.job_name}{suffix}.out",
+        "error": spec.error or f"{spec.job_name}{suffix}.err",
+        "train_command": shlex.join(program(spec)),  # quoted word by word: runs exactly as given
+        "run_dir": ""
+        if spec.command
+        else str(Path(config_mod.load(["--config", spec.config, *spec.train_args]).run.dir) / spec.job_name),
+    }
     try:
         return env.get_template(template_name).render(**values)
     except jinja2.TemplateError as err:
@@ -200,8 +234,11 @@ def write_script(text: str, path: Path) -> Path:
 def submit(spec: JobSpec, path: Path) -> int:
     _, command = SCHEDULERS[spec.scheduler]
     if shutil.which(command) is None:
-        print(f"jobs: {command} not found on this machine; the script is written: submit it on the cluster's "
-              f"login node with `{command} {path}`", file=sys.stderr)
+        print(
+            f"jobs: {command} not found on this machine; the script is written: submit it on the cluster's "
+            f"login node with `{command} {path}`",
+            file=sys.stderr,
+        )
         return 1
     return subprocess.run([command, str(path)]).returncode
 
@@ -209,49 +246,96 @@ def submit(spec: JobSpec, path: Path) -> int:
 # ---------------------------------------------------------------------------------------------
 # command line
 
+
 def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduler", required=True, help="slurm, pbs (PBS Pro select syntax) or torque")
-    parser.add_argument("--config", default="",
-                        help="training config (YAML) for the built-in training program, python -m hvd_lowcomm.train "
-                             "(or give --command)")
-    parser.add_argument("--command", default="",
-                        help="your own program instead, as one string, e.g. --command 'python my_train.py --lr 0.1': "
-                             "split into words like a shell line and run on every rank under srun/mpirun as it is "
-                             "(no shell: pipes, && and $VARIABLES need a script, --command 'bash my_job.sh'). The "
-                             "job passes USR1/TERM on to it and requeues when it then exits 0, so it should "
-                             "checkpoint on the signal and resume when started again")
-    parser.add_argument("--tasks-per-node", type=int, default=None,
-                        help="MPI ranks per node (default: --gpus-per-node, one rank per GPU; without GPUs 1)")
-    parser.add_argument("--cpus-per-task", type=int, default=1, help="cores per rank; sets OMP_NUM_THREADS (default: 1)")
-    parser.add_argument("--gpus-per-node", type=int, default=0,
-                        help="GPUs per node; each rank takes one, the GPU of its local rank (default: 0, CPU only)")
+    parser.add_argument(
+        "--config",
+        default="",
+        help="training config (YAML) for the built-in training program, python -m hvd_lowcomm.train "
+        "(or give --command)",
+    )
+    parser.add_argument(
+        "--command",
+        default="",
+        help="your own program instead, as one string, e.g. --command 'python my_train.py --lr 0.1': "
+        "split into words like a shell line and run on every rank under srun/mpirun as it is "
+        "(no shell: pipes, && and $VARIABLES need a script, --command 'bash my_job.sh'). The "
+        "job passes USR1/TERM on to it and requeues when it then exits 0, so it should "
+        "checkpoint on the signal and resume when started again",
+    )
+    parser.add_argument(
+        "--tasks-per-node",
+        type=int,
+        default=None,
+        help="MPI ranks per node (default: --gpus-per-node, one rank per GPU; without GPUs 1)",
+    )
+    parser.add_argument(
+        "--cpus-per-task", type=int, default=1, help="cores per rank; sets OMP_NUM_THREADS (default: 1)"
+    )
+    parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=0,
+        help="GPUs per node; each rank takes one, the GPU of its local rank (default: 0, CPU only)",
+    )
     parser.add_argument("--time", default="01:00:00", help="wall time, HH:MM:SS or D-HH:MM:SS (default: 01:00:00)")
     parser.add_argument("--partition", default="", help="Slurm partition / PBS queue")
     parser.add_argument("--account", default="", help="account to charge")
     parser.add_argument("--job-name", default="hvd_lowcomm", help="job name (default: hvd_lowcomm)")
     parser.add_argument("--output", default="", help="stdout file (default: <job-name>[-%%j].out)")
     parser.add_argument("--error", default="", help="stderr file (default: <job-name>[-%%j].err)")
-    parser.add_argument("--module", action="append", default=[], dest="modules",
-                        help="environment module to load (repeatable), e.g. --module openmpi/4.1")
+    parser.add_argument(
+        "--module",
+        action="append",
+        default=[],
+        dest="modules",
+        help="environment module to load (repeatable), e.g. --module openmpi/4.1",
+    )
     parser.add_argument("--venv", default="", help="virtual environment to activate, e.g. .venv")
     parser.add_argument("--workdir", default=str(Path.cwd()), help="directory the job runs in (default: here)")
-    parser.add_argument("--python", default="python",
-                        help="Python interpreter of the built-in training program (default: python)")
-    parser.add_argument("--launcher", default=None, choices=("srun", "mpirun"),
-                        help="srun --mpi=pmix (Slurm default) or mpirun (PBS, or Slurm without PMIx)")
+    parser.add_argument(
+        "--python", default="python", help="Python interpreter of the built-in training program (default: python)"
+    )
+    parser.add_argument(
+        "--launcher",
+        default=None,
+        choices=("srun", "mpirun"),
+        help="srun --mpi=pmix (Slurm default) or mpirun (PBS, or Slurm without PMIx)",
+    )
     parser.add_argument("--mpirun-args", default="", help="extra mpirun arguments, e.g. '--mca btl ^openib'")
-    parser.add_argument("--fusion-threshold", type=int, default=64 * 1024 * 1024,
-                        help="HOROVOD_FUSION_THRESHOLD in bytes (default: 64 MiB)")
-    parser.add_argument("--nccl-socket-ifname", default="",
-                        help="NCCL_SOCKET_IFNAME, the network interface NCCL uses, e.g. ib0 (other NCCL variables: --env)")
-    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                        help="extra environment variable for the job (repeatable)")
+    parser.add_argument(
+        "--fusion-threshold",
+        type=int,
+        default=64 * 1024 * 1024,
+        help="HOROVOD_FUSION_THRESHOLD in bytes (default: 64 MiB)",
+    )
+    parser.add_argument(
+        "--nccl-socket-ifname",
+        default="",
+        help="NCCL_SOCKET_IFNAME, the network interface NCCL uses, e.g. ib0 (other NCCL variables: --env)",
+    )
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="extra environment variable for the job (repeatable)",
+    )
     parser.add_argument("--template", default="", help="your site's own template (Jinja2; may include _body.sh.j2)")
-    parser.add_argument("--signal-seconds", type=int, default=120,
-                        help="Slurm: send the warning signal (USR1) this many seconds before the wall time, so "
-                             "the run checkpoints and stops cleanly; 0: none (default: 120)")
-    parser.add_argument("--no-requeue", dest="requeue", action="store_false",
-                        help="do not requeue a preempted job (it still checkpoints; resubmit it yourself)")
+    parser.add_argument(
+        "--signal-seconds",
+        type=int,
+        default=120,
+        help="Slurm: send the warning signal (USR1) this many seconds before the wall time, so "
+        "the run checkpoints and stops cleanly; 0: none (default: 120)",
+    )
+    parser.add_argument(
+        "--no-requeue",
+        dest="requeue",
+        action="store_false",
+        help="do not requeue a preempted job (it still checkpoints; resubmit it yourself)",
+    )
 
 
 def _spec(args: argparse.Namespace, train_args: list[str], **changes: object) -> JobSpec:
@@ -264,24 +348,46 @@ def _spec(args: argparse.Namespace, train_args: list[str], **changes: object) ->
     launcher = args.launcher or ("srun" if args.scheduler == "slurm" else "mpirun")
     # One rank per GPU unless told otherwise: each rank drives a GPU of its own.
     tasks_per_node = args.tasks_per_node if args.tasks_per_node is not None else max(args.gpus_per_node, 1)
-    spec = JobSpec(scheduler=args.scheduler, config=args.config, command=args.command, tasks_per_node=tasks_per_node,
-                   cpus_per_task=args.cpus_per_task, gpus_per_node=args.gpus_per_node, time=args.time,
-                   partition=args.partition, account=args.account, job_name=args.job_name, output=args.output,
-                   error=args.error, modules=args.modules, venv=args.venv, workdir=args.workdir, python=args.python,
-                   launcher=launcher, mpirun_args=shlex.split(args.mpirun_args),
-                   fusion_threshold=args.fusion_threshold, nccl_socket_ifname=args.nccl_socket_ifname, env=env,
-                   train_args=train_args, template=args.template, signal_seconds=args.signal_seconds,
-                   requeue=args.requeue)
+    spec = JobSpec(
+        scheduler=args.scheduler,
+        config=args.config,
+        command=args.command,
+        tasks_per_node=tasks_per_node,
+        cpus_per_task=args.cpus_per_task,
+        gpus_per_node=args.gpus_per_node,
+        time=args.time,
+        partition=args.partition,
+        account=args.account,
+        job_name=args.job_name,
+        output=args.output,
+        error=args.error,
+        modules=args.modules,
+        venv=args.venv,
+        workdir=args.workdir,
+        python=args.python,
+        launcher=launcher,
+        mpirun_args=shlex.split(args.mpirun_args),
+        fusion_threshold=args.fusion_threshold,
+        nccl_socket_ifname=args.nccl_socket_ifname,
+        env=env,
+        train_args=train_args,
+        template=args.template,
+        signal_seconds=args.signal_seconds,
+        requeue=args.requeue,
+    )
     return replace(spec, **changes)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    train_args = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+    train_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
     # Every level's --help shows the two forms and what follows --.
-    text = dict(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                epilog="Arguments after -- are added to the command the job runs (e.g. -- --train.epochs 5).")
+    text = dict(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Arguments after -- are added to the command the job runs (e.g. -- --train.epochs 5).",
+    )
     parser = argparse.ArgumentParser(prog="python -m hvd_lowcomm.jobs", **text)
     commands = parser.add_subparsers(dest="subcommand", required=True)
     one = commands.add_parser("render", help="write one job script", **text)
@@ -313,8 +419,10 @@ def sweep(args: argparse.Namespace, train_args: list[str]) -> int:
         raise JobError(f"--nodes {args.nodes!r}: give comma-separated whole numbers, e.g. 2,4,8") from None
     methods = [m for m in args.methods.split(",") if m] or [None]
     if args.command and methods != [None]:
-        raise JobError("--methods sets the built-in training program's --method; with --command, put the method "
-                       "in your command and sweep --nodes only")
+        raise JobError(
+            "--methods sets the built-in training program's --method; with --command, put the method "
+            "in your command and sweep --nodes only"
+        )
     out_dir = Path(args.out_dir)
     rows = []
     for method in methods:
@@ -323,10 +431,18 @@ def sweep(args: argparse.Namespace, train_args: list[str]) -> int:
             method_args = ["--method", method] if method else []
             spec = _spec(args, [*method_args, *train_args], nodes=nodes, job_name=name)
             path = write_script(render(spec), out_dir / f"{name}.sh")
-            rows.append({"script": path.name, "scheduler": spec.scheduler,
-                         "method": method or ("(command)" if spec.command else "(config)"), "nodes": nodes, "tasks_per_node": spec.tasks_per_node,
-                         "ranks": nodes * spec.tasks_per_node, "config": spec.config,
-                         "command": shlex.join(program(spec))})
+            rows.append(
+                {
+                    "script": path.name,
+                    "scheduler": spec.scheduler,
+                    "method": method or ("(command)" if spec.command else "(config)"),
+                    "nodes": nodes,
+                    "tasks_per_node": spec.tasks_per_node,
+                    "ranks": nodes * spec.tasks_per_node,
+                    "config": spec.config,
+                    "command": shlex.join(program(spec)),
+                }
+            )
     write_csv(out_dir / "manifest.csv", rows)
     print(f"wrote {len(rows)} scripts and manifest.csv to {out_dir}/")
     return 0

@@ -4,6 +4,7 @@ The loop knows no method by name: the method does one step on the local batch an
 whatever it sends through the traffic meter; the loop shards the data, schedules the learning
 rate, evaluates, checkpoints (hvd_lowcomm.checkpoint) and writes metrics.
 """
+
 from __future__ import annotations
 
 import copy
@@ -32,16 +33,23 @@ from hvd_lowcomm.schedule import scheduled_lr
 class EpochResult:
     """One pass over this rank's shard (or the part of it run before a stop)."""
 
-    mean_loss: float      # mean local training loss over the steps taken
-    step_seconds: float   # time inside method.train_step
-    wait_seconds: float   # time waiting for batches
+    mean_loss: float  # mean local training loss over the steps taken
+    step_seconds: float  # time inside method.train_step
+    wait_seconds: float  # time waiting for batches
     steps: int
-    next_batch: int       # index of the next batch to run in this epoch
+    next_batch: int  # index of the next batch to run in this epoch
 
 
-def train(cfg: Config, method: Method, info: data.DatasetInfo, model: torch.nn.Module, resume_dir: Path | None = None,
-          resume_from: Path | None = None, preemption: PreemptionSignal | None = None,
-          notes: dict[str, Any] | None = None) -> dict[str, Any] | None:
+def train(
+    cfg: Config,
+    method: Method,
+    info: data.DatasetInfo,
+    model: torch.nn.Module,
+    resume_dir: Path | None = None,
+    resume_from: Path | None = None,
+    preemption: PreemptionSignal | None = None,
+    notes: dict[str, Any] | None = None,
+) -> dict[str, Any] | None:
     """Train (from `resume_from` when given) and write the run's files; returns rank 0's
     summary, or None when a preemption signal stopped the run after a checkpoint. `notes`
     join the summary (what --method auto chose and why)."""
@@ -65,17 +73,21 @@ def train(cfg: Config, method: Method, info: data.DatasetInfo, model: torch.nn.M
     test_batches = method.batches(splits["test"], cfg.data.test_batch_size, False, device)
     epochs = method.epochs()
     shards = f", {len(info.files)} shard files" if len(info.files) > 1 else ""
-    log.print(f"hvd_lowcomm: method {cfg.method} on {world.size} rank(s) ({device.type}, engine "
-              f"{runtime.engine_line()}, "
-              f"{torch.get_num_threads()} compute thread(s) each); model "
-              f"{cfg.model.name} ({parameters:,} parameters); data {info.path} "
-              f"({info.num_train} train / {info.num_test} test {_samples(info)}{shards}); "
-              f"{len(train_batches)} steps/epoch; run dir {run_dir}")
+    log.print(
+        f"hvd_lowcomm: method {cfg.method} on {world.size} rank(s) ({device.type}, engine "
+        f"{runtime.engine_line()}, "
+        f"{torch.get_num_threads()} compute thread(s) each); model "
+        f"{cfg.model.name} ({parameters:,} parameters); data {info.path} "
+        f"({info.num_train} train / {info.num_test} test {_samples(info)}{shards}); "
+        f"{len(train_batches)} steps/epoch; run dir {run_dir}"
+    )
     unused = getattr(train_batches, "unused_fraction", lambda: 0.0)()
     if unused > 0.05:
-        log.print(f"warning: {len(info.files)} shard files split unevenly over {world.size} ranks, so "
-                  f"{100 * unused:.0f}% of the training samples are skipped each epoch (a different "
-                  f"random part every epoch); write a shard count that is a multiple or divisor of the rank count")
+        log.print(
+            f"warning: {len(info.files)} shard files split unevenly over {world.size} ranks, so "
+            f"{100 * unused:.0f}% of the training samples are skipped each epoch (a different "
+            f"random part every epoch); write a shard count that is a multiple or divisor of the rank count"
+        )
 
     state = TrainState()
     keeper = Checkpointer(cfg, method, run_dir, preemption, state, len(train_batches))
@@ -86,12 +98,13 @@ def train(cfg: Config, method: Method, info: data.DatasetInfo, model: torch.nn.M
         written_with = position.get("batches_per_epoch", len(train_batches))
         if written_with != len(train_batches):  # resharded onto another rank count: the same share of the epoch
             state.batch = round(state.batch * len(train_batches) / written_with)
-            log.print(f"the checkpoint's epoch had {written_with} steps, this run's {len(train_batches)}: "
-                      f"continuing at the same share of it, with new random streams")
+            log.print(
+                f"the checkpoint's epoch had {written_with} steps, this run's {len(train_batches)}: "
+                f"continuing at the same share of it, with new random streams"
+            )
         state.best_acc, state.skipped = own["extra"]["best_acc"], own["extra"]["skipped"]
         log.continue_from(position["step"])
-        log.print(f"resumed from {resume_from} at step {position['step']} (epoch {state.epoch}, "
-                  f"batch {state.batch})")
+        log.print(f"resumed from {resume_from} at step {position['step']} (epoch {state.epoch}, batch {state.batch})")
     if rank == 0:
         (run_dir / "PREEMPTED").unlink(missing_ok=True)
 
@@ -108,9 +121,13 @@ def train(cfg: Config, method: Method, info: data.DatasetInfo, model: torch.nn.M
         return {**record, "seconds": now - start, "train_seconds": now - start - eval_seconds[0]}
 
     def evaluate_within_epoch(epoch: int, batch: int, mean_loss: float) -> None:
-        record = {"epoch": round(epoch - 1 + batch / len(train_batches), 4), "step": meter.step,
-                  **timed_evaluate(mean_loss), "train_wire_bytes_total": meter.total("train"),
-                  **method.epoch_metrics()}
+        record = {
+            "epoch": round(epoch - 1 + batch / len(train_batches), 4),
+            "step": meter.step,
+            **timed_evaluate(mean_loss),
+            "train_wire_bytes_total": meter.total("train"),
+            **method.epoch_metrics(),
+        }
         log.epoch(record)
         log.print(f"step {meter.step:>6} | loss {record['train_loss']:.4f} | {_quality(record)}")
 
@@ -123,23 +140,40 @@ def train(cfg: Config, method: Method, info: data.DatasetInfo, model: torch.nn.M
         if first_batch == 0:  # a resumed epoch's start-of-epoch state is in the checkpoint
             method.start_epoch(epoch)
         wire_at_start = meter.total("train")
-        result = train_epoch(cfg, method, train_batches, epoch, first_batch, total_steps, log, keeper,
-                             evaluate_within_epoch if cfg.run.eval_every and method.lockstep else None)
+        result = train_epoch(
+            cfg,
+            method,
+            train_batches,
+            epoch,
+            first_batch,
+            total_steps,
+            log,
+            keeper,
+            evaluate_within_epoch if cfg.run.eval_every and method.lockstep else None,
+        )
         state.step_seconds += result.step_seconds
         state.wait_seconds += result.wait_seconds
         if keeper.stopping:
             keeper.stop(epoch, result.next_batch, log)
             return None
-        record = {"epoch": epoch, "step": meter.step, **timed_evaluate(result.mean_loss),
-                  "train_wire_bytes": meter.total("train") - wire_at_start,
-                  "train_wire_bytes_total": meter.total("train"), "data_wait_seconds": result.wait_seconds,
-                  "skipped_steps": state.skipped, **method.epoch_metrics()}
+        record = {
+            "epoch": epoch,
+            "step": meter.step,
+            **timed_evaluate(result.mean_loss),
+            "train_wire_bytes": meter.total("train") - wire_at_start,
+            "train_wire_bytes_total": meter.total("train"),
+            "data_wait_seconds": result.wait_seconds,
+            "skipped_steps": state.skipped,
+            **method.epoch_metrics(),
+        }
         state.record = record
         state.best_acc = max(state.best_acc, record["test_acc"])
         log.epoch(record)
-        log.print(f"epoch {epoch:>3}/{epochs} | loss {record['train_loss']:.4f} | {_quality(record)} | "
-                  f"sent {human_bytes(record['train_wire_bytes'])} "
-                  f"({human_bytes(record['train_wire_bytes'] / max(result.steps, 1))}/step)")
+        log.print(
+            f"epoch {epoch:>3}/{epochs} | loss {record['train_loss']:.4f} | {_quality(record)} | "
+            f"sent {human_bytes(record['train_wire_bytes'])} "
+            f"({human_bytes(record['train_wire_bytes'] / max(result.steps, 1))}/step)"
+        )
         done = result.next_batch >= len(train_batches)
         state.epoch, state.batch = (epoch + 1, 0) if done else (epoch, result.next_batch)
         if not method.lockstep:  # the epoch's end is where all ranks meet
@@ -162,9 +196,17 @@ def train(cfg: Config, method: Method, info: data.DatasetInfo, model: torch.nn.M
     return summary
 
 
-def train_epoch(cfg: Config, method: Method, batches: Any, epoch: int, first_batch: int, total_steps: int,
-                log: RunLogger, keeper: Checkpointer,
-                evaluate_within: Callable[[int, int, float], None] | None = None) -> EpochResult:
+def train_epoch(
+    cfg: Config,
+    method: Method,
+    batches: Any,
+    epoch: int,
+    first_batch: int,
+    total_steps: int,
+    log: RunLogger,
+    keeper: Checkpointer,
+    evaluate_within: Callable[[int, int, float], None] | None = None,
+) -> EpochResult:
     """One pass over this rank's shard from batch `first_batch`, ending early at `total_steps`
     steps of the run or on a preemption signal; `evaluate_within(epoch, batch, mean loss)`
     every run.eval_every steps except at the epoch's end (evaluated anyway)."""
@@ -187,9 +229,11 @@ def train_epoch(cfg: Config, method: Method, batches: Any, epoch: int, first_bat
         batch += 1
         if keeper.agree(where is not None):
             if before is None:
-                raise FloatingPointError(f"non-finite training at step {meter.step} (epoch {epoch}): "
-                                         f"{where or 'on another rank'}; lower train.lr, check the data, or "
-                                         f"set --train.skip_nonfinite true to skip such steps")
+                raise FloatingPointError(
+                    f"non-finite training at step {meter.step} (epoch {epoch}): "
+                    f"{where or 'on another rank'}; lower train.lr, check the data, or "
+                    f"set --train.skip_nonfinite true to skip such steps"
+                )
             method.load_state_dict(before)  # undo the step on every rank
             keeper.state.skipped += 1
             log.log("skipped_step", {"step": meter.step, "epoch": epoch, "reason": where or "another rank"})
@@ -200,23 +244,27 @@ def train_epoch(cfg: Config, method: Method, batches: Any, epoch: int, first_bat
         if meter.step % cfg.run.log_every == 0:  # on every rank: a sharded gradient's norm is collective
             figures = step_figures(method.model, x, y, lr, step_seconds)
             if log.active:
-                log.log("step", {"step": meter.step, "epoch": epoch, "loss": loss, "wire_bytes": step_bytes,
-                                 **figures})
+                log.log("step", {"step": meter.step, "epoch": epoch, "loss": loss, "wire_bytes": step_bytes, **figures})
         if hasattr(bar, "set_postfix"):
             bar.set_postfix(loss=f"{loss:.4f}", sent=human_bytes(step_bytes), refresh=False)
         meter.next_step()
         if keeper.stopping:
             break
-        if evaluate_within is not None and meter.step % cfg.run.eval_every == 0 and batch < len(batches) \
-                and meter.step < total_steps:
+        if (
+            evaluate_within is not None
+            and meter.step % cfg.run.eval_every == 0
+            and batch < len(batches)
+            and meter.step < total_steps
+        ):
             evaluate_within(epoch, batch, loss_sum / max(steps, 1))
         keeper.periodic(epoch, batch)
         ready = time.perf_counter()
     return EpochResult(loss_sum / max(steps, 1), seconds, waited, steps, batch)
 
 
-def step_figures(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float,
-                 step_seconds: float) -> dict[str, float]:
+def step_figures(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float, step_seconds: float
+) -> dict[str, float]:
     """What a step record says beside the loss, as rank 0 sees it: the learning rate, the norm
     of the gradient the optimiser stepped with (pooled over the ranks that share it), the
     step's time, throughput over all ranks (tokens for a language model's windows, else
@@ -230,12 +278,18 @@ def step_figures(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lr: f
     else:
         grads = [g.float().pow(2).sum() for g in grads]
     positions = "tokens" if y.dim() > 1 else "samples"
-    peak = torch.cuda.max_memory_allocated(x.device) if x.device.type == "cuda" else \
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"lr": lr, "grad_norm": float(torch.stack(grads).sum().sqrt()) if grads else 0.0,
-            "step_seconds": step_seconds,
-            f"{positions}_per_second": y.numel() * runtime.size() / max(step_seconds, 1e-9),
-            "peak_memory_bytes": peak}
+    peak = (
+        torch.cuda.max_memory_allocated(x.device)
+        if x.device.type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
+    return {
+        "lr": lr,
+        "grad_norm": float(torch.stack(grads).sum().sqrt()) if grads else 0.0,
+        "step_seconds": step_seconds,
+        f"{positions}_per_second": y.numel() * runtime.size() / max(step_seconds, 1e-9),
+        "peak_memory_bytes": peak,
+    }
 
 
 def nonfinite(loss: float, model: torch.nn.Module) -> str | None:
@@ -264,7 +318,8 @@ def evaluate(method: Method, test_batches: Any, local_train_loss: float, info: d
     with meter.in_phase("eval"):
         correct, count, test_loss = method.evaluate(test_batches)
         correct, count, test_loss, train_loss = meter.allreduce_object_sum(
-            [correct, count, test_loss, local_train_loss], "eval.totals")
+            [correct, count, test_loss, local_train_loss], "eval.totals"
+        )
     record = {"train_loss": train_loss / runtime.size(), "test_loss": test_loss / count, "test_acc": correct / count}
     if info.task == task.LANGUAGE_MODEL:
         record.update(task.language_model_figures(record["test_loss"], info.bytes_per_token))
@@ -280,33 +335,51 @@ def _samples(info: data.DatasetInfo) -> str:
 def _quality(record: dict[str, Any]) -> str:
     """How good the model is now, as its task measures it."""
     if "perplexity" in record:
-        return (f"val loss {record['test_loss']:.4f} (ppl {record['perplexity']:.2f}, "
-                f"{record['bits_per_byte']:.3f} bits/byte)")
+        return (
+            f"val loss {record['test_loss']:.4f} (ppl {record['perplexity']:.2f}, "
+            f"{record['bits_per_byte']:.3f} bits/byte)"
+        )
     return f"test acc {100 * record['test_acc']:6.2f}%"
 
 
-def summarize(cfg: Config, method: Method, state: TrainState, elapsed: float, parameters: int,
-              notes: dict[str, Any], info: data.DatasetInfo) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+def summarize(
+    cfg: Config,
+    method: Method,
+    state: TrainState,
+    elapsed: float,
+    parameters: int,
+    notes: dict[str, Any],
+    info: data.DatasetInfo,
+) -> tuple[dict[str, Any], list[tuple[str, str]]]:
     """The run's summary record, and its rows for the table printed at the end."""
     last, step_seconds, wait_seconds = state.record, state.step_seconds, state.wait_seconds
     best_acc, skipped = state.best_acc, state.skipped
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports kB
-    own = {"peak_rss": peak_rss, "train": meter.total("train"),
-           "train_between_nodes": meter.total("train", field="between_nodes_bytes"),
-           "between_nodes": meter.total(None, field="between_nodes_bytes"),
-           "after_setup": meter.total(None) - meter.total("setup"),
-           "between_nodes_after_setup": meter.total(None, field="between_nodes_bytes")
-           - meter.total("setup", field="between_nodes_bytes")}
+    own = {
+        "peak_rss": peak_rss,
+        "train": meter.total("train"),
+        "train_between_nodes": meter.total("train", field="between_nodes_bytes"),
+        "between_nodes": meter.total(None, field="between_nodes_bytes"),
+        "after_setup": meter.total(None) - meter.total("setup"),
+        "between_nodes_after_setup": meter.total(None, field="between_nodes_bytes")
+        - meter.total("setup", field="between_nodes_bytes"),
+    }
     with meter.in_phase("control"):
         gathered = meter.allgather(torch.tensor([list(own.values())], dtype=torch.float64), "summary.per_rank")
     per_rank = {name: gathered[:, column] for column, name in enumerate(own)}  # one column per figure
     peak_rss_max = int(per_rank["peak_rss"].max().item())
     steps = max(meter.step, 1)
     summary = {
-        "method": cfg.method, "world_size": runtime.size(), "epochs": method.epochs(), "steps": meter.step,
-        "final_test_acc": last["test_acc"], "best_test_acc": best_acc, "final_test_loss": last["test_loss"],
+        "method": cfg.method,
+        "world_size": runtime.size(),
+        "epochs": method.epochs(),
+        "steps": meter.step,
+        "final_test_acc": last["test_acc"],
+        "best_test_acc": best_acc,
+        "final_test_loss": last["test_loss"],
         "seconds": elapsed,
-        "step_seconds_mean": step_seconds / steps, "parameters": parameters,
+        "step_seconds_mean": step_seconds / steps,
+        "parameters": parameters,
         "data_wait_fraction": wait_seconds / max(wait_seconds + step_seconds, 1e-12),
         "skipped_nonfinite_steps": skipped,
         "train_wire_bytes_per_step": meter.total("train") / steps,
@@ -330,37 +403,68 @@ def summarize(cfg: Config, method: Method, state: TrainState, elapsed: float, pa
         **step_split(method, step_seconds, steps),
     }
     if info.task == task.LANGUAGE_MODEL:
-        summary.update({"final_perplexity": last["perplexity"], "final_bits_per_byte": last["bits_per_byte"],
-                        "tokens_per_step_per_rank": cfg.data.batch_size * info.input_shape[0]})
+        summary.update(
+            {
+                "final_perplexity": last["perplexity"],
+                "final_bits_per_byte": last["bits_per_byte"],
+                "tokens_per_step_per_rank": cfg.data.batch_size * info.input_shape[0],
+            }
+        )
     extra = {**method.summary_metrics(), **notes}
     summary.update(extra)
-    rows = [("method", f"{cfg.method} on {runtime.size()} rank(s), engine {runtime.engine().name}"),
-            ("test accuracy", f"{100 * last['test_acc']:.2f}% (best {100 * best_acc:.2f}%)")
-            if info.task != task.LANGUAGE_MODEL else
-            ("validation", f"{_quality(last)}, next-token accuracy {100 * last['test_acc']:.2f}%; "
-                           f"{summary['tokens_per_step_per_rank']:,} tokens per step per rank"),
-            ("steps", f"{meter.step} in {elapsed:.1f} s ({1000 * step_seconds / steps:.1f} ms/step)"),
-            ("step time (rank 0)", ", ".join(f"{name} {summary[f'step_ms_{name}']:.1f} ms"
-                                             for name in ("forward", "backward", "exchange", "other"))),
-            ("lr schedule", f"{cfg.train.lr_schedule}, peak {cfg.train.lr:g}"),
-            ("waiting for data (rank 0)", f"{100 * summary['data_wait_fraction']:.1f}% of step time"),
-            ("sent for training (rank 0)", f"{human_bytes(meter.total('train'))} on the wire"),
-            ("sent per step", human_bytes(summary["train_wire_bytes_per_step"])),
-            *([("between nodes (all ranks)", f"{human_bytes(summary['train_between_nodes_bytes_all_ranks'])} "
-                f"({summary['nodes']} nodes)")] if summary["nodes"] > 1 else []),
-            ("sent for evaluation", human_bytes(meter.total("eval"))),
-            ("sent at setup (broadcasts, checks)", human_bytes(meter.total("setup"))),
-            ("peak memory (max over ranks)", human_bytes(peak_rss_max))]
-    rows += [(f"  {op} in {group}", human_bytes(t.wire_bytes))
-             for (phase, op, group), t in sorted(meter.by_kind.items()) if phase == "train"]
-    rows += [(f"{cfg.method}: {key} (rank 0)", _show_value(key, value)) for key, value in extra.items()
-             if not isinstance(value, (list, dict))]  # structured figures: summary.json only
+    rows = [
+        ("method", f"{cfg.method} on {runtime.size()} rank(s), engine {runtime.engine().name}"),
+        ("test accuracy", f"{100 * last['test_acc']:.2f}% (best {100 * best_acc:.2f}%)")
+        if info.task != task.LANGUAGE_MODEL
+        else (
+            "validation",
+            f"{_quality(last)}, next-token accuracy {100 * last['test_acc']:.2f}%; "
+            f"{summary['tokens_per_step_per_rank']:,} tokens per step per rank",
+        ),
+        ("steps", f"{meter.step} in {elapsed:.1f} s ({1000 * step_seconds / steps:.1f} ms/step)"),
+        (
+            "step time (rank 0)",
+            ", ".join(
+                f"{name} {summary[f'step_ms_{name}']:.1f} ms" for name in ("forward", "backward", "exchange", "other")
+            ),
+        ),
+        ("lr schedule", f"{cfg.train.lr_schedule}, peak {cfg.train.lr:g}"),
+        ("waiting for data (rank 0)", f"{100 * summary['data_wait_fraction']:.1f}% of step time"),
+        ("sent for training (rank 0)", f"{human_bytes(meter.total('train'))} on the wire"),
+        ("sent per step", human_bytes(summary["train_wire_bytes_per_step"])),
+        *(
+            [
+                (
+                    "between nodes (all ranks)",
+                    f"{human_bytes(summary['train_between_nodes_bytes_all_ranks'])} ({summary['nodes']} nodes)",
+                )
+            ]
+            if summary["nodes"] > 1
+            else []
+        ),
+        ("sent for evaluation", human_bytes(meter.total("eval"))),
+        ("sent at setup (broadcasts, checks)", human_bytes(meter.total("setup"))),
+        ("peak memory (max over ranks)", human_bytes(peak_rss_max)),
+    ]
+    rows += [
+        (f"  {op} in {group}", human_bytes(t.wire_bytes))
+        for (phase, op, group), t in sorted(meter.by_kind.items())
+        if phase == "train"
+    ]
+    rows += [
+        (f"{cfg.method}: {key} (rank 0)", _show_value(key, value))
+        for key, value in extra.items()
+        if not isinstance(value, (list, dict))
+    ]  # structured figures: summary.json only
     return summary, rows
 
 
 def step_split(method: Method, step_seconds: float, steps: int) -> dict[str, float]:
-    ms = {"forward": method.pass_seconds["forward"], "backward": method.pass_seconds["backward"],
-          "exchange": meter.seconds["train"]}
+    ms = {
+        "forward": method.pass_seconds["forward"],
+        "backward": method.pass_seconds["backward"],
+        "exchange": meter.seconds["train"],
+    }
     ms["other"] = max(0.0, step_seconds - sum(ms.values()))
     return {f"step_ms_{name}": 1000 * seconds / steps for name, seconds in ms.items()}
 

@@ -1,14 +1,15 @@
 """Run directory, metrics files, progress display and the final summary (rank 0 only).
 
-    runs/<name>/config.yaml     the full resolved configuration
-    runs/<name>/metrics.jsonl   one JSON object per line: {"type": "step"|"epoch"|"summary", ...}
-    runs/<name>/epochs.csv      one row per epoch (rewritten each epoch: columns may grow)
-    runs/<name>/summary.json    the final summary
-    runs/<name>/model.pt        the trained model, one ordinary state dict (torch.load)
-    runs/<name>/tensorboard/    with --run.loggers tensorboard (and wandb/ with wandb: hvd_lowcomm.trackers)
-    runs/<name>/<group>.png     epoch columns named "<group>/<series>" plotted together
-                                (e.g. effective_rank/<layer>, one line per layer)
+runs/<name>/config.yaml     the full resolved configuration
+runs/<name>/metrics.jsonl   one JSON object per line: {"type": "step"|"epoch"|"summary", ...}
+runs/<name>/epochs.csv      one row per epoch (rewritten each epoch: columns may grow)
+runs/<name>/summary.json    the final summary
+runs/<name>/model.pt        the trained model, one ordinary state dict (torch.load)
+runs/<name>/tensorboard/    with --run.loggers tensorboard (and wandb/ with wandb: hvd_lowcomm.trackers)
+runs/<name>/<group>.png     epoch columns named "<group>/<series>" plotted together
+                            (e.g. effective_rank/<layer>, one line per layer)
 """
+
 from __future__ import annotations
 
 import csv
@@ -114,8 +115,7 @@ class RunLogger:
             return iter(items)
         # mpirun pipes output, so a bar redrawn every step would flood logs: redraw at most
         # twice a second.
-        return tqdm(items, total=total, desc=desc, leave=False, dynamic_ncols=True, unit="step",
-                    mininterval=0.5)
+        return tqdm(items, total=total, desc=desc, leave=False, dynamic_ncols=True, unit="step", mininterval=0.5)
 
     def summary(self, record: dict[str, Any], rows: list[tuple[str, str]]) -> None:
         if not self.active:
@@ -126,8 +126,11 @@ class RunLogger:
         width = max(len(label) for label, _ in rows)
         lines = ["", "=" * (width + 40), "summary", "-" * (width + 40)]
         lines += [f"{label:<{width}}  {value}" for label, value in rows]
-        lines += ["=" * (width + 40), f"metrics: {self.run_dir}/metrics.jsonl, epochs.csv, summary.json"
-                  + "".join(f", {p.name}" for p in plotted)]
+        lines += [
+            "=" * (width + 40),
+            f"metrics: {self.run_dir}/metrics.jsonl, epochs.csv, summary.json"
+            + "".join(f", {p.name}" for p in plotted),
+        ]
         self.print("\n".join(lines))
 
     def close(self) -> None:

@@ -20,6 +20,7 @@ memory per rank beside step time for ddp, DiLoCo and PowerSGD and their sharded 
 diloco.shard, powersgd.shard_group_size), and what each may lose against ddp's quality: exact, or its error target and its measured result on
 the held-out suite (what `--method auto` chooses among: exact methods and those that held).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,36 +49,68 @@ NODE_LINK = "160gbit"
 def parser() -> argparse.ArgumentParser:
     ib, eth = costmodel.LATENCY_US["ib"], costmodel.LATENCY_US["eth"]
     accelerators = "|".join([*costmodel.ACCELERATORS, "cpu"])
-    parser = argparse.ArgumentParser(prog="python -m hvd_lowcomm.plan", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False)
+    parser = argparse.ArgumentParser(
+        prog="python -m hvd_lowcomm.plan",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=False,
+    )
     parser.add_argument("--ranks", default="64,256,1024", help="comma-separated rank counts (default: %(default)s)")
-    parser.add_argument("--links", default="10gbit,25gbit,100gbit,200gbit",
-                        help="comma-separated networks between nodes: a rate, or ib:RATE / eth:RATE to name "
-                             "InfiniBand or Ethernet (default: %(default)s)")
-    parser.add_argument("--latency-us", type=float, default=None,
-                        help=f"message latency in µs (default: by the link's kind: {ib:g} for InfiniBand, ib:RATE or "
-                             f"a rate from {costmodel.IB_FROM / 1e9:g}gbit up; {eth:g} for Ethernet, eth:RATE or a "
-                             f"slower rate)")
-    parser.add_argument("--accelerator", default="", metavar=accelerators,
-                        help=f"compute at this device's peak for the run's precision (bf16 with --train.amp bf16, "
-                             f"else fp32) x {costmodel.UTILISATION * 100:g}%% (cpu: this machine's measured peak) "
-                             f"(default: timed on this machine)")
-    parser.add_argument("--tflops", type=float, default=0.0,
-                        help="compute at this achieved rate, TFLOP/s: the step's (with --accelerator), else the "
-                             "step's and the methods' kernels' (default: from --accelerator)")
-    parser.add_argument("--gpus-per-node", type=int, default=0,
-                        help="accelerators per node, a rank each (default: one rank per node)")
-    parser.add_argument("--ranks-per-node", type=int, default=0,
-                        help="ranks sharing a node (default: --gpus-per-node, else 1)")
-    parser.add_argument("--node-link", default="",
-                        help=f"rate between the ranks of one node (default: the --accelerator's NVLink, e.g. h100's "
-                             f"{costmodel.ACCELERATORS['h100'].nvlink_gbit:g}gbit; else {NODE_LINK}, PCIe or shared "
-                             f"memory)")
-    parser.add_argument("--run-steps", type=int, default=10_000,
-                        help="steps of the run, over which AB's schedule and one-off SVDs spread (default: %(default)s)")
-    parser.add_argument("--ab-rank-share", type=float, default=0.02,
-                        help="rank AB's cuts are assumed to keep, as a share of each factorised layer's smaller "
-                             "side (learned in training; never below ab.min_rank_share, the cuts' floor; default: %(default)s)")
+    parser.add_argument(
+        "--links",
+        default="10gbit,25gbit,100gbit,200gbit",
+        help="comma-separated networks between nodes: a rate, or ib:RATE / eth:RATE to name "
+        "InfiniBand or Ethernet (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--latency-us",
+        type=float,
+        default=None,
+        help=f"message latency in µs (default: by the link's kind: {ib:g} for InfiniBand, ib:RATE or "
+        f"a rate from {costmodel.IB_FROM / 1e9:g}gbit up; {eth:g} for Ethernet, eth:RATE or a "
+        f"slower rate)",
+    )
+    parser.add_argument(
+        "--accelerator",
+        default="",
+        metavar=accelerators,
+        help=f"compute at this device's peak for the run's precision (bf16 with --train.amp bf16, "
+        f"else fp32) x {costmodel.UTILISATION * 100:g}%% (cpu: this machine's measured peak) "
+        f"(default: timed on this machine)",
+    )
+    parser.add_argument(
+        "--tflops",
+        type=float,
+        default=0.0,
+        help="compute at this achieved rate, TFLOP/s: the step's (with --accelerator), else the "
+        "step's and the methods' kernels' (default: from --accelerator)",
+    )
+    parser.add_argument(
+        "--gpus-per-node", type=int, default=0, help="accelerators per node, a rank each (default: one rank per node)"
+    )
+    parser.add_argument(
+        "--ranks-per-node", type=int, default=0, help="ranks sharing a node (default: --gpus-per-node, else 1)"
+    )
+    parser.add_argument(
+        "--node-link",
+        default="",
+        help=f"rate between the ranks of one node (default: the --accelerator's NVLink, e.g. h100's "
+        f"{costmodel.ACCELERATORS['h100'].nvlink_gbit:g}gbit; else {NODE_LINK}, PCIe or shared "
+        f"memory)",
+    )
+    parser.add_argument(
+        "--run-steps",
+        type=int,
+        default=10_000,
+        help="steps of the run, over which AB's schedule and one-off SVDs spread (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--ab-rank-share",
+        type=float,
+        default=0.02,
+        help="rank AB's cuts are assumed to keep, as a share of each factorised layer's smaller "
+        "side (learned in training; never below ab.min_rank_share, the cuts' floor; default: %(default)s)",
+    )
     parser.add_argument("--out", default="", help="directory for predicted.md and predicted.csv")
     parser.add_argument("-h", "--help", action="store_true")
     return parser
@@ -121,84 +154,140 @@ def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dic
         prepare_if_bundled(cfg.data.path)  # as the trainer does: only the shapes are read
     info = data.from_source(cfg.data.source) if cfg.data.source else data.inspect(cfg.data.path, cfg.data.seq_len)
     model = _model(cfg, info)  # on the meta device: the profile's, and the memory table's facts
-    profile = costmodel.profile_model(model, info.input_shape, cfg.data.batch_size, cfg=cfg,
-                                      vocabulary=info.vocabulary, device=device)
+    profile = costmodel.profile_model(
+        model, info.input_shape, cfg.data.batch_size, cfg=cfg, vocabulary=info.vocabulary, device=device
+    )
     methods = [m for m in costmodel.predicted_methods() if m != FLOOR and _applies(profile, m, cfg, assumptions)]
     timed = profile.device == costmodel.Profile.device
     where = profile.device + (f" ({profile.flop_rate / 1e9:.1f} GFLOP/s)" if timed else "")
     node = links[0][1]
-    lines = [f"# Predicted step time: {_describe_model(cfg)}, {profile.params:,} parameters, batch "
-             f"{cfg.data.batch_size} per rank; {node.ranks_per_node} rank(s) per node"
-             + (f" linked at {node.intra_bandwidth * 8 / 1e9:g} Gbit/s" if node.ranks_per_node > 1 else ""), "",
-             f"Compute floor (a step with no communication, as `--method {FLOOR}`): "
-             f"{profile.step_seconds * 1e3:.2f} ms per step ({3 * profile.flops / 1e12:.3g} TFLOP forward and "
-             f"backward; {where})", ""]
+    lines = [
+        f"# Predicted step time: {_describe_model(cfg)}, {profile.params:,} parameters, batch "
+        f"{cfg.data.batch_size} per rank; {node.ranks_per_node} rank(s) per node"
+        + (f" linked at {node.intra_bandwidth * 8 / 1e9:g} Gbit/s" if node.ranks_per_node > 1 else ""),
+        "",
+        f"Compute floor (a step with no communication, as `--method {FLOOR}`): "
+        f"{profile.step_seconds * 1e3:.2f} ms per step ({3 * profile.flops / 1e12:.3g} TFLOP forward and "
+        f"backward; {where})",
+        "",
+    ]
     rows: list[dict[str, Any]] = []
     for name, link in links:
-        lines += [f"## {name}", "", f"{link.describe()}", "",
-                  "| method | " + " | ".join(f"{p} ranks: ms (× ddp)" for p in ranks) + " | quality risk (held-out suite) |",
-                  "|---|" + "---|" * (len(ranks) + 1)]
+        lines += [
+            f"## {name}",
+            "",
+            f"{link.describe()}",
+            "",
+            "| method | " + " | ".join(f"{p} ranks: ms (× ddp)" for p in ranks) + " | quality risk (held-out suite) |",
+            "|---|" + "---|" * (len(ranks) + 1),
+        ]
         for method in methods:
             cells, risk = [], _measured_risk(method, cfg)
             for p in ranks:
                 q = costmodel.predict(profile, method, p, link, cfg, assumptions)
                 ddp = costmodel.predict(profile, "ddp", p, link, cfg, assumptions)
                 cells.append(f"{q.step * 1e3:.2f} ({q.step / ddp.step:.2f})")
-                rows.append({"link": name, "ranks": p, "method": method, "step_ms": q.step * 1e3,
-                             "ratio_to_ddp": q.step / ddp.step, "compute_ms": q.compute * 1e3,
-                             "method_compute_ms": q.method_compute * 1e3, "network_ms": q.communication * 1e3,
-                             "hidden_ms": q.hidden * 1e3, "bytes_per_rank": q.bytes_per_rank,
-                             "quality_risk": risk})
+                rows.append(
+                    {
+                        "link": name,
+                        "ranks": p,
+                        "method": method,
+                        "step_ms": q.step * 1e3,
+                        "ratio_to_ddp": q.step / ddp.step,
+                        "compute_ms": q.compute * 1e3,
+                        "method_compute_ms": q.method_compute * 1e3,
+                        "network_ms": q.communication * 1e3,
+                        "hidden_ms": q.hidden * 1e3,
+                        "bytes_per_rank": q.bytes_per_rank,
+                        "quality_risk": risk,
+                    }
+                )
             lines.append(f"| {method} | " + " | ".join(cells) + f" | {risk} |")
         lines.append("")
-    lines += ["## Break-even bandwidth (below it the method steps faster than ddp)", "",
-              f"With the rest of the first link ({links[0][0]}) as it is.", "",
-              "| method | " + " | ".join(f"{p} ranks" for p in ranks) + " |", "|---|" + "---|" * len(ranks)]
+    lines += [
+        "## Break-even bandwidth (below it the method steps faster than ddp)",
+        "",
+        f"With the rest of the first link ({links[0][0]}) as it is.",
+        "",
+        "| method | " + " | ".join(f"{p} ranks" for p in ranks) + " |",
+        "|---|" + "---|" * len(ranks),
+    ]
     for method in (m for m in methods if m != "ddp"):
         cells = []
         for p in ranks:
             bandwidth = costmodel.break_even(profile, method, p, links[0][1], cfg, assumptions)
-            cells.append("never" if bandwidth == 0 else "always" if math.isinf(bandwidth) else
-                         f"{bandwidth * 8 / 1e9:.3g} Gbit/s")
+            cells.append(
+                "never"
+                if bandwidth == 0
+                else "always"
+                if math.isinf(bandwidth)
+                else f"{bandwidth * 8 / 1e9:.3g} Gbit/s"
+            )
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     lines += ["", *memory_table(profile, model, info, cfg, ranks, links[0], assumptions)]
-    lines += ["", "## Quality against ddp (`--method auto` chooses only exact methods and those whose defaults held on "
-              "the held-out suite)", "",
-              "| method | quality |", "|---|---|"]
+    lines += [
+        "",
+        "## Quality against ddp (`--method auto` chooses only exact methods and those whose defaults held on "
+        "the held-out suite)",
+        "",
+        "| method | quality |",
+        "|---|---|",
+    ]
     lines += [f"| {method} | {_quality(method, cfg)} |" for method in methods]
-    lines += ["", "## What `--method auto` would choose (the fastest of those that keep quality; ddp unless "
-              f"another is {costmodel.MIN_GAIN:.0%} faster)", "",
-              "| link | " + " | ".join(f"{p} ranks" for p in ranks) + " |", "|---|" + "---|" * len(ranks)]
-    lines += [f"| {name} | " + " | ".join(costmodel.choose(profile, p, link, cfg)[0] for p in ranks) + " |"
-              for name, link in links]
+    lines += [
+        "",
+        "## What `--method auto` would choose (the fastest of those that keep quality; ddp unless "
+        f"another is {costmodel.MIN_GAIN:.0%} faster)",
+        "",
+        "| link | " + " | ".join(f"{p} ranks" for p in ranks) + " |",
+        "|---|" + "---|" * len(ranks),
+    ]
+    lines += [
+        f"| {name} | " + " | ".join(costmodel.choose(profile, p, link, cfg)[0] for p in ranks) + " |"
+        for name, link in links
+    ]
     return "\n".join(lines), rows
 
 
 # The replicated methods and their sharded forms, for the memory table: (row, method, options
 # set on the method's section); NODE: the ranks of a node.
 NODE = "node"
-MEMORY_FORMS = (("ddp", "ddp", {}), ("fsdp over every rank", "fsdp", {}),
-                ("fsdp in each node, all-reduced across (HSDP)", "fsdp", {"group_size": NODE}),
-                ("diloco", "diloco", {}), ("diloco + shard (FSDP in each group)", "diloco", {"shard": True}),
-                ("powersgd", "powersgd", {}),
-                ("powersgd + shard_group_size a node", "powersgd", {"shard_group_size": NODE}))
+MEMORY_FORMS = (
+    ("ddp", "ddp", {}),
+    ("fsdp over every rank", "fsdp", {}),
+    ("fsdp in each node, all-reduced across (HSDP)", "fsdp", {"group_size": NODE}),
+    ("diloco", "diloco", {}),
+    ("diloco + shard (FSDP in each group)", "diloco", {"shard": True}),
+    ("powersgd", "powersgd", {}),
+    ("powersgd + shard_group_size a node", "powersgd", {"shard_group_size": NODE}),
+)
 # Error-feedback buffers DiLoCo's compressed exchanges keep, one number per parameter of the slice
 FED_BACK = ("int8", "int2", "sparse", "lowrank")
 
 
-def memory_table(profile: costmodel.Profile, model: Any, info: data.DatasetInfo, cfg: config.Config,
-                 ranks: list[int], link: tuple[str, costmodel.Link], assumptions: costmodel.RunAssumptions
-                 ) -> list[str]:
+def memory_table(
+    profile: costmodel.Profile,
+    model: Any,
+    info: data.DatasetInfo,
+    cfg: config.Config,
+    ranks: list[int],
+    link: tuple[str, costmodel.Link],
+    assumptions: costmodel.RunAssumptions,
+) -> list[str]:
     """Memory per rank (weights, gradients, optimiser and method state) beside the step's time
     on the first link, for the replicated methods and their sharded forms."""
     name, network = link
     node = network.ranks_per_node
-    lines = [f"## Memory per rank and step time ({name})", "",
-             "Weights, gradients, optimiser state and the method's own state in float32, with what FSDP holds "
-             "gathered at once (the root and the largest block, twice in backward); activations are not counted."
-             + ("" if node > 1 else " One rank per node: --gpus-per-node N shows sharding inside nodes."), "",
-             "| method | " + " | ".join(f"{p} ranks: GiB, ms (× ddp)" for p in ranks) + " |",
-             "|---|" + "---|" * len(ranks)]
+    lines = [
+        f"## Memory per rank and step time ({name})",
+        "",
+        "Weights, gradients, optimiser state and the method's own state in float32, with what FSDP holds "
+        "gathered at once (the root and the largest block, twice in backward); activations are not counted."
+        + ("" if node > 1 else " One rank per node: --gpus-per-node N shows sharding inside nodes."),
+        "",
+        "| method | " + " | ".join(f"{p} ranks: GiB, ms (× ddp)" for p in ranks) + " |",
+        "|---|" + "---|" * len(ranks),
+    ]
     for row, method, options in MEMORY_FORMS:
         if node < 2 and NODE in options.values():
             continue
@@ -207,8 +296,11 @@ def memory_table(profile: costmodel.Profile, model: Any, info: data.DatasetInfo,
         for key, value in options.items():
             setattr(section, key, node if value == NODE else value)
         facts = costmodel.specs()[method].cost.model_facts
-        shaped = replace(profile, facts={**profile.facts, method: facts(model, info.input_shape, section, variant)}) \
-            if facts else profile
+        shaped = (
+            replace(profile, facts={**profile.facts, method: facts(model, info.input_shape, section, variant)})
+            if facts
+            else profile
+        )
         cells = []
         for p in ranks:
             if p % node:
@@ -216,23 +308,26 @@ def memory_table(profile: costmodel.Profile, model: Any, info: data.DatasetInfo,
                 continue
             step = costmodel.predict(shaped, method, p, network, variant, assumptions).step
             ddp = costmodel.predict(profile, "ddp", p, network, cfg, assumptions).step
-            gib = memory_per_rank(profile, method, section, p, node, variant) / 2 ** 30
+            gib = memory_per_rank(profile, method, section, p, node, variant) / 2**30
             cells.append(f"{gib:.3g}, {step * 1e3:.2f} ({step / ddp:.2f})")
         lines.append(f"| {row} | " + " | ".join(cells) + " |")
     return lines
 
 
-def memory_per_rank(profile: costmodel.Profile, method: str, options: Any, ranks: int, ranks_per_node: int,
-                    cfg: config.Config) -> float:
+def memory_per_rank(
+    profile: costmodel.Profile, method: str, options: Any, ranks: int, ranks_per_node: int, cfg: config.Config
+) -> float:
     """Bytes a rank holds for `method` on `ranks` ranks (see memory_table): its share of the
     weights, gradients and optimiser state, FSDP's gathered blocks, and DiLoCo's outer state
     (global slice, momentum, error feedback) or PowerSGD's error buffers."""
     t = cfg.train
     slots = 2 if t.optimizer in ("adam", "adamw") else (1 if t.momentum else 0)
     group = ranks // runtime.groups_for(options.groups, ranks, ranks_per_node) if method == "diloco" else 1
-    shard = {"fsdp": (options.group_size if method == "fsdp" else 0) or ranks,
-             "diloco": group if method == "diloco" and options.shard else 1,
-             "powersgd": options.shard_group_size if method == "powersgd" else 1}.get(method, 1) or 1
+    shard = {
+        "fsdp": (options.group_size if method == "fsdp" else 0) or ranks,
+        "diloco": group if method == "diloco" and options.shard else 1,
+        "powersgd": options.shard_group_size if method == "powersgd" else 1,
+    }.get(method, 1) or 1
     params = profile.params
     held = FLOAT_BYTES * params * (2 + slots) / shard
     if shard > 1:
@@ -255,9 +350,15 @@ def networks(args: argparse.Namespace) -> list[tuple[str, costmodel.Link]]:
     ranks_per_node = args.ranks_per_node or args.gpus_per_node or 1
     accelerator = costmodel.ACCELERATORS.get(args.accelerator)
     node_link = args.node_link or (f"{accelerator.nvlink_gbit:g}gbit" if accelerator else NODE_LINK)
-    return [(name, costmodel.Link.parse(name, args.latency_us, ranks_per_node=ranks_per_node,
-                                        intra_bandwidth=config.rate_bits(node_link) / 8))
-            for name in args.links.split(",")]
+    return [
+        (
+            name,
+            costmodel.Link.parse(
+                name, args.latency_us, ranks_per_node=ranks_per_node, intra_bandwidth=config.rate_bits(node_link) / 8
+            ),
+        )
+        for name in args.links.split(",")
+    ]
 
 
 def _model(cfg: config.Config, info: data.DatasetInfo) -> Any:
@@ -304,8 +405,9 @@ def _describe_model(cfg: config.Config) -> str:
     return f"{m.name} {','.join(map(str, m.hidden)) or 'default widths'}"
 
 
-def _applies(profile: costmodel.Profile, method: str, cfg: config.Config,
-             assumptions: costmodel.RunAssumptions) -> bool:
+def _applies(
+    profile: costmodel.Profile, method: str, cfg: config.Config, assumptions: costmodel.RunAssumptions
+) -> bool:
     """Whether the method can train this model at all (SIL needs a cut it accepts, edAD an MLP,
     AB a layer to factorise...): its prediction says so by refusing."""
     try:

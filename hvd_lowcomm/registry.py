@@ -26,6 +26,7 @@ A *variant* is another name for a registered method with options preset
 everywhere a method name is (CLI, YAML, benchmarks, cost model) and shares its method's
 options section.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -39,35 +40,53 @@ class MethodSpec:
     """Everything registered about one method name."""
 
     name: str
-    method: type                      # the hvd_lowcomm.methods.base.Method subclass
-    options: type | None = None       # its options dataclass (a CLI/YAML section), if any
-    section: str = ""                 # that section's name: the method's own, or its base's for a variant
+    method: type  # the hvd_lowcomm.methods.base.Method subclass
+    options: type | None = None  # its options dataclass (a CLI/YAML section), if any
+    section: str = ""  # that section's name: the method's own, or its base's for a variant
     presets: dict[str, Any] = field(default_factory=dict)  # "section.key" -> value, where the user set none
-    cost: Any = None                  # hvd_lowcomm.costmodel.MethodCost: bytes and predicted step time
-    drop_in: bool = False             # --method auto may choose it
+    cost: Any = None  # hvd_lowcomm.costmodel.MethodCost: bytes and predicted step time
+    drop_in: bool = False  # --method auto may choose it
 
 
 _registry: dict[str, MethodSpec] = {}
 _discovered = False
 
 
-def register(name: str, *, options: type | None = None, presets: dict[str, Any] | None = None, cost: Any = None,
-             drop_in: bool = False) -> Callable[[type], type]:
+def register(
+    name: str,
+    *,
+    options: type | None = None,
+    presets: dict[str, Any] | None = None,
+    cost: Any = None,
+    drop_in: bool = False,
+) -> Callable[[type], type]:
     """Class decorator: register a Method subclass under `name` (see the module docstring)."""
+
     def decorate(cls: type) -> type:
         _add(MethodSpec(name, cls, options, name if options is not None else "", dict(presets or {}), cost, drop_in))
         cls.name = name
         return cls
+
     return decorate
 
 
-def register_variant(name: str, of: str, presets: dict[str, Any], drop_in: bool | None = None,
-                     cost: Any = None) -> None:
+def register_variant(
+    name: str, of: str, presets: dict[str, Any], drop_in: bool | None = None, cost: Any = None
+) -> None:
     """Register `name` as method `of` with `presets` applied (its options and class; its cost
     too unless `cost` replaces it)."""
     base = _registry[of]
-    _add(MethodSpec(name, base.method, base.options, base.section, {**base.presets, **presets}, cost or base.cost,
-                    base.drop_in if drop_in is None else drop_in))
+    _add(
+        MethodSpec(
+            name,
+            base.method,
+            base.options,
+            base.section,
+            {**base.presets, **presets},
+            cost or base.cost,
+            base.drop_in if drop_in is None else drop_in,
+        )
+    )
 
 
 def _add(spec: MethodSpec) -> None:

@@ -1,4 +1,5 @@
 """The learning-rate schedule of the built-in loop: linear warm-up, then constant or cosine."""
+
 from __future__ import annotations
 
 import math
@@ -27,9 +28,11 @@ def require_run_length(options: object, names: tuple[str, ...], total_steps: int
     """Refuse, at construction, options given as fractions of a run whose length is unknown."""
     fractions = [n for n in names if 0 < getattr(options, n) < 1]
     if total_steps is None and fractions:
-        raise ConfigError(f"{prefix}.{fractions[0]} = {getattr(options, fractions[0])} is a fraction of the run, "
-                          f"whose length is not given: pass total_steps=... (the run's steps) or give "
-                          f"{fractions[0]} as a number of steps")
+        raise ConfigError(
+            f"{prefix}.{fractions[0]} = {getattr(options, fractions[0])} is a fraction of the run, "
+            f"whose length is not given: pass total_steps=... (the run's steps) or give "
+            f"{fractions[0]} as a number of steps"
+        )
 
 
 def run_steps(value: float, total_steps: int | None, option: str) -> int:
@@ -38,6 +41,8 @@ def run_steps(value: float, total_steps: int | None, option: str) -> int:
     if value >= 1 or value == 0:
         return int(value)
     if total_steps is None:
-        raise ConfigError(f"{option} = {value} is a fraction of the run, whose length is not known here: call "
-                          f"set_total_steps(total_steps) first (or pass total_steps) or give a number of steps")
+        raise ConfigError(
+            f"{option} = {value} is a fraction of the run, whose length is not known here: call "
+            f"set_total_steps(total_steps) first (or pass total_steps) or give a number of steps"
+        )
     return round(value * total_steps)

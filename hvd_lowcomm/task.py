@@ -6,6 +6,7 @@ every labelled position (samples, or samples × tokens). Every method and the lo
 instead of F.cross_entropy, so a method written for classifiers trains a language model
 unchanged: logits [B, C] with labels [B], or [B, T, V] with labels [B, T].
 """
+
 from __future__ import annotations
 
 import math
@@ -37,8 +38,10 @@ def language_model_figures(loss_per_token: float, bytes_per_token: float) -> dic
     """Perplexity (e^loss) and bits per byte (loss in bits spread over the text bytes a token
     stands for: 1 byte per token for a byte-level vocabulary), the figures language models
     are compared by."""
-    return {"perplexity": math.exp(min(loss_per_token, 700.0)),
-            "bits_per_byte": loss_per_token / math.log(2) / bytes_per_token}
+    return {
+        "perplexity": math.exp(min(loss_per_token, 700.0)),
+        "bits_per_byte": loss_per_token / math.log(2) / bytes_per_token,
+    }
 
 
 def logits(output: Any) -> torch.Tensor:
@@ -52,13 +55,16 @@ def logits(output: Any) -> torch.Tensor:
         return found
     if isinstance(output, (tuple, list)) and output and torch.is_tensor(output[0]):
         return output[0]
-    raise TypeError(f"the model returned {type(output).__name__}, which holds no logits: hvd_lowcomm reads a "
-                    f"tensor, an object or mapping with 'logits' (a Hugging Face ModelOutput), or a tuple whose "
-                    f"first element is the logits")
+    raise TypeError(
+        f"the model returned {type(output).__name__}, which holds no logits: hvd_lowcomm reads a "
+        f"tensor, an object or mapping with 'logits' (a Hugging Face ModelOutput), or a tuple whose "
+        f"first element is the logits"
+    )
 
 
-def example_input(batch: int, input_shape: tuple[int, ...], vocabulary: int | None = None,
-                  generator: torch.Generator | None = None) -> torch.Tensor:
+def example_input(
+    batch: int, input_shape: tuple[int, ...], vocabulary: int | None = None, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """A random batch shaped like the dataset's samples: token ids below `vocabulary` for a text
     dataset (a DatasetInfo's `vocabulary`), else standard normal values."""
     if vocabulary is not None:

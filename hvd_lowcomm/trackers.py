@@ -12,6 +12,7 @@ at the record's training step.
 A tracker's run id is kept in <run dir>/trackers.json, so a resumed run (--resume) continues
 the same tracker run instead of starting another. Each tracker needs the [trackers] extra.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -55,9 +56,16 @@ class WandB(Tracker):
     def __init__(self, run_dir: Path, config: dict[str, Any], ids: dict[str, str]) -> None:
         import wandb
 
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "hvd_lowcomm"), name=run_dir.name,
-                              dir=str(run_dir), config=config, id=ids.get("wandb"), resume="allow",
-                              mode=os.environ.get("WANDB_MODE", "offline"), settings=wandb.Settings(quiet=True))
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "hvd_lowcomm"),
+            name=run_dir.name,
+            dir=str(run_dir),
+            config=config,
+            id=ids.get("wandb"),
+            resume="allow",
+            mode=os.environ.get("WANDB_MODE", "offline"),
+            settings=wandb.Settings(quiet=True),
+        )
         ids["wandb"] = self.run.id
 
     def log(self, kind: str, record: dict[str, Any], step: int) -> None:
@@ -80,8 +88,10 @@ def check_installed(names: list[str]) -> None:
     """Refuse, before training, a logger whose package is not installed."""
     missing = [name for name in names if importlib.util.find_spec(PACKAGES[name]) is None]
     if missing:
-        raise ConfigError(f"run.loggers {', '.join(missing)} needs the {', '.join(PACKAGES[n] for n in missing)} "
-                          f"package: pip install 'hvd_lowcomm[trackers]', or drop it from run.loggers")
+        raise ConfigError(
+            f"run.loggers {', '.join(missing)} needs the {', '.join(PACKAGES[n] for n in missing)} "
+            f"package: pip install 'hvd_lowcomm[trackers]', or drop it from run.loggers"
+        )
 
 
 def open_trackers(names: list[str], run_dir: Path, config: dict[str, Any]) -> list[Tracker]:
@@ -97,5 +107,8 @@ def open_trackers(names: list[str], run_dir: Path, config: dict[str, Any]) -> li
 
 def numbers(record: dict[str, Any]) -> dict[str, float]:
     """The record's numeric values (booleans, strings and structures left out)."""
-    return {k: float(v) for k, v in record.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("type", "time", "step")}
+    return {
+        k: float(v)
+        for k, v in record.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("type", "time", "step")
+    }

@@ -10,6 +10,7 @@ rank with one clear message) and resolves --method auto; the loop itself is hvd_
 Nothing here starts MPI before the config is read: mpi4py initialises MPI when its MPI module
 is first imported, which the comm layer does only inside its functions.
 """
+
 from __future__ import annotations
 
 import os
@@ -61,8 +62,16 @@ def main(argv: list[str] | None = None) -> int:
             prepared = preflight(cfg, world)
             if prepared is None:
                 return 2
-            train(cfg, prepared.method, prepared.info, prepared.model, prepared.resume_dir, prepared.resume_from,
-                  preemption, prepared.notes)
+            train(
+                cfg,
+                prepared.method,
+                prepared.info,
+                prepared.model,
+                prepared.resume_dir,
+                prepared.resume_from,
+                preemption,
+                prepared.notes,
+            )
             with meter.in_phase("control"):  # no rank exits (and shuts Horovod down) while another still sends
                 meter.barrier("run.end")
     finally:
@@ -105,13 +114,15 @@ def preflight(cfg: Config, world: runtime.Group) -> Prepared | None:
         meter.barrier("preflight.dataset")  # the bundled dataset, if rank 0 made it, is now in place
     if error is None:
         try:
-            info = data.from_source(cfg.data.source) if cfg.data.source else data.inspect(cfg.data.path,
-                                                                                          cfg.data.seq_len)
+            info = (
+                data.from_source(cfg.data.source) if cfg.data.source else data.inspect(cfg.data.path, cfg.data.seq_len)
+            )
             if info.num_train < world.size:
-                raise data.DataError(f"{cfg.data.path} has {info.num_train} training samples, fewer than "
-                                     f"the {world.size} ranks")
+                raise data.DataError(
+                    f"{cfg.data.path} has {info.num_train} training samples, fewer than the {world.size} ranks"
+                )
             if cfg.data.verify:  # each file checked once, by one rank
-                data.verify(info.files[rank::world.size])
+                data.verify(info.files[rank :: world.size])
             model = models.build_model(cfg.model, info.input_shape, info.num_classes, info.task)
             if cfg.method != AUTO:
                 method = spec(cfg.method).method(cfg, info)

@@ -11,6 +11,7 @@
   mpirun (`make test-unit`). Run alone, importing MPI or Horovod fails them, and MPI is not
   started; the MPI suites (`make test-N`) leave them out.
 """
+
 from __future__ import annotations
 
 import os
@@ -67,8 +68,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.failed and SIZE > 1:
-        print(f"\n[rank {RANK}] FAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n"
-              f"[rank {RANK}] aborting the MPI job so no rank hangs", file=sys.stderr, flush=True)
+        print(
+            f"\n[rank {RANK}] FAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n"
+            f"[rank {RANK}] aborting the MPI job so no rank hangs",
+            file=sys.stderr,
+            flush=True,
+        )
         from mpi4py import MPI
 
         MPI.COMM_WORLD.Abort(1)
@@ -135,15 +140,20 @@ def skip_where_its_engine_is_not_running(method: str, argv: tuple[str, ...] | li
     cfg = config.load(list(argv) if "--method" in argv else ["--method", method, *argv])
     wanted = specs()[cfg.method].method.engine_needed(cfg) if cfg.method in specs() else None
     if wanted and runtime.initialized() and runtime.engine().name != wanted:
-        pytest.skip(f"{method}{' with these options' if argv else ''} runs on the {wanted} engine, this job on "
-                    f"{runtime.engine().name} "
-                    f"(make test-2-torch runs it)")
+        pytest.skip(
+            f"{method}{' with these options' if argv else ''} runs on the {wanted} engine, this job on "
+            f"{runtime.engine().name} "
+            f"(make test-2-torch runs it)"
+        )
 
 
 def clean_env() -> dict[str, str]:
     """Environment for a child process that must not think it is one of our MPI ranks."""
-    return {k: v for k, v in os.environ.items()
-            if not k.startswith(("OMPI_", "PMIX_", "PMI_", "HOROVOD_", "OPAL_", "PRTE_"))}
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("OMPI_", "PMIX_", "PMI_", "HOROVOD_", "OPAL_", "PRTE_"))
+    }
 
 
 def mpirun(np_: int, *command: str) -> list[str]:
@@ -186,6 +196,8 @@ def mlp_profile():
 def run_yaml(tmp_path):
     """A training config of three steps on the digits, its run directory under tmp_path."""
     path = tmp_path / "run.yaml"
-    path.write_text(f"train: {{epochs: 1, max_steps: 3}}\ndata: {{path: {tmp_path / 'digits.h5'}}}\n"
-                    f"run: {{dir: {tmp_path / 'runs'}, name: job, progress: false}}\n")
+    path.write_text(
+        f"train: {{epochs: 1, max_steps: 3}}\ndata: {{path: {tmp_path / 'digits.h5'}}}\n"
+        f"run: {{dir: {tmp_path / 'runs'}, name: job, progress: false}}\n"
+    )
     return path

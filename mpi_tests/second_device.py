@@ -14,6 +14,7 @@ do where that matters for correctness:
     register()
     model.to(DEVICE)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,8 +38,15 @@ class DeviceTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, host: torch.Tensor) -> "DeviceTensor":
         tensor = torch.Tensor._make_wrapper_subclass(
-            cls, host.shape, strides=host.stride(), storage_offset=host.storage_offset(), dtype=host.dtype,
-            device=DEVICE, layout=host.layout, requires_grad=host.requires_grad)
+            cls,
+            host.shape,
+            strides=host.stride(),
+            storage_offset=host.storage_offset(),
+            dtype=host.dtype,
+            device=DEVICE,
+            layout=host.layout,
+            requires_grad=host.requires_grad,
+        )
         tensor.host = host
         return tensor
 
@@ -80,8 +88,10 @@ class DeviceTensor(torch.Tensor):
         if func is torch.ops.aten._to_copy.default and target is not None and torch.device(target).type == "cpu":
             return func(*host_args, **host_kwargs)  # to the host: a plain CPU tensor
         if func not in _CROSSING_OPS and "device" in seen and seen & {"cpu tensor", "cpu generator"}:
-            raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
-                               f"{DEVICE} and cpu! ({func}: {', '.join(sorted(seen - {'device'}))})")
+            raise RuntimeError(
+                f"Expected all tensors to be on the same device, but found at least two devices, "
+                f"{DEVICE} and cpu! ({func}: {', '.join(sorted(seen - {'device'}))})"
+            )
         out = func(*host_args, **host_kwargs)
         if func is torch.ops.aten.copy_.default:
             return args[0]
@@ -136,6 +146,7 @@ def _factory_kernel(op):
         kwargs = {**kwargs, "device": torch.device("cpu")}
         kwargs.pop("pin_memory", None)
         return DeviceTensor(op(*args, **kwargs))
+
     return kernel
 
 
@@ -150,7 +161,7 @@ def _factories():
     for full in torch._C._dispatch_get_all_op_names():
         if not full.startswith("aten::") or any(s in full for s in skipped):
             continue
-        name, _, overload = full[len("aten::"):].partition(".")
+        name, _, overload = full[len("aten::") :].partition(".")
         try:
             op = getattr(getattr(torch.ops.aten, name), overload or "default")
         except (AttributeError, RuntimeError):
@@ -158,8 +169,10 @@ def _factories():
         schema = op._schema
         if len(schema.returns) != 1 or "Tensor" not in str(schema.returns[0].type):
             continue
-        if any(a.name == "device" for a in schema.arguments) and not any("Tensor" in str(a.type) for a in schema.arguments):
-            yield full[len("aten::"):], op
+        if any(a.name == "device" for a in schema.arguments) and not any(
+            "Tensor" in str(a.type) for a in schema.arguments
+        ):
+            yield full[len("aten::") :], op
 
 
 def register() -> torch.device:

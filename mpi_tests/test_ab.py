@@ -1,5 +1,6 @@
 """AB-training: factorised layers, rank choice, groups, schedule, sync modes, optimiser state,
 the final model, reporting."""
+
 from __future__ import annotations
 
 import json
@@ -48,8 +49,23 @@ def ab_method(*argv: str) -> AB:
     the guards)."""
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 3))
-    method = AB(config.load(["--method", "ab", "--ab.groups", "2", "--train.lr", "0.01", "--ab.min_rank_share", "0",
-                             "--ab.first_cut", "0", *argv]))
+    method = AB(
+        config.load(
+            [
+                "--method",
+                "ab",
+                "--ab.groups",
+                "2",
+                "--train.lr",
+                "0.01",
+                "--ab.min_rank_share",
+                "0",
+                "--ab.first_cut",
+                "0",
+                *argv,
+            ]
+        )
+    )
     method.check_world(method.cfg, SIZE)
     method.setup(model)
     method.set_total_steps(100)  # resolves the schedule's fractions
@@ -75,7 +91,9 @@ def test_group_phase_sends_nothing_across_groups_and_a_sync_leaves_every_rank_wi
     for step in range(6):
         method.train_step(*batch(step))
         records = fresh_meter.step_records
-        training_labels.setdefault(method.trainer.phase, set()).update(r.group for r in records if r.name.startswith("ab.grad."))
+        training_labels.setdefault(method.trainer.phase, set()).update(
+            r.group for r in records if r.name.startswith("ab.grad.")
+        )
         if method.trainer.phase == "group":  # the first factorisation keeps every rank: nothing to agree on
             assert {r.name for r in records if r.group == "world"} == set()
         fresh_meter.next_step()
@@ -108,20 +126,41 @@ def test_sync_modes_combine_the_factors_as_specified(world, mode):
 
 @needs_ranks(2)
 def test_lr_rebounds_after_a_switch_and_moments_follow_rank_changes(world):
-    method = ab_method("--ab.warmup", "2", "--ab.sync_every", "3", "--ab.full_rank_steps", "2", "--ab.rebound_steps", "4",
-                       "--ab.rebound_lr", "1e-5", "--ab.rank_rule", "tau", "--ab.tau", "0.3", "--ab.max_output_error", "0.9",
-                       "--ab.max_accuracy_drop", "1", "--ab.max_loss_rise", "100", "--train.lr_schedule", "constant")
+    method = ab_method(
+        "--ab.warmup",
+        "2",
+        "--ab.sync_every",
+        "3",
+        "--ab.full_rank_steps",
+        "2",
+        "--ab.rebound_steps",
+        "4",
+        "--ab.rebound_lr",
+        "1e-5",
+        "--ab.rank_rule",
+        "tau",
+        "--ab.tau",
+        "0.3",
+        "--ab.max_output_error",
+        "0.9",
+        "--ab.max_accuracy_drop",
+        "1",
+        "--ab.max_loss_rise",
+        "100",
+        "--train.lr_schedule",
+        "constant",
+    )
     lrs = record_step_lrs(method.optimizer)
     for step in range(10):
         method.set_lr(0.01)
         method.train_step(*batch(step))
     assert method.optimizer.param_groups[0]["lr"] == 0.01  # the schedule's value is left as it was
-    assert lrs[:2] == [0.01, 0.01]                            # warm-up: no switch yet
-    assert lrs[2] == pytest.approx(1e-5)                      # step 2: switch to the group phase
+    assert lrs[:2] == [0.01, 0.01]  # warm-up: no switch yet
+    assert lrs[2] == pytest.approx(1e-5)  # step 2: switch to the group phase
     assert lrs[3] == pytest.approx(1e-5 + (0.01 - 1e-5) / 4)  # ramps back linearly
-    assert lrs[5] == pytest.approx(1e-5)                      # step 5: switch to the full phase
+    assert lrs[5] == pytest.approx(1e-5)  # step 5: switch to the full phase
     layer = method.trainer.layers["2"]
-    assert method.trainer.phase == "group" and layer.rank < 12        # step 7 re-factorised with truncation
+    assert method.trainer.phase == "group" and layer.rank < 12  # step 7 re-factorised with truncation
     factor = getattr(layer, method.trainer.role)
     for value in method.optimizer.state[factor].values():
         if torch.is_tensor(value) and value.dim() == 2:
@@ -130,8 +169,20 @@ def test_lr_rebounds_after_a_switch_and_moments_follow_rank_changes(world):
 
 @needs_ranks(2)
 def test_a_run_goes_through_every_phase_and_its_loss_decreases(shared_tmp):
-    argv = ["--method", "ab", "--train.epochs", "6", "--data.path", str(shared_tmp / "digits.h5"),
-            "--run.dir", str(shared_tmp / "runs"), "--run.name", "ab", "--run.progress", "false"]
+    argv = [
+        "--method",
+        "ab",
+        "--train.epochs",
+        "6",
+        "--data.path",
+        str(shared_tmp / "digits.h5"),
+        "--run.dir",
+        str(shared_tmp / "runs"),
+        "--run.name",
+        "ab",
+        "--run.progress",
+        "false",
+    ]
     assert main(argv) == 0
     if RANK == 0:
         rows = [json.loads(line) for line in (shared_tmp / "runs" / "ab" / "metrics.jsonl").read_text().splitlines()]
@@ -160,8 +211,18 @@ def test_a_run_goes_through_every_phase_and_its_loss_decreases(shared_tmp):
 
 @needs_ranks(2)
 def test_lr_rebounds_at_every_sync_when_there_are_no_full_rank_steps(world):
-    method = ab_method("--ab.warmup", "2", "--ab.sync_every", "3", "--ab.full_rank_steps", "0", "--ab.rebound_steps", "2",
-                       "--ab.rebound_lr", "1e-5")
+    method = ab_method(
+        "--ab.warmup",
+        "2",
+        "--ab.sync_every",
+        "3",
+        "--ab.full_rank_steps",
+        "0",
+        "--ab.rebound_steps",
+        "2",
+        "--ab.rebound_lr",
+        "1e-5",
+    )
     lrs = record_step_lrs(method.optimizer)
     for step in range(9):
         method.set_lr(0.01)
@@ -201,15 +262,20 @@ def test_inter_group_bytes_count_every_world_collective(world, fresh_meter):
         method.train_step(*batch(step))
         keeper.agree(False)
         fresh_meter.next_step()
-    world = sum(t.wire_bytes for (phase, _, group), t in fresh_meter.by_kind.items()
-                if group == "world" and phase in ("train", "control"))
+    world = sum(
+        t.wire_bytes
+        for (phase, _, group), t in fresh_meter.by_kind.items()
+        if group == "world" and phase in ("train", "control")
+    )
     assert fresh_meter.total("control", group="world") > 0
     assert method.epoch_metrics()["inter_group_wire_bytes"] == world
 
 
 @needs_ranks(2)
 def test_individual_mode_trains_each_rank_s_own_factor_until_the_sync(world, fresh_meter):
-    method = ab_method("--ab.warmup", "1", "--ab.sync_every", "3", "--ab.full_rank_steps", "1", "--ab.comm", "individual")
+    method = ab_method(
+        "--ab.warmup", "1", "--ab.sync_every", "3", "--ab.full_rank_steps", "1", "--ab.comm", "individual"
+    )
     for step in range(3):
         method.train_step(*batch(step))
         names = {r.name for r in fresh_meter.step_records}
@@ -229,8 +295,18 @@ def test_individual_mode_trains_each_rank_s_own_factor_until_the_sync(world, fre
 
 @needs_ranks(2)
 def test_only_b_trains_b_everywhere_and_may_use_one_group(world):
-    method = ab_method("--ab.warmup", "1", "--ab.sync_every", "2", "--ab.full_rank_steps", "1",
-                       "--ab.sync_mode", "only-b", "--ab.groups", "1")
+    method = ab_method(
+        "--ab.warmup",
+        "1",
+        "--ab.sync_every",
+        "2",
+        "--ab.full_rank_steps",
+        "1",
+        "--ab.sync_mode",
+        "only-b",
+        "--ab.groups",
+        "1",
+    )
     assert method.trainer.role == "B" and len(method.trainer.all_groups) == 1
     method.train_step(*batch(0))
     method.train_step(*batch(1))  # group phase: B trained, A frozen
@@ -262,19 +338,41 @@ def learnable_batch(step: int, n: int = 64):
 
 
 @needs_ranks(2)
-@pytest.mark.parametrize("guard", [["--ab.max_accuracy_drop", "0.02", "--ab.max_loss_rise", "100"],
-                                   ["--ab.max_accuracy_drop", "1", "--ab.max_loss_rise", "0.01"]],
-                         ids=["accuracy", "loss"])
+@pytest.mark.parametrize(
+    "guard",
+    [
+        ["--ab.max_accuracy_drop", "0.02", "--ab.max_loss_rise", "100"],
+        ["--ab.max_accuracy_drop", "1", "--ab.max_loss_rise", "0.01"],
+    ],
+    ids=["accuracy", "loss"],
+)
 def test_a_cut_that_costs_accuracy_or_loss_is_undone_by_keeping_more_rank(world, guard):
     # A drastic rule (rank 1) with no floor; each guard alone must bring the batch's accuracy back.
-    method = ab_method("--ab.warmup", "60", "--ab.sync_every", "2", "--ab.full_rank_steps", "1", "--ab.rank_rule", "tau",
-                       "--ab.tau", "0.99", "--ab.max_output_error", "0.99", *guard, "--ab.first_full_rank", "true")
+    method = ab_method(
+        "--ab.warmup",
+        "60",
+        "--ab.sync_every",
+        "2",
+        "--ab.full_rank_steps",
+        "1",
+        "--ab.rank_rule",
+        "tau",
+        "--ab.tau",
+        "0.99",
+        "--ab.max_output_error",
+        "0.99",
+        *guard,
+        "--ab.first_full_rank",
+        "true",
+    )
     for step in range(63):
         method.train_step(*learnable_batch(step))
     x, y = learnable_batch(63)
     method.train_step(x, y)  # step 63: re-factorisation
     assert method.trainer.undone_cuts >= 1 and method.trainer.layers["2"].rank > 1
-    assert all(0.0 <= c["output_error"] <= 1.0 and 0.0 <= c["weight_error"] <= 1.0 for c in method.trainer.cuts.values())
+    assert all(
+        0.0 <= c["output_error"] <= 1.0 and 0.0 <= c["weight_error"] <= 1.0 for c in method.trainer.cuts.values()
+    )
     with torch.no_grad():
         accuracy = (method.model(x).argmax(1) == y).float().mean().item()
     assert accuracy > 0.8
@@ -284,9 +382,26 @@ def test_a_cut_that_costs_accuracy_or_loss_is_undone_by_keeping_more_rank(world,
 @pytest.mark.parametrize("share, floor", [(0.25, 3), (0.5, 6)])
 def test_a_cut_keeps_at_least_its_share_of_the_smaller_side(world, share, floor):
     # the drastic rule (rank 1), no guard: the floor alone decides the 16 x 12 layer's rank
-    method = ab_method("--ab.warmup", "2", "--ab.sync_every", "2", "--ab.full_rank_steps", "1", "--ab.rank_rule", "tau",
-                       "--ab.tau", "0.99", "--ab.max_output_error", "0.99", "--ab.max_accuracy_drop", "1",
-                       "--ab.max_loss_rise", "100", "--ab.min_rank_share", str(share))
+    method = ab_method(
+        "--ab.warmup",
+        "2",
+        "--ab.sync_every",
+        "2",
+        "--ab.full_rank_steps",
+        "1",
+        "--ab.rank_rule",
+        "tau",
+        "--ab.tau",
+        "0.99",
+        "--ab.max_output_error",
+        "0.99",
+        "--ab.max_accuracy_drop",
+        "1",
+        "--ab.max_loss_rise",
+        "100",
+        "--ab.min_rank_share",
+        str(share),
+    )
     for step in range(6):  # factorised at 2 (full rank), cut at 5
         method.train_step(*batch(step))
     assert method.trainer.cuts["2"]["rank"] == floor == method.trainer.layers["2"].rank
@@ -296,9 +411,26 @@ def test_a_cut_keeps_at_least_its_share_of_the_smaller_side(world, share, floor)
 def test_re_factorisations_before_the_first_cut_keep_every_singular_value(world):
     # the drastic rule (rank 1), no guard, first_cut at step 9: re-factorised at 5 and 8 with
     # every singular value, cut at 11, the first re-factorisation from step 9 on
-    method = ab_method("--ab.warmup", "2", "--ab.sync_every", "2", "--ab.full_rank_steps", "1", "--ab.rank_rule", "tau",
-                       "--ab.tau", "0.99", "--ab.max_output_error", "0.99", "--ab.max_accuracy_drop", "1",
-                       "--ab.max_loss_rise", "100", "--ab.first_cut", "9")
+    method = ab_method(
+        "--ab.warmup",
+        "2",
+        "--ab.sync_every",
+        "2",
+        "--ab.full_rank_steps",
+        "1",
+        "--ab.rank_rule",
+        "tau",
+        "--ab.tau",
+        "0.99",
+        "--ab.max_output_error",
+        "0.99",
+        "--ab.max_accuracy_drop",
+        "1",
+        "--ab.max_loss_rise",
+        "100",
+        "--ab.first_cut",
+        "9",
+    )
     layer, ranks, cut = method.trainer.layers["2"], [], []
     for step in range(12):
         method.train_step(*batch(step))
@@ -322,13 +454,31 @@ def test_the_final_model_is_the_synced_model_the_same_on_every_rank(world):
         assert all((copy_[k] == copies[0][k]).all() for k in copy_)
     if RANK == 0:
         assert all(torch.equal(final[k], synced[k]) for k in synced)
-    assert method.trainer.phase == "group" and method.trainer.layers["2"].factorized  # the groups' own state is untouched
+    assert (
+        method.trainer.phase == "group" and method.trainer.layers["2"].factorized
+    )  # the groups' own state is untouched
 
 
 @needs_ranks(2)
 def test_compression_counts_a_and_b_of_every_factorised_layer_and_everything_dense(world):
-    method = ab_method("--ab.warmup", "1", "--ab.sync_every", "2", "--ab.full_rank_steps", "1", "--ab.rank_rule", "tau",
-                       "--ab.tau", "0.5", "--ab.max_output_error", "0.99", "--ab.max_accuracy_drop", "1", "--ab.max_loss_rise", "100")
+    method = ab_method(
+        "--ab.warmup",
+        "1",
+        "--ab.sync_every",
+        "2",
+        "--ab.full_rank_steps",
+        "1",
+        "--ab.rank_rule",
+        "tau",
+        "--ab.tau",
+        "0.5",
+        "--ab.max_output_error",
+        "0.99",
+        "--ab.max_accuracy_drop",
+        "1",
+        "--ab.max_loss_rise",
+        "100",
+    )
     assert method.trainer.compression_ratio() == 1.0  # dense before the first factorisation
     for step in range(5):  # re-factorised at step 4
         method.train_step(*batch(step))
@@ -349,12 +499,35 @@ def test_re_factorisations_after_a_cut_compute_only_the_leading_triplets_and_mor
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(6, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 3))
     with torch.no_grad():  # as if trained: a few learned directions over a small random bulk
-        model[2].weight.copy_(spectrum_matrix([80.0, 60.0, 50.0, 40.0, 30.0, 20.0], 512, 512)
-                              + 0.3 * torch.randn(512, 512) / 512**0.5)
-    method = AB(config.load(["--method", "ab", "--ab.groups", "2", "--train.lr", "1e-4", "--ab.warmup", "1",
-                             "--ab.min_rank_share", "0", "--ab.first_cut", "0",
-                             "--ab.sync_every", "2", "--ab.full_rank_steps", "1",
-                             "--ab.max_accuracy_drop", "1", "--ab.max_loss_rise", "100"]))  # an untrained model: its batch accuracy is noise
+        model[2].weight.copy_(
+            spectrum_matrix([80.0, 60.0, 50.0, 40.0, 30.0, 20.0], 512, 512) + 0.3 * torch.randn(512, 512) / 512**0.5
+        )
+    method = AB(
+        config.load(
+            [
+                "--method",
+                "ab",
+                "--ab.groups",
+                "2",
+                "--train.lr",
+                "1e-4",
+                "--ab.warmup",
+                "1",
+                "--ab.min_rank_share",
+                "0",
+                "--ab.first_cut",
+                "0",
+                "--ab.sync_every",
+                "2",
+                "--ab.full_rank_steps",
+                "1",
+                "--ab.max_accuracy_drop",
+                "1",
+                "--ab.max_loss_rise",
+                "100",
+            ]
+        )
+    )  # an untrained model: its batch accuracy is noise
     method.setup(model)
     method.set_total_steps(100)
     layer = method.trainer.layers["2"]
@@ -382,6 +555,7 @@ def test_an_outer_step_at_the_sync_moves_every_weight_from_where_the_group_phase
     """With ab.outer_lr and ab.outer_momentum, a sync is DiLoCo's outer step on W = A B and the
     dense parameters: pseudo-gradient (start - plain synced value), first Nesterov step
     (1 + momentum) times it; lr 1 and momentum 0 leave the plain average."""
+
     def run(*argv):
         method = ab_method("--ab.warmup", "2", "--ab.sync_every", "3", "--ab.full_rank_steps", "1", *argv)
         for step in range(5):  # warm-up 0-1, factorised at full rank at 2, group steps 2-4

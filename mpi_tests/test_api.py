@@ -1,4 +1,5 @@
 """The package root: Horovod-style names a user's own training loop needs."""
+
 from __future__ import annotations
 
 import pytest
@@ -46,8 +47,9 @@ def test_ab_training_in_a_users_own_loop(world, fresh_meter):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
-    ab = hvd_lowcomm.ABTraining(model, opt, total_steps=40, groups=2, warmup=0.25, sync_every=0.25,
-                                full_rank_steps=0.05)
+    ab = hvd_lowcomm.ABTraining(
+        model, opt, total_steps=40, groups=2, warmup=0.25, sync_every=0.25, full_rank_steps=0.05
+    )
     assert any(p is ab.layers["2"].A for p in opt.param_groups[0]["params"])  # the factors joined its group
     phases = set()
     for step in range(40):
@@ -68,17 +70,24 @@ def test_ab_training_in_a_users_own_loop(world, fresh_meter):
     if SIZE > 1:
         assert hvd_lowcomm.meter.total("train") > 0
     with pytest.raises(ValueError, match="unknown ab option\\(s\\) sync_evry"):
-        hvd_lowcomm.ABTraining(nn.Sequential(nn.Linear(2, 2)), torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1),
-                               sync_evry=3)
+        hvd_lowcomm.ABTraining(
+            nn.Sequential(nn.Linear(2, 2)), torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1), sync_evry=3
+        )
 
 
 @pytest.mark.skipif(SIZE % 2, reason="two SIL partitions need an even rank count")
 def test_sil_in_a_users_own_loop_sends_nothing_between_partitions(world, fresh_meter):
     torch.manual_seed(0)
     model = nn.Sequential()
-    for name, module in [("fc1", nn.Linear(6, 64)), ("act1", nn.ReLU()), ("fc2", nn.Linear(64, 32)),
-                         ("act2", nn.ReLU()), ("fc3", nn.Linear(32, 32)), ("act3", nn.ReLU()),
-                         ("fc4", nn.Linear(32, 3))]:
+    for name, module in [
+        ("fc1", nn.Linear(6, 64)),
+        ("act1", nn.ReLU()),
+        ("fc2", nn.Linear(64, 32)),
+        ("act2", nn.ReLU()),
+        ("fc3", nn.Linear(32, 32)),
+        ("act3", nn.ReLU()),
+        ("fc4", nn.Linear(32, 3)),
+    ]:
         model.add_module(name, module)
     sil = hvd_lowcomm.SIL(model, input_shape=(6,), num_classes=3, cuts=["fc3"])  # by child name
     assert sil.layout.boundaries == [0, 4, 7] and len(sil.module) == (4 if sil.index == 0 else 3)
@@ -101,6 +110,7 @@ def test_options_and_a_keyword_both_reach_a_group_trainer():
     from hvd_lowcomm.methods.diloco import DiLoCo, DiLoCoOptions
 
     model = nn.Linear(4, 2)
-    diloco = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), options=DiLoCoOptions(compression="fp16"),
-                    sync_every=2)
+    diloco = DiLoCo(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), options=DiLoCoOptions(compression="fp16"), sync_every=2
+    )
     assert (diloco.options.compression, diloco.options.sync_every) == ("fp16", 2)

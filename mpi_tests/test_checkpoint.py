@@ -1,4 +1,5 @@
 """Checkpoints, resume, preemption, failure and non-finite steps, for every method."""
+
 from __future__ import annotations
 
 import json
@@ -27,34 +28,112 @@ METHODS = {
     "dad": [],
     "rank-dad": [],  # adaptive ranks and error feedback, both each rank's own
     "edad": [],
-    "ab": ["--ab.groups", "2", "--ab.warmup", "6", "--ab.sync_every", "8", "--ab.full_rank_steps", "3", "--ab.rebound_steps", "2"],
+    "ab": [
+        "--ab.groups",
+        "2",
+        "--ab.warmup",
+        "6",
+        "--ab.sync_every",
+        "8",
+        "--ab.full_rank_steps",
+        "3",
+        "--ab.rebound_steps",
+        "2",
+    ],
     "mp": [],
     "sil": ["--sil.noise", "0.1"],
     # the stop at step 11 falls inside a cycle of each fragment, with outer momentum to restore
     "diloco": ["--diloco.sync_every", "4", "--diloco.fragments", "2"],
     "diloco-int8": ["--method", "diloco", "--diloco.sync_every", "5", "--diloco.compression", "int8"],
-    "diloco-sparse": ["--method", "diloco", "--diloco.sync_every", "5", "--diloco.compression", "sparse",
-                      "--diloco.error_decay", "0.9", "--diloco.keep_unsent", "false"],
+    "diloco-sparse": [
+        "--method",
+        "diloco",
+        "--diloco.sync_every",
+        "5",
+        "--diloco.compression",
+        "sparse",
+        "--diloco.error_decay",
+        "0.9",
+        "--diloco.keep_unsent",
+        "false",
+    ],
     # the groups' models hold their unsent parts (the default), with an exchange in flight at the stop
-    "diloco-sparse-keeps-unsent": ["--method", "diloco", "--diloco.sync_every", "5", "--diloco.compression", "sparse",
-                                   "--diloco.sync_delay", "2", "--diloco.update_alpha", "0.5"],
+    "diloco-sparse-keeps-unsent": [
+        "--method",
+        "diloco",
+        "--diloco.sync_every",
+        "5",
+        "--diloco.compression",
+        "sparse",
+        "--diloco.sync_delay",
+        "2",
+        "--diloco.update_alpha",
+        "0.5",
+    ],
     # a group per rank: beyond 2 groups (np 4) the owners' error feedback is restored too
-    "diloco-sparse-by-owner": ["--method", "diloco", "--diloco.groups", str(SIZE), "--diloco.sync_every", "5",
-                               "--diloco.compression", "sparse"],
-    "diloco-lowrank": ["--method", "diloco", "--diloco.sync_every", "5", "--diloco.compression", "lowrank",
-                       "--diloco.rank", "2"],
+    "diloco-sparse-by-owner": [
+        "--method",
+        "diloco",
+        "--diloco.groups",
+        str(SIZE),
+        "--diloco.sync_every",
+        "5",
+        "--diloco.compression",
+        "sparse",
+    ],
+    "diloco-lowrank": [
+        "--method",
+        "diloco",
+        "--diloco.sync_every",
+        "5",
+        "--diloco.compression",
+        "lowrank",
+        "--diloco.rank",
+        "2",
+    ],
     # exchanges start at steps 5, 10, ... and land 2 steps later: the stop at 11 has one in flight
-    "diloco-delay": ["--method", "diloco", "--diloco.sync_every", "5", "--diloco.sync_delay", "2",
-                     "--diloco.update_alpha", "0.5", "--diloco.compression", "int8"],
+    "diloco-delay": [
+        "--method",
+        "diloco",
+        "--diloco.sync_every",
+        "5",
+        "--diloco.sync_delay",
+        "2",
+        "--diloco.update_alpha",
+        "0.5",
+        "--diloco.compression",
+        "int8",
+    ],
     # eager: the stop at 11 has the exchange started at 10 in flight, and this group's part of it
-    "diloco-eager": ["--method", "diloco", "--diloco.sync_every", "5", "--diloco.eager", "true",
-                     "--diloco.compression", "sparse"],
+    "diloco-eager": [
+        "--method",
+        "diloco",
+        "--diloco.sync_every",
+        "5",
+        "--diloco.eager",
+        "true",
+        "--diloco.compression",
+        "sparse",
+    ],
 }
 
 
 def _train(shared_tmp, name, *args):
-    argv = ["--data.path", str(shared_tmp / "digits.h5"), "--run.dir", str(shared_tmp / "runs"), "--run.name", name,
-            "--run.progress", "false", "--train.lr_schedule", "constant", "--train.lr", "0.003", *args]
+    argv = [
+        "--data.path",
+        str(shared_tmp / "digits.h5"),
+        "--run.dir",
+        str(shared_tmp / "runs"),
+        "--run.name",
+        name,
+        "--run.progress",
+        "false",
+        "--train.lr_schedule",
+        "constant",
+        "--train.lr",
+        "0.003",
+        *args,
+    ]
     assert train_main(argv) == 0
 
 
@@ -93,8 +172,12 @@ def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_used(world, 
     _train(shared_tmp, "c", "--train.max_steps", "20", "--run.checkpoint_every", "6", "--run.keep_checkpoints", "5")
     root = shared_tmp / "runs" / "c" / "checkpoints"
     if RANK == 0:
-        assert [p.name for p in checkpoint.checkpoints(root)] == ["step-00000006", "step-00000012",
-                                                                   "step-00000018", "step-00000020"]
+        assert [p.name for p in checkpoint.checkpoints(root)] == [
+            "step-00000006",
+            "step-00000012",
+            "step-00000018",
+            "step-00000020",
+        ]
         victim = root / "step-00000020" / f"rank-{SIZE - 1:05d}.pt"
         victim.write_bytes(victim.read_bytes()[:100])  # cut off, like a full disk
         (root / "step-00000018" / "manifest.json").unlink()  # never finished
@@ -113,23 +196,49 @@ def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_used(world, 
 def test_resume_refuses_a_checkpoint_from_another_method(world, shared_tmp, capsys):
     _train(shared_tmp, "m", "--train.max_steps", "3")
     capsys.readouterr()
-    argv = ["--data.path", str(shared_tmp / "digits.h5"), "--run.dir", str(shared_tmp / "runs"), "--run.name", "m",
-            "--resume", "auto", "--method", "dad"]
+    argv = [
+        "--data.path",
+        str(shared_tmp / "digits.h5"),
+        "--run.dir",
+        str(shared_tmp / "runs"),
+        "--run.name",
+        "m",
+        "--resume",
+        "auto",
+        "--method",
+        "dad",
+    ]
     assert train_main(argv) == 2
     if RANK == 0:
         assert "was written by ddp; resume it with --method ddp" in capsys.readouterr().err
 
 
-only_from_the_1_rank_suite = pytest.mark.skipif(SIZE != 1 or RANK != 0,
-                                                reason="launches its own mpirun; run from the 1-rank suite")
+only_from_the_1_rank_suite = pytest.mark.skipif(
+    SIZE != 1 or RANK != 0, reason="launches its own mpirun; run from the 1-rank suite"
+)
 
 
 def _launch(tmp_path, name, *args, np_=2):
-    command = mpirun(np_, sys.executable, "-m", "hvd_lowcomm.train", "--data.path", str(tmp_path / "digits.h5"),
-                     "--run.dir", str(tmp_path / "runs"), "--run.name", name, "--run.progress", "false",
-                     "--run.log_every", "1", *args)
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
-                            start_new_session=True)
+    command = mpirun(
+        np_,
+        sys.executable,
+        "-m",
+        "hvd_lowcomm.train",
+        "--data.path",
+        str(tmp_path / "digits.h5"),
+        "--run.dir",
+        str(tmp_path / "runs"),
+        "--run.name",
+        name,
+        "--run.progress",
+        "false",
+        "--run.log_every",
+        "1",
+        *args,
+    )
+    return subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(), start_new_session=True
+    )
 
 
 def _wait_for_steps(tmp_path, name, proc, steps):
@@ -219,15 +328,44 @@ def _nan_dataset(tmp_path):
 @only_from_the_1_rank_suite
 def test_nan_stops_the_run_naming_step_and_layer_or_is_skipped_and_counted(tmp_path):
     _nan_dataset(tmp_path)
-    common = ["--data.path", str(tmp_path / "nan.h5"), "--run.dir", str(tmp_path / "runs"), "--run.progress",
-              "false", "--train.epochs", "2", "--data.batch_size", "10"]
-    proc = subprocess.run(mpirun(2, sys.executable, "-m", "hvd_lowcomm.train", "--run.name", "stop", *common),
-                          capture_output=True, text=True, env=clean_env(), timeout=120)
+    common = [
+        "--data.path",
+        str(tmp_path / "nan.h5"),
+        "--run.dir",
+        str(tmp_path / "runs"),
+        "--run.progress",
+        "false",
+        "--train.epochs",
+        "2",
+        "--data.batch_size",
+        "10",
+    ]
+    proc = subprocess.run(
+        mpirun(2, sys.executable, "-m", "hvd_lowcomm.train", "--run.name", "stop", *common),
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "non-finite training at step" in proc.stderr and "gradient of layer '1.weight' is not finite" in proc.stderr
-    proc = subprocess.run(mpirun(2, sys.executable, "-m", "hvd_lowcomm.train", "--run.name", "skip",
-                                 "--train.skip_nonfinite", "true", *common),
-                          capture_output=True, text=True, env=clean_env(), timeout=120)
+    proc = subprocess.run(
+        mpirun(
+            2,
+            sys.executable,
+            "-m",
+            "hvd_lowcomm.train",
+            "--run.name",
+            "skip",
+            "--train.skip_nonfinite",
+            "true",
+            *common,
+        ),
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((tmp_path / "runs" / "skip" / "summary.json").read_text())
     assert summary["skipped_nonfinite_steps"] == 2  # the bad sample is in one batch per epoch

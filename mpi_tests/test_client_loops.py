@@ -2,6 +2,7 @@
 DDP/nanoGPT loop (accumulation, clip before step, GradScaler, set_to_none, weight-decay groups,
 tied weights, LR written into param_groups), each against one process training on the pooled
 batch; and ABTraining / DiLoCo with the loop's GradScaler."""
+
 from __future__ import annotations
 
 import copy
@@ -24,8 +25,14 @@ WRAPPERS = ("ddp", "ddp-fp16", "powersgd", "dad", "rank-dad")
 # (rtol, atol): exact ones to float32 rounding; fp16 on the wire (PowerSGD's warm-up steps send
 # the plain mean in float16) to its rounding, which a clip applied before the exchange exceeds;
 # rank-dAD at full rank (see wrap) to its float16 rows' rounding.
-TOLERANCE = {"ddp": (1e-4, 1e-5), "dad": (1e-4, 1e-5), "edad": (1e-4, 1e-5), "ddp-fp16": (1e-4, 1e-3),
-             "powersgd": (1e-4, 1e-3), "rank-dad": (1e-4, 2e-4)}
+TOLERANCE = {
+    "ddp": (1e-4, 1e-5),
+    "dad": (1e-4, 1e-5),
+    "edad": (1e-4, 1e-5),
+    "ddp-fp16": (1e-4, 1e-3),
+    "powersgd": (1e-4, 1e-3),
+    "rank-dad": (1e-4, 2e-4),
+}
 
 
 class TinyGPT(nn.Module):
@@ -57,9 +64,13 @@ def wrap(name: str, optimizer: torch.optim.Optimizer, model: nn.Module, **horovo
     """The one changed line, with Horovod's arguments as its examples pass them."""
     import horovod.torch as hvd
 
-    arguments = {"named_parameters": model.named_parameters(), "op": hvd.Average, "gradient_predivide_factor": 1.0,
-                 "compression": hvd.Compression.fp16 if name == "ddp-fp16" else hvd.Compression.none,
-                 **horovod_arguments}
+    arguments = {
+        "named_parameters": model.named_parameters(),
+        "op": hvd.Average,
+        "gradient_predivide_factor": 1.0,
+        "compression": hvd.Compression.fp16 if name == "ddp-fp16" else hvd.Compression.none,
+        **horovod_arguments,
+    }
     if name in ("ddp", "ddp-fp16"):
         return hl.DistributedOptimizer(optimizer, **arguments)
     if name == "powersgd":
@@ -82,12 +93,15 @@ def gpt_batches(steps: int, micro: int, rows: int = 4, context: int = 6, vocab: 
 def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """nanoGPT's optimizer groups: matrices decay, vectors do not."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
-def nanogpt_loop(model: nn.Module, optimizer, steps: int, micro: int, accumulate: str, clip: float,
-                 scaler, rank: int | None) -> list[float]:
+def nanogpt_loop(
+    model: nn.Module, optimizer, steps: int, micro: int, accumulate: str, clip: float, scaler, rank: int | None
+) -> list[float]:
     """nanoGPT's train loop: LR written into param_groups each iteration, `micro` micro-batches
     (the loss divided by their count), the sync held back on all but the last, the gradient
     unscaled and clipped before the step, zero_grad(set_to_none=True) after it. `rank` None:
@@ -130,8 +144,14 @@ class _nothing:
         return False
 
 
-def trained_gpt(wrapper: str | None, accumulate: str = "backward_passes_per_step", clip: float = 0.0,
-                scaled: bool = False, steps: int = 3, micro: int = 2) -> nn.Module:
+def trained_gpt(
+    wrapper: str | None,
+    accumulate: str = "backward_passes_per_step",
+    clip: float = 0.0,
+    scaled: bool = False,
+    steps: int = 3,
+    micro: int = 2,
+) -> nn.Module:
     """TinyGPT after the nanoGPT loop through `wrapper` on this rank's data (None: the
     reference on the pooled data in one process)."""
     torch.manual_seed(0)
@@ -143,8 +163,7 @@ def trained_gpt(wrapper: str | None, accumulate: str = "backward_passes_per_step
         passes = micro if accumulate == "backward_passes_per_step" else 1
         optimizer = wrap(wrapper, optimizer, model, backward_passes_per_step=passes)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if scaled else None
-    nanogpt_loop(model, optimizer, steps, micro, accumulate, clip,
-                 scaler, None if wrapper is None else runtime.rank())
+    nanogpt_loop(model, optimizer, steps, micro, accumulate, clip, scaler, None if wrapper is None else runtime.rank())
     return model
 
 
@@ -168,13 +187,22 @@ def assert_close_to(model: nn.Module, reference: nn.Module, rtol: float, atol: f
 
 # -- one wrapping line, Horovod's arguments ------------------------------------------------------
 
+
 @pytest.mark.parametrize("wrapper", WRAPPERS)
 def test_every_wrapper_takes_horovods_arguments(world, wrapper):
     import horovod.torch as hvd
 
     model = TinyGPT()
-    opt = wrap(wrapper, torch.optim.SGD(model.parameters(), lr=0.1), model, backward_passes_per_step=2,
-               sparse_as_dense=True, num_groups=0, groups=None, process_set=hvd.global_process_set)
+    opt = wrap(
+        wrapper,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        backward_passes_per_step=2,
+        sparse_as_dense=True,
+        num_groups=0,
+        groups=None,
+        process_set=hvd.global_process_set,
+    )
     assert isinstance(opt, torch.optim.SGD) and opt.backward_passes_per_step == 2
 
 
@@ -194,8 +222,12 @@ def test_exact_dad_refuses_fp16_compression_saying_what_to_use(world):
 
     model = TinyGPT()
     with pytest.raises(ConfigError, match="rows are exact.*mode='rank'"):
-        hl.DadOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                        compression=hvd.Compression.fp16, model=model)
+        hl.DadOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            model.named_parameters(),
+            compression=hvd.Compression.fp16,
+            model=model,
+        )
     with pytest.raises(ConfigError, match="needs the model"):
         hl.DadOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
 
@@ -217,6 +249,7 @@ def test_op_sum_gives_the_sum_over_ranks(world, wrapper):
 
 
 # -- Horovod's MNIST example idioms --------------------------------------------------------------
+
 
 @pytest.mark.parametrize("wrapper", WRAPPERS + ("edad",))
 def test_horovods_example_loop_with_broadcast_after_the_wrap(world, fresh_meter, wrapper):
@@ -251,6 +284,7 @@ def test_horovods_example_loop_with_broadcast_after_the_wrap(world, fresh_meter,
 
 
 # -- a DDP / nanoGPT loop -----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("accumulate", ["backward_passes_per_step", "no_sync", "require_backward_grad_sync"])
 @pytest.mark.parametrize("wrapper", WRAPPERS)
@@ -366,6 +400,7 @@ def test_a_sparse_embedding_gradient_is_pooled_dense(world, wrapper):
 
 # -- PyTorch's optimizer contract ---------------------------------------------------------------
 
+
 @pytest.mark.parametrize("wrapper", WRAPPERS)
 def test_state_loaded_before_the_wrap_is_kept(world, wrapper):
     model = TinyGPT()
@@ -413,6 +448,7 @@ def test_a_process_set_averages_inside_it(world):
 
 # -- AB-training and DiLoCo ---------------------------------------------------------------------
 
+
 def test_ab_refuses_a_model_whose_output_does_not_fit_the_labels_before_training(world):
     model = TinyGPT()
     inputs, targets = gpt_batches(1, 1)
@@ -426,8 +462,16 @@ def test_ab_with_keyword_inputs_trains_and_its_full_model_loads_into_the_users_c
     torch.manual_seed(0)
     model = TinyGPT()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ab = hl.ABTraining(model, opt, total_steps=6, groups=min(2, runtime.size()), sync_mode="only-b", warmup=2,
-                       sync_every=2, full_rank_steps=1)
+    ab = hl.ABTraining(
+        model,
+        opt,
+        total_steps=6,
+        groups=min(2, runtime.size()),
+        sync_mode="only-b",
+        warmup=2,
+        sync_every=2,
+        full_rank_steps=1,
+    )
     inputs, targets = gpt_batches(6, 1)
     for step in range(6):
         x, y = inputs[step, runtime.rank(), 0], targets[step, runtime.rank(), 0]
@@ -447,11 +491,20 @@ def test_a_gradscaler_given_to_ab_and_diloco_is_unscaled_before_their_step(world
         scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if scaled else None
         groups = min(2, runtime.size())
         if trainer == "ab":
-            owner = hl.ABTraining(model, opt, total_steps=4, groups=groups, sync_mode="only-b", warmup=2,
-                                  sync_every=2, full_rank_steps=1, clip_grad_norm=0.5, scaler=scaler)
+            owner = hl.ABTraining(
+                model,
+                opt,
+                total_steps=4,
+                groups=groups,
+                sync_mode="only-b",
+                warmup=2,
+                sync_every=2,
+                full_rank_steps=1,
+                clip_grad_norm=0.5,
+                scaler=scaler,
+            )
         else:
-            owner = hl.DiLoCo(model, opt, total_steps=4, groups=groups, sync_every=2, clip_grad_norm=0.5,
-                              scaler=scaler)
+            owner = hl.DiLoCo(model, opt, total_steps=4, groups=groups, sync_every=2, clip_grad_norm=0.5, scaler=scaler)
         g = torch.Generator().manual_seed(9)
         for _ in range(4):
             x = torch.randn(runtime.size(), 8, 6, generator=g)[runtime.rank()]
@@ -472,13 +525,15 @@ def test_a_gradscaler_given_to_ab_and_diloco_is_unscaled_before_their_step(world
 
 # -- set-up order -------------------------------------------------------------------------------
 
+
 @pytest.mark.skipif(SIZE > 1, reason="launches a job of its own")
 def test_after_the_users_hvd_init_wrappers_train_and_groups_say_to_remove_it(tmp_path):
     """Horovod started by the script's own hvd.init() cannot be restarted with dynamic process
     sets (it finalises the MPI it started): the drop-in wrappers train on it; DiLoCo, which
     needs groups, stops with the line to change, on every rank, with a non-zero exit."""
     script = tmp_path / "client.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import horovod.torch as hvd
         import torch
         import hvd_lowcomm
@@ -491,9 +546,11 @@ def test_after_the_users_hvd_init_wrappers_train_and_groups_say_to_remove_it(tmp
         ddp.step()
         print(f"rank {hvd.rank()} trained on {hvd.size()} ranks", flush=True)  # one write: lines stay whole
         hvd_lowcomm.DiLoCo(model, opt, sync_every=2, groups=2)
-    """))
-    done = subprocess.run(mpirun(2, sys.executable, str(script)), env=clean_env(), capture_output=True, text=True,
-                          timeout=300)
+    """)
+    )
+    done = subprocess.run(
+        mpirun(2, sys.executable, str(script)), env=clean_env(), capture_output=True, text=True, timeout=300
+    )
     output = done.stdout + done.stderr
     assert "rank 0 trained on 2 ranks" in output and "rank 1 trained on 2 ranks" in output, output
     assert done.returncode != 0 and "remove the hvd.init() line" in output, output
@@ -509,8 +566,9 @@ def test_an_overflow_the_gradscaler_skips_changes_no_model_and_no_method_state(w
     model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
     base = torch.optim.SGD(model.parameters(), lr=0.1)
     if wrapper == "powersgd":  # compressing from the first step, so that error feedback is in play
-        opt = hl.PowerSGDOptimizer(base, model.named_parameters(),
-                                   state=PowerSGDState(start_iter=0, min_compression_rate=1.0, rank=1))
+        opt = hl.PowerSGDOptimizer(
+            base, model.named_parameters(), state=PowerSGDState(start_iter=0, min_compression_rate=1.0, rank=1)
+        )
     else:
         opt = wrap(wrapper, base, model)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
@@ -546,8 +604,7 @@ def test_ddp_fusion_groups_average_every_gradient(world):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     reference = copy.deepcopy(model)
-    opt = hl.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model.named_parameters(),
-                                  num_groups=2)
+    opt = hl.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model.named_parameters(), num_groups=2)
     x = torch.randn(runtime.size(), 8, 6, generator=torch.Generator().manual_seed(4))
     model(x[runtime.rank()]).pow(2).mean().backward()
     reference(x.flatten(0, 1)).pow(2).mean().backward()

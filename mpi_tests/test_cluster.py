@@ -13,6 +13,7 @@ method, about 5 minutes on 2 cores, most of it start-up: an hour for all), so it
 it runs only when HVD_LOWCOMM_CLUSTER_TEST=1 (the make target sets it), and
 HVD_LOWCOMM_CLUSTER_METHODS picks methods.
 """
+
 from __future__ import annotations
 
 import csv
@@ -35,8 +36,10 @@ METHODS = os.environ.get("HVD_LOWCOMM_CLUSTER_METHODS", "all")
 pytestmark = [
     pytest.mark.skipif(SIZE != 1 or RANK != 0, reason="launches its own mpiruns"),
     pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None, reason="needs root and iproute2"),
-    pytest.mark.skipif(os.environ.get("HVD_LOWCOMM_CLUSTER_TEST") != "1",
-                       reason="64 ranks on 8 emulated nodes are slow (about 5 minutes per method on 2 cores): make test-cluster"),
+    pytest.mark.skipif(
+        os.environ.get("HVD_LOWCOMM_CLUSTER_TEST") != "1",
+        reason="64 ranks on 8 emulated nodes are slow (about 5 minutes per method on 2 cores): make test-cluster",
+    ),
 ]
 
 
@@ -59,18 +62,47 @@ def test_every_method_runs_at_64_ranks_as_8_nodes(tmp_path):
     memory.start()
     # Batch 4 per rank: the 1,437 training digits give 5 steps per epoch on 64 ranks. Wide layers, so
     # the training traffic dwarfs Horovod's unmetered coordination during the run.
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.compare", "--methods", METHODS, "--np", str(RANKS),
-                           "--nodes", str(NODES), "--link", "10gbit", "--data", str(tmp_path / "digits.h5"),
-                           "--hidden", "1024,1024,64", "--epochs", "2", "--batch-size", "4", "--out", str(tmp_path)],
-                          capture_output=True, text=True, cwd=REPO, env=clean_env(), timeout=3 * 3600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.compare",
+            "--methods",
+            METHODS,
+            "--np",
+            str(RANKS),
+            "--nodes",
+            str(NODES),
+            "--link",
+            "10gbit",
+            "--data",
+            str(tmp_path / "digits.h5"),
+            "--hidden",
+            "1024,1024,64",
+            "--epochs",
+            "2",
+            "--batch-size",
+            "4",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=clean_env(),
+        timeout=3 * 3600,
+    )
     memory.done.set()
     print(proc.stdout[-6000:])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {row["method"]: row for row in csv.DictReader(open(tmp_path / "results.csv"))}
-    peaks = {method: json.loads((tmp_path / "runs" / f"np{RANKS}-{method}" / "summary.json").read_text())
-             for method in rows}
-    print(f"peak memory in use on the machine: {memory.peak / 2**30:.1f} GiB; peak RSS per rank (max): " +
-          ", ".join(f"{m} {s['peak_rss_bytes_max_rank'] / 1e6:.0f} MB" for m, s in peaks.items()))
+    peaks = {
+        method: json.loads((tmp_path / "runs" / f"np{RANKS}-{method}" / "summary.json").read_text()) for method in rows
+    }
+    print(
+        f"peak memory in use on the machine: {memory.peak / 2**30:.1f} GiB; peak RSS per rank (max): "
+        + ", ".join(f"{m} {s['peak_rss_bytes_max_rank'] / 1e6:.0f} MB" for m, s in peaks.items())
+    )
     for method, row in rows.items():
         summary = peaks[method]
         assert summary["nodes"] == NODES and int(row["np"]) == RANKS, method

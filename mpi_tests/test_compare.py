@@ -1,4 +1,5 @@
 """benchmarks.compare: side-by-side tables, and an emulated link whose bytes are measured outside."""
+
 from __future__ import annotations
 
 import csv
@@ -22,9 +23,29 @@ needs_netns = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None
 
 
 def compare(out: Path, *args: str, hidden: str = "64") -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "benchmarks.compare", "--np", "2", "--data", str(out / "digits.h5"),
-                           "--hidden", hidden, "--epochs", "1", "--out", str(out), *args],
-                          capture_output=True, text=True, cwd=REPO, env=clean_env(), timeout=600)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.compare",
+            "--np",
+            "2",
+            "--data",
+            str(out / "digits.h5"),
+            "--hidden",
+            hidden,
+            "--epochs",
+            "1",
+            "--out",
+            str(out),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=clean_env(),
+        timeout=600,
+    )
 
 
 def compared_rows(out: Path, methods: str, max_steps: str) -> dict[str, dict[str, str]]:
@@ -55,8 +76,9 @@ def test_compare_writes_tables_plots_and_ratios_to_ddp(tmp_path):
 def test_link_bytes_measured_outside_agree_with_the_meter_and_namespaces_are_removed(tmp_path):
     before = namespaces()
     # Enough training traffic (1.2 MB per rank per step) that start-up noise (tens of kB) is small.
-    proc = compare(tmp_path, "--methods", "ddp,dad", "--link", "1gbit", "--", "--train.max_steps", "20",
-                   hidden="512,512")
+    proc = compare(
+        tmp_path, "--methods", "ddp,dad", "--link", "1gbit", "--", "--train.max_steps", "20", hidden="512,512"
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = list(csv.DictReader(open(tmp_path / "results.csv")))
     for row in rows:
@@ -77,8 +99,15 @@ def test_a_failing_run_still_removes_its_namespace(tmp_path):
 
 @only_from_the_1_rank_suite
 def test_the_idle_probe_after_training_ends_with_the_trainers_error_and_does_not_idle():
-    proc = subprocess.run(mpirun(2, sys.executable, "-m", "benchmarks.coordination", "--after-training",
-                           "--", "--method", "no-such-method"), capture_output=True, text=True, cwd=REPO, env=clean_env())
+    proc = subprocess.run(
+        mpirun(
+            2, sys.executable, "-m", "benchmarks.coordination", "--after-training", "--", "--method", "no-such-method"
+        ),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=clean_env(),
+    )
     assert proc.returncode == 2 and "no-such-method" in proc.stderr, proc.stdout + proc.stderr
     assert "IDLE" not in proc.stdout
 
@@ -87,11 +116,34 @@ def test_the_idle_probe_after_training_ends_with_the_trainers_error_and_does_not
 @needs_netns
 def test_an_interrupted_comparison_ends_its_job_and_removes_its_network(tmp_path):
     from benchmarks.compare import TRAINING_STARTS
+
     before = namespaces()
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.compare", "--methods", "ddp", "--np", "2", "--data",
-                             str(tmp_path / "digits.h5"), "--hidden", "64", "--epochs", "500", "--link", "1gbit",
-                             "--out", str(tmp_path)], cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.compare",
+            "--methods",
+            "ddp",
+            "--np",
+            "2",
+            "--data",
+            str(tmp_path / "digits.h5"),
+            "--hidden",
+            "64",
+            "--epochs",
+            "500",
+            "--link",
+            "1gbit",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     log = tmp_path / "runs" / "np2-ddp.log"  # written as the job prints, so the trainer is seen to train
     deadline = time.monotonic() + 300
     while not (log.exists() and TRAINING_STARTS in log.read_text()) and time.monotonic() < deadline:
@@ -112,7 +164,9 @@ def test_a_failing_method_leaves_the_others_in_the_table_and_the_exit_status_non
     assert "cannot split 2 ranks into 3 equal groups" in proc.stderr
     rows = list(csv.DictReader(open(tmp_path / "results.csv")))
     assert [row["method"] for row in rows] == ["ddp"]
-    assert "Failed runs (exit non-zero, logs under runs/): ab:groups=3 on 2 ranks" in (tmp_path / "results.md").read_text()
+    assert (
+        "Failed runs (exit non-zero, logs under runs/): ab:groups=3 on 2 ranks" in (tmp_path / "results.md").read_text()
+    )
 
 
 @only_from_the_1_rank_suite
@@ -145,8 +199,22 @@ def test_repeated_runs_are_kept_apart_and_their_range_is_tabled(tmp_path):
 def test_the_torch_engine_meets_across_emulated_nodes_where_no_host_name_resolves(tmp_path):
     # Each node's namespace has its own host name and a route only to the cluster's subnet: rank
     # 0's address and each rank's Gloo interface come from the rendezvous over MPI.
-    proc = compare(tmp_path, "--methods", "ddp,diloco:compression=none", "--np", "4", "--nodes", "2", "--link",
-                   "1gbit", "--", "--train.max_steps", "8", "--comm.engine", "torch")
+    proc = compare(
+        tmp_path,
+        "--methods",
+        "ddp,diloco:compression=none",
+        "--np",
+        "4",
+        "--nodes",
+        "2",
+        "--link",
+        "1gbit",
+        "--",
+        "--train.max_steps",
+        "8",
+        "--comm.engine",
+        "torch",
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {row["method"]: row for row in csv.DictReader(open(tmp_path / "results.csv"))}
     assert set(rows) == {"ddp", "diloco:compression=none"} and all(r["agreement"] == "ok" for r in rows.values())
@@ -164,8 +232,23 @@ def test_emulated_nodes_keep_traffic_inside_a_node_off_the_links_and_groups_foll
     # Batch 8 gives 24 steps in the epoch (batch 32: 7), so Horovod's coordination beside the
     # training traffic weighs less. DiLoCo in fp32: the sparse default's few bytes would be
     # outweighed by the fixed overheads the meter does not count.
-    proc = compare(tmp_path, "--methods", "ddp,diloco:sync_every=4,compression=none", "--np", "6", "--nodes", "3",
-                   "--link", "1gbit", "--batch-size", "8", "--", "--train.max_steps", "24", hidden="512,512")
+    proc = compare(
+        tmp_path,
+        "--methods",
+        "ddp,diloco:sync_every=4,compression=none",
+        "--np",
+        "6",
+        "--nodes",
+        "3",
+        "--link",
+        "1gbit",
+        "--batch-size",
+        "8",
+        "--",
+        "--train.max_steps",
+        "24",
+        hidden="512,512",
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {row["method"]: row for row in csv.DictReader(open(tmp_path / "results.csv"))}
     for row in rows.values():  # the links carried what the meter says left a node, nothing of what stayed inside
@@ -185,7 +268,14 @@ def test_emulated_nodes_keep_traffic_inside_a_node_off_the_links_and_groups_foll
     assert diloco["train_between_nodes_bytes_all_ranks"] < ddp["train_between_nodes_bytes_all_ranks"] / 4
     # the process sets Horovod coordinates: the world, one group per node, the columns across them
     assert ddp["process_sets"] == [list(range(6))]
-    assert sorted(map(tuple, diloco["process_sets"])) == [(0, 1), (0, 1, 2, 3, 4, 5), (0, 2, 4), (1, 3, 5), (2, 3), (4, 5)]
+    assert sorted(map(tuple, diloco["process_sets"])) == [
+        (0, 1),
+        (0, 1, 2, 3, 4, 5),
+        (0, 2, 4),
+        (1, 3, 5),
+        (2, 3),
+        (4, 5),
+    ]
     table = (tmp_path / "results.md").read_text()
     assert "Traffic between the 3 emulated nodes" in table and "Time to quality" in table
     assert (tmp_path / "accuracy_vs_time.png").stat().st_size > 0
@@ -198,5 +288,3 @@ def test_nodes_need_a_link_and_rank_counts_that_fill_them(tmp_path):
     assert proc.returncode != 0 and "--nodes needs --link" in proc.stderr
     proc = compare(tmp_path, "--methods", "ddp", "--np", "3", "--nodes", "2", "--link", "1gbit")
     assert proc.returncode != 0 and "cannot be spread evenly over 2 nodes" in proc.stderr
-
-

@@ -1,5 +1,6 @@
 """The compatibility matrix (docs/library.rst, "What works with what"): each supported cell is checked here against a
 single-process reference on the pooled batch; unsupported ones are refused before training."""
+
 from __future__ import annotations
 
 import copy
@@ -52,8 +53,23 @@ def one_sgd_step(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, 
         argv = (*argv, "--ab.groups", "1", "--ab.sync_mode", "only-b")
     if name == "powersgd":  # its first steps are plain means; float32 so they are exact
         argv = (*argv, "--powersgd.factor_dtype", "float32")
-    method = spec(name).method(config.load(["--method", name, "--train.optimizer", "sgd", "--train.momentum", "0",
-                                           "--train.weight_decay", "0", "--train.lr", "1", *argv]))
+    method = spec(name).method(
+        config.load(
+            [
+                "--method",
+                name,
+                "--train.optimizer",
+                "sgd",
+                "--train.momentum",
+                "0",
+                "--train.weight_decay",
+                "0",
+                "--train.lr",
+                "1",
+                *argv,
+            ]
+        )
+    )
     method.setup(model)
     method.set_total_steps(100)
     dense = [p for n, p in model.named_parameters() if not n.endswith((".A", ".B"))]  # ab: W, not its factors
@@ -96,12 +112,18 @@ def test_bf16_autocast_runs_the_forward_in_bf16_and_keeps_fp32_parameters(world,
     assert (step + pooled).norm() < 0.1 * pooled.norm()
 
 
-REFUSALS = [(name, argv, what) for name in ("sil", "mp")
-            for argv, what in ((["--train.clip_grad_norm", "1"], "train.clip_grad_norm"),
-                               (["--train.accumulate", "2"], "train.accumulate or train.amp"),
-                               (["--train.amp", "bf16"], "train.accumulate or train.amp"))]
-REFUSALS += [("edad", argv, "train.accumulate or train.amp") for argv in (["--train.accumulate", "2"],
-                                                                       ["--train.amp", "bf16"])]
+REFUSALS = [
+    (name, argv, what)
+    for name in ("sil", "mp")
+    for argv, what in (
+        (["--train.clip_grad_norm", "1"], "train.clip_grad_norm"),
+        (["--train.accumulate", "2"], "train.accumulate or train.amp"),
+        (["--train.amp", "bf16"], "train.accumulate or train.amp"),
+    )
+]
+REFUSALS += [
+    ("edad", argv, "train.accumulate or train.amp") for argv in (["--train.accumulate", "2"], ["--train.amp", "bf16"])
+]
 
 
 @pytest.mark.parametrize("name, argv, what", REFUSALS)
@@ -178,8 +200,9 @@ def test_ab_keeps_frozen_layers_dense_and_untouched(world):
     model[3].requires_grad_(False)  # the middle Linear (16 -> 8)
     frozen = model[3].weight.detach().clone()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
-    ab = hvd_lowcomm.ABTraining(model, opt, groups=2, warmup=1, sync_every=2, full_rank_steps=1, first_cut=0,
-                                full_rank=["first"])
+    ab = hvd_lowcomm.ABTraining(
+        model, opt, groups=2, warmup=1, sync_every=2, full_rank_steps=1, first_cut=0, full_rank=["first"]
+    )
     assert "3" not in ab.layers and "5" in ab.layers
     for step in range(5):
         with ab.step(x[local], y[local]):

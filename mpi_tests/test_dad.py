@@ -1,4 +1,5 @@
 """dAD, rank-dAD, edAD: pooled-batch gradients from shared activations and deltas."""
+
 from __future__ import annotations
 
 import copy
@@ -10,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from conftest import RANK, SIZE
-from hvd_lowcomm.methods.lowrank import (WAYS, exact_factors, gradient_power_iteration, structured_power_iteration)
+from hvd_lowcomm.methods.lowrank import WAYS, exact_factors, gradient_power_iteration, structured_power_iteration
 from hvd_lowcomm.methods.dad import DadOptimizer
 from hvd_lowcomm.methods.dad.algorithm import FALLBACK_STEPS
 from hvd_lowcomm.train import main
@@ -37,9 +38,14 @@ def mlp() -> nn.Sequential:
 
 def cnn() -> nn.Sequential:
     torch.manual_seed(12)
-    return nn.Sequential(nn.Conv2d(2, 4, 3, stride=2, padding=1), nn.ReLU(),
-                         nn.Conv2d(4, 5, 3, padding=2, dilation=2), nn.ReLU(),
-                         nn.Flatten(), nn.Linear(5 * 5 * 5, 3))
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(4, 5, 3, padding=2, dilation=2),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(5 * 5 * 5, 3),
+    )
 
 
 def pooled_and_distributed_grads(world, model, x, y, local, **dad_options):
@@ -67,8 +73,11 @@ def test_after_the_first_step_autograd_skips_the_weight_gradients_rows_replace_a
     reference = copy.deepcopy(model)
     # (rank-dAD without error feedback: with it, the factors come from the local gradient; float32
     # rows: the exactness of the algorithm, float16's rounding is tested on its own)
-    options = {"rank": 8, "iterations": 300, "tol": 1e-9, "error_feedback": False, "factor_dtype": "float32"} \
-        if mode == "rank" else {}
+    options = (
+        {"rank": 8, "iterations": 300, "tol": 1e-9, "error_feedback": False, "factor_dtype": "float32"}
+        if mode == "rank"
+        else {}
+    )
     opt = DadOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, mode=mode, plan="all", **options)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(3):
@@ -130,8 +139,19 @@ def test_the_plan_falls_back_to_allreduce_where_sharing_costs_more(world, fresh_
 def test_rank_dad_at_or_above_the_true_rank_reproduces_the_exact_gradient(world):
     x, y, local, n = unequal_batches(world.size, world.comm.Get_rank(), (6,), 3)
     # n <= 3 + (p-1) rows per rank: each local gradient has rank <= n < 8
-    opt, grads = pooled_and_distributed_grads(world, mlp(), x, y, local, rank=8, iterations=300, tol=1e-9, plan="all",
-                                              error_feedback=False, factor_dtype="float32")
+    opt, grads = pooled_and_distributed_grads(
+        world,
+        mlp(),
+        x,
+        y,
+        local,
+        rank=8,
+        iterations=300,
+        tol=1e-9,
+        plan="all",
+        error_feedback=False,
+        factor_dtype="float32",
+    )
     for name, got, want in grads:
         assert relative_error(got, want) <= 1e-4, name
     assert all(max(ks) <= n for ks in opt.effective_ranks.values())
@@ -143,8 +163,15 @@ def test_rank_dad_takes_a_conv_layer_s_factors_from_its_gradient_and_stays_exact
     model = cnn()
     reference = copy.deepcopy(model)
     F.cross_entropy(reference(x), y).backward()
-    opt = DadOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, rank=5, iterations=10, tol=1e-9,
-                       plan="all", factor_dtype="float32")  # its block is as wide as the gradient's rank: exact
+    opt = DadOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        rank=5,
+        iterations=10,
+        tol=1e-9,
+        plan="all",
+        factor_dtype="float32",
+    )  # its block is as wide as the gradient's rank: exact
     F.cross_entropy(model(x[local]), y[local]).backward()
     # 3..6 samples x 25 positions = 75..150 rows against 18 x 4 and 36 x 5 gradients
     assert opt.sharing.from_gradient(opt, "0") and opt.sharing.from_gradient(opt, "2")
@@ -156,15 +183,27 @@ def test_rank_dad_takes_a_conv_layer_s_factors_from_its_gradient_and_stays_exact
 
 def test_adaptive_rank_dad_is_exact_at_a_tight_target_and_keeps_the_fewest_components_at_a_loose_one(world):
     x, y, local, n = unequal_batches(world.size, world.comm.Get_rank(), (6,), 3)
-    opt, grads = pooled_and_distributed_grads(world, mlp(), x, y, local, mode="rank", error_target=1e-9,
-                                              iterations=300, tol=1e-9, plan="all", factor_dtype="float32")
+    opt, grads = pooled_and_distributed_grads(
+        world,
+        mlp(),
+        x,
+        y,
+        local,
+        mode="rank",
+        error_target=1e-9,
+        iterations=300,
+        tol=1e-9,
+        plan="all",
+        factor_dtype="float32",
+    )
     for name, got, want in grads:
         assert relative_error(got, want) <= 1e-4, name
     model = mlp()
     local_grads = copy.deepcopy(model)
     F.cross_entropy(local_grads(x[local]), y[local]).backward()
-    opt, _ = pooled_and_distributed_grads(world, model, x, y, local, mode="rank", error_target=0.5, plan="all",
-                                          min_rank=1)
+    opt, _ = pooled_and_distributed_grads(
+        world, model, x, y, local, mode="rank", error_target=0.5, plan="all", min_rank=1
+    )
     for name in ("1", "3", "5"):
         energies = torch.linalg.svdvals(local_grads.get_submodule(name).weight.grad).pow(2)
         missed = 1 - energies.cumsum(0) / energies.sum()
@@ -174,8 +213,9 @@ def test_adaptive_rank_dad_is_exact_at_a_tight_target_and_keeps_the_fewest_compo
         assert abs(opt.sharing.missed_shares[name][-1] - float(missed[k - 1])) <= 2e-3, (name, k, missed)
     assert not opt.sharing.feedback_norms  # a first step has no error to feed back
     # the floor: at least min_rank components where the layer has them, whatever the target
-    opt, _ = pooled_and_distributed_grads(world, mlp(), x, y, local, mode="rank", error_target=0.5, plan="all",
-                                          min_rank=3)
+    opt, _ = pooled_and_distributed_grads(
+        world, mlp(), x, y, local, mode="rank", error_target=0.5, plan="all", min_rank=3
+    )
     assert opt.effective_ranks["1"] == opt.effective_ranks["3"] == [3], opt.effective_ranks
 
 
@@ -187,8 +227,14 @@ def test_rank_dad_error_feedback_carries_what_the_factors_dropped(world, factor_
     model = mlp()
     reference = copy.deepcopy(model)
     F.cross_entropy(reference(x), y).backward()
-    opt = DadOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, rank=1, error_feedback=True, plan="all",
-                       factor_dtype=factor_dtype)
+    opt = DadOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        model,
+        rank=1,
+        error_feedback=True,
+        plan="all",
+        factor_dtype=factor_dtype,
+    )
     applied = {name: torch.zeros_like(model.get_submodule(name).weight) for name in ("1", "3", "5")}
     for _ in range(3):
         opt.zero_grad()
@@ -213,8 +259,15 @@ def test_a_layer_whose_factors_keep_missing_the_target_falls_back_to_its_exact_g
     model = mlp()
     reference = copy.deepcopy(model)
     F.cross_entropy(reference(x), y).backward()
-    opt = DadOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, mode="rank", min_rank=1, max_rank=1,
-                       error_target=0.01, plan="all")
+    opt = DadOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        model,
+        mode="rank",
+        min_rank=1,
+        max_rank=1,
+        error_target=0.01,
+        plan="all",
+    )
     layers = ("1", "3", "5")
     applied = {name: torch.zeros_like(model.get_submodule(name).weight) for name in layers}
     steps = FALLBACK_STEPS + 2
@@ -241,8 +294,15 @@ def test_rank_dad_float16_rows_halve_the_bytes_and_keep_the_gradient_at_any_magn
     model = mlp()
     reference = copy.deepcopy(model)
     (magnitude * F.cross_entropy(reference(x), y)).backward()
-    opt = DadOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, rank=8, iterations=300, tol=1e-9,
-                       plan="all", error_feedback=False)
+    opt = DadOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        rank=8,
+        iterations=300,
+        tol=1e-9,
+        plan="all",
+        error_feedback=False,
+    )
     (magnitude * F.cross_entropy(model(x[local]), y[local])).backward()
     opt.synchronize()
     for (name, got), want in zip(model.named_parameters(), reference.parameters()):
@@ -263,9 +323,11 @@ def test_every_way_to_rank_dad_s_factors_is_within_5_percent_of_the_truncated_sv
     gradient = acts.T @ deltas
     u, s, vh = torch.linalg.svd(gradient)
     for r in (2, 4):
-        b_rows, c_rows = {"exact": lambda: exact_factors(acts, deltas, r, tol=1e-3),
-                          "gradient": lambda: gradient_power_iteration(gradient, r, 10, 1e-3, generator),
-                          "structured": lambda: structured_power_iteration(acts, deltas, r, 10, 1e-3, generator)}[way]()
+        b_rows, c_rows = {
+            "exact": lambda: exact_factors(acts, deltas, r, tol=1e-3),
+            "gradient": lambda: gradient_power_iteration(gradient, r, 10, 1e-3, generator),
+            "structured": lambda: structured_power_iteration(acts, deltas, r, 10, 1e-3, generator),
+        }[way]()
         svd_error = relative_error(u[:, :r] @ torch.diag(s[:r]) @ vh[:r], gradient)
         assert b_rows.shape == (r, 40) and c_rows.shape == (r, 30)
         assert relative_error(b_rows.T @ c_rows, gradient) <= (1 + 1e-4 if way == "exact" else 1.05) * svd_error, r
@@ -282,24 +344,53 @@ def test_edad_equals_dad(world):
 @pytest.mark.parametrize("method", ["dad", "rank-dad", "edad"])
 def test_training_with_dad_methods_reports_plan_and_layer_bytes(shared_tmp, method):
     # lr 1e-2: at np 4 two epochs are 24 steps, too few at the default 1e-3 for the accuracy check
-    argv = ["--method", method, "--train.epochs", "2", "--train.lr", "0.01", "--data.path", str(shared_tmp / "digits.h5"),
-            "--run.dir", str(shared_tmp / "runs"), "--run.name", method, "--run.progress", "false"]
+    argv = [
+        "--method",
+        method,
+        "--train.epochs",
+        "2",
+        "--train.lr",
+        "0.01",
+        "--data.path",
+        str(shared_tmp / "digits.h5"),
+        "--run.dir",
+        str(shared_tmp / "runs"),
+        "--run.name",
+        method,
+        "--run.progress",
+        "false",
+    ]
     assert main(argv) == 0
     if RANK == 0:
-        epochs = [json.loads(line) for line in (shared_tmp / "runs" / method / "metrics.jsonl").read_text().splitlines()
-                  if '"epoch"' in line and '"type": "epoch"' in line]
+        epochs = [
+            json.loads(line)
+            for line in (shared_tmp / "runs" / method / "metrics.jsonl").read_text().splitlines()
+            if '"epoch"' in line and '"type": "epoch"' in line
+        ]
         assert len(epochs) == 2 and epochs[-1]["test_acc"] > 0.8
         assert {k for k in epochs[-1] if k.startswith("plan/")} == {"plan/1", "plan/3", "plan/5"}
         if SIZE > 1:
             assert any(k.startswith("layer_payload_bytes/") for k in epochs[-1])
         if method == "rank-dad":
-            assert 1 <= epochs[-1]["effective_rank/1"] <= 32  # at most max_rank; below min_rank where the gradient has fewer
+            assert (
+                1 <= epochs[-1]["effective_rank/1"] <= 32
+            )  # at most max_rank; below min_rank where the gradient has fewer
             assert 0 <= epochs[-1]["missed_energy/1"] <= 1 and epochs[-1]["feedback_norm/1"] >= 0
 
 
 def test_edad_on_a_cnn_is_rejected_before_training(shared_tmp, capsys):
-    argv = ["--method", "edad", "--model.name", "cnn", "--model.hidden", "4", "--data.path", str(shared_tmp / "digits.h5"),
-            "--run.dir", str(shared_tmp / "runs")]
+    argv = [
+        "--method",
+        "edad",
+        "--model.name",
+        "cnn",
+        "--model.hidden",
+        "4",
+        "--data.path",
+        str(shared_tmp / "digits.h5"),
+        "--run.dir",
+        str(shared_tmp / "runs"),
+    ]
     assert main(argv) == 2
     if RANK == 0:
         assert "error (all ranks): edAD is exact only for Linear layers" in capsys.readouterr().err

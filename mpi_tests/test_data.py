@@ -1,4 +1,5 @@
 """HDF5 layout, loader errors, and per-rank sharding."""
+
 from __future__ import annotations
 
 import h5py
@@ -84,5 +85,3 @@ def test_shard_files_cover_every_sample_once_and_each_rank_opens_only_its_own(wo
             assert mine == data.assign_shards(split.sizes, p)[rank]
             assert sorted(s for part in comm.allgather(mine) for s in part) == list(range(shards))
     comm.Barrier()
-
-

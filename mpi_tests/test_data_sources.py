@@ -1,5 +1,6 @@
 """Every data_prep source, fed small files written here in the real on-disk formats: converted,
 read back equal, and trained on."""
+
 from __future__ import annotations
 
 import gzip
@@ -82,8 +83,19 @@ def _assert_same(written, expected):
 
 def _trains(shared_tmp, path, *extra):
     """A few training steps on `path` on every rank."""
-    argv = ["--data.path", str(path), "--run.dir", str(shared_tmp / "runs"), "--run.progress", "false",
-            "--train.max_steps", "3", "--data.batch_size", "4", *extra]
+    argv = [
+        "--data.path",
+        str(path),
+        "--run.dir",
+        str(shared_tmp / "runs"),
+        "--run.progress",
+        "false",
+        "--train.max_steps",
+        "3",
+        "--data.batch_size",
+        "4",
+        *extra,
+    ]
     assert train_main(argv) == 0
 
 
@@ -117,8 +129,17 @@ def test_cifar10_pickles_convert_equal_and_train(world, shared_tmp, archive):
 def test_cifar100_fine_and_coarse_labels(world, shared_tmp):
     expected = write_cifar(shared_tmp / "raw" / "cifar-100-python", classes=100) if RANK == 0 else None
     for labels in ("fine", "coarse"):
-        _convert(shared_tmp, world, "cifar100", "--root", str(shared_tmp / "raw"), "--labels", labels,
-                 "--out", str(shared_tmp / f"c100{labels}.h5"))
+        _convert(
+            shared_tmp,
+            world,
+            "cifar100",
+            "--root",
+            str(shared_tmp / "raw"),
+            "--labels",
+            labels,
+            "--out",
+            str(shared_tmp / f"c100{labels}.h5"),
+        )
     if RANK == 0:
         fine, classes = _read_back(shared_tmp / "c100fine.h5")
         _assert_same(fine, expected)
@@ -135,8 +156,17 @@ def test_mnist_and_fashion_idx_in_torchvision_layout(world, shared_tmp):
         mnist = write_idx_set(shared_tmp / "tv" / "MNIST" / "raw")
         fashion = write_idx_set(shared_tmp / "tv" / "FashionMNIST" / "raw", compress=False)
     _convert(shared_tmp, world, "mnist", "--root", str(shared_tmp / "tv"), "--out", str(shared_tmp / "mnist.h5"))
-    _convert(shared_tmp, world, "fashion-mnist", "--root", str(shared_tmp / "tv"), "--out",
-             str(shared_tmp / "fashion"), "--shards", "2")
+    _convert(
+        shared_tmp,
+        world,
+        "fashion-mnist",
+        "--root",
+        str(shared_tmp / "tv"),
+        "--out",
+        str(shared_tmp / "fashion"),
+        "--shards",
+        "2",
+    )
     if RANK == 0:
         written, _ = _read_back(shared_tmp / "mnist.h5")
         _assert_same(written, {s: (x[:, None], y) for s, (x, y) in mnist.items()})
@@ -146,8 +176,10 @@ def test_mnist_and_fashion_idx_in_torchvision_layout(world, shared_tmp):
         # Sharded: the rows are spread over two files; together they are the originals.
         back = (x.numpy() * 255).round().astype(np.uint8)
         pairs = sorted(row.tobytes() + bytes([label]) for row, label in zip(back, y.tolist()))
-        originals = sorted(row.tobytes() + bytes([label]) for row, label in zip(fashion["train"][0][:, None],
-                                                                               fashion["train"][1].tolist()))
+        originals = sorted(
+            row.tobytes() + bytes([label])
+            for row, label in zip(fashion["train"][0][:, None], fashion["train"][1].tolist())
+        )
         assert pairs == originals
     _trains(shared_tmp, shared_tmp / "mnist.h5")
     _trains(shared_tmp, shared_tmp / "fashion")
@@ -159,8 +191,17 @@ def test_emnist_letters_from_the_zip_are_transposed_and_zero_based(world, shared
         with zipfile.ZipFile(shared_tmp / "gzip.zip", "w") as archive:
             for f in sorted((shared_tmp / "gz" / "gzip").iterdir()):
                 archive.write(f, f"gzip/{f.name}")
-    _convert(shared_tmp, world, "emnist", "--split", "letters", "--root", str(shared_tmp / "gzip.zip"),
-             "--out", str(shared_tmp / "letters.h5"))
+    _convert(
+        shared_tmp,
+        world,
+        "emnist",
+        "--split",
+        "letters",
+        "--root",
+        str(shared_tmp / "gzip.zip"),
+        "--out",
+        str(shared_tmp / "letters.h5"),
+    )
     if RANK == 0:
         written, classes = _read_back(shared_tmp / "letters.h5")
         assert classes == 26
@@ -183,8 +224,16 @@ def test_imagefolder_with_split_folders_and_resize(world, shared_tmp):
         # Different sizes without --size: refused, naming the odd image.
         assert data_prep_main(["imagefolder", str(shared_tmp / "imgs"), "--out", str(shared_tmp / "no.h5")]) == 1
         assert not (shared_tmp / "no.h5").exists()
-    _convert(shared_tmp, world, "imagefolder", str(shared_tmp / "imgs"), "--size", "8,6", "--out",
-             str(shared_tmp / "imgs.h5"))
+    _convert(
+        shared_tmp,
+        world,
+        "imagefolder",
+        str(shared_tmp / "imgs"),
+        "--size",
+        "8,6",
+        "--out",
+        str(shared_tmp / "imgs.h5"),
+    )
     if RANK == 0:
         written, classes = _read_back(shared_tmp / "imgs.h5")
         assert classes == 3 and written["train"][0].shape == (19, 3, 8, 6) and len(written["test"][1]) == 6
@@ -200,8 +249,21 @@ def test_npz_uint8_channels_last_images_and_synthetic_shape(world, shared_tmp):
         x = _images(40, (5, 5, 3))
         np.savez(shared_tmp / "a.npz", x=x, y=np.arange(40) % 2)
     _convert(shared_tmp, world, "npz", str(shared_tmp / "a.npz"), "--out", str(shared_tmp / "a.h5"))
-    _convert(shared_tmp, world, "synthetic", "--out", str(shared_tmp / "s.h5"), "--samples", "64",
-             "--shape", "2,4,4", "--classes", "3", "--compression", "gzip")
+    _convert(
+        shared_tmp,
+        world,
+        "synthetic",
+        "--out",
+        str(shared_tmp / "s.h5"),
+        "--samples",
+        "64",
+        "--shape",
+        "2,4,4",
+        "--classes",
+        "3",
+        "--compression",
+        "gzip",
+    )
     if RANK == 0:
         info = data.inspect(shared_tmp / "a.h5")
         assert info.input_shape == (3, 5, 5) and info.dtype == "uint8" and len(info.mean) == 3

@@ -1,4 +1,5 @@
 """The ddp baseline: Horovod allreduce gives the gradient of the pooled batch, and is metered."""
+
 from __future__ import annotations
 
 import copy
@@ -28,8 +29,9 @@ def test_gradient_equals_single_process_autograd_on_the_pooled_batch(world, fres
     reference = copy.deepcopy(model)
     F.cross_entropy(reference(x), y).backward()
 
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model.named_parameters(),
-                               compression=compression)
+    opt = DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.5), model.named_parameters(), compression=compression
+    )
     local = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
     F.cross_entropy(model(x[local]), y[local]).backward()
     opt.synchronize()
@@ -45,8 +47,9 @@ def test_gradient_equals_single_process_autograd_on_the_pooled_batch(world, fres
 def test_meter_counts_the_analytic_payload_of_every_gradient(world, fresh_meter, compression, itemsize):
     p = world.size
     model, x, y = _pooled_problem(p)
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                               compression=compression)
+    opt = DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), compression=compression
+    )
     F.cross_entropy(model(x[:LOCAL_BATCH]), y[:LOCAL_BATCH]).backward()
     opt.step()
     # mlp 6-5-4-3: weights 30 + 20 + 12, biases 5 + 4 + 3 = 74 numbers
@@ -68,8 +71,9 @@ def test_local_trains_each_rank_alone_and_sends_nothing(world, fresh_meter):
     local = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
     reference = copy.deepcopy(model)
     F.cross_entropy(reference(x[local]), y[local]).backward()  # this rank's batch only
-    method = spec("local").method(config.load(["--method", "local", "--train.optimizer", "sgd", "--train.momentum", "0",
-                                              "--train.lr", "0.5"]))
+    method = spec("local").method(
+        config.load(["--method", "local", "--train.optimizer", "sgd", "--train.momentum", "0", "--train.lr", "0.5"])
+    )
     method.setup(model)
     fresh_meter.reset()  # the set-up broadcast (all ranks start equal) is not a training step
     method.train_step(x[local], y[local])

@@ -2,6 +2,7 @@
 second_device.py, which refuses to mix with CPU tensors or generators as a GPU does, and which
 Horovod cannot read (so collectives stage it through host memory). Each run is compared with
 the same run on the CPU: the device computes on the CPU, so both must agree to rounding."""
+
 from __future__ import annotations
 
 import json
@@ -81,7 +82,8 @@ WRAPPERS = {
     "ddp": lambda opt, model: hl.DistributedOptimizer(opt, model.named_parameters()),
     "ddp-fp16": lambda opt, model: hl.DistributedOptimizer(opt, model.named_parameters(), compression="fp16"),
     "powersgd": lambda opt, model: hl.PowerSGDOptimizer(
-        opt, model.named_parameters(), state=hl.PowerSGDState(start_iter=1, min_compression_rate=1.0, adapt_every=2)),
+        opt, model.named_parameters(), state=hl.PowerSGDState(start_iter=1, min_compression_rate=1.0, adapt_every=2)
+    ),
     "dad": lambda opt, model: hl.DadOptimizer(opt, model, plan="all"),
     "rank-dad": lambda opt, model: hl.DadOptimizer(opt, model, mode="rank", plan="all"),
     "edad": lambda opt, model: hl.DadOptimizer(opt, model, mode="edad"),
@@ -107,8 +109,18 @@ def test_ab_training_cuts_and_syncs_a_model_on_the_device_as_on_the_cpu(world):
     def run(device: torch.device) -> list[torch.Tensor]:
         model = mlp(width=160).to(device)  # wide enough that a re-cut takes the leading triplets alone
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        ab = hl.ABTraining(model, opt, total_steps=18, groups=min(2, runtime.size()), sync_mode="only-b",
-                           warmup=2, sync_every=3, full_rank_steps=1, first_cut=0, min_rank_share=0.02)
+        ab = hl.ABTraining(
+            model,
+            opt,
+            total_steps=18,
+            groups=min(2, runtime.size()),
+            sync_mode="only-b",
+            warmup=2,
+            sync_every=3,
+            full_rank_steps=1,
+            first_cut=0,
+            min_rank_share=0.02,
+        )
         for x, y in batches(18, device):
             with ab.step(x, y):
                 opt.zero_grad()
@@ -119,9 +131,15 @@ def test_ab_training_cuts_and_syncs_a_model_on_the_device_as_on_the_cpu(world):
     assert_same_run(run(DEVICE), run(torch.device("cpu")))
 
 
-DILOCO_FORMS = {"fp32": {}, "fp16": {"compression": "fp16"}, "int8": {"compression": "int8"},
-                "sparse": {"compression": "sparse"}, "lowrank": {"compression": "lowrank"},
-                "streaming, delayed": {"fragments": 2, "sync_delay": 1}, "eager": {"eager": True}}
+DILOCO_FORMS = {
+    "fp32": {},
+    "fp16": {"compression": "fp16"},
+    "int8": {"compression": "int8"},
+    "sparse": {"compression": "sparse"},
+    "lowrank": {"compression": "lowrank"},
+    "streaming, delayed": {"fragments": 2, "sync_delay": 1},
+    "eager": {"eager": True},
+}
 
 
 @pytest.mark.parametrize("form", sorted(DILOCO_FORMS))
@@ -129,8 +147,9 @@ def test_diloco_in_every_form_trains_a_model_on_the_device_as_on_the_cpu(world, 
     def run(device: torch.device) -> list[torch.Tensor]:
         model = mlp().to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        diloco = hl.DiLoCo(model, opt, total_steps=12, groups=min(2, runtime.size()), sync_every=4,
-                           **DILOCO_FORMS[form])
+        diloco = hl.DiLoCo(
+            model, opt, total_steps=12, groups=min(2, runtime.size()), sync_every=4, **DILOCO_FORMS[form]
+        )
         for x, y in batches(12, device):
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
@@ -166,9 +185,24 @@ def test_the_command_line_trains_every_method_on_the_device_as_on_the_cpu(shared
         pytest.skip("needs a rank per partition or group")
 
     def run(device: str) -> dict | None:
-        argv = ["--method", method, "--train.device", device, "--train.epochs", "1", "--train.max_steps", "6",
-                "--data.path", str(shared_tmp / "digits.h5"), "--run.dir", str(shared_tmp / device),
-                "--run.name", method, "--run.progress", "false"]
+        argv = [
+            "--method",
+            method,
+            "--train.device",
+            device,
+            "--train.epochs",
+            "1",
+            "--train.max_steps",
+            "6",
+            "--data.path",
+            str(shared_tmp / "digits.h5"),
+            "--run.dir",
+            str(shared_tmp / device),
+            "--run.name",
+            method,
+            "--run.progress",
+            "false",
+        ]
         assert main(argv) == 0
         if RANK != 0:
             return None
@@ -188,8 +222,13 @@ def test_the_gpu_check_says_there_is_no_gpu_and_fails(tmp_path):
     from conftest import clean_env
 
     script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
-    done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path)], env=clean_env(), capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(script), "--out", str(tmp_path)],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 1 and "no CUDA GPU here" in done.stderr, done.stdout + done.stderr
     assert "torch " in done.stdout  # what the machine has, first
 
@@ -203,12 +242,31 @@ def test_the_gpu_check_dry_run_checks_the_torch_engine_first_and_names_it_in_eve
     from conftest import clean_env
 
     script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
-    done = subprocess.run([sys.executable, str(script), "--device", "testdev", "--methods", "ddp,diloco",
-                           "--engines", "torch", "--out", str(tmp_path)], env=clean_env(), capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--device",
+            "testdev",
+            "--methods",
+            "ddp,diloco",
+            "--engines",
+            "torch",
+            "--out",
+            str(tmp_path),
+        ],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     rows = json.loads((tmp_path / "results.json").read_text())
     assert [(r["engine"], r["ranks"], r["method"]) for r in rows] == [
-        ("torch", 1, "ddp"), ("torch", 2, "ddp"), ("torch", 2, "diloco"), ("torch", 2, "ddp resume")]
+        ("torch", 1, "ddp"),
+        ("torch", 2, "ddp"),
+        ("torch", 2, "diloco"),
+        ("torch", 2, "ddp resume"),
+    ]
     assert all(r["ok"] for r in rows), rows
     assert "| torch | 2 | diloco |" in (tmp_path / "results.md").read_text()

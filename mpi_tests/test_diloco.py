@@ -1,4 +1,5 @@
 """DiLoCo: inner steps in groups, the sharded outer step, fragments, compression, the CLI."""
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,18 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(6, 5, generator=generator), torch.randint(0, 3, (6,), generator=generator)
 
 
-def reference(world_size: int, groups: int, steps: int, every: int, fragments: int, outer_lr: float,
-              outer_momentum: float, nesterov: bool, delay: int = 0, alpha: float = 0.0) -> list[nn.Sequential]:
+def reference(
+    world_size: int,
+    groups: int,
+    steps: int,
+    every: int,
+    fragments: int,
+    outer_lr: float,
+    outer_momentum: float,
+    nesterov: bool,
+    delay: int = 0,
+    alpha: float = 0.0,
+) -> list[nn.Sequential]:
     """Every group's model after `steps` steps, in one process: G copies trained with plain SGD
     on the mean gradient of their ranks' batches; each fragment's outer step (torch's SGD on the
     global copy, gradient = mean over groups of global - local) at its own steps, or, with a
@@ -45,9 +56,14 @@ def reference(world_size: int, groups: int, steps: int, every: int, fragments: i
         inner_step(models, size, step)
         started = [f for f in range(fragments) if sync_due(step, f, every, fragments)]
         for f in started:
-            pending[f] = (step + delay, [torch.stack([params[i].detach() - list(m.parameters())[i].detach()
-                                                      for m in models]).mean(0) for i in range(bounds[f], bounds[f + 1])],
-                          [[p.detach().clone() for p in m.parameters()] for m in models])
+            pending[f] = (
+                step + delay,
+                [
+                    torch.stack([params[i].detach() - list(m.parameters())[i].detach() for m in models]).mean(0)
+                    for i in range(bounds[f], bounds[f + 1])
+                ],
+                [[p.detach().clone() for p in m.parameters()] for m in models],
+            )
         due = [f for f in pending if pending[f][0] == step]
         if not due:
             continue
@@ -81,8 +97,9 @@ def inner_step(models: list[nn.Sequential], size: int, step: int) -> None:
                 p -= INNER_LR * torch.stack([gr[i] for gr in grads]).mean(0)
 
 
-def eager_reference(world_size: int, groups: int, steps: int, every: int, outer_lr: float
-                    ) -> tuple[list[nn.Sequential], list[torch.Tensor]]:
+def eager_reference(
+    world_size: int, groups: int, steps: int, every: int, outer_lr: float
+) -> tuple[list[nn.Sequential], list[torch.Tensor]]:
     """Eager updates in one process: every group's model after `steps` steps, and the model a
     sync would give then. At each sync a group steps its own global copy by outer_lr times its
     own pseudo-gradient / G plus the previous sync's mean less its own part of that mean; the
@@ -130,10 +147,10 @@ def train(steps: int, **options) -> tuple[nn.Sequential, DiLoCo]:
 
 
 CASES = [  # (fragments, outer_lr, outer_momentum, nesterov)
-    (1, 0.7, 0.9, True),    # the paper's outer optimiser
-    (1, 1.0, 0.0, False),   # plain periodic averaging
-    (2, 0.7, 0.9, True),    # streaming: two fragments at staggered steps
-    (3, 0.5, 0.5, False),   # heavy-ball momentum, three fragments
+    (1, 0.7, 0.9, True),  # the paper's outer optimiser
+    (1, 1.0, 0.0, False),  # plain periodic averaging
+    (2, 0.7, 0.9, True),  # streaming: two fragments at staggered steps
+    (3, 0.5, 0.5, False),  # heavy-ball momentum, three fragments
 ]
 
 
@@ -141,8 +158,15 @@ CASES = [  # (fragments, outer_lr, outer_momentum, nesterov)
 @pytest.mark.parametrize("fragments, outer_lr, outer_momentum, nesterov", CASES)
 def test_outer_steps_match_a_single_process_reference(world, fragments, outer_lr, outer_momentum, nesterov):
     groups = 2 if SIZE % 2 == 0 else SIZE
-    model, diloco = train(11, groups=groups, sync_every=4, fragments=fragments, outer_lr=outer_lr,
-                          outer_momentum=outer_momentum, outer_nesterov=nesterov)
+    model, diloco = train(
+        11,
+        groups=groups,
+        sync_every=4,
+        fragments=fragments,
+        outer_lr=outer_lr,
+        outer_momentum=outer_momentum,
+        outer_nesterov=nesterov,
+    )
     expected = reference(SIZE, groups, 11, 4, fragments, outer_lr, outer_momentum, nesterov)[diloco.group.index]
     for (name, got), want in zip(model.named_parameters(), expected.parameters()):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
@@ -153,8 +177,16 @@ def test_outer_steps_match_a_single_process_reference(world, fragments, outer_lr
 @pytest.mark.parametrize("fragments, alpha", [(1, 0.0), (1, 0.5), (2, 1.0)])
 def test_a_delayed_exchange_lands_sync_delay_steps_later_keeping_alpha_of_the_progress(world, fragments, alpha):
     groups = 2 if SIZE % 2 == 0 else SIZE
-    model, diloco = train(13, groups=groups, sync_every=6, fragments=fragments, outer_lr=0.7, outer_momentum=0.9,
-                          sync_delay=2, update_alpha=alpha)
+    model, diloco = train(
+        13,
+        groups=groups,
+        sync_every=6,
+        fragments=fragments,
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        sync_delay=2,
+        update_alpha=alpha,
+    )
     expected = reference(SIZE, groups, 13, 6, fragments, 0.7, 0.9, True, delay=2, alpha=alpha)[diloco.group.index]
     for (name, got), want in zip(model.named_parameters(), expected.parameters()):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
@@ -184,11 +216,14 @@ def test_eager_updates_apply_the_own_part_at_once_and_the_others_one_period_late
 
 
 @needs_ranks(2)
-@pytest.mark.parametrize("options, message", [
-    ({"sync_delay": 1}, "leave sync_delay at 0"),
-    ({"outer_momentum": 0.9}, "needs plain averaging"),
-    ({"fragments": 2}, "takes one fragment"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"sync_delay": 1}, "leave sync_delay at 0"),
+        ({"outer_momentum": 0.9}, "needs plain averaging"),
+        ({"fragments": 2}, "takes one fragment"),
+    ],
+)
 def test_eager_refuses_what_it_cannot_do(world, options, message):
     model = small_model()
     with pytest.raises(ConfigError, match=message):
@@ -251,8 +286,9 @@ def test_sparse_groups_keep_their_share_of_what_they_did_not_send_and_nothing_is
     # the share handed to the model (the next Δ carries it), the rest left in the accumulator
     kept = diloco.fragments[0].exchange.errors.get(0, torch.zeros(numbers))
     torch.testing.assert_close(kept, (1 - share) * unsent, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(diloco.fragments[0].global_slice.detach()[:numbers] - after, share * unsent,
-                               atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        diloco.fragments[0].global_slice.detach()[:numbers] - after, share * unsent, atol=1e-6, rtol=1e-5
+    )
     # beyond 2 groups each column member owns a part of the mean and holds back what its second
     # selection left out (in Δ's units: the global model stays that much above the mean)
     owned = diloco.fragments[0].exchange.owner_errors.get(0, torch.zeros(part))
@@ -297,8 +333,18 @@ def test_the_exchange_between_groups_is_sharded_and_int8_sends_a_quarter(world, 
 
 
 def test_a_group_count_that_does_not_divide_the_ranks_stops_before_training(shared_tmp, capsys):
-    code = main(["--method", "diloco", "--diloco.groups", str(SIZE + 1), "--data.path", str(shared_tmp / "d.h5"),
-                 "--run.dir", str(shared_tmp / "runs")])
+    code = main(
+        [
+            "--method",
+            "diloco",
+            "--diloco.groups",
+            str(SIZE + 1),
+            "--data.path",
+            str(shared_tmp / "d.h5"),
+            "--run.dir",
+            str(shared_tmp / "runs"),
+        ]
+    )
     assert code == 2
     if RANK == 0:
         assert f"cannot split {SIZE} ranks into {SIZE + 1} equal groups" in capsys.readouterr().err
@@ -306,8 +352,16 @@ def test_a_group_count_that_does_not_divide_the_ranks_stops_before_training(shar
 
 @needs_ranks(2)
 def test_diloco_trains_from_the_command_line_and_keeps_its_traffic_between_groups_small(shared_tmp):
-    common = ["--train.epochs", "3", "--data.path", str(shared_tmp / "digits.h5"), "--run.dir", str(shared_tmp),
-              "--run.progress", "false"]
+    common = [
+        "--train.epochs",
+        "3",
+        "--data.path",
+        str(shared_tmp / "digits.h5"),
+        "--run.dir",
+        str(shared_tmp),
+        "--run.progress",
+        "false",
+    ]
     assert main(["--method", "diloco", "--run.name", "diloco", *common]) == 0
     assert main(["--method", "ddp", "--run.name", "ddp", *common]) == 0
     if RANK == 0:

@@ -1,5 +1,6 @@
 """The two engines under the traffic meter: the same seeded job on Horovod and on
 torch.distributed gives the same models and the meter the same bytes, method by method."""
+
 from __future__ import annotations
 
 import json
@@ -78,17 +79,23 @@ def without_horovod(tmp_path) -> dict[str, str]:
     return env
 
 
-def run_job(tmp_path, engine: str, env: dict[str, str] | None = None, dtypes: str = "float32/float32",
-            ranks: int = 2) -> dict:
+def run_job(
+    tmp_path, engine: str, env: dict[str, str] | None = None, dtypes: str = "float32/float32", ranks: int = 2
+) -> dict:
     """The job's report; `dtypes`: the parameters' dtype / what bfloat16 travels in."""
     script = tmp_path / "job.py"
     script.write_text(JOB)
     env = env or {k: v for k, v in clean_env().items() if k != "HVD_LOWCOMM_ENGINE"}
-    done = subprocess.run(mpirun(ranks, "-x", "PYTHONPATH", sys.executable, str(script), engine, dtypes, *METHODS),
-                          env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        mpirun(ranks, "-x", "PYTHONPATH", sys.executable, str(script), engine, dtypes, *METHODS),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     line = next(line for line in done.stdout.splitlines() if line.startswith("REPORT "))
-    return json.loads(line[len("REPORT "):])
+    return json.loads(line[len("REPORT ") :])
 
 
 @pytest.mark.skipif(SIZE > 1, reason="launches jobs of its own")
@@ -111,8 +118,9 @@ def test_bfloat16_on_the_wire_halves_the_bytes_and_trains_as_float32_sums_do(tmp
     import torch
 
     # at 4 ranks (2 groups of 2 for AB and DiLoCo), where a bfloat16 sum rounds its partial sums
-    as_float32, as_bfloat16 = (run_job(tmp_path, "torch", dtypes=f"bfloat16/{wire}", ranks=4)
-                               for wire in ("float32", "bfloat16"))
+    as_float32, as_bfloat16 = (
+        run_job(tmp_path, "torch", dtypes=f"bfloat16/{wire}", ranks=4) for wire in ("float32", "bfloat16")
+    )
     for name in METHODS:
         a, b = as_float32[name], as_bfloat16[name]
         final, initial = torch.tensor(a["parameters"]), torch.tensor(a["initial"])
@@ -126,10 +134,32 @@ def test_bfloat16_on_the_wire_halves_the_bytes_and_trains_as_float32_sums_do(tmp
 @pytest.mark.skipif(SIZE > 1, reason="launches jobs of its own")
 @pytest.mark.parametrize("method", ["ddp", "powersgd", "dad", "rank-dad", "ab", "diloco", "sil", "mp"])
 def test_without_horovod_every_method_trains_from_the_command_line(tmp_path, method):
-    done = subprocess.run(mpirun(2, "-x", "PYTHONPATH", sys.executable, "-m", "hvd_lowcomm.train", "--method", method,
-                                 "--train.max_steps", "4", "--train.epochs", "1", "--run.progress", "false",
-                                 "--run.dir", str(tmp_path / "runs"), "--data.path", str(tmp_path / "digits.h5")),
-                          env=without_horovod(tmp_path), capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        mpirun(
+            2,
+            "-x",
+            "PYTHONPATH",
+            sys.executable,
+            "-m",
+            "hvd_lowcomm.train",
+            "--method",
+            method,
+            "--train.max_steps",
+            "4",
+            "--train.epochs",
+            "1",
+            "--run.progress",
+            "false",
+            "--run.dir",
+            str(tmp_path / "runs"),
+            "--data.path",
+            str(tmp_path / "digits.h5"),
+        ),
+        env=without_horovod(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     assert "engine torch (auto: Horovod is not installed)" in output, output

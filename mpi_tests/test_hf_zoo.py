@@ -1,4 +1,5 @@
 """benchmarks.hf_zoo: every wrapper on Hugging Face architectures, a failed launch costing one row."""
+
 from __future__ import annotations
 
 import csv
@@ -17,15 +18,35 @@ only_from_the_1_rank_suite = pytest.mark.skipif(SIZE != 1 or RANK != 0, reason="
 
 
 def zoo(out: Path, data: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "benchmarks.hf_zoo", "--data", str(data), "--out", str(out),
-                           "--np", "2", "--steps", "4", *args], capture_output=True, text=True, cwd=REPO,
-                          env=clean_env(), timeout=900)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.hf_zoo",
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--np",
+            "2",
+            "--steps",
+            "4",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=clean_env(),
+        timeout=900,
+    )
 
 
 def byte_text(path: Path, with_tokens: bool = True) -> Path:
     with h5py.File(path, "w") as f:
-        f.create_dataset("train/tokens" if with_tokens else "train/other",
-                         data=np.random.default_rng(0).integers(32, 127, 20_000, dtype=np.uint8))
+        f.create_dataset(
+            "train/tokens" if with_tokens else "train/other",
+            data=np.random.default_rng(0).integers(32, 127, 20_000, dtype=np.uint8),
+        )
     return path
 
 

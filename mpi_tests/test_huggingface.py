@@ -2,6 +2,7 @@
 the same loops, T5, BERT and Mixtral's experts) in a user's own loop written as HF users write
 it: `model(input_ids=x, labels=x).loss`, models built from small configs with random weights
 (no download)."""
+
 from __future__ import annotations
 
 import copy
@@ -11,8 +12,18 @@ import re
 
 import pytest
 import torch
-from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-                          MixtralConfig, MixtralForCausalLM, T5Config, T5ForConditionalGeneration)
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    T5Config,
+    T5ForConditionalGeneration,
+)
 
 import hvd_lowcomm as hl
 from conftest import RANK, SIZE
@@ -24,34 +35,87 @@ VOCAB, SEQ, BATCH = 64, 8, 2  # short windows: dAD's rows are then cheaper than 
 
 
 def gpt2() -> torch.nn.Module:
-    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                      bos_token_id=0, eos_token_id=0))
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=32,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
 
 
 def llama() -> torch.nn.Module:
-    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
-                                        bos_token_id=0, eos_token_id=0, pad_token_id=0))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
+    )
 
 
 def t5() -> torch.nn.Module:  # encoder-decoder: relative position biases, a tied head, cross-attention
-    return T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=2,
-                                               num_heads=2, dropout_rate=0.0, decoder_start_token_id=0,
-                                               pad_token_id=0))
+    return T5ForConditionalGeneration(
+        T5Config(
+            vocab_size=VOCAB,
+            d_model=32,
+            d_kv=16,
+            d_ff=64,
+            num_layers=2,
+            num_heads=2,
+            dropout_rate=0.0,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+        )
+    )
 
 
 def bert() -> torch.nn.Module:  # encoder with a masked-LM head tied to its embedding
-    return BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                      intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
-                                      attention_probs_dropout_prob=0.0))
+    return BertForMaskedLM(
+        BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=32,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    )
 
 
 def mixtral() -> torch.nn.Module:  # mixture of experts: each rank's tokens reach different experts
-    return MixtralForCausalLM(MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                            num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
-                                            bos_token_id=0, eos_token_id=0, pad_token_id=0))
+    return MixtralForCausalLM(
+        MixtralConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=32,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
+    )
 
 
 MODELS = {"gpt2": gpt2, "llama": llama}
@@ -73,7 +137,7 @@ def global_batch(step: int) -> torch.Tensor:
 
 
 def local(batch: torch.Tensor) -> torch.Tensor:
-    return batch[RANK * BATCH:(RANK + 1) * BATCH]
+    return batch[RANK * BATCH : (RANK + 1) * BATCH]
 
 
 def hf_loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -143,7 +207,7 @@ def train(name: str, method: str, steps: int = 40) -> tuple[list[float], torch.n
         x = local(global_batch(step))
         # no labels: the cut guard agrees with the dense model; an encoder-decoder's decoder needs inputs
         inputs = {"input_ids": x, "labels": x} if name == "t5" else x
-        with (ab.step(inputs) if ab else torch.enable_grad()):
+        with ab.step(inputs) if ab else torch.enable_grad():
             opt.zero_grad()
             loss = hf_loss(model, x)
             loss.backward()
@@ -211,10 +275,23 @@ def hf_files(tmp_path_factory):
     if RANK == 0:
         root = tmp_path_factory.mktemp("hf")
         GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=2, n_head=2).to_json_file(root / "gpt2.json")
-        LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                    num_key_value_heads=2, max_position_embeddings=64).to_json_file(root / "llama.json")
-        LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                    max_position_embeddings=64).to_json_file(root / "small-vocab.json")
+        LlamaConfig(
+            vocab_size=256,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        ).to_json_file(root / "llama.json")
+        LlamaConfig(
+            vocab_size=100,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=64,
+        ).to_json_file(root / "small-vocab.json")
         (root / "corpus.txt").write_text("To be, or not to be, that is the question. " * 400)
         assert data_prep_main(["text", str(root / "corpus.txt"), "--out", str(root / "text.h5")]) == 0
     return runtime.world().comm.bcast(root, root=0)
@@ -223,16 +300,35 @@ def hf_files(tmp_path_factory):
 def cli(files, run: str, *argv: str) -> int:
     from hvd_lowcomm.train import main
 
-    return main(["--data.path", str(files / "text.h5"), "--data.seq_len", "16", "--data.batch_size", "4",
-                 "--train.epochs", "1", "--train.max_steps", "3", "--run.dir", str(files / "runs"), "--run.name", run,
-                 "--run.progress", "false", *argv])
+    return main(
+        [
+            "--data.path",
+            str(files / "text.h5"),
+            "--data.seq_len",
+            "16",
+            "--data.batch_size",
+            "4",
+            "--train.epochs",
+            "1",
+            "--train.max_steps",
+            "3",
+            "--run.dir",
+            str(files / "runs"),
+            "--run.name",
+            run,
+            "--run.progress",
+            "false",
+            *argv,
+        ]
+    )
 
 
 @pytest.mark.skipif(SIZE != 2, reason="the command line on HF models is checked at np 2")
 @pytest.mark.parametrize("config", ["gpt2", "llama"])
 @pytest.mark.parametrize("method", [*TRAINS, *REFUSES])
 def test_the_cli_trains_a_hugging_face_config_with_every_method_or_refuses_before_training(
-        hf_files, config, method, capsys):
+    hf_files, config, method, capsys
+):
     run = f"{config}-{method}"
     code = cli(hf_files, run, "--model.name", f"hf:{hf_files / f'{config}.json'}", "--method", method)
     if method in TRAINS:
@@ -271,7 +367,14 @@ def test_a_saved_pretrained_directory_loads_its_weights(hf_files):
 
 
 def test_tensorboard_records_are_read_back_and_a_resumed_run_keeps_its_tracker_run(hf_files):
-    argv = ["--model.name", f"hf:{hf_files / 'gpt2.json'}", "--run.loggers", "tensorboard,wandb", "--run.log_every", "1"]
+    argv = [
+        "--model.name",
+        f"hf:{hf_files / 'gpt2.json'}",
+        "--run.loggers",
+        "tensorboard,wandb",
+        "--run.log_every",
+        "1",
+    ]
     assert cli(hf_files, "tracked", *argv) == 0
     if RANK == 0:
         ids = json.loads((hf_files / "runs" / "tracked" / "trackers.json").read_text())
@@ -284,8 +387,14 @@ def test_tensorboard_records_are_read_back_and_a_resumed_run_keeps_its_tracker_r
     events.Reload()
     steps = [e.step for e in events.Scalars("step/loss")]
     assert steps == [0, 1, 2, 3, 4], steps  # the first run's three steps, then the resumed run's two
-    assert {"step/lr", "step/grad_norm", "step/tokens_per_second", "step/peak_memory_bytes", "epoch/test_loss",
-            "summary/final_test_loss"} <= set(events.Tags()["scalars"])
+    assert {
+        "step/lr",
+        "step/grad_norm",
+        "step/tokens_per_second",
+        "step/peak_memory_bytes",
+        "epoch/test_loss",
+        "summary/final_test_loss",
+    } <= set(events.Tags()["scalars"])
     assert all(e.value > 0 for e in events.Scalars("step/grad_norm"))
     assert json.loads((hf_files / "runs" / "tracked" / "trackers.json").read_text()) == ids  # same W&B run
     # no second W&B run: every session's directory carries the first run's id (W&B names them
@@ -303,11 +412,32 @@ def test_an_hf_image_classifier_config_trains_on_an_image_dataset(hf_files, shar
 
     config = hf_files / "vit.json"
     if RANK == 0:
-        ViTConfig(image_size=8, patch_size=4, num_channels=1, hidden_size=32, num_hidden_layers=2,
-                  num_attention_heads=2, intermediate_size=64).to_json_file(config)
+        ViTConfig(
+            image_size=8,
+            patch_size=4,
+            num_channels=1,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+        ).to_json_file(config)
     hl.meter.barrier("test.vit")
-    argv = ["--model.name", f"hf:{config}", "--data.path", str(shared_tmp / "digits.h5"), "--train.epochs", "3",
-            "--train.lr", "0.003", "--run.dir", str(shared_tmp), "--run.name", "vit", "--run.progress", "false"]
+    argv = [
+        "--model.name",
+        f"hf:{config}",
+        "--data.path",
+        str(shared_tmp / "digits.h5"),
+        "--train.epochs",
+        "3",
+        "--train.lr",
+        "0.003",
+        "--run.dir",
+        str(shared_tmp),
+        "--run.name",
+        "vit",
+        "--run.progress",
+        "false",
+    ]
     assert main([*argv, "--method", "dad"]) == 0
     if RANK == 0:
         summary = json.loads((shared_tmp / "vit" / "summary.json").read_text())
@@ -316,6 +446,16 @@ def test_an_hf_image_classifier_config_trains_on_an_image_dataset(hf_files, shar
     if RANK == 0:
         ViTConfig(image_size=16, patch_size=4, num_channels=1).to_json_file(wrong_size)
     hl.meter.barrier("test.vit16")
-    refused = ["--model.name", f"hf:{wrong_size}", "--data.path", str(shared_tmp / "digits.h5"),
-               "--run.dir", str(shared_tmp), "--run.name", "vit16", "--run.progress", "false"]
+    refused = [
+        "--model.name",
+        f"hf:{wrong_size}",
+        "--data.path",
+        str(shared_tmp / "digits.h5"),
+        "--run.dir",
+        str(shared_tmp),
+        "--run.name",
+        "vit16",
+        "--run.progress",
+        "false",
+    ]
     assert main(refused) == 2 and not (shared_tmp / "vit16").exists()

@@ -1,5 +1,6 @@
 """The package's layout shows its layers: no module imports one above it or in a circle, and
 the package's own modules are imported at the top of a module, never inside a function."""
+
 from __future__ import annotations
 
 import shutil
@@ -25,10 +26,29 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.skipif(RANK != 0, reason="one rank builds the wheel")
 def test_job_templates_ship_inside_the_wheel(tmp_path):
     source = tmp_path / "source"  # a copy: building writes build/ beside the sources
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv", "data", "runs", "build", "benchmarks",
-                                                                "*.egg-info", "__pycache__"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
-                    str(source)], check=True, capture_output=True)
+    shutil.copytree(
+        ROOT,
+        source,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", "data", "runs", "build", "benchmarks", "*.egg-info", "__pycache__"
+        ),
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+    )
     (wheel,) = tmp_path.glob("hvd_lowcomm-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     templates = {Path(n).name for n in names if n.startswith("hvd_lowcomm/templates/")}

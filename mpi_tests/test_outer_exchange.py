@@ -1,4 +1,5 @@
 """DiLoCo's exchanges between groups: each form's mean, its error feedback, and its bytes."""
+
 from __future__ import annotations
 
 import math
@@ -9,7 +10,14 @@ import torch
 from conftest import RANK, SIZE, member_parts, needs_ranks
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.methods.diloco import DiLoCoOptions
-from hvd_lowcomm.methods.outer_exchange import (int4_bytes, int8_bytes, make_exchange, slice_pieces, sparse_bytes, sparse_encode)
+from hvd_lowcomm.methods.outer_exchange import (
+    int4_bytes,
+    int8_bytes,
+    make_exchange,
+    slice_pieces,
+    sparse_bytes,
+    sparse_encode,
+)
 
 SHAPES = [(48, 40), (48,), (30, 24)]  # a fragment: two matrices and a bias
 NUMBERS = 48 * 40 + 48 + 30 * 24
@@ -19,9 +27,11 @@ def pseudo_gradient(rank: int, seed: int = 0) -> torch.Tensor:
     """Low-rank plus noise, as an update tends to be: every group's matrices in the same rank-3
     subspaces, with coefficients of its own."""
     shared, own = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(100 * rank + seed + 1)
-    parts = [torch.randn(48, 3, generator=shared) @ torch.randn(3, 3, generator=own) @ torch.randn(3, 40, generator=shared),
-             torch.randn(48, generator=own),
-             torch.randn(30, 3, generator=shared) @ torch.randn(3, 3, generator=own) @ torch.randn(3, 24, generator=shared)]
+    parts = [
+        torch.randn(48, 3, generator=shared) @ torch.randn(3, 3, generator=own) @ torch.randn(3, 40, generator=shared),
+        torch.randn(48, generator=own),
+        torch.randn(30, 3, generator=shared) @ torch.randn(3, 3, generator=own) @ torch.randn(3, 24, generator=shared),
+    ]
     return torch.cat([p.reshape(-1) for p in parts]) + 0.01 * torch.randn(NUMBERS, generator=own)
 
 
@@ -36,8 +46,17 @@ def everyones(world, values: torch.Tensor) -> torch.Tensor:
 
 
 @needs_ranks(2)
-@pytest.mark.parametrize("kind, tolerance, magnitude", [("none", 1e-6, 1.0), ("fp16", 2e-3, 1.0), ("int8", 0.03, 1.0),
-                                                        ("int2", None, 1.0), ("fp16", 2e-3, 1e-7), ("fp16", 2e-3, 1e6)])
+@pytest.mark.parametrize(
+    "kind, tolerance, magnitude",
+    [
+        ("none", 1e-6, 1.0),
+        ("fp16", 2e-3, 1.0),
+        ("int8", 0.03, 1.0),
+        ("int2", None, 1.0),
+        ("fp16", 2e-3, 1e-7),
+        ("fp16", 2e-3, 1e6),
+    ],
+)
 def test_a_quantised_exchange_returns_the_mean_on_every_rank(world, column, fresh_meter, kind, tolerance, magnitude):
     # fp16 at 1e-7 (a small learning rate's pseudo-gradient: float16's subnormals, cast as it
     # is) and 1e6 (past float16's range): each chunk travels scaled by a power of two
@@ -61,7 +80,9 @@ def test_a_quantised_exchange_returns_the_mean_on_every_rank(world, column, fres
 
 @needs_ranks(2)
 @pytest.mark.parametrize("kind", ["int8", "int2"])
-def test_what_a_quantised_exchange_keeps_waiting_stays_below_one_exchange_of_like_groups(world, column, fresh_meter, kind):
+def test_what_a_quantised_exchange_keeps_waiting_stays_below_one_exchange_of_like_groups(
+    world, column, fresh_meter, kind
+):
     """Groups whose pseudo-gradients share most of their signal, exchange after exchange: what
     both roundings left waiting stays under one exchange's mean. (A 2-bit form whose largest
     level was the mean of its block's larger half grew past four means in 80 exchanges: a
@@ -110,21 +131,28 @@ def test_sparse_exchange_averages_the_groups_tops_and_loses_nothing(world, colum
     pending = everyones(world, exchange.errors[0]).mean(0)
     if by_owner:
         pending += torch.cat(world.comm.allgather(exchange.owner_errors[0]))[:NUMBERS]
-    torch.testing.assert_close(delivered + pending, everyones(world, torch.stack(deltas).sum(0)).mean(0),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        delivered + pending, everyones(world, torch.stack(deltas).sum(0)).mean(0), atol=1e-5, rtol=1e-5
+    )
     if by_owner:  # every member's sparse parts by alltoall, its own mean part by allgather
         part = -(-NUMBERS // SIZE)
-        assert fresh_meter.total(group="column0", op="alltoall", field="payload_bytes") == \
-            3 * SIZE * sparse_bytes(part, density)
-        assert fresh_meter.total(group="column0", op="allgather", field="payload_bytes") == 3 * sparse_bytes(part, owner)
+        assert fresh_meter.total(group="column0", op="alltoall", field="payload_bytes") == 3 * SIZE * sparse_bytes(
+            part, density
+        )
+        assert fresh_meter.total(group="column0", op="allgather", field="payload_bytes") == 3 * sparse_bytes(
+            part, owner
+        )
     else:
-        assert fresh_meter.total(group="column0", op="allgather", field="payload_bytes") == 3 * sparse_bytes(NUMBERS, density)
+        assert fresh_meter.total(group="column0", op="allgather", field="payload_bytes") == 3 * sparse_bytes(
+            NUMBERS, density
+        )
 
 
 @needs_ranks(2)
 def test_sparse_accumulator_decays_by_error_decay(world, column, fresh_meter):
-    exchange = make_exchange(column, DiLoCoOptions(compression="sparse", density=0.02, error_decay=0.5,
-                                                  keep_unsent=False))
+    exchange = make_exchange(
+        column, DiLoCoOptions(compression="sparse", density=0.02, error_decay=0.5, keep_unsent=False)
+    )
     first, second = pseudo_gradient(RANK), pseudo_gradient(RANK, seed=1)
     exchange.start(0, first, SHAPES, 0)()
     left = exchange.errors[0].clone()
@@ -137,7 +165,9 @@ def test_sparse_accumulator_decays_by_error_decay(world, column, fresh_meter):
 
 @needs_ranks(2)
 @pytest.mark.parametrize("bits", [8, 4])
-def test_lowrank_exchange_is_powersgd_on_each_matrix_with_error_feedback_and_warm_start(world, column, fresh_meter, bits):
+def test_lowrank_exchange_is_powersgd_on_each_matrix_with_error_feedback_and_warm_start(
+    world, column, fresh_meter, bits
+):
     rank = 3
     exchange = make_exchange(column, DiLoCoOptions(compression="lowrank", rank=rank, factor_bits=bits))
     delta = pseudo_gradient(RANK)
@@ -154,18 +184,18 @@ def test_lowrank_exchange_is_powersgd_on_each_matrix_with_error_feedback_and_war
         delivered += mean
         everyone = everyones(world, corrected)
         for (o, rows, cols), q in zip(offsets, qs):
-            ms = everyone[:, o:o + rows * cols].view(SIZE, rows, cols)
+            ms = everyone[:, o : o + rows * cols].view(SIZE, rows, cols)
             p = torch.linalg.qr((ms @ q).sum(0)).Q
             mean_q = (ms.transpose(1, 2) @ p).sum(0) / SIZE
-            got, want, true = mean[o:o + rows * cols].view(rows, cols), p @ mean_q.T, ms.mean(0)
+            got, want, true = mean[o : o + rows * cols].view(rows, cols), p @ mean_q.T, ms.mean(0)
             if exchange_number == 0 and bits == 8:
                 # the power iteration's P = M Q, from a random Q, has nearly parallel columns whose
                 # int8 rounding turns the weakest direction (2 % of the energy): the approximation
                 # keeps a little less than fp32's would (measured at np 2: misses 11.6 % of the mean's norm
                 # where the reference misses 8.5 %)
                 assert (true - got).norm() <= 1.6 * (true - want).norm()
-            mine = corrected[o:o + rows * cols].view(rows, cols)
-            error = exchange.errors[0][o:o + rows * cols].view(rows, cols)
+            mine = corrected[o : o + rows * cols].view(rows, cols)
+            error = exchange.errors[0][o : o + rows * cols].view(rows, cols)
             # the error is what P (orthonormal, from the int8 mean) and this rank's own int8-rounded
             # Q miss of this rank's matrix: mine - error = P Q̃ᵀ has rank ≤ r, and is orthogonal to
             # the error but for Q's rounding

@@ -1,4 +1,5 @@
 """SIL and model parallelism: partitions, codes, cross-group evaluation and gradients, traffic."""
+
 from __future__ import annotations
 
 import copy
@@ -38,9 +39,10 @@ def test_an_explicit_cut_that_leaves_a_partition_affine_is_warned():
 
 @needs_ranks(2)
 def test_an_explicit_cut_inside_a_conv_net_is_warned_and_its_codes_are_channel_means():
-    method = SyntheticIntermediateLabels(config.load(["--method", "sil", "--model.name", "cnn", "--sil.cuts", "8"]),
-                                         DatasetInfo("mem", ("mem",), 3, (1, 8, 8), (64,), (16,), "test", "float32",
-                                                     None, None))
+    method = SyntheticIntermediateLabels(
+        config.load(["--method", "sil", "--model.name", "cnn", "--sil.cuts", "8"]),
+        DatasetInfo("mem", ("mem",), 3, (1, 8, 8), (64,), (16,), "test", "float32", None, None),
+    )
     method.check_world(method.cfg, SIZE)
     method.setup(cnn((1, 8, 8), 3, [4, 4, 8, 8]))
     (warning,) = method.partition_warnings()
@@ -92,17 +94,18 @@ def test_codes_are_identical_on_all_ranks(world):
 def test_recovery_epochs_get_their_own_learning_rate_schedule(world, fresh_meter):
     """The loop's cosine spans training and recovery; recovery restarts it from recovery_lr ×
     the peak, rather than training the joined network at the tail of the training schedule."""
-    method, _ = make(SyntheticIntermediateLabels, "sil", "--sil.recovery_epochs", "2", "--train.epochs", "4",
-                     "--train.lr", "0.01")
+    method, _ = make(
+        SyntheticIntermediateLabels, "sil", "--sil.recovery_epochs", "2", "--train.epochs", "4", "--train.lr", "0.01"
+    )
     method.set_total_steps(60)  # 6 epochs of 10 steps: 40 training, 20 recovery
     rates = []
     for step in range(60):
         fresh_meter.step = step
         method.set_lr(123.0)  # whatever the loop's schedule says is overridden
         rates.append(method.optimizer.param_groups[0]["lr"] / method.lr_scale)
-    assert rates[0] == pytest.approx(0.01) and rates[39] < 1e-4       # training: one cosine over 40 steps
-    assert rates[40] == pytest.approx(0.003) and rates[59] < 6e-5     # recovery: a fresh one over 20,
-    assert rates[50] == pytest.approx(0.0015, rel=0.05)               # from recovery_lr (0.3) x the peak
+    assert rates[0] == pytest.approx(0.01) and rates[39] < 1e-4  # training: one cosine over 40 steps
+    assert rates[40] == pytest.approx(0.003) and rates[59] < 6e-5  # recovery: a fresh one over 20,
+    assert rates[50] == pytest.approx(0.0015, rel=0.05)  # from recovery_lr (0.3) x the peak
 
 
 @needs_ranks(2)
@@ -168,11 +171,28 @@ def test_mp_gradients_equal_single_process_autograd(world, fresh_meter):
 def test_sil_training_traffic_between_partitions(shared_tmp, mode, epochs):
     # sil6 by default; cut after its second layer, so the cut is 64 wide.
     # lr by the documented rule for Adam (docs/methods/sil.rst): × √(ranks per partition) (SIZE / 2), from 2e-3 for one
-    argv = ["--method", "sil", "--sil.mode", mode, "--train.epochs", str(epochs), "--model.hidden", "64,64,32,32,32",
-            "--train.lr", f"{0.002 * max(SIZE // 2, 1) ** 0.5:g}",
-            "--sil.cuts", "5",
-            "--data.path", str(shared_tmp / "digits.h5"), "--run.dir", str(shared_tmp / "runs"), "--run.name", mode,
-            "--run.progress", "false"]
+    argv = [
+        "--method",
+        "sil",
+        "--sil.mode",
+        mode,
+        "--train.epochs",
+        str(epochs),
+        "--model.hidden",
+        "64,64,32,32,32",
+        "--train.lr",
+        f"{0.002 * max(SIZE // 2, 1) ** 0.5:g}",
+        "--sil.cuts",
+        "5",
+        "--data.path",
+        str(shared_tmp / "digits.h5"),
+        "--run.dir",
+        str(shared_tmp / "runs"),
+        "--run.name",
+        mode,
+        "--run.progress",
+        "false",
+    ]
     assert main(argv) == 0
     if RANK == 0:  # rank 0 holds the first partition
         rows = [json.loads(line) for line in (shared_tmp / "runs" / mode / "metrics.jsonl").read_text().splitlines()]
@@ -215,8 +235,20 @@ def test_a_collapsed_partition_is_detected_at_evaluation(world):
 
 @needs_ranks(2)
 def test_sil_refuses_a_shallow_model_on_every_rank_before_training(shared_tmp, capsys):
-    argv = ["--method", "sil", "--model.name", "mlp", "--model.hidden", "32,32", "--data.path",
-            str(shared_tmp / "digits.h5"), "--run.dir", str(shared_tmp / "runs"), "--run.progress", "false"]
+    argv = [
+        "--method",
+        "sil",
+        "--model.name",
+        "mlp",
+        "--model.hidden",
+        "32,32",
+        "--data.path",
+        str(shared_tmp / "digits.h5"),
+        "--run.dir",
+        str(shared_tmp / "runs"),
+        "--run.progress",
+        "false",
+    ]
     assert main(argv) == 2
     if RANK == 0:
         assert "at least 4 weight layers; this model has 3" in capsys.readouterr().err
@@ -230,9 +262,26 @@ def test_sil_at_scale_each_partition_trains_data_parallel_and_keeps_its_accuracy
     # The documented rule for Adam (docs/methods/sil.rst): the learning rate grows with the square root of the ranks that
     # average one partition's gradients (8 / K here; 1e-3 is the default for one).
     lr = f"{0.001 * (SIZE / partitions) ** 0.5:g}"
-    argv = ["--method", "sil", "--sil.partitions", str(partitions), "--model.name", "mlp", "--model.hidden", hidden,
-            "--train.lr", lr, "--data.path", str(shared_tmp / "digits.h5"),
-            "--run.dir", str(shared_tmp / "runs"), "--run.name", f"k{partitions}", "--run.progress", "false"]
+    argv = [
+        "--method",
+        "sil",
+        "--sil.partitions",
+        str(partitions),
+        "--model.name",
+        "mlp",
+        "--model.hidden",
+        hidden,
+        "--train.lr",
+        lr,
+        "--data.path",
+        str(shared_tmp / "digits.h5"),
+        "--run.dir",
+        str(shared_tmp / "runs"),
+        "--run.name",
+        f"k{partitions}",
+        "--run.progress",
+        "false",
+    ]
     assert main(argv) == 0
     if RANK == 0:
         summary = json.loads((shared_tmp / "runs" / f"k{partitions}" / "summary.json").read_text())

@@ -1,5 +1,6 @@
 """PowerSGD: exact at or above the true rank, error feedback, bytes per compressed layer, and the
 adaptive rank (grows to meet its error target, shrinks to what holds the energy, agreed by all)."""
+
 from __future__ import annotations
 
 import json
@@ -36,9 +37,11 @@ def rank2_grads(step=0):
 def wrap(layer, **state):
     """PowerSGD on `layer`, compressing from the first step, in float32 (the default; float16
     factors on the wire have tests of their own)."""
-    return PowerSGDOptimizer(torch.optim.SGD(layer.parameters(), lr=0.1), layer.named_parameters(),
-                             state=PowerSGDState(**{"start_iter": 0, "min_compression_rate": 1.0, "factor_dtype": "float32",
-                                              **state}))
+    return PowerSGDOptimizer(
+        torch.optim.SGD(layer.parameters(), lr=0.1),
+        layer.named_parameters(),
+        state=PowerSGDState(**{"start_iter": 0, "min_compression_rate": 1.0, "factor_dtype": "float32", **state}),
+    )
 
 
 @pytest.mark.parametrize("rank", [2, 4])
@@ -65,7 +68,9 @@ def test_error_feedback_carries_what_compression_dropped(world, factor_dtype):
     opt = wrap(layer, rank=1, factor_dtype=factor_dtype)
     applied, true_sum = torch.zeros(N_OUT, N_IN), torch.zeros(N_OUT, N_IN)
     for step in range(3):
-        grads = [torch.randn(N_OUT, N_IN, generator=torch.Generator().manual_seed(50 * step + r)) for r in range(world.size)]
+        grads = [
+            torch.randn(N_OUT, N_IN, generator=torch.Generator().manual_seed(50 * step + r)) for r in range(world.size)
+        ]
         layer.weight.grad = grads[world.comm.Get_rank()].clone()
         layer.bias.grad = torch.zeros(N_OUT)
         local_input = layer.weight.grad + opt.powersgd.errors.get("weight", torch.zeros(N_OUT, N_IN))
@@ -82,17 +87,20 @@ def test_bytes_recorded_are_n_plus_m_times_r_per_compressed_layer_and_probes_whe
     wrap(layer, rank=3).synchronize()
     payload = {r.name: (r.op, r.payload_bytes) for r in fresh_meter.step_records}
     # the first compressed step measures the error too: random probes ride with P
-    assert payload == {"powersgd.P.weight": ("allreduce", N_OUT * (3 + PROBES) * 4),
-                       "powersgd.Q.weight": ("allreduce", N_IN * 3 * 4),
-                       "allreduce.bias": ("allreduce", N_OUT * 4)}  # 1-D tensors are never compressed
+    assert payload == {
+        "powersgd.P.weight": ("allreduce", N_OUT * (3 + PROBES) * 4),
+        "powersgd.Q.weight": ("allreduce", N_IN * 3 * 4),
+        "allreduce.bias": ("allreduce", N_OUT * 4),
+    }  # 1-D tensors are never compressed
 
 
 @pytest.mark.parametrize("compression", [None, "fp16"])
 def test_float32_factors_are_the_default_and_horovods_fp16_compression_sends_float16(world, fresh_meter, compression):
     layer, _, _ = layer_with_grads(world, rank2_grads())
     state = PowerSGDState(start_iter=0, min_compression_rate=1.0, rank=3)
-    opt = PowerSGDOptimizer(torch.optim.SGD(layer.parameters(), lr=0.1), layer.named_parameters(),
-                            compression=compression, state=state)
+    opt = PowerSGDOptimizer(
+        torch.optim.SGD(layer.parameters(), lr=0.1), layer.named_parameters(), compression=compression, state=state
+    )
     opt.synchronize()
     assert opt.powersgd.options.factor_dtype == ("float16" if compression else "float32")
     # what P weighs on the wire: 2 bytes a number only where float16 was asked for and something is summed
@@ -111,17 +119,22 @@ def test_float16_factors_halve_the_bytes_and_agree_their_scales_once(world, fres
         return
     # the bias rides with P in float16; a number per tensor and round agrees the scales at the
     # first step (P's round: the weight's P and the uncompressed gradients; Q's round: Q)
-    assert payload == {("powersgd.P.weight", "allreduce", N_OUT * (3 + PROBES) * 2),
-                       ("powersgd.Q.weight", "allreduce", N_IN * 3 * 2),
-                       ("powersgd.uncompressed", "allreduce", N_OUT * 2),
-                       ("powersgd.scales", "allreduce", 2 * 4), ("powersgd.scales", "allreduce", 4)}
+    assert payload == {
+        ("powersgd.P.weight", "allreduce", N_OUT * (3 + PROBES) * 2),
+        ("powersgd.Q.weight", "allreduce", N_IN * 3 * 2),
+        ("powersgd.uncompressed", "allreduce", N_OUT * 2),
+        ("powersgd.scales", "allreduce", 2 * 4),
+        ("powersgd.scales", "allreduce", 4),
+    }
     fresh_meter.next_step()
     layer.weight.grad, layer.bias.grad = rank2_grads(1)(world.comm.Get_rank()).clone(), torch.zeros(N_OUT)
     opt.synchronize()  # later steps reuse the scales of the previous sums: no agreement
-    assert {r.name for r in fresh_meter.step_records} == {"powersgd.P.weight", "powersgd.Q.weight",
-                                                          "powersgd.uncompressed"}
-    assert set(opt.powersgd.state_dict()["wire"]) == {"powersgd.P.weight", "powersgd.Q.weight",
-                                                      "powersgd.uncompressed"}
+    assert {r.name for r in fresh_meter.step_records} == {
+        "powersgd.P.weight",
+        "powersgd.Q.weight",
+        "powersgd.uncompressed",
+    }
+    assert set(opt.powersgd.state_dict()["wire"]) == {"powersgd.P.weight", "powersgd.Q.weight", "powersgd.uncompressed"}
 
 
 @pytest.mark.parametrize("magnitude", [1e-9, 1.0, 1e6])
@@ -173,33 +186,42 @@ def test_plain_mean_until_start_iter_then_compression(world, fresh_meter, factor
     payload = {r.name: r.payload_bytes for r in fresh_meter.step_records}
     number = 2 if factor_dtype == "float16" and world.size > 1 else 4
     assert {k: v for k, v in payload.items() if k != "powersgd.scales"} == {
-        "powersgd.warmup.weight": N_OUT * N_IN * number, "powersgd.warmup.bias": N_OUT * number}
+        "powersgd.warmup.weight": N_OUT * N_IN * number,
+        "powersgd.warmup.bias": N_OUT * number,
+    }
     assert ("powersgd.scales" in payload) == (number == 2)  # the scales are agreed once, in float16
     fresh_meter.next_step()
     layer.weight.grad, layer.bias.grad = torch.ones(N_OUT, N_IN), torch.ones(N_OUT)
     opt.synchronize()
     plain = "allreduce.bias" if number == 4 else "powersgd.uncompressed"
     assert {r.name for r in fresh_meter.step_records} - {"powersgd.scales"} == {
-        "powersgd.P.weight", "powersgd.Q.weight", plain}
+        "powersgd.P.weight",
+        "powersgd.Q.weight",
+        plain,
+    }
     assert opt.powersgd.iter == 2 and opt.powersgd.qs["weight"].shape == (N_IN, 1)  # kept for warm start
 
 
 def signal_and_noise(true_rank, step, noise=0.01, n=40, m=48):
     """Rank r's gradient: a shared rank-`true_rank` signal A B (A new each step, B fixed, as a
     layer's gradients keep their directions) plus a little noise of its own."""
+
     def grad(r):
         b = torch.randn(true_rank, m, generator=torch.Generator().manual_seed(7))
         a = torch.randn(n, true_rank, generator=torch.Generator().manual_seed(1000 + step))
         return a @ b + noise * torch.randn(n, m, generator=torch.Generator().manual_seed(100 * step + r))
+
     return grad
 
 
 def adaptive_run(world, fresh_meter, grads_of_step, steps, **state):
     """An adaptive-rank PowerSGD on a Linear(48 -> 40) whose gradients are set by hand."""
     layer = torch.nn.Linear(48, 40)
-    opt = PowerSGDOptimizer(torch.optim.SGD(layer.parameters(), lr=0.1), layer.named_parameters(),
-                            state=PowerSGDState(**{"start_iter": 0, "adapt_every": 3, "factor_dtype": "float32",
-                                                   "min_rank": 1, **state}))
+    opt = PowerSGDOptimizer(
+        torch.optim.SGD(layer.parameters(), lr=0.1),
+        layer.named_parameters(),
+        state=PowerSGDState(**{"start_iter": 0, "adapt_every": 3, "factor_dtype": "float32", "min_rank": 1, **state}),
+    )
     history = []
     for step in range(steps):
         layer.weight.grad = grads_of_step(step)(world.comm.Get_rank()).clone()
@@ -212,8 +234,14 @@ def adaptive_run(world, fresh_meter, grads_of_step, steps, **state):
 
 @pytest.mark.parametrize("factor_dtype", ["float32", "float16"])
 def test_the_adaptive_rank_grows_to_the_gradient_s_rank_and_then_keeps_its_energy(world, fresh_meter, factor_dtype):
-    opt, history = adaptive_run(world, fresh_meter, lambda step: signal_and_noise(6, step), steps=12,
-                                error_target=0.05, factor_dtype=factor_dtype)
+    opt, history = adaptive_run(
+        world,
+        fresh_meter,
+        lambda step: signal_and_noise(6, step),
+        steps=12,
+        error_target=0.05,
+        factor_dtype=factor_dtype,
+    )
     size = 2 if factor_dtype == "float16" and world.size > 1 else 4  # bytes per number of P
     ranks = [rank for rank, _ in history]
     # doubling, measured again at once after each change: 1 -> 2 -> 4 -> 8, at most 10 (where
@@ -229,11 +257,11 @@ def test_the_adaptive_rank_grows_to_the_gradient_s_rank_and_then_keeps_its_energ
 
 
 def test_the_adaptive_rank_shrinks_to_what_holds_the_energy(world, fresh_meter):
-    opt, history = adaptive_run(world, fresh_meter, lambda step: signal_and_noise(1, step), steps=4, min_rank=6,
-                                max_rank=16, error_target=0.2)
+    opt, history = adaptive_run(
+        world, fresh_meter, lambda step: signal_and_noise(1, step), steps=4, min_rank=6, max_rank=16, error_target=0.2
+    )
     assert [rank for rank, _ in history] == [6] * 4  # starts at min_rank and stays: shrinking stops there
-    opt, history = adaptive_run(world, fresh_meter, lambda step: signal_and_noise(1, step), steps=4,
-                                error_target=0.2)
+    opt, history = adaptive_run(world, fresh_meter, lambda step: signal_and_noise(1, step), steps=4, error_target=0.2)
     assert [rank for rank, _ in history] == [1, 1, 1, 1]
     state = opt.powersgd
     state.ranks["weight"], state.next_measurement = 8, state.iter  # as if it had grown to 8
@@ -273,8 +301,22 @@ def test_it_says_once_when_no_gradient_is_worth_compressing(world, capsys):
 
 def test_training_with_powersgd_compresses_and_learns(shared_tmp):
     # lr 1e-2: at np 4 three epochs are 36 steps, too few at the default 1e-3 for the accuracy check
-    argv = ["--method", "powersgd", "--train.epochs", "3", "--train.lr", "0.01", "--data.path", str(shared_tmp / "digits.h5"),
-            "--run.dir", str(shared_tmp / "runs"), "--run.name", "psgd", "--run.progress", "false"]
+    argv = [
+        "--method",
+        "powersgd",
+        "--train.epochs",
+        "3",
+        "--train.lr",
+        "0.01",
+        "--data.path",
+        str(shared_tmp / "digits.h5"),
+        "--run.dir",
+        str(shared_tmp / "runs"),
+        "--run.name",
+        "psgd",
+        "--run.progress",
+        "false",
+    ]
     assert main(argv) == 0
     if RANK == 0:
         rows = [json.loads(line) for line in (shared_tmp / "runs" / "psgd" / "metrics.jsonl").read_text().splitlines()]

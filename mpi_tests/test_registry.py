@@ -1,5 +1,6 @@
 """A method is one module: registering it brings its options to YAML, the CLI and --help,
 and its rank-layout check runs on every rank before training."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,12 +36,23 @@ def grouped_method():
 
 @pytest.mark.skipif(SIZE % 3 == 0, reason="needs a world size that 3 groups do not divide")
 def test_a_group_count_that_does_not_divide_the_world_stops_before_training(grouped_method, shared_tmp, capsys):
-    code = main(["--method", "grouped-test", "--grouped-test.groups", "3",
-                 "--data.path", str(shared_tmp / "digits.h5"), "--run.dir", str(shared_tmp / "runs")])
+    code = main(
+        [
+            "--method",
+            "grouped-test",
+            "--grouped-test.groups",
+            "3",
+            "--data.path",
+            str(shared_tmp / "digits.h5"),
+            "--run.dir",
+            str(shared_tmp / "runs"),
+        ]
+    )
     assert code == 2
     if RANK == 0:
-        assert (f"error (all ranks): cannot split {SIZE} ranks into 3 equal groups: use a group count that "
-                f"divides {SIZE}") in capsys.readouterr().err
+        assert (
+            f"error (all ranks): cannot split {SIZE} ranks into 3 equal groups: use a group count that divides {SIZE}"
+        ) in capsys.readouterr().err
     assert not (shared_tmp / "runs").exists()
 
 

@@ -1,4 +1,5 @@
 """Runtime: rank groups and their collectives, and ending the job when a rank fails."""
+
 from __future__ import annotations
 
 import json
@@ -53,8 +54,8 @@ def test_the_meter_counts_apart_what_leaves_a_node_and_the_cost_model_agrees(wor
 
     monkeypatch.setattr(runtime, "_node_of", tuple(r // 2 for r in range(SIZE)))
     assert runtime.node_count() == SIZE // 2
-    group, _ = runtime.split_world(group_size=2)            # a node
-    column, _ = runtime.split_by_position(SIZE // 2)         # one rank per node
+    group, _ = runtime.split_world(group_size=2)  # a node
+    column, _ = runtime.split_by_position(SIZE // 2)  # one rank per node
     for name, g in (("world", None), ("node", group), ("column", column)):
         fresh_meter.allreduce(torch.ones(1000), f"probe.{name}", group=g)
     wire = {name: fresh_meter.by_name[f"probe.{name}"].wire_bytes for name in ("world", "node", "column")}
@@ -65,8 +66,11 @@ def test_the_meter_counts_apart_what_leaves_a_node_and_the_cost_model_agrees(wor
     # what node 0 sent in all, against the cost model's shares of one rank's bytes
     sent_by_node0 = sum(world.comm.allgather(sum(crossed.values()))[:2])
     link = Link(1e9, ranks_per_node=2)
-    assert sent_by_node0 == pytest.approx(wire["world"] * link.node_share(SIZE) + wire["node"] * link.node_share(2)
-                                          + wire["column"] * link.node_share(SIZE // 2, spans_nodes=True))
+    assert sent_by_node0 == pytest.approx(
+        wire["world"] * link.node_share(SIZE)
+        + wire["node"] * link.node_share(2)
+        + wire["column"] * link.node_share(SIZE // 2, spans_nodes=True)
+    )
 
 
 def run_on_two_ranks(tmp_path, failure: str) -> tuple[subprocess.CompletedProcess, float]:
@@ -81,15 +85,18 @@ def run_on_two_ranks(tmp_path, failure: str) -> tuple[subprocess.CompletedProces
         "with runtime.abort_on_error():\n"
         "    if runtime.rank() == 1:\n"
         f"        {failure}\n"
-        "    meter.allreduce(torch.ones(1), 'waits-for-rank-1')  # would hang without the abort\n")
+        "    meter.allreduce(torch.ones(1), 'waits-for-rank-1')  # would hang without the abort\n"
+    )
     start = time.monotonic()
-    proc = subprocess.run(mpirun(2, sys.executable, str(script)), capture_output=True, text=True,
-                          env=clean_env(), timeout=120)
+    proc = subprocess.run(
+        mpirun(2, sys.executable, str(script)), capture_output=True, text=True, env=clean_env(), timeout=120
+    )
     return proc, time.monotonic() - start
 
 
-only_from_the_1_rank_suite = pytest.mark.skipif(SIZE != 1 or RANK != 0,
-                                                reason="launches its own mpirun; run from the 1-rank suite")
+only_from_the_1_rank_suite = pytest.mark.skipif(
+    SIZE != 1 or RANK != 0, reason="launches its own mpirun; run from the 1-rank suite"
+)
 
 
 @only_from_the_1_rank_suite
@@ -113,17 +120,24 @@ TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "TORCHELASTIC_RUN
 
 @only_from_the_1_rank_suite
 def test_the_cli_started_by_torchrun_stops_before_training_with_the_mpirun_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "hvd_lowcomm.train", "--run.dir", str(tmp_path)],
-                          capture_output=True, text=True, env={**clean_env(), **TORCHRUN}, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hvd_lowcomm.train", "--run.dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env={**clean_env(), **TORCHRUN},
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "started by torchrun (RANK=0, WORLD_SIZE=2)" in proc.stderr and "mpirun -np 2 python" in proc.stderr
     assert not list(tmp_path.iterdir())  # no run directory: nothing trained
 
 
 # Each rank writes its own file: printed lines of several ranks can interleave in mpirun's output.
-THREADS = ("import os, json, torch; from hvd_lowcomm.comm import runtime; runtime.init(0); import horovod.torch as hvd; "
-           "open(os.path.join(os.environ['THREADS_DIR'], str(hvd.rank())), 'w').write("
-           "json.dumps([torch.get_num_threads(), hvd.local_size(), len(os.sched_getaffinity(0))]))")
+THREADS = (
+    "import os, json, torch; from hvd_lowcomm.comm import runtime; runtime.init(0); import horovod.torch as hvd; "
+    "open(os.path.join(os.environ['THREADS_DIR'], str(hvd.rank())), 'w').write("
+    "json.dumps([torch.get_num_threads(), hvd.local_size(), len(os.sched_getaffinity(0))]))"
+)
 
 
 def compute_threads_of(ranks: int, **env: str) -> list[list[int]]:
@@ -131,8 +145,13 @@ def compute_threads_of(ranks: int, **env: str) -> list[list[int]]:
     unbound (as mpirun leaves ranks that outnumber cores), without OMP_NUM_THREADS unless given."""
     with tempfile.TemporaryDirectory() as out:
         environ = {**{k: v for k, v in clean_env().items() if k != "OMP_NUM_THREADS"}, "THREADS_DIR": out, **env}
-        proc = subprocess.run(mpirun(ranks, "--bind-to", "none", "-x", "THREADS_DIR", sys.executable, "-c", THREADS),
-                              capture_output=True, text=True, env=environ, timeout=120)
+        proc = subprocess.run(
+            mpirun(ranks, "--bind-to", "none", "-x", "THREADS_DIR", sys.executable, "-c", THREADS),
+            capture_output=True,
+            text=True,
+            env=environ,
+            timeout=120,
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         reports = [json.loads(f.read_text()) for f in sorted(Path(out).iterdir())]
     assert len(reports) == ranks, proc.stdout
@@ -154,5 +173,3 @@ def test_the_ranks_of_a_node_do_not_start_more_compute_threads_than_it_has_cores
 @only_from_the_1_rank_suite
 def test_omp_num_threads_set_by_the_user_or_job_script_stands():
     assert compute_threads_of(1, OMP_NUM_THREADS="1")[0][0] == 1
-
-

@@ -2,6 +2,7 @@
 bfloat16 parameters, a parameter some ranks skip, accumulation exchanged at every micro-batch
 or declared on the model (nanoGPT's flag, DDP's no_sync), activation checkpointing (both forms,
 and Hugging Face's), torch.compile. Each wrapper against one process on the pooled batch."""
+
 from __future__ import annotations
 
 import copy
@@ -25,9 +26,15 @@ DAD_MODES = {"dad": {"mode": "exact"}, "rank-dad": {"mode": "rank", "rank": 64},
 # (rtol, atol) of a float32 wrapper against one process on the pooled batch: exact ones to
 # float32 rounding; fp16 on the wire to its rounding; rank-dAD at full rank (`wrap`) to its
 # float16 rows' rounding; PowerSGD at full rank to its QR's rounding.
-TOLERANCE = {"ddp": (1e-4, 1e-5), "dad": (1e-4, 1e-5), "dad-auto": (1e-4, 1e-5), "edad": (1e-4, 1e-5),
-             "ddp-fp16": (1e-4, 1e-3),
-             "powersgd": (1e-4, 1e-4), "rank-dad": (1e-4, 2e-4)}
+TOLERANCE = {
+    "ddp": (1e-4, 1e-5),
+    "dad": (1e-4, 1e-5),
+    "dad-auto": (1e-4, 1e-5),
+    "edad": (1e-4, 1e-5),
+    "ddp-fp16": (1e-4, 1e-3),
+    "powersgd": (1e-4, 1e-4),
+    "rank-dad": (1e-4, 2e-4),
+}
 
 
 class Block(nn.Module):
@@ -97,9 +104,17 @@ def uses_aux(step: int, rank: int, unused: bool) -> bool:
     return unused and (step + rank) % 2 == 0
 
 
-def train(wrapper: str | None, *, steps: int = 3, micro: int = 1, accumulate: str = "declared",
-          unused: bool = False, checkpointing: str | None = None, dtype: torch.dtype = torch.float32,
-          compiled: bool = False) -> tuple[nn.Module, nn.Module]:
+def train(
+    wrapper: str | None,
+    *,
+    steps: int = 3,
+    micro: int = 1,
+    accumulate: str = "declared",
+    unused: bool = False,
+    checkpointing: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    compiled: bool = False,
+) -> tuple[nn.Module, nn.Module]:
     """(initial, trained) GPT after SGD through `wrapper` on this rank's micro-batches (None:
     one process on every rank's). accumulate: "declared" (backward_passes_per_step), "undeclared"
     (every pass exchanges), "model_flag" (nanoGPT's model.require_backward_grad_sync),
@@ -120,8 +135,9 @@ def train(wrapper: str | None, *, steps: int = 3, micro: int = 1, accumulate: st
                 model.require_backward_grad_sync = last
             holding = accumulate == "model_no_sync" and not last
             with model.no_sync() if holding else _nothing():
-                loss = sum(forward(inputs[step, r, m], targets[step, r, m], uses_aux(step, r, unused))
-                           for r in ranks) / (len(ranks) * micro)
+                loss = sum(
+                    forward(inputs[step, r, m], targets[step, r, m], uses_aux(step, r, unused)) for r in ranks
+                ) / (len(ranks) * micro)
                 loss.backward()
         if wrapper is None:  # a parameter no rank used gets a zero gradient, as Horovod gives it
             for p in model.parameters():
@@ -150,8 +166,9 @@ def same_on_every_rank(model: nn.Module) -> None:
 
 def assert_close_to(model: nn.Module, reference: nn.Module, rtol: float, atol: float) -> None:
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.detach().float(), q.detach().float(), rtol=rtol, atol=atol,
-                                   msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            p.detach().float(), q.detach().float(), rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}"
+        )
 
 
 def assert_tracks(model: nn.Module, reference: nn.Module, initial: nn.Module, share: float) -> None:
@@ -170,6 +187,7 @@ def pooled(**kwargs) -> nn.Module:
 
 # -- bfloat16 parameters ------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("wrapper", WRAPPERS)
 def test_bfloat16_parameters_train_through_every_wrapper_reduced_in_float32(world, fresh_meter, wrapper):
     initial, model = train(wrapper, dtype=torch.bfloat16)
@@ -182,14 +200,23 @@ def test_bfloat16_parameters_train_through_every_wrapper_reduced_in_float32(worl
         assert fresh_meter.total("train", op="allreduce", field="payload_bytes") == 3 * 4 * params
 
 
-def train_grouped(trainer: str, model: nn.Module, opt: torch.optim.Optimizer, steps: int, forward=None,
-                  dtype: torch.dtype = torch.float32, before_step=lambda step: None, **diloco) -> nn.Module:
+def train_grouped(
+    trainer: str,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    steps: int,
+    forward=None,
+    dtype: torch.dtype = torch.float32,
+    before_step=lambda step: None,
+    **diloco,
+) -> nn.Module:
     """`model` trained `steps` steps by ABTraining or DiLoCo (`diloco`: its options) on this
     rank's batches, through `forward` (default: the model); returns the full synced model."""
     groups = min(2, SIZE)
     if trainer == "ab":
-        owner = hl.ABTraining(model, opt, total_steps=steps, groups=groups, sync_mode="only-b", warmup=2,
-                              sync_every=3, full_rank_steps=1)
+        owner = hl.ABTraining(
+            model, opt, total_steps=steps, groups=groups, sync_mode="only-b", warmup=2, sync_every=3, full_rank_steps=1
+        )
     else:
         owner = hl.DiLoCo(model, opt, total_steps=steps, groups=groups, sync_every=2, **diloco)
     forward = forward or model
@@ -232,8 +259,9 @@ def test_bfloat16_parameters_train_through_ab_and_diloco_as_float32_does(world, 
 @pytest.mark.skipif(SIZE % 2, reason="SIL needs 2 partitions")
 def test_bfloat16_parameters_train_through_sil(world):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
-                          nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3)).to(torch.bfloat16)
+    model = nn.Sequential(
+        nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3)
+    ).to(torch.bfloat16)
     sil = hl.SIL(model, input_shape=(6,), num_classes=3, partitions=2)
     opt = torch.optim.SGD(sil.module.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(9)
@@ -248,6 +276,7 @@ def test_bfloat16_parameters_train_through_sil(world):
 
 
 # -- a parameter some ranks skip ----------------------------------------------------------------
+
 
 # (edAD takes nn.Sequential MLPs only, which run every layer on every rank.)
 @pytest.mark.parametrize("wrapper", WRAPPERS + ("dad-auto",))
@@ -328,8 +357,9 @@ def test_an_unused_parameter_on_one_rank_makes_no_rank_wait_in_any_wrapper(tmp_p
     script.write_text(UNUSED_ON_ONE_RANK)
     names = ["ddp", "powersgd", "dad", "rank-dad", "diloco"]
     try:
-        done = subprocess.run(mpirun(2, sys.executable, str(script), *names), env=clean_env(),
-                              capture_output=True, text=True, timeout=240)
+        done = subprocess.run(
+            mpirun(2, sys.executable, str(script), *names), env=clean_env(), capture_output=True, text=True, timeout=240
+        )
     except subprocess.TimeoutExpired as expired:
         pytest.fail(f"a rank waited: the job did not end within 240 s\n{expired.stdout}\n{expired.stderr}")
     output = done.stdout + done.stderr
@@ -339,6 +369,7 @@ def test_an_unused_parameter_on_one_rank_makes_no_rank_wait_in_any_wrapper(tmp_p
 
 
 # -- accumulation -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("accumulate", ["undeclared", "model_flag", "model_no_sync"])
 @pytest.mark.parametrize("wrapper", WRAPPERS + ("dad-auto",))
@@ -350,8 +381,9 @@ def test_accumulation_gives_the_pooled_gradient_however_it_is_declared(world, wr
 
 @pytest.mark.parametrize("accumulate", ["model_flag", "model_no_sync"])
 @pytest.mark.parametrize("wrapper", WRAPPERS)
-def test_wrappers_given_the_model_read_ddps_flags_on_it_and_exchange_once_per_step(world, fresh_meter, wrapper,
-                                                                                   accumulate):
+def test_wrappers_given_the_model_read_ddps_flags_on_it_and_exchange_once_per_step(
+    world, fresh_meter, wrapper, accumulate
+):
     def exchanges(**kwargs) -> int:
         fresh_meter.reset()
         train(wrapper, steps=2, **kwargs)
@@ -383,6 +415,7 @@ def test_undeclared_accumulation_is_said_once_on_rank_0_and_a_flag_on_an_unknown
 
 
 # -- activation checkpointing -------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("form", ["reentrant", "non_reentrant"])
 @pytest.mark.parametrize("wrapper", WRAPPERS)
@@ -418,8 +451,9 @@ def test_hugging_face_gradient_checkpointing_keeps_dad_exact(world, wrapper):
 
     def run(wrapped: bool, checkpointed: bool) -> nn.Module:
         torch.manual_seed(0)
-        config = transformers.GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=2, n_head=2,
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        config = transformers.GPT2Config(
+            vocab_size=16, n_positions=8, n_embd=8, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+        )
         model = transformers.GPT2LMHeadModel(config)
         if checkpointed:
             model.gradient_checkpointing_enable()
@@ -431,8 +465,9 @@ def test_hugging_face_gradient_checkpointing_keeps_dad_exact(world, wrapper):
         for step in range(3):
             opt.zero_grad()
             ranks = [runtime.rank()] if wrapped else range(SIZE)
-            (sum(model(input_ids=inputs[step, r, 0], labels=inputs[step, r, 0]).loss for r in ranks)
-             / len(ranks)).backward()
+            (
+                sum(model(input_ids=inputs[step, r, 0], labels=inputs[step, r, 0]).loss for r in ranks) / len(ranks)
+            ).backward()
             opt.step()
         return model
 
@@ -444,9 +479,11 @@ def test_hugging_face_gradient_checkpointing_keeps_dad_exact(world, wrapper):
 
 # -- torch.compile ------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("wrapper", WRAPPERS + ("edad",))
 def test_a_compiled_model_trains_through_every_wrapper(world, wrapper):
     if wrapper == "edad":  # edAD's MLP
+
         def run(wrapped: bool) -> nn.Module:
             torch.manual_seed(0)
             model = nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 3))

@@ -3,6 +3,7 @@ fully_shard on hvd_lowcomm's mesh trains the zoo's GPT as ddp does, step for ste
 (np 2: one group of 2) and as HSDP (np 4: 2 groups of 2), resumes bit for bit from a sharded
 (DCP) checkpoint, and the meter counts FSDP's all-gathers, reduce-scatters and all-reduces
 across groups."""
+
 from __future__ import annotations
 
 import json
@@ -113,15 +114,22 @@ def run_job(tmp_path, ranks: int, group_size: int) -> list[dict]:
     script = tmp_path / "job.py"
     script.write_text(JOB)
     env = {k: v for k, v in clean_env().items() if k != "HVD_LOWCOMM_ENGINE"}
-    done = subprocess.run(mpirun(ranks, "-x", "PYTHONPATH", sys.executable, str(script), str(group_size),
-                                 str(tmp_path)), env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        mpirun(ranks, "-x", "PYTHONPATH", sys.executable, str(script), str(group_size), str(tmp_path)),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return [json.loads((tmp_path / f"report{rank}.json").read_text()) for rank in range(ranks)]
 
 
 @pytest.mark.skipif(SIZE > 1, reason="launches jobs of its own")
 @pytest.mark.parametrize("ranks,group_size", [(2, 0), (4, 2)], ids=["fsdp-1x2", "hsdp-2x2"])
-def test_a_loop_sharded_on_the_mesh_trains_as_ddp_resumes_from_dcp_and_the_meter_counts_fsdp(tmp_path, ranks, group_size):
+def test_a_loop_sharded_on_the_mesh_trains_as_ddp_resumes_from_dcp_and_the_meter_counts_fsdp(
+    tmp_path, ranks, group_size
+):
     import torch
 
     shard = group_size or ranks
@@ -130,8 +138,9 @@ def test_a_loop_sharded_on_the_mesh_trains_as_ddp_resumes_from_dcp_and_the_meter
         # each rank holds about 1/shard of the parameters (FSDP pads a dim-0 split)
         assert abs(report["shard_share"] - 1 / shard) < 0.05, report["shard_share"]
         torch.testing.assert_close(torch.tensor(fsdp["losses"]), torch.tensor(ddp["losses"]), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(torch.tensor(fsdp["parameters"]), torch.tensor(ddp["parameters"]),
-                                   rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            torch.tensor(fsdp["parameters"]), torch.tensor(ddp["parameters"]), rtol=1e-4, atol=1e-5
+        )
         assert fsdp["losses"][-1] < fsdp["losses"][0]  # it trained
         # resumed from a DCP checkpoint halfway, into a differently initialised model: bit for bit
         resumed = report["fsdp-resumed"]
@@ -152,8 +161,9 @@ def test_a_loop_sharded_on_the_mesh_trains_as_ddp_resumes_from_dcp_and_the_meter
         if group_size:  # a user's PowerSGDOptimizer on a model sharded in each group joins the groups itself
             plain, sharded = report["powersgd"], report["powersgd-sharded"]
             assert plain["compressed"] > 0 and sharded["compressed"] == plain["compressed"]
-            torch.testing.assert_close(torch.tensor(sharded["parameters"]), torch.tensor(plain["parameters"]),
-                                       rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(
+                torch.tensor(sharded["parameters"]), torch.tensor(plain["parameters"]), rtol=1e-4, atol=1e-5
+            )
 
 
 def test_the_mesh_is_refused_with_how_to_fix_it_where_it_cannot_be_made():
@@ -174,6 +184,7 @@ def test_the_mesh_is_refused_with_how_to_fix_it_where_it_cannot_be_made():
 # ---------------------------------------------------------------------------------------------
 # the built-in trainer's --method fsdp
 
+
 def text_dataset(folder):
     """A small byte-level text dataset made by data_prep (words over a few sentences)."""
     from data_prep.__main__ import main as data_prep_main
@@ -181,21 +192,56 @@ def text_dataset(folder):
     rng = random.Random(3)
     words = "the cat sat on a mat while dogs ran past two red birds and one old fox".split()
     (folder / "text").mkdir()
-    (folder / "text" / "a.txt").write_text("\n".join(" ".join(rng.choice(words) for _ in range(8))
-                                                     for _ in range(300)))
+    (folder / "text" / "a.txt").write_text("\n".join(" ".join(rng.choice(words) for _ in range(8)) for _ in range(300)))
     assert data_prep_main(["text", str(folder / "text"), "--out", str(folder / "text.h5")]) == 0
     return folder / "text.h5"
 
 
 def train_job(tmp_path, ranks: int, name: str, *options: str) -> tuple[dict, dict]:
     """(summary, final model) of one run of the trainer on the torch engine."""
-    command = mpirun(ranks, sys.executable, "-m", "hvd_lowcomm.train", "--comm.engine", "torch",
-                     "--data.path", str(tmp_path / "text.h5"), "--model.name", "gpt", "--model.layers", "2",
-                     "--model.width", "32", "--model.heads", "2", "--data.seq_len", "16", "--data.batch_size", "8",
-                     "--train.optimizer", "sgd", "--train.lr", "0.1", "--train.momentum", "0.9",
-                     "--train.lr_schedule", "constant", "--train.accumulate", "2", "--train.clip_grad_norm", "0.5",
-                     "--train.epochs", "1", "--run.dir", str(tmp_path / "runs"), "--run.name", name,
-                     "--run.progress", "false", *options)
+    command = mpirun(
+        ranks,
+        sys.executable,
+        "-m",
+        "hvd_lowcomm.train",
+        "--comm.engine",
+        "torch",
+        "--data.path",
+        str(tmp_path / "text.h5"),
+        "--model.name",
+        "gpt",
+        "--model.layers",
+        "2",
+        "--model.width",
+        "32",
+        "--model.heads",
+        "2",
+        "--data.seq_len",
+        "16",
+        "--data.batch_size",
+        "8",
+        "--train.optimizer",
+        "sgd",
+        "--train.lr",
+        "0.1",
+        "--train.momentum",
+        "0.9",
+        "--train.lr_schedule",
+        "constant",
+        "--train.accumulate",
+        "2",
+        "--train.clip_grad_norm",
+        "0.5",
+        "--train.epochs",
+        "1",
+        "--run.dir",
+        str(tmp_path / "runs"),
+        "--run.name",
+        name,
+        "--run.progress",
+        "false",
+        *options,
+    )
     done = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     import torch
@@ -244,34 +290,84 @@ def test_fsdp_s_dcp_checkpoint_resumes_on_another_group_size_and_rank_count(tmp_
     assert (written / "sharded" / ".metadata").is_file() and len(list((written / "sharded").glob("*.distcp"))) == 4
     (tmp_path / "runs" / "parts2").mkdir()
     shutil.copytree(written.parent, tmp_path / "runs" / "parts2" / "checkpoints")
-    _, regrouped = train_job(tmp_path, 4, "parts", "--method", "fsdp", "--fsdp.group_size", "0",
-                             "--train.max_steps", "8", "--resume", "auto")
+    _, regrouped = train_job(
+        tmp_path, 4, "parts", "--method", "fsdp", "--fsdp.group_size", "0", "--train.max_steps", "8", "--resume", "auto"
+    )
     for key in whole:
         torch.testing.assert_close(regrouped[key], whole[key], rtol=1e-4, atol=1e-5, msg=key)
-    summary, on_two = train_job(tmp_path, 2, "parts2", "--method", "fsdp", "--train.max_steps", "4",
-                                "--resume", "auto")
+    summary, on_two = train_job(tmp_path, 2, "parts2", "--method", "fsdp", "--train.max_steps", "4", "--resume", "auto")
     for key in at_four:
         assert torch.equal(on_two[key], at_four[key]), key
-    done = subprocess.run(mpirun(2, sys.executable, "-m", "hvd_lowcomm.train", "--method", "ddp", "--comm.engine",
-                                 "torch", "--data.path", str(tmp_path / "text.h5"), "--resume", str(written)),
-                          env=clean_env(), capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        mpirun(
+            2,
+            sys.executable,
+            "-m",
+            "hvd_lowcomm.train",
+            "--method",
+            "ddp",
+            "--comm.engine",
+            "torch",
+            "--data.path",
+            str(tmp_path / "text.h5"),
+            "--resume",
+            str(written),
+        ),
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode != 0 and "written by fsdp; resume it with --method fsdp" in done.stderr, done.stderr
     train_job(tmp_path, 4, "ddp", "--method", "ddp", "--train.max_steps", "2")  # a replica's state: its rank count
-    done = subprocess.run(mpirun(2, sys.executable, "-m", "hvd_lowcomm.train", "--method", "ddp", "--comm.engine",
-                                 "torch", "--data.path", str(tmp_path / "text.h5"), "--resume",
-                                 str(tmp_path / "runs" / "ddp")), env=clean_env(), capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        mpirun(
+            2,
+            sys.executable,
+            "-m",
+            "hvd_lowcomm.train",
+            "--method",
+            "ddp",
+            "--comm.engine",
+            "torch",
+            "--data.path",
+            str(tmp_path / "text.h5"),
+            "--resume",
+            str(tmp_path / "runs" / "ddp"),
+        ),
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode != 0 and "written by 4 ranks; resume it with mpirun -np 4" in done.stderr, done.stderr
 
 
 @pytest.mark.skipif(SIZE > 1, reason="launches jobs of its own")
 def test_the_trainer_refuses_fsdp_on_horovod_and_a_group_size_that_does_not_divide(tmp_path):
-    for options, reason in ((["--comm.engine", "horovod"], "not Horovod's: use --comm.engine torch"),
-                            (["--fsdp.group_size", "3"], "fsdp.group_size 3 does not divide the 2 ranks")):
-        done = subprocess.run(mpirun(2, sys.executable, "-m", "hvd_lowcomm.train", "--method", "fsdp",
-                                     "--train.max_steps", "1", "--run.dir", str(tmp_path), *options),
-                              env=clean_env(), capture_output=True, text=True, timeout=300)
+    for options, reason in (
+        (["--comm.engine", "horovod"], "not Horovod's: use --comm.engine torch"),
+        (["--fsdp.group_size", "3"], "fsdp.group_size 3 does not divide the 2 ranks"),
+    ):
+        done = subprocess.run(
+            mpirun(
+                2,
+                sys.executable,
+                "-m",
+                "hvd_lowcomm.train",
+                "--method",
+                "fsdp",
+                "--train.max_steps",
+                "1",
+                "--run.dir",
+                str(tmp_path),
+                *options,
+            ),
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode != 0 and reason in done.stderr, done.stdout + done.stderr
 
 
@@ -307,9 +403,27 @@ def test_the_cost_model_predicts_the_sharded_methods_bytes_at_np4_on_torch():
     """The suites at np 4 run on Horovod, which cannot shard: the cost model's exact-bytes test
     for fsdp, HSDP, DiLoCo and PowerSGD across sharded groups (2 x 2), here on the torch engine."""
     env = {**clean_env(), "HVD_LOWCOMM_ENGINE": "torch"}
-    done = subprocess.run(mpirun(4, "-x", "HVD_LOWCOMM_ENGINE", sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
-                                 "-q", "mpi_tests/test_costmodel.py", "-k", "fsdp or shard"),
-                          env=env, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent)
+    done = subprocess.run(
+        mpirun(
+            4,
+            "-x",
+            "HVD_LOWCOMM_ENGINE",
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "mpi_tests/test_costmodel.py",
+            "-k",
+            "fsdp or shard",
+        ),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).parent.parent,
+    )
     assert done.returncode == 0 and "6 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
 
@@ -323,14 +437,34 @@ def test_powersgd_across_sharded_groups_trains_as_powersgd_and_resumes_bit_for_b
 
     text_dataset(tmp_path)
     steps = ["--train.max_steps", "8"]
-    full = ["--method", "powersgd", "--powersgd.rank", "256", "--powersgd.min_compression_rate", "0.001",
-            "--powersgd.start_iter", "2"]
+    full = [
+        "--method",
+        "powersgd",
+        "--powersgd.rank",
+        "256",
+        "--powersgd.min_compression_rate",
+        "0.001",
+        "--powersgd.start_iter",
+        "2",
+    ]
     _, plain = train_job(tmp_path, 4, "plain", *full, *steps)
     _, sharded = train_job(tmp_path, 4, "sharded", *full, "--powersgd.shard_group_size", "2", *steps)
     for key in plain:
         torch.testing.assert_close(sharded[key], plain[key], rtol=1e-4, atol=1e-5, msg=key)
-    defaults = ["--method", "powersgd", "--powersgd.shard_group_size", "2", "--powersgd.start_iter", "2",
-                "--powersgd.min_rank", "2", "--powersgd.max_rank", "4", "--powersgd.adapt_every", "3"]
+    defaults = [
+        "--method",
+        "powersgd",
+        "--powersgd.shard_group_size",
+        "2",
+        "--powersgd.start_iter",
+        "2",
+        "--powersgd.min_rank",
+        "2",
+        "--powersgd.max_rank",
+        "4",
+        "--powersgd.adapt_every",
+        "3",
+    ]
     compressed, whole = train_job(tmp_path, 4, "defaults", *defaults, *steps)
     assert compressed["powersgd_compression_rate"] > 1
     train_job(tmp_path, 4, "parts", *defaults, "--train.max_steps", "4")

@@ -1,4 +1,5 @@
 """The traffic meter records what each collective carries, by the ring formulas."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,8 +20,10 @@ def test_collectives_are_recorded_with_payload_and_wire_bytes(world, fresh_meter
     assert (reduce.op, reduce.name, reduce.payload_bytes) == ("allreduce", "grad.w", 400)
     assert reduce.wire_bytes == pytest.approx(2 * (p - 1) / p * 400)
     # payload: this rank's own rows; wire: (p-1)/p of everything gathered
-    assert (gather.payload_bytes, gather.wire_bytes) == (12 * (rank + 1),
-                                                         pytest.approx((p - 1) / p * 12 * p * (p + 1) // 2))
+    assert (gather.payload_bytes, gather.wire_bytes) == (
+        12 * (rank + 1),
+        pytest.approx((p - 1) / p * 12 * p * (p + 1) // 2),
+    )
     assert (bcast.payload_bytes, bcast.wire_bytes) == (56, 56.0 if p > 1 else 0.0)
     assert fresh_meter.total(op="allreduce") == pytest.approx(reduce.wire_bytes)
     fresh_meter.next_step()
@@ -33,13 +36,18 @@ def test_batched_collectives_give_the_same_results_and_records(world, fresh_mete
     a, b = fresh_meter.allgather_many([("a", torch.full((2, 3), float(rank))), ("b", torch.ones(rank + 1))])
     assert a.shape == (2 * p, 3) and a[::2, 0].tolist() == [float(r) for r in range(p)]
     assert b.shape == (p * (p + 1) // 2,)
-    total, biggest = fresh_meter.allreduce_many([("s", torch.tensor([1.0 + rank])), ("m", torch.tensor([rank]))],
-                                                op="sum")[0], \
-        fresh_meter.allreduce_many([("m", torch.tensor([rank]))], op="max")[0]
+    total, biggest = (
+        fresh_meter.allreduce_many([("s", torch.tensor([1.0 + rank])), ("m", torch.tensor([rank]))], op="sum")[0],
+        fresh_meter.allreduce_many([("m", torch.tensor([rank]))], op="max")[0],
+    )
     assert total.item() == p * (p + 1) / 2 and biggest.item() == p - 1
     assert [(r.op, r.name, r.payload_bytes) for r in fresh_meter.step_records] == [
-        ("allgather", "a", 24), ("allgather", "b", 4 * (rank + 1)),
-        ("allreduce", "s", 4), ("allreduce", "m", 8), ("allreduce", "m", 8)]
+        ("allgather", "a", 24),
+        ("allgather", "b", 4 * (rank + 1)),
+        ("allreduce", "s", 4),
+        ("allreduce", "m", 8),
+        ("allreduce", "m", 8),
+    ]
 
 
 def test_phases_are_counted_apart(world, fresh_meter):
@@ -64,5 +72,3 @@ def test_point_to_point_messages_are_recorded_on_both_sides(world, fresh_meter):
         (rec,) = fresh_meter.step_records
         assert (rec.op, rec.payload_bytes, rec.wire_bytes) == ("recv", 24, 0.0)
     world.comm.Barrier()
-
-

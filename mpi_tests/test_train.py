@@ -1,4 +1,5 @@
 """`python -m hvd_lowcomm.train` end to end, in-process on every rank of the mpirun."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,17 @@ from hvd_lowcomm.train import main
 
 def _run(shared_tmp, *args: str) -> dict | None:
     """Train; return rank 0's summary (None on other ranks)."""
-    argv = ["--data.path", str(shared_tmp / "digits.h5"), "--run.dir", str(shared_tmp / "runs"),
-            "--run.name", "r", "--run.progress", "false", *args]
+    argv = [
+        "--data.path",
+        str(shared_tmp / "digits.h5"),
+        "--run.dir",
+        str(shared_tmp / "runs"),
+        "--run.name",
+        "r",
+        "--run.progress",
+        "false",
+        *args,
+    ]
     assert main(argv) == 0
     if RANK != 0:
         return None
@@ -59,16 +69,21 @@ def test_missing_data_fails_on_every_rank_before_training(shared_tmp, capsys):
     assert main(["--data.path", str(shared_tmp / "nope.h5"), "--run.dir", str(shared_tmp / "runs")]) == 2
     err = capsys.readouterr().err
     if RANK == 0:
-        assert "error (all ranks): dataset" in err and "nope.h5 does not exist; create it with `python -m data_prep" in err
+        assert (
+            "error (all ranks): dataset" in err and "nope.h5 does not exist; create it with `python -m data_prep" in err
+        )
     assert not (shared_tmp / "runs").exists()
 
 
 @pytest.mark.skipif(RANK != 0, reason="one subprocess is enough")
 def test_help_explains_every_section():
-    proc = subprocess.run([sys.executable, "-m", "hvd_lowcomm.train", "--help"], capture_output=True,
-                          text=True, env=clean_env(), timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hvd_lowcomm.train", "--help"],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=120,
+    )
     assert proc.returncode == 0
     for text in ("--method", "--config FILE", "--data.path", "--train.epochs", "--comm.compression", "--run.dir"):
         assert text in proc.stdout
-
-

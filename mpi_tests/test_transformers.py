@@ -1,4 +1,5 @@
 """Transformers (gpt, vit), text datasets and language-model training through every method."""
+
 from __future__ import annotations
 
 import copy
@@ -22,9 +23,14 @@ from hvd_lowcomm.methods.dad import DadOptimizer
 from hvd_lowcomm.models.transformer import gpt
 from hvd_lowcomm.train import main
 
-SENTENCES = ["The quick brown fox jumps over the lazy dog.", "Now is the winter of our discontent.",
-             "To be, or not to be, that is the question.", "All the world's a stage.",
-             "A horse! a horse! my kingdom for a horse!", "Brevity is the soul of wit."]
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Now is the winter of our discontent.",
+    "To be, or not to be, that is the question.",
+    "All the world's a stage.",
+    "A horse! a horse! my kingdom for a horse!",
+    "Brevity is the soul of wit.",
+]
 
 
 def write_text(folder, name: str, sentences: int, seed: int) -> bytes:
@@ -55,6 +61,7 @@ def corpus(shared_tmp):
 
 # ---------------------------------------------------------------------------------------------
 # text data
+
 
 def test_data_prep_text_holds_out_the_end_of_every_document_byte_for_byte(corpus):
     path, texts = corpus
@@ -106,6 +113,7 @@ def test_text_that_is_too_short_or_damaged_is_refused_clearly(corpus, shared_tmp
 # ---------------------------------------------------------------------------------------------
 # methods on a transformer
 
+
 @pytest.mark.skipif(SIZE < 2, reason="pools batches of several ranks")
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_dad_on_a_gpt_gives_the_pooled_batch_gradient(world, tie):
@@ -115,7 +123,7 @@ def test_dad_on_a_gpt_gives_the_pooled_batch_gradient(world, tie):
     sizes = [2 + r for r in range(SIZE)]
     x = torch.randint(0, 30, (sum(sizes), 8), generator=generator)
     y = torch.randint(0, 30, (sum(sizes), 8), generator=generator)
-    local = slice(sum(sizes[:RANK]), sum(sizes[:RANK + 1]))
+    local = slice(sum(sizes[:RANK]), sum(sizes[: RANK + 1]))
     reference = copy.deepcopy(model)
     task.loss(reference(x), y).backward()
     opt = DadOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, plan="all")
@@ -142,10 +150,36 @@ def test_sil_refuses_a_language_model_with_the_measured_reason(world):
 def test_every_method_trains_a_gpt_at_its_defaults_or_refuses_before_training(corpus, shared_tmp, method, capsys):
     skip_where_its_engine_is_not_running(method)
     path, _ = corpus
-    argv = ["--method", method, "--data.path", str(path), "--model.name", "gpt", "--model.layers", "2",
-            "--model.width", "32", "--model.heads", "2", "--data.seq_len", "16", "--data.batch_size", "8",
-            "--train.epochs", "1", "--train.max_steps", "60", "--train.lr", "0.003", "--run.dir",
-            str(shared_tmp / "runs"), "--run.name", f"gpt-{method}", "--run.progress", "false"]
+    argv = [
+        "--method",
+        method,
+        "--data.path",
+        str(path),
+        "--model.name",
+        "gpt",
+        "--model.layers",
+        "2",
+        "--model.width",
+        "32",
+        "--model.heads",
+        "2",
+        "--data.seq_len",
+        "16",
+        "--data.batch_size",
+        "8",
+        "--train.epochs",
+        "1",
+        "--train.max_steps",
+        "60",
+        "--train.lr",
+        "0.003",
+        "--run.dir",
+        str(shared_tmp / "runs"),
+        "--run.name",
+        f"gpt-{method}",
+        "--run.progress",
+        "false",
+    ]
     code = main(argv)
     refusals = {"edad": "edAD is exact only for", "sil": "sil cannot train a language model"}
     if method in refusals:  # refused with the measured reason, before any training

@@ -1,4 +1,5 @@
 """A user's own model factory and dataset, from the command line."""
+
 from __future__ import annotations
 
 import json
@@ -11,9 +12,26 @@ from hvd_lowcomm.train import main
 
 @pytest.mark.parametrize("method", ["ddp", "powersgd"])
 def test_a_user_model_trains_on_a_user_dataset_from_the_cli(shared_tmp, method):
-    argv = ["--method", method, "--model.name", "user_code:build", "--model.kwargs", "{width: 32}",
-            "--data.source", "user_code:load", "--train.epochs", "4", "--train.lr", "0.01",
-            "--run.dir", str(shared_tmp / "runs"), "--run.name", "own", "--run.progress", "false"]
+    argv = [
+        "--method",
+        method,
+        "--model.name",
+        "user_code:build",
+        "--model.kwargs",
+        "{width: 32}",
+        "--data.source",
+        "user_code:load",
+        "--train.epochs",
+        "4",
+        "--train.lr",
+        "0.01",
+        "--run.dir",
+        str(shared_tmp / "runs"),
+        "--run.name",
+        "own",
+        "--run.progress",
+        "false",
+    ]
     assert main(argv) == 0
     if RANK == 0:
         summary = json.loads((shared_tmp / "runs" / "own" / "summary.json").read_text())

@@ -1,5 +1,6 @@
 """A user's own model factory and dataset, as `--model.name user_code:build` and
 `--data.source user_code:load` name them (mpi_tests is on sys.path under pytest)."""
+
 from __future__ import annotations
 
 import torch

@@ -13,6 +13,7 @@ and method is printed and written to --out. Without a GPU it says so and exits 1
     python scripts/gpu_check.py                                  # on the GPU machine (make gpu-check)
     python scripts/gpu_check.py --device testdev --engines torch # a dry run on this CPU (the tests' second device)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,22 +43,34 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", help="cuda, or testdev for a dry run on the CPU (default: cuda)")
     parser.add_argument("--steps", type=int, default=6, help="training steps per run (default: 6)")
     parser.add_argument("--out", default="gpu-check", help="directory for results.md, results.json and runs")
-    parser.add_argument("--mpirun", default="mpirun --allow-run-as-root --oversubscribe",
-                        help="launcher and its options (default: %(default)s)")
-    parser.add_argument("--engines", default="torch,horovod",
-                        help="engines to check, in order (default: %(default)s; horovod is skipped, and said so, "
-                             "where it is neither installed nor buildable in the budget's time left)")
-    parser.add_argument("--methods", default="",
-                        help="only these methods, comma-separated (default: every one: "
-                             f"{', '.join(TWO_RANKS)})")
-    parser.add_argument("--budget", type=float, default=540,
-                        help="seconds the whole check may take; Horovod is built only if the time left holds its "
-                             "build and the torch engine's runs again (default: %(default)s)")
+    parser.add_argument(
+        "--mpirun",
+        default="mpirun --allow-run-as-root --oversubscribe",
+        help="launcher and its options (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--engines",
+        default="torch,horovod",
+        help="engines to check, in order (default: %(default)s; horovod is skipped, and said so, "
+        "where it is neither installed nor buildable in the budget's time left)",
+    )
+    parser.add_argument(
+        "--methods",
+        default="",
+        help=f"only these methods, comma-separated (default: every one: {', '.join(TWO_RANKS)})",
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=540,
+        help="seconds the whole check may take; Horovod is built only if the time left holds its "
+        "build and the torch engine's runs again (default: %(default)s)",
+    )
     sys.path[:0] = [str(ROOT)]  # the checkout, where hvd_lowcomm is not installed
     argv = sys.argv[1:]
     if "run-one" in argv:  # inside a launch: what follows is the training program's command line
         at = argv.index("run-one")
-        return run_one(parser.parse_args(argv[:at]).device, argv[at + 1:])
+        return run_one(parser.parse_args(argv[:at]).device, argv[at + 1 :])
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -93,14 +106,21 @@ def main() -> int:
         print(format_row(rows[-1]), flush=True)
         if engine == "torch":
             torch_stage_seconds = time.time() - engine_started
-    table = "\n".join(["| engine | ranks | method | device loss | cpu loss | rel. diff | seconds | ok |",
-                       "|---|---|---|---|---|---|---|---|", *map(format_row, rows)])
+    table = "\n".join(
+        [
+            "| engine | ranks | method | device loss | cpu loss | rel. diff | seconds | ok |",
+            "|---|---|---|---|---|---|---|---|",
+            *map(format_row, rows),
+        ]
+    )
     table += "".join(f"\n\nskipped: {why}" for why in skipped)
     (out / "results.md").write_text(table + "\n")
     (out / "results.json").write_text(json.dumps(rows, indent=1))
     failed = [f"{r['method']} at np {r['ranks']} on {r['engine']}" for r in rows if not r["ok"]]
-    print(f"\n{table}\n\ngpu-check: {'FAILED: ' + ', '.join(failed) if failed else 'every run agreed'} "
-          f"in {time.time() - started:.0f} s (results in {out})")
+    print(
+        f"\n{table}\n\ngpu-check: {'FAILED: ' + ', '.join(failed) if failed else 'every run agreed'} "
+        f"in {time.time() - started:.0f} s (results in {out})"
+    )
     return 1 if failed else 0
 
 
@@ -115,8 +135,11 @@ def machine_report() -> str:
     lines = [f"python {sys.version.split()[0]} ({sys.executable})"]
     try:
         import torch
-        lines.append(f"torch {torch.__version__}, CUDA {torch.version.cuda}, GPUs: "
-                     f"{[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}")
+
+        lines.append(
+            f"torch {torch.__version__}, CUDA {torch.version.cuda}, GPUs: "
+            f"{[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}"
+        )
     except ImportError as err:
         lines.append(f"torch: missing ({err})")
     for module in ("mpi4py", "h5py", "horovod"):
@@ -126,6 +149,7 @@ def machine_report() -> str:
             lines.append(f"{module}: missing")
     try:
         from mpi4py import MPI
+
         lines.append(f"MPI library: {MPI.Get_library_version().splitlines()[0]}")
     except ImportError:
         pass
@@ -142,13 +166,16 @@ def ensure_horovod(out: Path, seconds_left: float, torch_stage_seconds: float) -
     sys.path[:0] = [str(site)]
     try:
         import horovod.torch as hvd  # noqa: F401
+
         print(f"gpu-check: horovod present (NCCL: {hvd.nccl_built()})", flush=True)
         return None
     except ImportError:
         pass
     if not HOROVOD_SDIST.is_file():
-        return (f"not installed, and no {HOROVOD_SDIST.relative_to(ROOT)} to build it from (make vendor on a machine "
-                f"with network)")
+        return (
+            f"not installed, and no {HOROVOD_SDIST.relative_to(ROOT)} to build it from (make vendor on a machine "
+            f"with network)"
+        )
     if seconds_left < HOROVOD_BUILD_SECONDS + torch_stage_seconds:
         return f"not installed, and {seconds_left:.0f} s left of --budget cannot hold its build and runs"
     start = time.time()
@@ -158,16 +185,37 @@ def ensure_horovod(out: Path, seconds_left: float, torch_stage_seconds: float) -
     source = build / "horovod-0.28.1"
     for cmake in (source / "CMakeLists.txt", source / "horovod" / "torch" / "CMakeLists.txt"):
         cmake.write_text(cmake.read_text().replace("CMAKE_CXX_STANDARD 14", "CMAKE_CXX_STANDARD 17"))
-    env = {**os.environ, "HOROVOD_WITH_PYTORCH": "1", "HOROVOD_WITH_MPI": "1", "HOROVOD_WITHOUT_TENSORFLOW": "1",
-           "HOROVOD_WITHOUT_MXNET": "1", "HOROVOD_CPU_OPERATIONS": "MPI", "MAKEFLAGS": f"-j{os.cpu_count()}"}
+    env = {
+        **os.environ,
+        "HOROVOD_WITH_PYTORCH": "1",
+        "HOROVOD_WITH_MPI": "1",
+        "HOROVOD_WITHOUT_TENSORFLOW": "1",
+        "HOROVOD_WITHOUT_MXNET": "1",
+        "HOROVOD_CPU_OPERATIONS": "MPI",
+        "MAKEFLAGS": f"-j{os.cpu_count()}",
+    }
     nccl = nccl_home()
     if nccl and shutil.which("nvcc"):
         env.update(HOROVOD_GPU_OPERATIONS="NCCL", HOROVOD_NCCL_HOME=str(nccl))
     print(f"gpu-check: building horovod (GPU operations: {env.get('HOROVOD_GPU_OPERATIONS', 'none')})", flush=True)
     log = out / "horovod-build.log"
     with log.open("w") as sink:
-        done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps",
-                               "--target", str(site), str(source)], env=env, stdout=sink, stderr=subprocess.STDOUT)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--no-build-isolation",
+                "--no-deps",
+                "--target",
+                str(site),
+                str(source),
+            ],
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
     if done.returncode:
         return f"its build failed; the log: {log}"
     print(f"gpu-check: horovod built in {time.time() - start:.0f} s", flush=True)
@@ -207,8 +255,21 @@ def synthetic_dataset(path: Path) -> Path:
 def run_training(args: argparse.Namespace, ranks: int, device: str, argv: list[str]) -> tuple[int, float, str]:
     """One launch of the training program; (exit status, seconds, what went wrong). Its whole
     output is appended to launch.log beside the run."""
-    command = [*args.mpirun.split(), "-np", str(ranks), "-x", "HVD_LOWCOMM_SHARE_GPUS=1", "-x", "PYTHONPATH",
-               sys.executable, str(Path(__file__).resolve()), "--device", device, "run-one", *argv]
+    command = [
+        *args.mpirun.split(),
+        "-np",
+        str(ranks),
+        "-x",
+        "HVD_LOWCOMM_SHARE_GPUS=1",
+        "-x",
+        "PYTHONPATH",
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--device",
+        device,
+        "run-one",
+        *argv,
+    ]
     start = time.time()
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HVD_LOWCOMM_SHARE_GPUS": "1"})
     output = done.stdout + done.stderr
@@ -239,18 +300,45 @@ def run_one(device: str, argv: list[str]) -> int:
 def register_second_device() -> None:
     sys.path.insert(0, str(ROOT / "mpi_tests"))
     from second_device import register
+
     register()
 
 
-def train_args(args: argparse.Namespace, engine: str, method: str, device: str, data: Path, run_dir: Path,
-               name: str, *extra: str) -> list[str]:
-    return ["--method", method, "--comm.engine", engine, "--train.device", device, "--train.max_steps",
-            str(args.steps), "--train.epochs", "1", "--data.path", str(data), "--run.dir", str(run_dir),
-            "--run.name", name, "--run.progress", "false", *extra]
+def train_args(
+    args: argparse.Namespace, engine: str, method: str, device: str, data: Path, run_dir: Path, name: str, *extra: str
+) -> list[str]:
+    return [
+        "--method",
+        method,
+        "--comm.engine",
+        engine,
+        "--train.device",
+        device,
+        "--train.max_steps",
+        str(args.steps),
+        "--train.epochs",
+        "1",
+        "--data.path",
+        str(data),
+        "--run.dir",
+        str(run_dir),
+        "--run.name",
+        name,
+        "--run.progress",
+        "false",
+        *extra,
+    ]
 
 
-def compare(args: argparse.Namespace, engine: str, ranks: int, method: str, data: Path, out: Path,
-            cpu_losses: dict[tuple[int, str], float]) -> dict:
+def compare(
+    args: argparse.Namespace,
+    engine: str,
+    ranks: int,
+    method: str,
+    data: Path,
+    out: Path,
+    cpu_losses: dict[tuple[int, str], float],
+) -> dict:
     """One method on the device, against its CPU run (made once, on the first engine checked:
     the engines agree on a seeded run to float32 rounding)."""
     losses, seconds, problems = {}, 0.0, []
@@ -270,9 +358,17 @@ def compare(args: argparse.Namespace, engine: str, ranks: int, method: str, data
         cpu_losses[(ranks, method)] = losses["cpu"]
     got, expected = losses.get(args.device), losses.get("cpu")
     difference = abs(got - expected) / max(abs(expected), 1e-12) if got is not None and expected is not None else None
-    return {"engine": engine, "ranks": ranks, "method": method, "device_loss": got, "cpu_loss": expected,
-            "difference": difference, "seconds": seconds,
-            "ok": difference is not None and difference <= LOSS_TOLERANCE, "problems": problems}
+    return {
+        "engine": engine,
+        "ranks": ranks,
+        "method": method,
+        "device_loss": got,
+        "cpu_loss": expected,
+        "difference": difference,
+        "seconds": seconds,
+        "ok": difference is not None and difference <= LOSS_TOLERANCE,
+        "problems": problems,
+    }
 
 
 def resume_check(args: argparse.Namespace, engine: str, data: Path, out: Path) -> dict:
@@ -284,27 +380,46 @@ def resume_check(args: argparse.Namespace, engine: str, data: Path, out: Path) -
     whole = train_args(args, engine, "ddp", args.device, data, run_dir, "whole", "--train.lr_schedule", "constant")
     parts = train_args(args, engine, "ddp", args.device, data, run_dir, "parts", "--train.lr_schedule", "constant")
     steps = str(2 * args.steps)
-    results = [run_training(args, 2, args.device, [*whole, "--train.max_steps", steps]),
-               run_training(args, 2, args.device, parts),
-               run_training(args, 2, args.device, [*parts, "--train.max_steps", steps, "--resume", "auto"])]
+    results = [
+        run_training(args, 2, args.device, [*whole, "--train.max_steps", steps]),
+        run_training(args, 2, args.device, parts),
+        run_training(args, 2, args.device, [*parts, "--train.max_steps", steps, "--resume", "auto"]),
+    ]
     problems = [f"exit {status}: {output}" for status, _, output in results if status]
     difference = None
     if not problems:
         if args.device == "testdev":  # its tensors load only where the device is registered
             register_second_device()
-        a, b = (torch.load(run_dir / name / "model.pt", weights_only=args.device != "testdev",
-                           map_location="cpu" if args.device != "testdev" else None) for name in ("whole", "parts"))
+        a, b = (
+            torch.load(
+                run_dir / name / "model.pt",
+                weights_only=args.device != "testdev",
+                map_location="cpu" if args.device != "testdev" else None,
+            )
+            for name in ("whole", "parts")
+        )
         difference = max(float((a[key].cpu() - b[key].cpu()).abs().max()) for key in a)
-    return {"engine": engine, "ranks": 2, "method": "ddp resume", "device_loss": None, "cpu_loss": None,
-            "difference": difference, "seconds": sum(r[1] for r in results),
-            "ok": difference is not None and difference <= 1e-6, "problems": problems}
+    return {
+        "engine": engine,
+        "ranks": 2,
+        "method": "ddp resume",
+        "device_loss": None,
+        "cpu_loss": None,
+        "difference": difference,
+        "seconds": sum(r[1] for r in results),
+        "ok": difference is not None and difference <= 1e-6,
+        "problems": problems,
+    }
 
 
 def format_row(row: dict) -> str:
     def number(value: float | None) -> str:
         return "-" if value is None else f"{value:.4g}"
-    return (f"| {row['engine']} | {row['ranks']} | {row['method']} | {number(row['device_loss'])} | {number(row['cpu_loss'])} | "
-            f"{number(row['difference'])} | {row['seconds']:.1f} | {'yes' if row['ok'] else 'NO ' + '; '.join(row['problems'])} |")
+
+    return (
+        f"| {row['engine']} | {row['ranks']} | {row['method']} | {number(row['device_loss'])} | {number(row['cpu_loss'])} | "
+        f"{number(row['difference'])} | {row['seconds']:.1f} | {'yes' if row['ok'] else 'NO ' + '; '.join(row['problems'])} |"
+    )
 
 
 if __name__ == "__main__":

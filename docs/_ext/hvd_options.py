@@ -5,6 +5,7 @@ Each option's name, type, default and help text come from the config dataclasses
 uses, so a new option appears here without anyone writing it twice. With no argument every
 section is listed, each under its own heading; with section names ('train', 'ab'), those only.
 """
+
 from __future__ import annotations
 
 import re
@@ -25,12 +26,24 @@ def _cell(text: str) -> str:
 
 
 def option_table(options: list) -> list[str]:
-    lines = [".. list-table::", "   :header-rows: 1", "   :widths: 28 12 14 46", "",
-             "   * - option", "     - type", "     - default", "     - meaning"]
+    lines = [
+        ".. list-table::",
+        "   :header-rows: 1",
+        "   :widths: 28 12 14 46",
+        "",
+        "   * - option",
+        "     - type",
+        "     - default",
+        "     - meaning",
+    ]
     for opt in options:
         meaning = opt.help + (f" (one of {', '.join(f'``{c}``' for c in opt.choices)})" if opt.choices else "")
-        lines += [f"   * - ``--{opt.name}``", f"     - {opt.metavar}", f"     - ``{opt.default}``",
-                  f"     - {_cell(meaning)}"]
+        lines += [
+            f"   * - ``--{opt.name}``",
+            f"     - {opt.metavar}",
+            f"     - ``{opt.default}``",
+            f"     - {_cell(meaning)}",
+        ]
     return lines
 
 

@@ -18,6 +18,7 @@ page only through its CSV. A missing set, file, column or matching row is a buil
 through `hvd_lowcomm.heldout`, the module ``--method auto`` reads, so the page, the CSV and
 auto's choice cannot disagree.
 """
+
 from __future__ import annotations
 
 import csv
@@ -136,8 +137,16 @@ FORMATS: dict[str, tuple[str, Callable[[float], str] | None]] = {
     "corpus_mb": ("corpus MB", fixed(0)),
     "seconds": ("seconds", fixed(1)),
 }
-DEFAULT_COLUMNS = ["np", "method", "final_test_acc", "final_test_loss", "acc_diff_to_ddp_points",
-                   "loss_diff_to_ddp_pct", "bytes_ratio_to_ddp", "step_time_ratio_to_ddp"]
+DEFAULT_COLUMNS = [
+    "np",
+    "method",
+    "final_test_acc",
+    "final_test_loss",
+    "acc_diff_to_ddp_points",
+    "loss_diff_to_ddp_pct",
+    "bytes_ratio_to_ddp",
+    "step_time_ratio_to_ddp",
+]
 
 
 def cell(column: str, text: str) -> nodes.Node:
@@ -193,8 +202,12 @@ class ResultsDirective(SphinxDirective):
 
     required_arguments = 1
     has_content = False
-    option_spec = {"columns": directives.unchanged_required, "rows": directives.unchanged_required,
-                   "caption": directives.unchanged, "file": directives.unchanged_required}
+    option_spec = {
+        "columns": directives.unchanged_required,
+        "rows": directives.unchanged_required,
+        "caption": directives.unchanged,
+        "file": directives.unchanged_required,
+    }
 
     def run(self) -> list[nodes.Node]:
         name = self.arguments[0].strip("/")
@@ -218,16 +231,16 @@ class ResultsDirective(SphinxDirective):
             raise self.error(f"hvd-results {name}: {err}") from None
         unknown = [c for c in columns + [c for c, _ in filters] if c not in available]
         if unknown:
-            raise self.error(f"hvd-results {name}: no column {', '.join(unknown)} in {shown} "
-                             f"(it has: {', '.join(available)})")
+            raise self.error(
+                f"hvd-results {name}: no column {', '.join(unknown)} in {shown} (it has: {', '.join(available)})"
+            )
         data = [r for r in data if all(matches(r[c], allowed) for c, allowed in filters)]
         if not data:
             raise self.error(f"hvd-results {name}: no row matches {self.options.get('rows', '')!r}")
         header = [FORMATS.get(c, (c, None))[0] for c in columns]
         caption, messages = self.state.inline_text(self.options.get("caption", ""), self.lineno)
         table = build_table(header, [[cell(c, r[c] or "") for c in columns] for r in data], caption)
-        source = nodes.paragraph("", "Generated from ", nodes.literal(text=str(shown)),
-                                 classes=["hvd-results-source"])
+        source = nodes.paragraph("", "Generated from ", nodes.literal(text=str(shown)), classes=["hvd-results-source"])
         return [table, source, *messages]
 
 

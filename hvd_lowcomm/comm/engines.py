@@ -18,6 +18,7 @@ thread beside the training thread's (DiLoCo's delayed exchange): an MPI communic
 own under Horovod, a process group of its own on torch. Small control messages, objects and
 point-to-point messages go through mpi4py on either engine (MPI launched the job).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -49,9 +50,11 @@ class HorovodEngine:
         return device.type == "cuda" and bool(self.hvd.nccl_built()) and not gpus_shared
 
     def why_staged(self) -> str:
-        return ("this Horovod was built without GPU operations (hvd.nccl_built() is false); to rebuild it with "
-                "NCCL, load the CUDA toolkit (e.g. module load cuda) and run: .venv/bin/pip uninstall -y horovod && "
-                "make install; or use the torch engine (hvd_lowcomm.init(engine='torch'), --comm.engine torch)")
+        return (
+            "this Horovod was built without GPU operations (hvd.nccl_built() is false); to rebuild it with "
+            "NCCL, load the CUDA toolkit (e.g. module load cuda) and run: .venv/bin/pip uninstall -y horovod && "
+            "make install; or use the torch engine (hvd_lowcomm.init(engine='torch'), --comm.engine torch)"
+        )
 
     def world(self) -> Any:
         return self.hvd.global_process_set
@@ -59,16 +62,34 @@ class HorovodEngine:
     def group(self, ranks: tuple[int, ...]) -> Any:
         return self.hvd.add_process_set(list(ranks))
 
-    def start_allreduce(self, tensors: list[torch.Tensor], names: list[str], op: str, handle: Any,
-                        prescale: float = 1.0, postscale: float = 1.0, together: bool = False) -> Any:
+    def start_allreduce(
+        self,
+        tensors: list[torch.Tensor],
+        names: list[str],
+        op: str,
+        handle: Any,
+        prescale: float = 1.0,
+        postscale: float = 1.0,
+        together: bool = False,
+    ) -> Any:
         """together: one grouped allreduce (its tensors wait for each other); else one each,
         which Horovod's cycle fuses all the same."""
         hvd_op = {"sum": self.hvd.Sum, "average": self.hvd.Average, "max": self.hvd.Max}[op]
         if together:
-            return self.hvd.grouped_allreduce_async(tensors, name=names[0], op=hvd_op, prescale_factor=prescale,
-                                                    postscale_factor=postscale, process_set=handle)
-        return [self.hvd.allreduce_async(t, name=n, op=hvd_op, prescale_factor=prescale, postscale_factor=postscale,
-                                         process_set=handle) for t, n in zip(tensors, names)]
+            return self.hvd.grouped_allreduce_async(
+                tensors,
+                name=names[0],
+                op=hvd_op,
+                prescale_factor=prescale,
+                postscale_factor=postscale,
+                process_set=handle,
+            )
+        return [
+            self.hvd.allreduce_async(
+                t, name=n, op=hvd_op, prescale_factor=prescale, postscale_factor=postscale, process_set=handle
+            )
+            for t, n in zip(tensors, names)
+        ]
 
     def start_allgather(self, tensor: torch.Tensor, name: str, handle: Any, members: int) -> Any:
         return self.hvd.allgather_async(tensor, name=name, process_set=handle)
@@ -144,8 +165,16 @@ class TorchEngine:
     def group(self, ranks: tuple[int, ...]) -> Any:
         return self.dist.new_group(list(ranks))
 
-    def start_allreduce(self, tensors: list[torch.Tensor], names: list[str], op: str, handle: Any,
-                        prescale: float = 1.0, postscale: float = 1.0, together: bool = False) -> Any:
+    def start_allreduce(
+        self,
+        tensors: list[torch.Tensor],
+        names: list[str],
+        op: str,
+        handle: Any,
+        prescale: float = 1.0,
+        postscale: float = 1.0,
+        together: bool = False,
+    ) -> Any:
         members = self.dist.get_world_size(handle)
         reduce_op = self.dist.ReduceOp.MAX if op == "max" else self.dist.ReduceOp.SUM
         after = postscale / members if op == "average" else postscale
@@ -165,9 +194,10 @@ class TorchEngine:
                     flat = flat * after
                 offset = 0
                 for i in indices:
-                    out[i] = flat[offset:offset + tensors[i].numel()].view_as(tensors[i])
+                    out[i] = flat[offset : offset + tensors[i].numel()].view_as(tensors[i])
                     offset += tensors[i].numel()
             return out
+
         return results
 
     def start_allgather(self, tensor: torch.Tensor, name: str, handle: Any, members: int) -> Any:
@@ -178,13 +208,14 @@ class TorchEngine:
         self.dist.all_gather(counts, mine, group=handle)
         rows = [int(c) for c in counts]
         padded = tensor.new_zeros((max(rows), *tensor.shape[1:]))
-        padded[:tensor.shape[0]] = tensor
+        padded[: tensor.shape[0]] = tensor
         parts = [torch.empty_like(padded) for _ in range(members)]
         work = self.dist.all_gather(parts, padded, group=handle, async_op=True)
 
         def result() -> torch.Tensor:
             work.wait()
             return torch.cat([part[:n] for part, n in zip(parts, rows)])
+
         return result
 
     def finish(self, started: Callable[[], Any]) -> Any:
@@ -237,8 +268,10 @@ def choose(requested: str, reduce_dtype: str = "float32") -> tuple[str, str]:
     if reduce_dtype not in REDUCE_DTYPES:
         raise ConfigError(f"reduce_dtype must be one of {', '.join(REDUCE_DTYPES)}, got {reduce_dtype!r}")
     if requested == "horovod" and reduce_dtype == "bfloat16":
-        raise ConfigError("reduce_dtype bfloat16 needs the torch engine (Horovod refuses bfloat16 tensors): "
-                          "init(engine='torch') or --comm.engine torch, or reduce_dtype float32")
+        raise ConfigError(
+            "reduce_dtype bfloat16 needs the torch engine (Horovod refuses bfloat16 tensors): "
+            "init(engine='torch') or --comm.engine torch, or reduce_dtype float32"
+        )
     if requested != "auto":
         return requested, "as requested"
     if reduce_dtype == "bfloat16":

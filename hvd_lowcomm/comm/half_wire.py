@@ -16,6 +16,7 @@ callers' error feedback adds back at the next step.
 Rows that are gathered rather than summed (rank-dAD's factor rows) need no agreement: each row
 travels with its own power of two (`to_half_rows`, `from_half_rows`).
 """
+
 from __future__ import annotations
 
 import math
@@ -50,24 +51,24 @@ class HalfSums:
     (`state_dict` for checkpoints: an exact resume must pick the same scales)."""
 
     def __init__(self, label: str) -> None:
-        self.label = label                   # names the one-off agreement in Horovod and the meter
+        self.label = label  # names the one-off agreement in Horovod and the meter
         self.largest: dict[str, float] = {}  # each tensor's largest |value| in its last sum
 
-    def allreduce(self, halves: list[tuple[str, torch.Tensor]], exact: list[tuple[str, torch.Tensor]],
-                  group: Group | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def allreduce(
+        self, halves: list[tuple[str, torch.Tensor]], exact: list[tuple[str, torch.Tensor]], group: Group | None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Sums over `group` of `halves` (float16 on the wire, float32 back) and of `exact` (as
         they are), submitted together: one Horovod cycle unless a scale must first be agreed or
         a float16 sum overflows."""
         self._agree_missing(halves, group)
         scales = {name: self._scale(name) for name, _ in halves}
-        outs = meter.allreduce_many([(name, (t * scales[name]).half()) for name, t in halves] + exact, group,
-                                    op="sum")
+        outs = meter.allreduce_many([(name, (t * scales[name]).half()) for name, t in halves] + exact, group, op="sum")
         sums = [out.float() / scales[name] for (name, _), out in zip(halves, outs)]
         if not all(bool(torch.isfinite(s).all()) for s in sums):
             sums = meter.allreduce_many(halves, group, op="sum")  # the same on every rank, so all redo it
         for (name, _), total in zip(halves, sums):
             self.largest[name] = float(total.abs().max()) if total.numel() else 0.0
-        return sums, outs[len(halves):]
+        return sums, outs[len(halves) :]
 
     def _scale(self, name: str) -> float:
         largest = self.largest[name]
@@ -78,12 +79,11 @@ class HalfSums:
     def _agree_missing(self, halves: list[tuple[str, torch.Tensor]], group: Group | None) -> None:
         """Scales for tensors without a usable previous sum: the ranks' largest values, summed
         (a bound on the largest value of their sum)."""
-        missing = [(name, t) for name, t in halves
-                   if not math.isfinite(self.largest.get(name, math.nan))]
+        missing = [(name, t) for name, t in halves if not math.isfinite(self.largest.get(name, math.nan))]
         if not missing:
             return
         local = torch.tensor([float(t.abs().max()) if t.numel() else 0.0 for _, t in missing])
-        bounds, = meter.allreduce_many([(f"{self.label}.scales", local)], group, op="sum")
+        (bounds,) = meter.allreduce_many([(f"{self.label}.scales", local)], group, op="sum")
         self.largest.update({name: float(bound) for (name, _), bound in zip(missing, bounds)})
 
     def state_dict(self) -> dict[str, float]:

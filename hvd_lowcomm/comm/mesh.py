@@ -20,14 +20,19 @@ so FSDP's bytes are counted with every other method's. `shard_model` applies it 
 does: each repeated block on its own (a transformer's layers), then the rest as the root. FSDP2
 runs on torch.distributed process groups: the torch engine only.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -39,19 +44,21 @@ from hvd_lowcomm.config import ConfigError
 try:  # FSDP2 with custom comms; the defaults subclassed are torch's own (no public name yet)
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
     MISSING = ""
 except ImportError as missing:  # said when sharding is asked for, not when the package loads
     DefaultAllGather = DefaultReduceScatter = object  # type: ignore[assignment,misc]
-    MISSING = (f"sharding needs a torch whose FSDP2 takes custom collectives (fully_shard's "
-               f"set_custom_all_gather; torch {torch.__version__} has not: {missing}): pip install -U torch")
+    MISSING = (
+        f"sharding needs a torch whose FSDP2 takes custom collectives (fully_shard's "
+        f"set_custom_all_gather; torch {torch.__version__} has not: {missing}): pip install -U torch"
+    )
 
 # The attribute a mesh made here carries its groups in (shard, replicate or None): what the
 # metered comms record a call's group as; it lives and dies with the mesh.
 GROUPS_ATTRIBUTE = "_hvd_lowcomm_groups"
 
 
-def device_mesh(group_size: int = 0, device: torch.device | str | None = None,
-                replicate: bool = True) -> DeviceMesh:
+def device_mesh(group_size: int = 0, device: torch.device | str | None = None, replicate: bool = True) -> DeviceMesh:
     """A DeviceMesh whose "shard" dimension is this rank's group of `group_size` contiguous ranks
     (0: every rank) and whose "replicate" dimension, when there are several groups, the ranks at
     its position in the others; collective, call on every rank after init(engine="torch").
@@ -60,13 +67,17 @@ def device_mesh(group_size: int = 0, device: torch.device | str | None = None,
     if MISSING:
         raise ConfigError(MISSING)
     if runtime.engine().name != "torch":
-        raise ConfigError("sharding (FSDP2) runs on torch.distributed process groups, not Horovod's: "
-                          "hvd_lowcomm.init(engine='torch'), or --comm.engine torch")
+        raise ConfigError(
+            "sharding (FSDP2) runs on torch.distributed process groups, not Horovod's: "
+            "hvd_lowcomm.init(engine='torch'), or --comm.engine torch"
+        )
     world = runtime.world()
     size = group_size or world.size
     if size < 1 or world.size % size:
-        raise ConfigError(f"sharding groups of {size} ranks do not divide {world.size} ranks: choose a group size "
-                          f"that divides the rank count (0: every rank in one group)")
+        raise ConfigError(
+            f"sharding groups of {size} ranks do not divide {world.size} ranks: choose a group size "
+            f"that divides the rank count (0: every rank in one group)"
+        )
     device_type = torch.device(device).type if device is not None else runtime.device().type
     if size == world.size:
         mesh = DeviceMesh.from_group(dist.group.WORLD, device_type, mesh_dim_names=("shard",))
@@ -80,8 +91,9 @@ def device_mesh(group_size: int = 0, device: torch.device | str | None = None,
     replicate, _ = runtime.split_by_position(world.size // size, label="replicate")
     layout = torch.arange(world.size).view(world.size // size, size)
     columns = replicate.process_set if replicate.size < world.size else dist.group.WORLD  # groups of one rank
-    mesh = DeviceMesh.from_group([columns, shard.process_set], device_type, mesh=layout,
-                                 mesh_dim_names=("replicate", "shard"))
+    mesh = DeviceMesh.from_group(
+        [columns, shard.process_set], device_type, mesh=layout, mesh_dim_names=("replicate", "shard")
+    )
     setattr(mesh, GROUPS_ATTRIBUTE, (shard, replicate))
     return mesh
 
@@ -89,8 +101,10 @@ def device_mesh(group_size: int = 0, device: torch.device | str | None = None,
 def groups_of(mesh: DeviceMesh) -> tuple[Group | None, Group | None]:
     """(this rank's shard group, its replicate group or None) of a mesh made by device_mesh."""
     if not hasattr(mesh, GROUPS_ATTRIBUTE):
-        raise ValueError("this DeviceMesh was not made by hvd_lowcomm.device_mesh: its groups are not known "
-                         "(make it with hvd_lowcomm.device_mesh)")
+        raise ValueError(
+            "this DeviceMesh was not made by hvd_lowcomm.device_mesh: its groups are not known "
+            "(make it with hvd_lowcomm.device_mesh)"
+        )
     return getattr(mesh, GROUPS_ATTRIBUTE)
 
 
@@ -114,8 +128,9 @@ class MeteredAllGather(DefaultAllGather):
     def __init__(self, group: Group | None, name: str) -> None:
         self.group, self.name = group, name
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 async_op: bool = False) -> Any:
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> Any:
         meter.record("allgather", self.name, output_tensor.numel() * output_tensor.element_size(), self.group)
         return super().__call__(output_tensor, input_tensor, group, async_op)
 
@@ -126,8 +141,14 @@ class MeteredReduceScatter(DefaultReduceScatter):
     def __init__(self, group: Group | None, name: str) -> None:
         self.group, self.name = group, name
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 op: Any, async_op: bool = False) -> Any:
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any:
         meter.record("reduce_scatter", self.name, input_tensor.numel() * input_tensor.element_size(), self.group)
         return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
@@ -141,8 +162,10 @@ def fully_shard(module: torch.nn.Module, mesh: DeviceMesh, **options: Any) -> to
     sharded.set_custom_all_gather(MeteredAllGather(shard, name))
     sharded.set_custom_reduce_scatter(MeteredReduceScatter(shard, name))
     if replicate is not None:  # HSDP: the shard's all-reduce across groups, seen once it is done
+
         def record_allreduce(reduced: torch.Tensor) -> None:
             meter.record("allreduce", name, reduced.numel() * reduced.element_size(), replicate)
+
         sharded.set_all_reduce_hook(record_allreduce)
     return sharded
 
@@ -161,8 +184,11 @@ def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
         inside = {}
         for _, p in child.named_parameters(remove_duplicate=False):
             inside[id(p)] = inside.get(id(p), 0) + 1
-        return (bool(params) and sum(type(s) is type(child) for s in siblings) > 1
-                and all(names_of[key] == count for key, count in inside.items()))
+        return (
+            bool(params)
+            and sum(type(s) is type(child) for s in siblings) > 1
+            and all(names_of[key] == count for key, count in inside.items())
+        )
 
     units: list[torch.nn.Module] = []
 
@@ -173,6 +199,7 @@ def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
                 units.append(child)
             else:
                 visit(child)
+
     visit(model)
     return units
 

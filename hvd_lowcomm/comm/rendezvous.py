@@ -9,6 +9,7 @@ nor MASTER_ADDR or GLOO_SOCKET_IFNAME is needed (where set, they are used).
   interface is the one its route to that address leaves through: the kernel's own choice, read
   from a UDP socket's local address (no packet is sent).
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -69,13 +70,16 @@ def agree(comm: Any, one_node: bool, beside_root: bool) -> str:
     offered = comm.bcast(offered, root=0)
     # An address another node holds too (a container bridge's, say) leads there, not to rank 0.
     own = set(interfaces().values())
-    reached = comm.allgather([route_source(address) is not None and (beside_root or address not in own)
-                              for address in offered])
+    reached = comm.allgather(
+        [route_source(address) is not None and (beside_root or address not in own) for address in offered]
+    )
     common = [address for i, address in enumerate(offered) if all(mine[i] for mine in reached)]
     if not common:
-        raise ConfigError(f"the torch engine found no address of rank 0 ({', '.join(offered) or 'none'}) that every "
-                          f"rank can reach: set MASTER_ADDR to rank 0's address on the network between the nodes "
-                          f"(and GLOO_SOCKET_IFNAME to each node's interface on it), or use the horovod engine")
+        raise ConfigError(
+            f"the torch engine found no address of rank 0 ({', '.join(offered) or 'none'}) that every "
+            f"rank can reach: set MASTER_ADDR to rank 0's address on the network between the nodes "
+            f"(and GLOO_SOCKET_IFNAME to each node's interface on it), or use the horovod engine"
+        )
     store = common[0]
     interface = _interface_of(route_source(store))
     if interface:

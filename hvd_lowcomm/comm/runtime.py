@@ -11,6 +11,7 @@ A failure on any rank must end the whole job, never leave the others waiting in 
 `abort_on_error` turns an uncaught exception into MPI_Abort, which makes mpirun/srun kill
 every rank and exit non-zero.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -80,8 +81,15 @@ _bf16_wire = torch.float32  # what bfloat16 tensors travel in
 
 # Variables an MPI launcher (mpirun/mpiexec of Open MPI, MPICH, Intel MPI) or Slurm's srun sets
 # in every process it starts; torchrun sets RANK/WORLD_SIZE/LOCAL_RANK and TORCHELASTIC_RUN_ID.
-MPI_LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID",
-                          "MPI_LOCALNRANKS", "HYDRA_CONTROL_FD")
+MPI_LAUNCHER_VARIABLES = (
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_SIZE",
+    "PMIX_RANK",
+    "PMI_RANK",
+    "SLURM_PROCID",
+    "MPI_LOCALNRANKS",
+    "HYDRA_CONTROL_FD",
+)
 
 
 def launcher_problem(environ: dict[str, str] | None = None) -> str | None:
@@ -92,10 +100,12 @@ def launcher_problem(environ: dict[str, str] | None = None) -> str | None:
     if not started_by_torchrun or any(v in env for v in MPI_LAUNCHER_VARIABLES) or env.get("WORLD_SIZE", "1") == "1":
         return None
     n = env["WORLD_SIZE"]
-    return (f"this process was started by torchrun (RANK={env.get('RANK', '?')}, WORLD_SIZE={n}), which does not "
-            f"start an MPI job: each process would train alone as rank 0 of 1. hvd_lowcomm runs on MPI; launch "
-            f"the same command with `mpirun -np {n} python ...` (Open MPI as root: add --allow-run-as-root), or "
-            f"`srun -n {n} python ...` under Slurm")
+    return (
+        f"this process was started by torchrun (RANK={env.get('RANK', '?')}, WORLD_SIZE={n}), which does not "
+        f"start an MPI job: each process would train alone as rank 0 of 1. hvd_lowcomm runs on MPI; launch "
+        f"the same command with `mpirun -np {n} python ...` (Open MPI as root: add --allow-run-as-root), or "
+        f"`srun -n {n} python ...` under Slurm"
+    )
 
 
 def init(seed: int | None = None, engine: str = "auto", reduce_dtype: str | None = None) -> Group:
@@ -130,11 +140,15 @@ def init(seed: int | None = None, engine: str = "auto", reduce_dtype: str | None
         if "OMP_NUM_THREADS" not in os.environ:  # the user's (or the job script's) choice stands
             torch.set_num_threads(compute_threads(local_size, len(os.sched_getaffinity(0)), os.cpu_count() or 1))
     elif reduce_dtype is not None and (reduce_dtype == "bfloat16") != (_bf16_wire == torch.bfloat16):
-        raise ConfigError(f"hvd_lowcomm already sends bfloat16 tensors as {str(_bf16_wire)[6:]}; reduce_dtype is "
-                          f"chosen once per job, at the first init")
+        raise ConfigError(
+            f"hvd_lowcomm already sends bfloat16 tensors as {str(_bf16_wire)[6:]}; reduce_dtype is "
+            f"chosen once per job, at the first init"
+        )
     elif engine != "auto" and engine != _engine.name:
-        raise ConfigError(f"hvd_lowcomm already runs on the {_engine.name} engine ({_engine_why}); an engine is "
-                          f"chosen once per job, at the first init")
+        raise ConfigError(
+            f"hvd_lowcomm already runs on the {_engine.name} engine ({_engine_why}); an engine is "
+            f"chosen once per job, at the first init"
+        )
     if seed is not None:
         seed_everything(seed)
     return _world
@@ -177,8 +191,10 @@ def group_of_process_set(process_set: Any) -> Group | None:
     if engine().name != "horovod":
         if process_set is hvd.global_process_set:  # all ranks, whatever the engine
             return None
-        raise ConfigError("process_set= is Horovod's; on the torch engine pass hvd_lowcomm's group= instead "
-                          "(hvd_lowcomm.comm.runtime.split_world)")
+        raise ConfigError(
+            "process_set= is Horovod's; on the torch engine pass hvd_lowcomm's group= instead "
+            "(hvd_lowcomm.comm.runtime.split_world)"
+        )
 
     ranks = tuple(process_set.ranks or ())
     if process_set is hvd.global_process_set or ranks == world().ranks:
@@ -234,11 +250,15 @@ def device(choice: str = "auto") -> torch.device:
         try:
             return torch.device(choice)
         except RuntimeError:
-            raise ConfigError(f"train.device {choice!r} is not a device PyTorch knows: use auto, cuda, cpu or the name "
-                              f"of a device type with a backend in this PyTorch") from None
+            raise ConfigError(
+                f"train.device {choice!r} is not a device PyTorch knows: use auto, cuda, cpu or the name "
+                f"of a device type with a backend in this PyTorch"
+            ) from None
     if choice == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device cuda, but this rank sees no CUDA GPU (torch.cuda.is_available() is "
-                          "False): use --train.device auto or cpu, or a CUDA build of torch on a GPU node")
+        raise ConfigError(
+            "train.device cuda, but this rank sees no CUDA GPU (torch.cuda.is_available() is "
+            "False): use --train.device auto or cpu, or a CUDA build of torch on a GPU node"
+        )
     if choice != "cpu" and torch.cuda.is_available():
         if _gpu_problem:
             raise ConfigError(_gpu_problem)
@@ -263,10 +283,12 @@ def gpu_for_rank(local_rank: int, local_size: int, visible: int, share: bool = F
         return local_rank
     if share:
         return local_rank % visible
-    raise ConfigError(f"{local_size} ranks on this node but {visible} GPUs visible to each: a rank needs a GPU of its "
-                      f"own. Start at most {visible} ranks per node (Slurm: --ntasks-per-node={visible} "
-                      f"--gpus-per-task=1; Open MPI: mpirun --npernode {visible}), or train on the CPU with "
-                      f"--train.device cpu (HVD_LOWCOMM_SHARE_GPUS=1 lets ranks share GPUs, for tests)")
+    raise ConfigError(
+        f"{local_size} ranks on this node but {visible} GPUs visible to each: a rank needs a GPU of its "
+        f"own. Start at most {visible} ranks per node (Slurm: --ntasks-per-node={visible} "
+        f"--gpus-per-task=1; Open MPI: mpirun --npernode {visible}), or train on the CPU with "
+        f"--train.device cpu (HVD_LOWCOMM_SHARE_GPUS=1 lets ranks share GPUs, for tests)"
+    )
 
 
 def _bind_gpu(local_rank: int, local_size: int) -> None:
@@ -287,10 +309,12 @@ def _bind_gpu(local_rank: int, local_size: int) -> None:
     bound = [(host, gpu) for host, gpu in MPI.COMM_WORLD.allgather((MPI.Get_processor_name(), uuid)) if gpu]
     _gpus_shared = len(set(bound)) < len(bound)
     if _gpus_shared and not share and not _gpu_problem:
-        _gpu_problem = ("ranks of one node are bound to the same GPU (each sees one, the same): a rank needs a GPU of "
-                        "its own. Give each task its own (Slurm: --gpus-per-task=1) or start as many ranks per node "
-                        "as it has GPUs, or train on the CPU with --train.device cpu (HVD_LOWCOMM_SHARE_GPUS=1 lets "
-                        "ranks share GPUs, for tests)")
+        _gpu_problem = (
+            "ranks of one node are bound to the same GPU (each sees one, the same): a rank needs a GPU of "
+            "its own. Give each task its own (Slurm: --gpus-per-task=1) or start as many ranks per node "
+            "as it has GPUs, or train on the CPU with --train.device cpu (HVD_LOWCOMM_SHARE_GPUS=1 lets "
+            "ranks share GPUs, for tests)"
+        )
 
 
 def device_of(tensors: Any) -> torch.device:
@@ -308,6 +332,7 @@ def clock(device: torch.device) -> float:
 
 def ranks_share_a_gpu() -> bool:
     return _gpus_shared
+
 
 def node_of(global_rank: int) -> int:
     """The node (0, 1, ... in order of host names' first appearance) that holds a global rank."""
@@ -344,8 +369,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def group_layout(world_size: int, num_groups: int | None = None,
-                 group_size: int | None = None) -> list[tuple[int, ...]]:
+def group_layout(
+    world_size: int, num_groups: int | None = None, group_size: int | None = None
+) -> list[tuple[int, ...]]:
     """Contiguous, equal groups of ranks: [(0, 1), (2, 3)] for 4 ranks in 2 groups.
 
     Contiguous ranks share a node under the usual block placement (--map-by core/slot), so
@@ -358,13 +384,15 @@ def group_layout(world_size: int, num_groups: int | None = None,
             raise GroupLayoutError(
                 f"cannot split {world_size} ranks into {num_groups} equal groups: use a group "
                 f"count that divides {world_size} ({_divisors(world_size)}) or launch a multiple "
-                f"of {num_groups} ranks")
+                f"of {num_groups} ranks"
+            )
         group_size = world_size // num_groups
     assert group_size is not None
     if group_size <= 0 or world_size % group_size:
         raise GroupLayoutError(
             f"cannot split {world_size} ranks into groups of {group_size}: use a group size that "
-            f"divides {world_size} ({_divisors(world_size)}) or launch a multiple of {group_size} ranks")
+            f"divides {world_size} ({_divisors(world_size)}) or launch a multiple of {group_size} ranks"
+        )
     return [tuple(range(start, start + group_size)) for start in range(0, world_size, group_size)]
 
 
@@ -385,8 +413,9 @@ def default_group_count(requested: int, world_size: int) -> int:
     return groups_for(requested, world_size, ranks_per_node())
 
 
-def split_world(num_groups: int | None = None, group_size: int | None = None,
-                label: str = "group") -> tuple[Group, list[Group]]:
+def split_world(
+    num_groups: int | None = None, group_size: int | None = None, label: str = "group"
+) -> tuple[Group, list[Group]]:
     """Split the world into equal contiguous groups; collective, call on every rank.
 
     Returns (this rank's group, all groups). Every rank registers every group's Horovod
@@ -409,9 +438,11 @@ def split(layout: list[tuple[int, ...]], label: str, side: bool = False) -> tupl
     from mpi4py import MPI
 
     if _fixed_process_sets and any(ranks not in _process_sets for ranks in layout):
-        raise ConfigError("hvd.init() ran before hvd_lowcomm.init(), without the dynamic process sets that "
-                          "hvd_lowcomm's groups need: remove the hvd.init() line (hvd_lowcomm.init() starts "
-                          "Horovod, and hvd.rank(), hvd.size(), hvd.local_rank() work after it as before)")
+        raise ConfigError(
+            "hvd.init() ran before hvd_lowcomm.init(), without the dynamic process sets that "
+            "hvd_lowcomm's groups need: remove the hvd.init() line (hvd_lowcomm.init() starts "
+            "Horovod, and hvd.rank(), hvd.size(), hvd.local_rank() work after it as before)"
+        )
     w = world()
     my_index = next(i for i, ranks in enumerate(layout) if rank() in ranks)
     sub_comm = w.comm.Split(color=my_index, key=rank())
@@ -438,6 +469,7 @@ def _divisors(n: int) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # failure handling
+
 
 @contextlib.contextmanager
 def abort_on_error() -> Iterator[None]:

@@ -32,6 +32,7 @@ counts the bytes sent.
 Horovod and mpi4py are imported inside the functions that use them: importing mpi4py's MPI
 module initialises MPI, and the command line reports a bad config before MPI starts.
 """
+
 from __future__ import annotations
 
 import collections
@@ -118,13 +119,29 @@ class TrafficMeter:
         self.seconds: dict[str, float] = defaultdict(float)
 
     # -- bookkeeping ----------------------------------------------------------------------
-    def record(self, op: str, name: str, payload_bytes: int, group: Group | None,
-               wire: float | None = None, dest: int | None = None) -> Record:
+    def record(
+        self,
+        op: str,
+        name: str,
+        payload_bytes: int,
+        group: Group | None,
+        wire: float | None = None,
+        dest: int | None = None,
+    ) -> Record:
         """Record one call; `dest` is the global rank a point-to-point message goes to."""
         label, size = (group.label if group is not None else "world"), _members(group)
         wire = wire_bytes(op, payload_bytes, size) if wire is None else float(wire)
-        rec = Record(self.step, name, op, label, size, int(payload_bytes), wire, self.phase,
-                     wire * _share_leaving_node(op, group, dest) if wire else 0.0)
+        rec = Record(
+            self.step,
+            name,
+            op,
+            label,
+            size,
+            int(payload_bytes),
+            wire,
+            self.phase,
+            wire * _share_leaving_node(op, group, dest) if wire else 0.0,
+        )
         self.step_records.append(rec)
         self.by_kind[(rec.phase, rec.op, rec.group)].add(rec)
         self.by_name[rec.name].add(rec)
@@ -137,8 +154,11 @@ class TrafficMeter:
 
     def state_dict(self) -> dict[str, Any]:
         """Step count and totals, for checkpoints (the current step's records are not kept)."""
-        return {"step": self.step, "by_kind": {k: dataclasses.asdict(t) for k, t in self.by_kind.items()},
-                "by_name": {k: dataclasses.asdict(t) for k, t in self.by_name.items()}}
+        return {
+            "step": self.step,
+            "by_kind": {k: dataclasses.asdict(t) for k, t in self.by_kind.items()},
+            "by_name": {k: dataclasses.asdict(t) for k, t in self.by_name.items()},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = state["step"]
@@ -163,18 +183,24 @@ class TrafficMeter:
         finally:
             self.phase = previous
 
-    def total(self, phase: str | None = "train", group: str | None = None, op: str | None = None,
-              field: str = "wire_bytes") -> float:
+    def total(
+        self, phase: str | None = "train", group: str | None = None, op: str | None = None, field: str = "wire_bytes"
+    ) -> float:
         """Sum of `field` over records matching phase/group/op (None matches all)."""
-        return sum(getattr(t, field) for (ph, o, g), t in self.by_kind.items()
-                   if (phase is None or ph == phase) and (group is None or g == group)
-                   and (op is None or o == op))
+        return sum(
+            getattr(t, field)
+            for (ph, o, g), t in self.by_kind.items()
+            if (phase is None or ph == phase) and (group is None or g == group) and (op is None or o == op)
+        )
 
     def total_on(self, groups: tuple[str, ...], phases: tuple[str, ...] = ("train",)) -> float:
         """Wire bytes in `phases` on the process sets whose label starts with one of `groups`
         ("group" matches group0, group1, ...): a grouped method's intra- or inter-group traffic."""
-        return sum(t.wire_bytes for (phase, _, group), t in self.by_kind.items()
-                   if phase in phases and group.startswith(groups))
+        return sum(
+            t.wire_bytes
+            for (phase, _, group), t in self.by_kind.items()
+            if phase in phases and group.startswith(groups)
+        )
 
     def step_total(self, field: str = "wire_bytes") -> float:
         return sum(getattr(r, field) for r in self.step_records)
@@ -192,8 +218,9 @@ class TrafficMeter:
         return out
 
     # -- metered collectives (the engine's: hvd_lowcomm.comm.engines) ---------------------------
-    def allreduce(self, tensor: torch.Tensor, name: str, group: Group | None = None,
-                  average: bool = True, compression: Any = None) -> torch.Tensor:
+    def allreduce(
+        self, tensor: torch.Tensor, name: str, group: Group | None = None, average: bool = True, compression: Any = None
+    ) -> torch.Tensor:
         """Allreduce (mean by default) within `group`; returns a new tensor. `compression`: a
         Horovod-style compressor (compress -> (tensor, ctx), decompress)."""
         compression = compression or NoCompression
@@ -213,13 +240,19 @@ class TrafficMeter:
         """Several allgathers submitted together, so the engine can fuse them."""
         return self.gather_and_reduce(named, [], group)[0]
 
-    def allreduce_many(self, named: list[tuple[str, torch.Tensor]], group: Group | None = None,
-                       op: str = "sum") -> list[torch.Tensor]:
+    def allreduce_many(
+        self, named: list[tuple[str, torch.Tensor]], group: Group | None = None, op: str = "sum"
+    ) -> list[torch.Tensor]:
         """Several allreduces (op: sum, average or max) submitted together for fusion."""
         return self.gather_and_reduce([], named, group, op)[1]
 
-    def gather_and_reduce(self, gathered: list[tuple[str, torch.Tensor]], reduced: list[tuple[str, torch.Tensor]],
-                          group: Group | None = None, op: str = "sum") -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def gather_and_reduce(
+        self,
+        gathered: list[tuple[str, torch.Tensor]],
+        reduced: list[tuple[str, torch.Tensor]],
+        group: Group | None = None,
+        op: str = "sum",
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Allgathers and allreduces (op: sum, average or max) submitted together before any is
         waited for: Horovod negotiates them in one cycle, where an allgather call followed by an
         allreduce call takes two, and every cycle is a round of coordination among all ranks
@@ -232,28 +265,50 @@ class TrafficMeter:
             engine, handle = runtime.engine(), _handle(group)
             with self.waiting():
                 gathering = [engine.start_allgather(to_wire(tensor), name, handle, size) for name, tensor in gathered]
-                reducing = engine.start_allreduce([to_wire(t) for _, t in reduced], [n for n, _ in reduced], op,
-                                                  handle) if reduced else None
-                outs = ([from_wire(engine.finish(h), t) for h, (_, t) in zip(gathering, gathered)],
-                        [from_wire(out, t) for out, (_, t) in zip(engine.finish(reducing), reduced)]
-                        if reduced else [])
+                reducing = (
+                    engine.start_allreduce([to_wire(t) for _, t in reduced], [n for n, _ in reduced], op, handle)
+                    if reduced
+                    else None
+                )
+                outs = (
+                    [from_wire(engine.finish(h), t) for h, (_, t) in zip(gathering, gathered)],
+                    [from_wire(out, t) for out, (_, t) in zip(engine.finish(reducing), reduced)] if reduced else [],
+                )
         for (name, tensor), out in zip(gathered, outs[0]):
-            self.record("allgather", name, _nbytes(tensor), group,
-                        wire=wire_bytes("allgather", _nbytes(out), size) if size > 1 else 0.0)
+            self.record(
+                "allgather",
+                name,
+                _nbytes(tensor),
+                group,
+                wire=wire_bytes("allgather", _nbytes(out), size) if size > 1 else 0.0,
+            )
         for name, tensor in reduced:
             self.record("allreduce", name, _nbytes(tensor), group)
         return outs
 
-    def start_allreduce(self, named: list[tuple[str, torch.Tensor]], group: Group | None = None,
-                        op: str = "average", prescale: float = 1.0, postscale: float = 1.0) -> Any:
+    def start_allreduce(
+        self,
+        named: list[tuple[str, torch.Tensor]],
+        group: Group | None = None,
+        op: str = "average",
+        prescale: float = 1.0,
+        postscale: float = 1.0,
+    ) -> Any:
         """Start one grouped allreduce (op: average or sum, each tensor scaled by `prescale`
         before and `postscale` after) without waiting: a handle for `finish_allreduce`."""
         if _members(group) == 1:  # nothing to combine or send (as Horovod, which skips it): the scaled tensors
             return [tensor * (prescale * postscale) for _, tensor in named]
         for name, tensor in named:
             self.record("allreduce", name, _nbytes(tensor), group)
-        started = runtime.engine().start_allreduce([to_wire(tensor) for _, tensor in named], [n for n, _ in named], op,
-                                                   _handle(group), prescale, postscale, together=True)
+        started = runtime.engine().start_allreduce(
+            [to_wire(tensor) for _, tensor in named],
+            [n for n, _ in named],
+            op,
+            _handle(group),
+            prescale,
+            postscale,
+            together=True,
+        )
         return started, [tensor for _, tensor in named]
 
     def finish_allreduce(self, handle: Any) -> list[torch.Tensor]:
@@ -264,8 +319,7 @@ class TrafficMeter:
             started, tensors = handle
             return [from_wire(out, like) for out, like in zip(runtime.engine().finish(started), tensors)]
 
-    def broadcast_(self, tensor: torch.Tensor, root_rank: int, name: str,
-                   group: Group | None = None) -> torch.Tensor:
+    def broadcast_(self, tensor: torch.Tensor, root_rank: int, name: str, group: Group | None = None) -> torch.Tensor:
         """In-place broadcast from global rank `root_rank` to the members of `group`."""
         self.record("broadcast", name, _nbytes(tensor), group)
         wire = to_wire(tensor)
@@ -275,8 +329,12 @@ class TrafficMeter:
             tensor.copy_(wire)
         return tensor
 
-    def broadcast_tensors(self, tensors: dict[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
-                          root_rank: int, group: Group | None = None) -> None:
+    def broadcast_tensors(
+        self,
+        tensors: dict[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
+        root_rank: int,
+        group: Group | None = None,
+    ) -> None:
         """In-place broadcast of named tensors from global rank `root_rank` within `group`
         (Horovod's own broadcast_parameters works only on the global process set)."""
         items = tensors.items() if isinstance(tensors, dict) else tensors
@@ -302,8 +360,13 @@ class TrafficMeter:
         from mpi4py import MPI
 
         out = MPI.COMM_WORLD.allgather(obj)
-        self.record("allgather", name, _pickled_size(obj), None,
-                    wire=wire_bytes("allgather", sum(map(_pickled_size, out)), len(out)))
+        self.record(
+            "allgather",
+            name,
+            _pickled_size(obj),
+            None,
+            wire=wire_bytes("allgather", sum(map(_pickled_size, out)), len(out)),
+        )
         return out
 
     def allreduce_ints(self, values: list[int], name: str, group: Group | None = None, op: str = "sum") -> list[int]:
@@ -315,7 +378,9 @@ class TrafficMeter:
         local = np.array(values, dtype=np.int64)
         out = np.empty_like(local)
         with self.waiting():
-            (MPI.COMM_WORLD if group is None else group.comm).Allreduce(local, out, op={"sum": MPI.SUM, "max": MPI.MAX}[op])
+            (MPI.COMM_WORLD if group is None else group.comm).Allreduce(
+                local, out, op={"sum": MPI.SUM, "max": MPI.MAX}[op]
+            )
         self.record("allreduce", name, local.nbytes, group)
         return [int(v) for v in out]
 
@@ -354,8 +419,11 @@ class TrafficMeter:
         from mpi4py import MPI
 
         on_wire = wire_dtype(out.dtype)
-        host = out if out.device.type == "cpu" and on_wire == out.dtype else \
-            torch.empty(out.shape, dtype=on_wire, pin_memory=_pinned(out))
+        host = (
+            out
+            if out.device.type == "cpu" and on_wire == out.dtype
+            else torch.empty(out.shape, dtype=on_wire, pin_memory=_pinned(out))
+        )
         array = _mpi_buffer(host)
         with self.waiting():
             MPI.COMM_WORLD.Recv(array, source=source, tag=tag)
@@ -367,6 +435,7 @@ class TrafficMeter:
 
 # -- a group's side channel (Group.side): blocking collectives a worker thread may run beside the
 # training thread's; not recorded here, as their caller knows their bytes before they are sent
+
 
 def side_allreduce_sum_(tensor: torch.Tensor, group: Group) -> torch.Tensor:
     """In-place sum of a CPU tensor over `group`'s side channel."""
@@ -441,10 +510,14 @@ _warned_staging = False
 def _warn_staging() -> None:
     global _warned_staging
     _warned_staging = True
-    why = "ranks of this node share a GPU, which NCCL refuses" if runtime.ranks_share_a_gpu() else \
-        runtime.engine().why_staged()
-    runtime.announce(f"hvd_lowcomm: warning: GPU tensors go through host memory for every collective (correct, "
-                     f"slower): {why}")
+    why = (
+        "ranks of this node share a GPU, which NCCL refuses"
+        if runtime.ranks_share_a_gpu()
+        else runtime.engine().why_staged()
+    )
+    runtime.announce(
+        f"hvd_lowcomm: warning: GPU tensors go through host memory for every collective (correct, slower): {why}"
+    )
 
 
 def _pinned(tensor: torch.Tensor) -> bool:

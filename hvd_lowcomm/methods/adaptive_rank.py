@@ -13,6 +13,7 @@ PowerSGD sees only the components inside its current subspace; it also estimates
 outside it with a few random probes (`probe_residual`), grows when more than its allowance is
 missed and shrinks, with a margin, when fewer components would stay within it (`next_rank`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,7 +39,7 @@ def smallest_rank_within(energies: torch.Tensor, total: float, error_target: flo
 
 def probes(columns: int, generator: torch.Generator, like: torch.Tensor) -> torch.Tensor:
     """`columns` × PROBES Gaussian probes S, scaled so that E ‖M S‖² = ‖M‖² for any M."""
-    s = torch.randn(columns, PROBES, generator=generator, dtype=like.dtype) / PROBES ** 0.5
+    s = torch.randn(columns, PROBES, generator=generator, dtype=like.dtype) / PROBES**0.5
     return s.to(like.device)
 
 
@@ -60,5 +61,7 @@ def next_rank(rank: int, energies: torch.Tensor, missed: float, allowed: float, 
         wanted = 2 * rank
     else:
         total = float(energies.sum()) + missed
-        wanted = min(rank, smallest_rank_within(energies, total, SHRINK_MARGIN * allowed / total)) if total > 0 else rank
+        wanted = (
+            min(rank, smallest_rank_within(energies, total, SHRINK_MARGIN * allowed / total)) if total > 0 else rank
+        )
     return max(lowest, min(wanted, highest))

@@ -1,4 +1,5 @@
 """What every training method provides, and the pieces most of them share."""
+
 from __future__ import annotations
 
 from typing import Any, Iterable
@@ -86,8 +87,9 @@ class Method:
 
     def batches(self, split: Any, batch_size: int, shuffle: bool, device: torch.device) -> Any:
         """This rank's batches of `split` (an hvd_lowcomm.data.H5Split)."""
-        return ShardedBatches(split, batch_size, runtime.rank(), runtime.size(), seed=self.cfg.train.seed,
-                              shuffle=shuffle, device=device)
+        return ShardedBatches(
+            split, batch_size, runtime.rank(), runtime.size(), seed=self.cfg.train.seed, shuffle=shuffle, device=device
+        )
 
     def start_epoch(self, epoch: int) -> None:
         """Called before each epoch's first step (1-based)."""
@@ -112,8 +114,9 @@ class Method:
             loss.backward()  # (a drop-in wrapper's exchange runs as the last one ends: not the pass's time)
             total += loss.item()
             self.pass_seconds["forward"] += middle - start
-            self.pass_seconds["backward"] += runtime.clock(x.device) - middle - (
-                getattr(self.optimizer, "exchange_seconds", 0.0) - exchanged)
+            self.pass_seconds["backward"] += (
+                runtime.clock(x.device) - middle - (getattr(self.optimizer, "exchange_seconds", 0.0) - exchanged)
+            )
         return total
 
     def start_micro_batch(self, last: bool) -> None:
@@ -207,40 +210,51 @@ def make_optimizer(cfg: Config, params: Iterable[torch.nn.Parameter]) -> torch.o
     raise ValueError(f"unknown optimizer {t.optimizer!r}")
 
 
-def broadcast_model_and_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                                  root_rank: int = 0, group: runtime.Group | None = None) -> None:
+def broadcast_model_and_optimizer(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, root_rank: int = 0, group: runtime.Group | None = None
+) -> None:
     """Make every rank of `group` start from `root_rank`'s parameters and optimiser state."""
     broadcast_parameters(model.state_dict(), root_rank, group)
     broadcast_optimizer_state(optimizer, root_rank, group)
 
 
-def broadcast_parameters(params: dict[str, torch.Tensor], root_rank: int = 0,
-                         group: runtime.Group | None = None) -> None:
+def broadcast_parameters(
+    params: dict[str, torch.Tensor], root_rank: int = 0, group: runtime.Group | None = None
+) -> None:
     """hvd.broadcast_parameters on either engine: `params` (a state_dict, or named tensors) in
     place from `root_rank`, metered as set-up traffic."""
     with meter.in_phase("setup"):
         meter.broadcast_tensors(params, root_rank, group)
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
-                              group: runtime.Group | None = None) -> None:
+def broadcast_optimizer_state(
+    optimizer: torch.optim.Optimizer, root_rank: int = 0, group: runtime.Group | None = None
+) -> None:
     """hvd.broadcast_optimizer_state on either engine: every tensor of the optimiser's state in
     place from `root_rank` (an optimiser that has not stepped has none, the same on all ranks)."""
     state = optimizer.state_dict()["state"]
     with meter.in_phase("setup"):
         meter.broadcast_tensors(
-            [(f"optimizer.{index}.{key}", value) for index, entry in sorted(state.items())
-             for key, value in sorted(entry.items()) if torch.is_tensor(value)],
-            root_rank, group)
+            [
+                (f"optimizer.{index}.{key}", value)
+                for index, entry in sorted(state.items())
+                for key, value in sorted(entry.items())
+                if torch.is_tensor(value)
+            ],
+            root_rank,
+            group,
+        )
 
 
-def exchange_gradients(named: Iterable[tuple[str, torch.nn.Parameter]], group: runtime.Group | None = None,
-                       op: str = "average") -> None:
+def exchange_gradients(
+    named: Iterable[tuple[str, torch.nn.Parameter]], group: runtime.Group | None = None, op: str = "average"
+) -> None:
     """Replace every parameter's gradient by its `op` over `group` (None: all ranks), one
     metered, fused allreduce for all of them; a parameter without a gradient takes part with
     zeros (every rank must send the same tensors) and gets the pooled value."""
     named = list(named)
-    pooled = meter.allreduce_many([(n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in named],
-                                  group, op=op)
+    pooled = meter.allreduce_many(
+        [(n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in named], group, op=op
+    )
     for (_, p), g in zip(named, pooled):
         p.grad = g

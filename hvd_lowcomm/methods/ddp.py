@@ -4,6 +4,7 @@ The baseline every other method is judged against. `ddp-fp16` (the same as `--me
 --comm.compression fp16`) halves the bytes on the wire: gradients are cast to fp16 for the
 allreduce and back afterwards. `local` trains without any exchange: the compute floor.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -18,16 +19,31 @@ from hvd_lowcomm.config import Config
 from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, RunAssumptions, sent_bytes
 from hvd_lowcomm.registry import register, register_variant
 from hvd_lowcomm.methods.base import Method, broadcast_model_and_optimizer, make_optimizer
-from hvd_lowcomm.methods.drop_in import (GradientExchange, HorovodArguments, NamedParameters, dense_gradient,
-                                        horovod_arguments,
-                                        wrap_optimizer)
+from hvd_lowcomm.methods.drop_in import (
+    GradientExchange,
+    HorovodArguments,
+    NamedParameters,
+    dense_gradient,
+    horovod_arguments,
+    wrap_optimizer,
+)
 
 
-def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: NamedParameters | None = None,
-                         compression: Any = None, backward_passes_per_step: int = 1, op: Any = None,
-                         gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
-                         sparse_as_dense: bool = False, process_set: Any = None, *,
-                         group: Group | None = None, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: NamedParameters | None = None,
+    compression: Any = None,
+    backward_passes_per_step: int = 1,
+    op: Any = None,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    sparse_as_dense: bool = False,
+    process_set: Any = None,
+    *,
+    group: Group | None = None,
+    model: torch.nn.Module | None = None,
+) -> torch.optim.Optimizer:
     """`hvd.DistributedOptimizer` with DDP's semantics, every allreduce recorded by the meter.
 
     Takes Horovod's arguments and honours each: `compression` (hvd.Compression.none / .fp16,
@@ -39,9 +55,20 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Nam
     where DDP's accumulation flags are read too (`model.require_backward_grad_sync`, `with
     model.no_sync():`, as nanoGPT writes them).
     """
-    arguments = horovod_arguments("DistributedOptimizer", compression, backward_passes_per_step, op,
-                                  gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set, group,
-                                  compressors=("none", "fp16", "any"), model=model)
+    arguments = horovod_arguments(
+        "DistributedOptimizer",
+        compression,
+        backward_passes_per_step,
+        op,
+        gradient_predivide_factor,
+        num_groups,
+        groups,
+        sparse_as_dense,
+        process_set,
+        group,
+        compressors=("none", "fp16", "any"),
+        model=model,
+    )
     return wrap_optimizer(optimizer, _AllreduceExchange, named_parameters, arguments)
 
 
@@ -56,17 +83,18 @@ class _AllreduceExchange(GradientExchange):
 
     def __init__(self, params: Any, named_parameters: NamedParameters | None, arguments: HorovodArguments) -> None:
         super().__init__(params)
-        self._compressor = {"none": NoCompression, "fp16": FP16Compression}.get(arguments.compression,
-                                                                               arguments.compression)
+        self._compressor = {"none": NoCompression, "fp16": FP16Compression}.get(
+            arguments.compression, arguments.compression
+        )
         self._predivide = arguments.gradient_predivide_factor
         self._fusion_of: dict[torch.nn.Parameter, int] = {}  # parameter -> its fusion group (Horovod's groups)
         self._set_up_exchange(arguments, named_parameters, "DistributedOptimizer")
         self._fusions = self._fusion_groups(arguments.groups)
         # The start order: backward's (the parameters' reversed), then any added after the wrap.
         self._order = list(range(len(self._fusions) - 1, -1, -1))
-        self._ready: dict[int, list[torch.nn.Parameter]] = {}   # fusion group -> its gradients ready so far
+        self._ready: dict[int, list[torch.nn.Parameter]] = {}  # fusion group -> its gradients ready so far
         self._complete: set[int] = set()  # fusion groups whose every gradient is ready, not yet started
-        self._started = 0                 # fusion groups started this pass, in start order
+        self._started = 0  # fusion groups started this pass, in start order
         self._pending: dict[int, tuple[list[torch.nn.Parameter], Any, list[Any]]] = {}  # started allreduces
 
     def _fusion_groups(self, groups: Any) -> list[list[torch.nn.Parameter]]:
@@ -75,7 +103,7 @@ class _AllreduceExchange(GradientExchange):
         params = [p for _, p in self.named_parameters()]
         if isinstance(groups, int):
             size = -(-len(params) // groups)
-            groups = [params[i:i + size] for i in range(0, len(params), size)]
+            groups = [params[i : i + size] for i in range(0, len(params), size)]
         elif groups is None and runtime.engine().name == "torch":
             groups = ddp_buckets(params)
         fusions = [list(g) for g in groups] if groups is not None else []
@@ -107,8 +135,13 @@ class _AllreduceExchange(GradientExchange):
             sent, ctx = self._compressor.compress(dense_gradient(p))
             named.append((self._names[p], sent))
             contexts.append(ctx)
-        handle = meter.start_allreduce(named, self.group, op="sum" if self.op == "sum" else "average",
-                                       prescale=1.0 / self._predivide, postscale=self._predivide)
+        handle = meter.start_allreduce(
+            named,
+            self.group,
+            op="sum" if self.op == "sum" else "average",
+            prescale=1.0 / self._predivide,
+            postscale=self._predivide,
+        )
         self._pending[index] = (params, handle, contexts)
         self._ready.pop(index, None)
         self._complete.discard(index)
@@ -120,7 +153,7 @@ class _AllreduceExchange(GradientExchange):
                 self._fusion_of[p] = len(self._fusions)
                 self._order.append(len(self._fusions))
                 self._fusions.append([p])
-        for index in self._order[self._started:]:  # the rest, unused ones (or set by hand) included
+        for index in self._order[self._started :]:  # the rest, unused ones (or set by hand) included
             self._start(index)
         for params, handle, contexts in self._pending.values():
             for p, out, ctx in zip(params, meter.finish_allreduce(handle), contexts):
@@ -150,20 +183,30 @@ def ddp_buckets(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Paramete
     return buckets[::-1]  # in parameter order: the start order reverses it back
 
 
-def predict_ddp(profile: Profile, world_size: int, link: Link, options: None, cfg: Config,
-                assumptions: RunAssumptions) -> Prediction:
+def predict_ddp(
+    profile: Profile, world_size: int, link: Link, options: None, cfg: Config, assumptions: RunAssumptions
+) -> Prediction:
     """Every gradient allreduced over all ranks (in fp16 with comm.compression fp16), overlapping
     the backward pass: Horovod starts each allreduce as its gradient appears."""
     fp16 = cfg.comm.compression == "fp16"
     nbytes = profile.params * (2 if fp16 else FLOAT_BYTES)
     comm = link.allreduce(nbytes, world_size, world_size)
     sent = sent_bytes("allreduce", nbytes, world_size)
-    return Prediction("ddp", world_size, profile.step_seconds, profile.fp16_seconds if fp16 else 0.0, comm,
-                      min(comm, link.overlap * profile.backward_seconds), sent, sent * link.node_share(world_size))
+    return Prediction(
+        "ddp",
+        world_size,
+        profile.step_seconds,
+        profile.fp16_seconds if fp16 else 0.0,
+        comm,
+        min(comm, link.overlap * profile.backward_seconds),
+        sent,
+        sent * link.node_share(world_size),
+    )
 
 
-def predict_local(profile: Profile, world_size: int, link: Link, options: None, cfg: Config,
-                  assumptions: RunAssumptions) -> Prediction:
+def predict_local(
+    profile: Profile, world_size: int, link: Link, options: None, cfg: Config, assumptions: RunAssumptions
+) -> Prediction:
     """Nothing exchanged: the step is the compute alone."""
     return Prediction("local", world_size, profile.step_seconds, 0.0, 0.0, 0.0, 0.0)
 
@@ -190,8 +233,12 @@ class DataParallel(Method):
 
     def distribute(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> torch.optim.Optimizer:
         """Wrap the local optimiser so that step() uses the gradient of the pooled batch."""
-        return DistributedOptimizer(optimizer, model.named_parameters(), compression=self.cfg.comm.compression,
-                                    backward_passes_per_step=self.cfg.train.accumulate)
+        return DistributedOptimizer(
+            optimizer,
+            model.named_parameters(),
+            compression=self.cfg.comm.compression,
+            backward_passes_per_step=self.cfg.train.accumulate,
+        )
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         assert self.model is not None and self.optimizer is not None

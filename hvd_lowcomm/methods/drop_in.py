@@ -20,6 +20,7 @@ written for Horovod or for PyTorch's DistributedDataParallel:
   contract holds (`zero_grad(set_to_none=...)`, `state_dict`, `add_param_group`, state loaded
   into the optimizer before the wrap).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,16 +47,26 @@ class HorovodArguments:
     backward_passes_per_step: int = 1
     op: str = "average"
     gradient_predivide_factor: float = 1.0
-    groups: Any = None          # Horovod's fusion groups: an int (num_groups) or lists of parameters
+    groups: Any = None  # Horovod's fusion groups: an int (num_groups) or lists of parameters
     group: Group | None = None  # the process set's ranks (None: all ranks)
-    model: Any = None           # the model, whose DDP flags (require_backward_grad_sync, no_sync) count too
+    model: Any = None  # the model, whose DDP flags (require_backward_grad_sync, no_sync) count too
 
 
-def horovod_arguments(wrapper: str, compression: Any = None, backward_passes_per_step: int = 1, op: Any = None,
-                      gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
-                      sparse_as_dense: bool = False, process_set: Any = None, group: Group | None = None,
-                      compressors: tuple[str, ...] = ("none",), why_not_compressed: str = "",
-                      model: Any = None) -> HorovodArguments:
+def horovod_arguments(
+    wrapper: str,
+    compression: Any = None,
+    backward_passes_per_step: int = 1,
+    op: Any = None,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    sparse_as_dense: bool = False,
+    process_set: Any = None,
+    group: Group | None = None,
+    compressors: tuple[str, ...] = ("none",),
+    why_not_compressed: str = "",
+    model: Any = None,
+) -> HorovodArguments:
     """Check Horovod's arguments for `wrapper` and normalise them; refuse what it cannot honour.
 
     `compressors`: the compressions the wrapper takes ("none", "fp16", or "any" for any
@@ -72,8 +83,10 @@ def horovod_arguments(wrapper: str, compression: Any = None, backward_passes_per
         raise ConfigError(f"{wrapper}: backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
     op_name = op_kind(op)
     if op_name not in ("average", "sum"):
-        raise ConfigError(f"{wrapper} takes op=hvd.Average (the default) or hvd.Sum, not {op!r}: Adasum and the "
-                          f"other reductions are not gradient means; for Adasum keep hvd.DistributedOptimizer")
+        raise ConfigError(
+            f"{wrapper} takes op=hvd.Average (the default) or hvd.Sum, not {op!r}: Adasum and the "
+            f"other reductions are not gradient means; for Adasum keep hvd.DistributedOptimizer"
+        )
     if gradient_predivide_factor <= 0:
         raise ConfigError(f"{wrapper}: gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
     if gradient_predivide_factor != 1.0 and op_name != "average":
@@ -86,20 +99,28 @@ def horovod_arguments(wrapper: str, compression: Any = None, backward_passes_per
         raise ConfigError(f"{wrapper}: pass process_set (Horovod's) or group (hvd_lowcomm's), not both")
     if process_set is not None:
         group = runtime.group_of_process_set(process_set)
-    return HorovodArguments(compression if kind not in ("none", "fp16") else kind, backward_passes_per_step, op_name,
-                            gradient_predivide_factor, groups if groups is not None else num_groups or None, group,
-                            model)
+    return HorovodArguments(
+        compression if kind not in ("none", "fp16") else kind,
+        backward_passes_per_step,
+        op_name,
+        gradient_predivide_factor,
+        groups if groups is not None else num_groups or None,
+        group,
+        model,
+    )
 
 
 def compression_kind(compression: Any) -> str:
-    """"none", "fp16" or "custom" for a compression given as a string, a Horovod compressor
+    """ "none", "fp16" or "custom" for a compression given as a string, a Horovod compressor
     class (hvd.Compression.none / .fp16) or None."""
     if compression is None:
         return "none"
     if isinstance(compression, str):
         if compression not in ("none", "fp16"):
-            raise ConfigError(f"compression must be 'none', 'fp16' or a Horovod compressor "
-                              f"(hvd.Compression.none / hvd.Compression.fp16), got {compression!r}")
+            raise ConfigError(
+                f"compression must be 'none', 'fp16' or a Horovod compressor "
+                f"(hvd.Compression.none / hvd.Compression.fp16), got {compression!r}"
+            )
         return compression
     name = getattr(compression, "__name__", type(compression).__name__)
     return {"NoneCompressor": "none", "FP16Compressor": "fp16"}.get(name, "custom")
@@ -117,8 +138,9 @@ def op_kind(op: Any) -> str:
     return names.get(op, f"op {op!r}")
 
 
-def parameter_names(param_groups: list[dict[str, Any]], named_parameters: NamedParameters | None,
-                    wrapper: str) -> dict[torch.nn.Parameter, str]:
+def parameter_names(
+    param_groups: list[dict[str, Any]], named_parameters: NamedParameters | None, wrapper: str
+) -> dict[torch.nn.Parameter, str]:
     """A name for every parameter the optimizer holds, the same on every rank: its name in
     `named_parameters`, else its position in the optimizer (as Horovod names unnamed ones)."""
     names: dict[torch.nn.Parameter, str] = {}
@@ -159,28 +181,32 @@ class GradientExchange(torch.optim.Optimizer):
       starts a new step's gradient.
     """
 
-    _exchange_enabled = True   # DDP's require_backward_grad_sync (no_sync() clears it)
+    _exchange_enabled = True  # DDP's require_backward_grad_sync (no_sync() clears it)
     _should_synchronize = True
     _synchronized = False
     _pooled_by_backward = False  # the exchange of this step ran as its last backward pass ended
-    _backward_passes = 0       # since the last exchange or step
-    _end_queued = False        # the end-of-backward callback of the running pass is queued
-    exchange_seconds = 0.0     # spent in exchanges (the built-in loop keeps it out of the backward time)
+    _backward_passes = 0  # since the last exchange or step
+    _end_queued = False  # the end-of-backward callback of the running pass is queued
+    exchange_seconds = 0.0  # spent in exchanges (the built-in loop keeps it out of the backward time)
     backward_passes_per_step = 1
     op = "average"
-    sums_natively = False      # op=Sum is the exchange's own (else: the mean times the group's size)
+    sums_natively = False  # op=Sum is the exchange's own (else: the mean times the group's size)
     group: Group | None = None
-    _model: Any = None         # the model, where the wrapper knows it: DDP's flags are read on it too
-    _said_undeclared = False   # rank 0 said once that backward passes exchanged one by one
+    _model: Any = None  # the model, where the wrapper knows it: DDP's flags are read on it too
+    _said_undeclared = False  # rank 0 said once that backward passes exchanged one by one
 
     def _exchange(self) -> None:
         raise NotImplementedError
 
-    def _set_up_exchange(self, arguments: HorovodArguments, named_parameters: NamedParameters | None,
-                         wrapper: str) -> None:
+    def _set_up_exchange(
+        self, arguments: HorovodArguments, named_parameters: NamedParameters | None, wrapper: str
+    ) -> None:
         """Called by each subclass's __init__ after the optimizer's own."""
-        self.backward_passes_per_step, self.op, self.group = (arguments.backward_passes_per_step, arguments.op,
-                                                              arguments.group)
+        self.backward_passes_per_step, self.op, self.group = (
+            arguments.backward_passes_per_step,
+            arguments.op,
+            arguments.group,
+        )
         self._names = parameter_names(self.param_groups, named_parameters, wrapper)
         self._wrapper = wrapper
         if arguments.model is not None:
@@ -211,6 +237,7 @@ class GradientExchange(torch.optim.Optimizer):
         def hook(grad_holder: torch.Tensor) -> None:
             if grad_holder is param:
                 self._gradient_accumulated(param)
+
         hook.exchange = self
         return hook
 
@@ -240,13 +267,18 @@ class GradientExchange(torch.optim.Optimizer):
         if self._said_undeclared:
             return
         self._said_undeclared = True
-        seen = "" if self._model is not None else (
-            "; a flag or no_sync() on the model is not seen by this wrapper, which was not given the model")
-        runtime.announce(f"hvd_lowcomm: {self._wrapper}: a backward pass after an exchange, before step(), exchanged "
-                         f"again: the gradient still adds up to the pooled one, at the bytes of one exchange per "
-                         f"pass. To exchange once per step, pass backward_passes_per_step=<passes>, or hold the "
-                         f"exchange back with `with opt.no_sync():` or opt.require_backward_grad_sync = False"
-                         f"{seen}")
+        seen = (
+            ""
+            if self._model is not None
+            else ("; a flag or no_sync() on the model is not seen by this wrapper, which was not given the model")
+        )
+        runtime.announce(
+            f"hvd_lowcomm: {self._wrapper}: a backward pass after an exchange, before step(), exchanged "
+            f"again: the gradient still adds up to the pooled one, at the bytes of one exchange per "
+            f"pass. To exchange once per step, pass backward_passes_per_step=<passes>, or hold the "
+            f"exchange back with `with opt.no_sync():` or opt.require_backward_grad_sync = False"
+            f"{seen}"
+        )
 
     def _backward_ended(self) -> None:
         self._end_queued = False
@@ -258,8 +290,11 @@ class GradientExchange(torch.optim.Optimizer):
     def exchanges_this_pass(self) -> bool:
         """Whether the backward pass running (or just ended) completes the step's gradient."""
         model_syncs = self._model is None or getattr(self._model, "require_backward_grad_sync", True)
-        return self._exchange_enabled and model_syncs and self._backward_passes >= self.backward_passes_per_step - (
-            1 if self._end_queued else 0)
+        return (
+            self._exchange_enabled
+            and model_syncs
+            and self._backward_passes >= self.backward_passes_per_step - (1 if self._end_queued else 0)
+        )
 
     def _read_model_flags(self, model: torch.nn.Module) -> None:
         """Honour DDP's accumulation idioms written on the model, as DDP's model wrapper does
@@ -334,8 +369,11 @@ class GradientExchange(torch.optim.Optimizer):
     def _making_state(self) -> bool:
         """Whether this step is hvd.broadcast_optimizer_state's: no backward pass, no state yet,
         every gradient zero."""
-        return not self._backward_passes and not self.state and all(
-            p.grad is None or not p.grad.any() for group in self.param_groups for p in group["params"])
+        return (
+            not self._backward_passes
+            and not self.state
+            and all(p.grad is None or not p.grad.any() for group in self.param_groups for p in group["params"])
+        )
 
     def _start_step(self) -> None:
         self._synchronized = self._pooled_by_backward = False
@@ -356,6 +394,7 @@ class GradientExchange(torch.optim.Optimizer):
 
 def _model_no_sync(model: torch.nn.Module) -> Any:
     """DDP's `model.no_sync()` for a plain module: clears its require_backward_grad_sync inside."""
+
     @contextlib.contextmanager
     def no_sync() -> Iterator[None]:
         previous, model.require_backward_grad_sync = model.require_backward_grad_sync, False
@@ -363,10 +402,13 @@ def _model_no_sync(model: torch.nn.Module) -> Any:
             yield
         finally:
             model.require_backward_grad_sync = previous
+
     return no_sync
 
 
-def wrap_optimizer(optimizer: torch.optim.Optimizer, exchange: type, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
+def wrap_optimizer(
+    optimizer: torch.optim.Optimizer, exchange: type, *args: Any, **kwargs: Any
+) -> torch.optim.Optimizer:
     """An instance of `optimizer`'s own class with `exchange` (a GradientExchange subclass)
     mixed in, over the same parameter groups and state: isinstance checks, LR schedulers and
     state loaded before the wrap keep working."""

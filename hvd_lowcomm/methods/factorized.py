@@ -33,6 +33,7 @@ computes more (`Spectrum.trusted`), and the noise rule's median, which lies in t
 part, is bounded by ‖R‖_F/√(i - q) (at least i - q singular values of R are not below the
 i-th of W); when that bound could move the threshold above the kept edge, the full SVD is taken.
 """
+
 from __future__ import annotations
 
 import copy
@@ -89,8 +90,10 @@ class FactorizedLayer(nn.Module):
         super().__init__()
         self.kind = kind_of(layer)
         if self.kind is None:
-            raise ConfigError(f"AB-training factorises Linear, Hugging Face Conv1D and Conv1d/2d/3d layers, not "
-                              f"{type(layer).__name__}")
+            raise ConfigError(
+                f"AB-training factorises Linear, Hugging Face Conv1D and Conv1d/2d/3d layers, not "
+                f"{type(layer).__name__}"
+            )
         self.layer = layer
         rows, cols = self.kind.shape(layer)
         self.transposed = rows < cols  # factorise the tall orientation
@@ -161,7 +164,9 @@ class FactorizedLayer(nn.Module):
         cross = ((a.T @ e) * output_side.T.double()).sum(dim=1)
         return torch.cat([energy + 2 * cross, e.square().sum().reshape(1)])
 
-    def factorize(self, rank: int, svd: Spectrum | tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> int:
+    def factorize(
+        self, rank: int, svd: Spectrum | tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    ) -> int:
         """Split the dense weight into A, B keeping `rank` singular values (`svd`: a Spectrum
         or (u, s, vh) already computed). Returns the rank kept."""
         u, s, vh = (svd.u, svd.s, svd.vh) if isinstance(svd, Spectrum) else svd if svd is not None else self.svd()
@@ -227,9 +232,16 @@ def noise_edge(s: torch.Tensor, shape: tuple[int, int]) -> float:
     return gavish_donoho_omega(min(shape) / max(shape)) * float(s.median())
 
 
-def choose_rank(s: torch.Tensor, shape: tuple[int, int], rule: str, tau: float,
-                energy: torch.Tensor, max_output_error: float, kept_edge: float | None = None,
-                median: float | None = None) -> int:
+def choose_rank(
+    s: torch.Tensor,
+    shape: tuple[int, int],
+    rule: str,
+    tau: float,
+    energy: torch.Tensor,
+    max_output_error: float,
+    kept_edge: float | None = None,
+    median: float | None = None,
+) -> int:
     """Singular values to keep: the rule's cut (see the module docstring; `kept_edge`: the
     bulk's edge measured at the first factorisation; `median`: the spectrum's median singular
     value when `s` holds only its leading part), raised until the dropped share of `energy`
@@ -252,8 +264,9 @@ def dropped_fraction(energy: torch.Tensor, rank: int) -> float:
     return float((energy[rank:].sum().clamp_min(0) / energy.sum().clamp_min(1e-30)).sqrt())
 
 
-def factorize_model(model: nn.Module, full_rank: list[str], frozen: list[str] = ()
-                    ) -> tuple[dict[str, FactorizedLayer], dict[str, str]]:
+def factorize_model(
+    model: nn.Module, full_rank: list[str], frozen: list[str] = ()
+) -> tuple[dict[str, FactorizedLayer], dict[str, str]]:
     """Replace every weight layer of a registered kind except those named in `full_rank` by a
     FactorizedLayer (still dense until factorised). "first" and "last" name the first and last
     such layer in module order (the reference keeps the first conv and the classifier head
@@ -267,12 +280,16 @@ def factorize_model(model: nn.Module, full_rank: list[str], frozen: list[str] = 
     shared = shared_weights(model)
     for name, module in model.named_modules():
         if isinstance(module, nn.MultiheadAttention):
-            inside_attention.update(f"{name}.{child}" if name else child for child, _ in module.named_modules() if child)
+            inside_attention.update(
+                f"{name}.{child}" if name else child for child, _ in module.named_modules() if child
+            )
         elif kind_of(module) is not None and name not in inside_attention:
             candidates.append(name)
     if not candidates:
-        raise ConfigError("AB-training needs Linear, Hugging Face Conv1D or Conv1d/2d/3d layers to factorise; this "
-                          "model has none" + (" outside nn.MultiheadAttention" if inside_attention else ""))
+        raise ConfigError(
+            "AB-training needs Linear, Hugging Face Conv1D or Conv1d/2d/3d layers to factorise; this "
+            "model has none" + (" outside nn.MultiheadAttention" if inside_attention else "")
+        )
     for name in sorted(inside_attention):
         if isinstance(model.get_submodule(name), nn.Linear):
             kept[name] = "inside nn.MultiheadAttention, which reads its weight itself"
@@ -283,8 +300,10 @@ def factorize_model(model: nn.Module, full_rank: list[str], frozen: list[str] = 
         elif name in candidates:
             keep.add(name)
         else:
-            raise ConfigError(f"ab.full_rank names layer {name!r}, which is not a weight layer of this model "
-                              f"(its layers: {', '.join(candidates)}; or use first, last)")
+            raise ConfigError(
+                f"ab.full_rank names layer {name!r}, which is not a weight layer of this model "
+                f"(its layers: {', '.join(candidates)}; or use first, last)"
+            )
     factorized = {}
     for name in candidates:
         module = model.get_submodule(name)
@@ -299,9 +318,11 @@ def factorize_model(model: nn.Module, full_rank: list[str], frozen: list[str] = 
         factorized[name] = FactorizedLayer(module)
         setattr(parent, child, factorized[name])
     if not factorized:
-        raise ConfigError("nothing is left to train as A and B: " + "; ".join(f"{n} is kept dense ({kept[n]})"
-                                                                             for n in candidates)
-                          + ": use a deeper model or a shorter ab.full_rank")
+        raise ConfigError(
+            "nothing is left to train as A and B: "
+            + "; ".join(f"{n} is kept dense ({kept[n]})" for n in candidates)
+            + ": use a deeper model or a shorter ab.full_rank"
+        )
     return factorized, kept
 
 

@@ -12,6 +12,7 @@ Built on hvd_lowcomm.comm.mesh (the mesh from hvd_lowcomm's groups; fully_shard 
 collectives), so it runs on the torch engine. Checkpoints are DCP's: they resume on any rank count
 or group size.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,8 +22,14 @@ from typing import Any, ClassVar
 import torch
 
 from hvd_lowcomm.comm import runtime
-from hvd_lowcomm.comm.mesh import (device_mesh, full_state_dict, load_sharded_state, shard_model, shard_units,
-                                   sharded_state)
+from hvd_lowcomm.comm.mesh import (
+    device_mesh,
+    full_state_dict,
+    load_sharded_state,
+    shard_model,
+    shard_units,
+    sharded_state,
+)
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES
 from hvd_lowcomm.config import Config, ConfigError, option
 from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, RunAssumptions, sent_bytes
@@ -37,10 +44,13 @@ class FSDPOptions:
 
     section: ClassVar[str] = "fsdp"
 
-    group_size: int = option(0, "ranks that shard one copy of the model: 0 every rank (plain FSDP); a divisor of "
-                                "the rank count: groups of that many contiguous ranks (a node's, with the node's "
-                                "rank count) each shard a copy, and the groups all-reduce their gradient shards "
-                                "every step (HSDP)")
+    group_size: int = option(
+        0,
+        "ranks that shard one copy of the model: 0 every rank (plain FSDP); a divisor of "
+        "the rank count: groups of that many contiguous ranks (a node's, with the node's "
+        "rank count) each shard a copy, and the groups all-reduce their gradient shards "
+        "every step (HSDP)",
+    )
 
     def validate(self) -> None:
         if self.group_size < 0:
@@ -51,11 +61,15 @@ def check_sharding_world(cfg: Config, world_size: int, group_size: int, option_n
     """Refuse, with the fix, a run that cannot shard: Horovod asked for, or a group size that
     does not divide the rank count."""
     if cfg.comm.engine == "horovod":
-        raise ConfigError(f"--method {cfg.method} shards the model with PyTorch's FSDP2, which runs on "
-                          f"torch.distributed process groups, not Horovod's: use --comm.engine torch (or auto)")
+        raise ConfigError(
+            f"--method {cfg.method} shards the model with PyTorch's FSDP2, which runs on "
+            f"torch.distributed process groups, not Horovod's: use --comm.engine torch (or auto)"
+        )
     if group_size and world_size % group_size:
-        raise ConfigError(f"{option_name} {group_size} does not divide the {world_size} ranks: choose a divisor of "
-                          f"the rank count, or 0 for every rank")
+        raise ConfigError(
+            f"{option_name} {group_size} does not divide the {world_size} ranks: choose a divisor of "
+            f"the rank count, or 0 for every rank"
+        )
 
 
 def shard_the_replicas(model: torch.nn.Module, group_size: int, replicate: bool = True) -> torch.nn.Module:
@@ -72,8 +86,9 @@ def gathered_numbers(shapes: list[tuple[int, ...]], shard: int) -> int:
     return sum(shard * math.ceil(shape[0] / shard) * math.prod(shape[1:]) for shape in shapes)
 
 
-def fsdp_facts(model: torch.nn.Module, input_shape: tuple[int, ...], options: FSDPOptions | None,
-               cfg: Config) -> dict[str, list[tuple[int, ...]]]:
+def fsdp_facts(
+    model: torch.nn.Module, input_shape: tuple[int, ...], options: FSDPOptions | None, cfg: Config
+) -> dict[str, list[tuple[int, ...]]]:
     """The parameters' shapes as shard_model groups them: in the repeated blocks (gathered in
     forward and again in backward) and in the root (gathered once)."""
     in_units = [p for unit in shard_units(model) for p in unit.parameters()]
@@ -86,12 +101,16 @@ def sharded_step_bytes(facts: dict[str, list[tuple[int, ...]]], shard: int, accu
     """Payload bytes of one step's collectives inside a group: every micro-batch gathers the
     blocks twice and the root once; the last reduce-scatters every gradient."""
     units, root = (FLOAT_BYTES * gathered_numbers(facts[k], shard) for k in ("units", "root"))
-    return {"allgather": accumulate * (2 * units + root), "reduce_scatter": units + root,
-            "shard": (units + root) / shard}
+    return {
+        "allgather": accumulate * (2 * units + root),
+        "reduce_scatter": units + root,
+        "shard": (units + root) / shard,
+    }
 
 
-def predict_fsdp(profile: Profile, world_size: int, link: Link, o: FSDPOptions, cfg: Config,
-                 assumptions: RunAssumptions) -> Prediction:
+def predict_fsdp(
+    profile: Profile, world_size: int, link: Link, o: FSDPOptions, cfg: Config, assumptions: RunAssumptions
+) -> Prediction:
     """All-gathers and a reduce-scatter inside each group (on a node's links when a group fits
     in one), each gradient shard all-reduced across groups, FSDP2's prefetch hiding what the
     forward and backward passes cover."""
@@ -100,16 +119,27 @@ def predict_fsdp(profile: Profile, world_size: int, link: Link, o: FSDPOptions, 
         raise ConfigError(f"fsdp: groups of {shard} ranks do not divide {world_size} ranks")
     groups = world_size // shard
     step = sharded_step_bytes(profile.facts["fsdp"], shard, cfg.train.accumulate)
-    inside = (sent_bytes("allgather", step["allgather"] / shard, shard)
-              + sent_bytes("reduce_scatter", step["reduce_scatter"], shard))
+    inside = sent_bytes("allgather", step["allgather"] / shard, shard) + sent_bytes(
+        "reduce_scatter", step["reduce_scatter"], shard
+    )
     across = sent_bytes("allreduce", step["shard"], groups)
     spans = shard >= link.ranks_per_node  # a column's ranks sit on different nodes once groups fill nodes
-    comm = (link.allgather(step["allgather"] / shard, shard, world_size)
-            + link.reduce_scatter(step["reduce_scatter"], shard, world_size)
-            + link.allreduce(step["shard"], groups, world_size, spans_nodes=spans))
+    comm = (
+        link.allgather(step["allgather"] / shard, shard, world_size)
+        + link.reduce_scatter(step["reduce_scatter"], shard, world_size)
+        + link.allreduce(step["shard"], groups, world_size, spans_nodes=spans)
+    )
     hidden = min(comm, link.overlap * (profile.forward_seconds + profile.backward_seconds))
-    return Prediction("fsdp", world_size, profile.step_seconds, 0.0, comm, hidden, inside + across,
-                      inside * link.node_share(shard) + across * link.node_share(groups, spans))
+    return Prediction(
+        "fsdp",
+        world_size,
+        profile.step_seconds,
+        0.0,
+        comm,
+        hidden,
+        inside + across,
+        inside * link.node_share(shard) + across * link.node_share(groups, spans),
+    )
 
 
 def fsdp_quality(options: FSDPOptions | None, cfg: Config) -> str:
@@ -117,8 +147,7 @@ def fsdp_quality(options: FSDPOptions | None, cfg: Config) -> str:
     return ""
 
 
-@register("fsdp", options=FSDPOptions,
-          cost=MethodCost(predict_fsdp, model_facts=fsdp_facts, quality=fsdp_quality))
+@register("fsdp", options=FSDPOptions, cost=MethodCost(predict_fsdp, model_facts=fsdp_facts, quality=fsdp_quality))
 class FullyShardedDataParallel(Method):
     """ddp's training with the model, gradients and optimiser state sharded (FSDP2)."""
 
@@ -172,4 +201,3 @@ class FullyShardedDataParallel(Method):
         total = sum(p.numel() for p in self.model.parameters())
         hsdp = 0 < self.options.group_size < runtime.size()
         return {"parameter_share_per_rank": shards / max(total, 1), **(group_traffic(("replicate",)) if hsdp else {})}
-

@@ -8,6 +8,7 @@ group count that divides an odd rank count:
 its own, and now and then combine the groups' progress as a pseudo-gradient that an outer SGD
 step applies (DiLoCo's outer step; plain averaging at lr 1 without momentum).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,14 +32,18 @@ class GroupedOptions:
 
     section: ClassVar[str] = "?"  # the options' section, for messages
 
-    groups: int = option(0, "independent groups of contiguous ranks (0: one per node on several nodes, else 2, "
-                            "or on an odd rank count its smallest divisor)")
+    groups: int = option(
+        0,
+        "independent groups of contiguous ranks (0: one per node on several nodes, else 2, "
+        "or on an odd rank count its smallest divisor)",
+    )
     # Plain averaging by default, not DiLoCo's lr 0.7 with Nesterov momentum 0.9: once syncs agree in
     # direction that step moves the model lr/(1 - momentum) = 7 times the groups' mean progress, which pays
     # for long, smooth pseudo-gradients, not for short ones or error-fed exchanges (docs: benchmarks,
     # "DiLoCo's exchange between groups").
-    outer_lr: float = option(1.0, "outer learning rate at a sync (1 with outer_momentum 0: the plain average; "
-                                  "DiLoCo's paper: 0.7)")
+    outer_lr: float = option(
+        1.0, "outer learning rate at a sync (1 with outer_momentum 0: the plain average; DiLoCo's paper: 0.7)"
+    )
     outer_momentum: float = option(0.0, "outer momentum at a sync, kept across syncs (DiLoCo's paper: 0.9)")
     outer_nesterov: bool = option(True, "Nesterov momentum for the outer step (DiLoCo's paper)")
 
@@ -59,12 +64,17 @@ class GroupedOptions:
 
 def outer_optimizer(params: Iterable[torch.Tensor], options: GroupedOptions) -> torch.optim.Optimizer:
     """The outer SGD over `params` (the global copy a pseudo-gradient steps)."""
-    return torch.optim.SGD(params, lr=options.outer_lr, momentum=options.outer_momentum,
-                           nesterov=options.outer_nesterov and options.outer_momentum > 0)
+    return torch.optim.SGD(
+        params,
+        lr=options.outer_lr,
+        momentum=options.outer_momentum,
+        nesterov=options.outer_nesterov and options.outer_momentum > 0,
+    )
 
 
-def step_inner_optimizer(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], clip_grad_norm: float,
-                         scaler: Any) -> None:
+def step_inner_optimizer(
+    optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], clip_grad_norm: float, scaler: Any
+) -> None:
     """The user's optimiser steps on the pooled gradients: a GradScaler's scale taken off
     first, then clipped, the step skipped where the scaler found inf or NaN (the same on every
     rank that pooled them), and the scaler's scale updated."""
@@ -80,14 +90,17 @@ def step_inner_optimizer(optimizer: torch.optim.Optimizer, params: Iterable[torc
 
 
 @contextlib.contextmanager
-def trial_sync(model: nn.Module, sync: Callable[[], None], state: Callable[[], Any],
-               restore: Callable[[Any], None]) -> Iterator[nn.Module]:
+def trial_sync(
+    model: nn.Module, sync: Callable[[], None], state: Callable[[], Any], restore: Callable[[Any], None]
+) -> Iterator[nn.Module]:
     """The model a sync would give now, without changing the run: `sync()` on the live model,
     yield it, then put back the model and what `state()` returned (the method's own sync state,
     given to `restore`). Collective where the sync is."""
     # clones, not a deepcopy: a sharded model's DTensors hold their process groups
-    saved = {k: v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v) for k, v in model.state_dict().items()}, \
-        state()
+    saved = (
+        {k: v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v) for k, v in model.state_dict().items()},
+        state(),
+    )
     sync()
     try:
         yield model
@@ -99,8 +112,10 @@ def trial_sync(model: nn.Module, sync: Callable[[], None], state: Callable[[], A
 def group_traffic(between: tuple[str, ...]) -> dict[str, float]:
     """Training bytes inside the groups and between them (on the process sets whose labels
     start with `between`; the loop's checks on the world count as between)."""
-    return {"intra_group_wire_bytes": meter.total_on(("group", "shard")),
-            "inter_group_wire_bytes": meter.total_on(between, ("train", "control"))}
+    return {
+        "intra_group_wire_bytes": meter.total_on(("group", "shard")),
+        "inter_group_wire_bytes": meter.total_on(between, ("train", "control")),
+    }
 
 
 class GroupTrainerMethod(Method):
@@ -116,8 +131,15 @@ class GroupTrainerMethod(Method):
 
     trainer_class: ClassVar[type]
     # The loop's calls the trainer answers as they are (the Method contract's names and arguments).
-    FORWARDED: ClassVar[tuple[str, ...]] = ("set_total_steps", "agreement_group", "epoch_metrics", "state_dict",
-                                            "load_state_dict", "local_state_dict", "load_local_state_dict")
+    FORWARDED: ClassVar[tuple[str, ...]] = (
+        "set_total_steps",
+        "agreement_group",
+        "epoch_metrics",
+        "state_dict",
+        "load_state_dict",
+        "local_state_dict",
+        "load_local_state_dict",
+    )
     trainer_arguments: ClassVar[dict[str, Any]] = {}  # keywords of the trainer's own for the built-in loop
     trainer: Any
 
@@ -134,8 +156,14 @@ class GroupTrainerMethod(Method):
     def setup(self, model: nn.Module) -> None:
         self.model = model
         self.optimizer = make_optimizer(self.cfg, model.parameters())
-        self.trainer = self.trainer_class(model, self.optimizer, SET_LATER, options=self.options,
-                                          clip_grad_norm=self.cfg.train.clip_grad_norm, **self.trainer_arguments)
+        self.trainer = self.trainer_class(
+            model,
+            self.optimizer,
+            SET_LATER,
+            options=self.options,
+            clip_grad_norm=self.cfg.train.clip_grad_norm,
+            **self.trainer_arguments,
+        )
 
     def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int, float]:
         """Accuracy of the model a sync would give now."""
@@ -163,8 +191,10 @@ class GroupTrainerMethod(Method):
 
 def _forwarded(name: str) -> Callable[..., Any]:
     """The Method call `name`, answered by the trainer's method of that name."""
+
     def forward(self: GroupTrainerMethod, *args: Any) -> Any:
         return getattr(self.trainer, name)(*args)
+
     forward.__name__, forward.__qualname__ = name, f"GroupTrainerMethod.{name}"
     forward.__doc__ = getattr(Method, name).__doc__
     return forward

@@ -15,6 +15,7 @@ shares G's top singular triplets. Three ways give them (`cheapest_way` picks by 
   products with A, Aᵀ, D and Dᵀ, each O(rows · (d_in + d_out)), so G is never formed (the
   paper's structured power iteration).
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -35,14 +36,22 @@ def cheapest_way(rows: int, d_in: int, d_out: int, rank: int, iterations: int) -
     """Which of WAYS computes the top `rank` triplets of G = Aᵀ D with the fewest flops."""
     width = min(rank + OVERSAMPLE, d_in, d_out)
     core_in, core_out = min(rows, d_in), min(rows, d_out)
-    flops = {"exact": 2 * rows * (d_in * core_in + d_out * core_out) + 10 * core_in * core_out * min(core_in, core_out),
-             "gradient": iterations * 4 * d_in * d_out * width,
-             "structured": iterations * 4 * rows * (d_in + d_out) * width}
+    flops = {
+        "exact": 2 * rows * (d_in * core_in + d_out * core_out) + 10 * core_in * core_out * min(core_in, core_out),
+        "gradient": iterations * 4 * d_in * d_out * width,
+        "structured": iterations * 4 * rows * (d_in + d_out) * width,
+    }
     return min(WAYS, key=flops.__getitem__)
 
 
-def factors_from_rows(acts: torch.Tensor, deltas: torch.Tensor, rank: int, iterations: int, tol: float,
-                      generator: torch.Generator | None = None) -> Factors:
+def factors_from_rows(
+    acts: torch.Tensor,
+    deltas: torch.Tensor,
+    rank: int,
+    iterations: int,
+    tol: float,
+    generator: torch.Generator | None = None,
+) -> Factors:
     """Top triplets of G = actsᵀ deltas from the rows: exactly, or by structured power
     iteration when that is cheaper (see the module docstring). Returns what
     structured_power_iteration does."""
@@ -53,14 +62,20 @@ def factors_from_rows(acts: torch.Tensor, deltas: torch.Tensor, rank: int, itera
 
 def exact_factors(acts: torch.Tensor, deltas: torch.Tensor, rank: int, tol: float) -> Factors:
     """Top triplets of G = actsᵀ deltas, exactly, from thin QRs of the rows."""
-    q_in, r_in = torch.linalg.qr(acts.T)     # d_in × m, m × rows
+    q_in, r_in = torch.linalg.qr(acts.T)  # d_in × m, m × rows
     q_out, r_out = torch.linalg.qr(deltas.T)  # d_out × m', m' × rows
     u, s, vh = torch.linalg.svd(r_in @ r_out.T, full_matrices=False)  # G = (Q_in U) Σ (Q_out V)ᵀ
     return _leading(s, (q_in @ u).T, vh @ q_out.T, rank, tol)
 
 
-def structured_power_iteration(acts: torch.Tensor, deltas: torch.Tensor, rank: int, iterations: int,
-                               tol: float, generator: torch.Generator | None = None) -> Factors:
+def structured_power_iteration(
+    acts: torch.Tensor,
+    deltas: torch.Tensor,
+    rank: int,
+    iterations: int,
+    tol: float,
+    generator: torch.Generator | None = None,
+) -> Factors:
     """Top singular triplets of G = actsᵀ deltas by block power iteration over the rows.
 
     All components at once: Q (d_in × w, w = rank + OVERSAMPLE, at most G's possible rank)
@@ -78,21 +93,39 @@ def structured_power_iteration(acts: torch.Tensor, deltas: torch.Tensor, rank: i
     """
     rows, d_in = acts.shape
     d_out = deltas.shape[1]
-    return _block_power_iteration(lambda q: acts.T @ (deltas @ (deltas.T @ (acts @ q))),
-                                  lambda q: deltas.T @ (acts @ q), (d_in, d_out), min(d_in, d_out, rows),
-                                  rank, iterations, tol, generator, acts)
+    return _block_power_iteration(
+        lambda q: acts.T @ (deltas @ (deltas.T @ (acts @ q))),
+        lambda q: deltas.T @ (acts @ q),
+        (d_in, d_out),
+        min(d_in, d_out, rows),
+        rank,
+        iterations,
+        tol,
+        generator,
+        acts,
+    )
 
 
-def gradient_power_iteration(gradient: torch.Tensor, rank: int, iterations: int, tol: float,
-                             generator: torch.Generator | None = None) -> Factors:
+def gradient_power_iteration(
+    gradient: torch.Tensor, rank: int, iterations: int, tol: float, generator: torch.Generator | None = None
+) -> Factors:
     """The same triplets as structured_power_iteration, iterating on G (d_in × d_out) itself."""
-    return _block_power_iteration(lambda q: gradient @ (gradient.T @ q), lambda q: gradient.T @ q,
-                                  tuple(gradient.shape), min(gradient.shape), rank, iterations, tol, generator,
-                                  gradient)
+    return _block_power_iteration(
+        lambda q: gradient @ (gradient.T @ q),
+        lambda q: gradient.T @ q,
+        tuple(gradient.shape),
+        min(gradient.shape),
+        rank,
+        iterations,
+        tol,
+        generator,
+        gradient,
+    )
 
 
-def missed_energy(acts: torch.Tensor, deltas: torch.Tensor, factors: Factors,
-                  generator: torch.Generator | None = None) -> float:
+def missed_energy(
+    acts: torch.Tensor, deltas: torch.Tensor, factors: Factors, generator: torch.Generator | None = None
+) -> float:
     """Estimate of ‖G - B̃ C̃ᵀ‖², the energy of G = actsᵀ deltas that `factors` (B̃ᵀ, C̃ᵀ) miss,
     with random probes and without forming G: E ‖(G - B̃ C̃ᵀ) S‖² = ‖G - B̃ C̃ᵀ‖²
     (hvd_lowcomm.methods.adaptive_rank); exactly 0 when the factors hold all of G."""
@@ -101,10 +134,17 @@ def missed_energy(acts: torch.Tensor, deltas: torch.Tensor, factors: Factors,
     return float((acts.T @ (deltas @ s) - b_rows.T @ (c_rows @ s)).pow(2).sum())
 
 
-def _block_power_iteration(gram_times: Callable[[torch.Tensor], torch.Tensor],
-                           transpose_times: Callable[[torch.Tensor], torch.Tensor], shape: tuple[int, int],
-                           most: int, rank: int, iterations: int, tol: float, generator: torch.Generator | None,
-                           like: torch.Tensor) -> Factors:
+def _block_power_iteration(
+    gram_times: Callable[[torch.Tensor], torch.Tensor],
+    transpose_times: Callable[[torch.Tensor], torch.Tensor],
+    shape: tuple[int, int],
+    most: int,
+    rank: int,
+    iterations: int,
+    tol: float,
+    generator: torch.Generator | None,
+    like: torch.Tensor,
+) -> Factors:
     """Subspace iteration with G Gᵀ (`gram_times`) and Rayleigh-Ritz with Gᵀ (`transpose_times`)
     for G of `shape` (d_in × d_out) whose rank is at most `most`."""
     d_in, d_out = shape
@@ -114,7 +154,7 @@ def _block_power_iteration(gram_times: Callable[[torch.Tensor], torch.Tensor],
     q, _ = torch.linalg.qr(torch.randn(d_in, width, generator=generator, dtype=like.dtype).to(like.device))
     for _ in range(iterations):
         new, _ = torch.linalg.qr(gram_times(q))  # orth(G Gᵀ Q)
-        moved = (new - q @ (q.T @ new)).norm() / width ** 0.5
+        moved = (new - q @ (q.T @ new)).norm() / width**0.5
         q = new
         if moved < tol:
             break

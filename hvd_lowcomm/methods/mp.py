@@ -5,6 +5,7 @@ every step sends each batch's activations forward to the next group and their gr
 and each group averages its partition's gradients among its own ranks (data parallel within a
 partition when groups have several ranks).
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterable
@@ -17,8 +18,16 @@ from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
 from hvd_lowcomm.config import Config, ConfigError
 from hvd_lowcomm.registry import register
 from hvd_lowcomm.methods.base import Method, make_optimizer
-from hvd_lowcomm.methods.partition import (Layout, PartitionOptions, cut_points, describe, joined_state_dict,
-                                           partitioned_cost, pipeline_evaluate, pipeline_train_step)
+from hvd_lowcomm.methods.partition import (
+    Layout,
+    PartitionOptions,
+    cut_points,
+    describe,
+    joined_state_dict,
+    partitioned_cost,
+    pipeline_evaluate,
+    pipeline_train_step,
+)
 
 
 class Partitioned(Method):
@@ -33,16 +42,19 @@ class Partitioned(Method):
     def check_world(cls, cfg: Config, world_size: int) -> None:
         t = cfg.train
         if t.clip_grad_norm:
-            raise ConfigError(f"{cls.name} does not support train.clip_grad_norm: each partition holds only its "
-                              f"part of the gradient, so no rank knows its norm; leave it at 0 for {cls.name}")
+            raise ConfigError(
+                f"{cls.name} does not support train.clip_grad_norm: each partition holds only its "
+                f"part of the gradient, so no rank knows its norm; leave it at 0 for {cls.name}"
+            )
         if t.accumulate > 1 or t.amp != "none":
-            raise ConfigError(f"{cls.name} does not support train.accumulate or train.amp yet (its partitions "
-                              f"train by their own step functions); leave them at 1 and none for {cls.name}")
+            raise ConfigError(
+                f"{cls.name} does not support train.accumulate or train.amp yet (its partitions "
+                f"train by their own step functions); leave them at 1 and none for {cls.name}"
+            )
         group_layout(world_size, num_groups=cfg.options.partitions)
 
     def check_model(self, model: torch.nn.Module) -> None:
-        cut_points(model, self.options.partitions, self.options.cuts, self.needs_deep_partitions,
-                   self.data.input_shape)
+        cut_points(model, self.options.partitions, self.options.cuts, self.needs_deep_partitions, self.data.input_shape)
 
     def setup(self, model: torch.nn.Module) -> None:
         self.layout = self.make_layout(model)
@@ -69,11 +81,18 @@ class Partitioned(Method):
         return pipeline_evaluate(self.layout, batches)
 
     def epoch_metrics(self) -> dict[str, Any]:
-        between = sum(t.payload_bytes for (phase, op, _), t in meter.by_kind.items() if phase == "train" and op == "send")
+        between = sum(
+            t.payload_bytes for (phase, op, _), t in meter.by_kind.items() if phase == "train" and op == "send"
+        )
         within = meter.total_on(("partition",))
         own = sum(p.numel() for p in self.model.parameters())
-        return {"partition": self.layout.index, "between_partitions_bytes": between, "within_partition_wire_bytes": within,
-                "parameter_bytes": FLOAT_BYTES * own, "parameter_fraction": own / self.layout.whole_model_parameters}
+        return {
+            "partition": self.layout.index,
+            "between_partitions_bytes": between,
+            "within_partition_wire_bytes": within,
+            "parameter_bytes": FLOAT_BYTES * own,
+            "parameter_fraction": own / self.layout.whole_model_parameters,
+        }
 
     def summary_metrics(self) -> dict[str, Any]:
         return {**self.epoch_metrics(), "partitions": self.layout.table}

@@ -57,6 +57,7 @@ function of no arguments, which the caller runs at once or on a background threa
 group's collectives on the training thread.
 `transfers()` is the same accounting for the cost model.
 """
+
 from __future__ import annotations
 
 import math
@@ -73,11 +74,11 @@ from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter, side_allgather, side_al
 from hvd_lowcomm.methods.powersgd import orthogonalise
 
 COMPRESSIONS = ("none", "fp16", "int8", "int2", "sparse", "lowrank")
-BLOCK = 256    # numbers per int8 scale: one fp32 scale costs 1/64 of the block's bytes
+BLOCK = 256  # numbers per int8 scale: one fp32 scale costs 1/64 of the block's bytes
 # numbers per 4-bit scale: 4-bit factors of a pseudo-gradient's weak directions need a scale of
 # their own more often (1/8 of the block's bytes)
 BLOCK4 = 64
-CHUNK = 4096   # numbers per sparse chunk: every chunk sends its own top-k
+CHUNK = 4096  # numbers per sparse chunk: every chunk sends its own top-k
 # Sparse beyond 2 groups, by default: the share of the groups' mean an owner sends back, as a multiple
 # of a group's density (diloco.owner_density)
 OWNER_DENSITY_SHARE = 3.0
@@ -99,8 +100,8 @@ class Transfer:
 
 
 Collective = Callable[[], torch.Tensor]
-Encode = Callable[[torch.Tensor], torch.Tensor]        # a chunk of numbers -> bytes
-Decode = Callable[[torch.Tensor, int], torch.Tensor]   # bytes, how many numbers -> the numbers
+Encode = Callable[[torch.Tensor], torch.Tensor]  # a chunk of numbers -> bytes
+Decode = Callable[[torch.Tensor, int], torch.Tensor]  # bytes, how many numbers -> the numbers
 Encoded = TypeVar("Encoded")  # what an encoder makes of a chunk: its bytes, or (bytes, what they decode to)
 
 
@@ -153,29 +154,38 @@ class Exchange:
     # -- shared ---------------------------------------------------------------------------------
     def _record(self, fragment: int, transfers: list[Transfer]) -> None:
         for t in transfers:
-            meter.record(t.op, f"diloco.outer.{fragment}.{self.name}.{t.op}", t.payload, self.column,
-                         wire=t.sent_bytes(self.members))
+            meter.record(
+                t.op,
+                f"diloco.outer.{fragment}.{self.name}.{t.op}",
+                t.payload,
+                self.column,
+                wire=t.sent_bytes(self.members),
+            )
 
     def _feedback(self, fragment: int, delta: torch.Tensor, decay: float = 1.0) -> torch.Tensor:
         """Δ plus (decay times) what earlier exchanges of this fragment left out."""
         error = self.errors.get(fragment)
         return delta.detach().cpu().clone() if error is None else decay * error + delta.detach().cpu()
 
-    def _owners_encode(self, fragment: int, encode: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-                       ) -> Encode:
+    def _owners_encode(
+        self, fragment: int, encode: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    ) -> Encode:
         """Encoding of the mean part this member owns, with its own error feedback: `encode` gives
         (bytes, what they decode to), and what it left out joins the next exchange's part. (Fed
         back G times into the owner's own error instead, as lowrank does, a coarse rounding of
         the mean is multiplied before the next one rounds it again, and more waits.)"""
+
         def owners(mean: torch.Tensor) -> torch.Tensor:
             pending = mean + self.owner_errors.get(fragment, torch.zeros_like(mean))
             payload, kept = encode(pending)
             self.owner_errors[fragment] = pending - kept
             return payload
+
         return owners
 
-    def _encode_chunks(self, values: torch.Tensor, encode: Callable[[torch.Tensor], Encoded]
-                       ) -> tuple[list[Encoded], int]:
+    def _encode_chunks(
+        self, values: torch.Tensor, encode: Callable[[torch.Tensor], Encoded]
+    ) -> tuple[list[Encoded], int]:
         """`values` cut into one chunk per column member (the last padded with zeros), each
         encoded, and the chunk length."""
         chunk = -(-len(values) // self.members)
@@ -188,8 +198,15 @@ class Exchange:
         each = sum(codec.size(-(-n // self.members)) for n, codec in parts)
         return [Transfer("alltoall", self.members * each), Transfer("allgather", each)]
 
-    def _reduce_scatter_mean(self, payload: torch.Tensor, chunk: int, numbers: int, encode: Encode,
-                             decode: Decode, decode_mean: Decode | None = None) -> torch.Tensor:
+    def _reduce_scatter_mean(
+        self,
+        payload: torch.Tensor,
+        chunk: int,
+        numbers: int,
+        encode: Encode,
+        decode: Decode,
+        decode_mean: Decode | None = None,
+    ) -> torch.Tensor:
         """The column's mean of the vectors whose encoded chunks (`_encode_chunks`, joined) are
         `payload`: member j receives every member's chunk j (alltoall), sums them in fp32 and
         returns its mean chunk encoded (allgather; `decode_mean` reads those, when `encode`
@@ -208,23 +225,30 @@ class Exchange:
         sizes = [codec.size(chunk) for (_, chunk), codec in cut]
         payload = torch.cat([encoded[j] for j in range(self.members) for (encoded, _), _ in cut])
         received = [p.split(sizes) for p in side_alltoall(payload, self.column)]  # every member's chunk j of each part
-        means = [sum(codec.decode(r[i], chunk) for r in received) / self.members
-                 for i, ((_, chunk), codec) in enumerate(cut)]
+        means = [
+            sum(codec.decode(r[i], chunk) for r in received) / self.members for i, ((_, chunk), codec) in enumerate(cut)
+        ]
         mine = [codec.encode(m) for m, (_, codec) in zip(means, cut)]
         gathered = [g.split(sizes) for g in side_allgather(torch.cat(mine), self.column)]
         owned = self.column.rank_of(runtime.rank()) if self.members > 1 else 0
         out = []
         for i, ((v, _), ((encoded, chunk), codec)) in enumerate(zip(parts, cut)):
             lost = torch.zeros(chunk * self.members)
-            lost[owned * chunk:(owned + 1) * chunk] = means[i] - codec.decode(mine[i], chunk)
-            out.append(Means(torch.cat([codec.decode(g[i], chunk) for g in gathered])[:len(v)],
-                             torch.cat([codec.decode(e, chunk) for e in encoded])[:len(v)],
-                             self.members * lost[:len(v)]))
+            lost[owned * chunk : (owned + 1) * chunk] = means[i] - codec.decode(mine[i], chunk)
+            out.append(
+                Means(
+                    torch.cat([codec.decode(g[i], chunk) for g in gathered])[: len(v)],
+                    torch.cat([codec.decode(e, chunk) for e in encoded])[: len(v)],
+                    self.members * lost[: len(v)],
+                )
+            )
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"errors": {f: e.clone() for f, e in self.errors.items()},
-                "owner_errors": {f: e.clone() for f, e in self.owner_errors.items()}}
+        return {
+            "errors": {f: e.clone() for f, e in self.errors.items()},
+            "owner_errors": {f: e.clone() for f, e in self.owner_errors.items()},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.errors = {int(f): e.clone() for f, e in state["errors"].items()}
@@ -235,6 +259,7 @@ class Exchange:
 # ---------------------------------------------------------------------------------------------
 # quantised reduce-scatter
 
+
 def fp16_encode(chunk: torch.Tensor) -> torch.Tensor:
     """The chunk as float16, multiplied by the power of two that puts its largest value at 2**14
     (a small learning rate's pseudo-gradient of 1e-6 would otherwise lose most of its bits to
@@ -244,8 +269,8 @@ def fp16_encode(chunk: torch.Tensor) -> torch.Tensor:
 
 
 def fp16_decode(payload: torch.Tensor, numbers: int) -> torch.Tensor:
-    half = _view(payload[:2 * numbers], torch.float16).view(1, -1)
-    return from_half_rows(half, _view(payload[2 * numbers:], torch.float32).view(1, 1)).view(-1)
+    half = _view(payload[: 2 * numbers], torch.float16).view(1, -1)
+    return from_half_rows(half, _view(payload[2 * numbers :], torch.float32).view(1, 1)).view(-1)
 
 
 def fp16_bytes(chunk: int) -> int:
@@ -272,7 +297,7 @@ def int8_encode(chunk: torch.Tensor) -> torch.Tensor:
     """The chunk as int8, then one fp32 scale per block of BLOCK (the last block's padding is
     not sent)."""
     values, scales = quantise(chunk)
-    return torch.cat([values[:len(chunk)].view(torch.uint8), scales.view(torch.uint8)])
+    return torch.cat([values[: len(chunk)].view(torch.uint8), scales.view(torch.uint8)])
 
 
 def int8_decode(payload: torch.Tensor, numbers: int) -> torch.Tensor:
@@ -290,16 +315,16 @@ def int4_encode(chunk: torch.Tensor) -> torch.Tensor:
     """The chunk as 4-bit integers in [-7, 7], two to a byte, then one fp32 scale per block of
     BLOCK4."""
     values, scales = quantise(chunk, levels=7, block=BLOCK4)
-    nibbles = (values[:len(chunk)] + 8).to(torch.uint8)
+    nibbles = (values[: len(chunk)] + 8).to(torch.uint8)
     nibbles = torch.cat([nibbles, nibbles.new_full((len(nibbles) % 2,), 8)]).view(-1, 2)
     return torch.cat([nibbles[:, 0] | (nibbles[:, 1] << 4), scales.view(torch.uint8)])
 
 
 def int4_decode(payload: torch.Tensor, numbers: int) -> torch.Tensor:
-    packed, blocks = payload[:-(-numbers // 2)], math.ceil(numbers / BLOCK4)
+    packed, blocks = payload[: -(-numbers // 2)], math.ceil(numbers / BLOCK4)
     values = torch.zeros(blocks * BLOCK4, dtype=torch.int8)
-    values[:numbers] = (torch.stack([packed & 15, packed >> 4], 1).view(-1)[:numbers].to(torch.int8) - 8)
-    return dequantise(values, _view(payload[len(packed):], torch.float32), numbers, BLOCK4)
+    values[:numbers] = torch.stack([packed & 15, packed >> 4], 1).view(-1)[:numbers].to(torch.int8) - 8
+    return dequantise(values, _view(payload[len(packed) :], torch.float32), numbers, BLOCK4)
 
 
 def int4_bytes(chunk: int) -> int:
@@ -313,7 +338,7 @@ def int2_encode(chunk: torch.Tensor) -> torch.Tensor:
     feedback stays below a third of a block's largest number however long a signal persists."""
     blocks = math.ceil(len(chunk) / BLOCK4)
     scales = torch.cat([chunk.abs(), chunk.new_zeros(blocks * BLOCK4 - len(chunk))]).view(blocks, BLOCK4).amax(1)
-    levels = torch.repeat_interleave(scales, BLOCK4)[:len(chunk)]
+    levels = torch.repeat_interleave(scales, BLOCK4)[: len(chunk)]
     unit = torch.where(levels > 0, chunk / levels.clamp_min(torch.finfo(torch.float32).tiny), 0)
     codes = torch.round((unit + 1) * 1.5).clamp(0, 3).to(torch.uint8)  # [-1, 1] -> {0, 1, 2, 3}
     return torch.cat([pack_bits(codes.view(1, -1), 2).view(-1), scales.view(torch.uint8)])
@@ -372,16 +397,18 @@ class Quantised(Exchange):
             encoded, chunk = self._encode_chunks(corrected, codec.encode)
             owners = codec.encode
             if self.name != "fp16":  # fp16's rounding is far below the signal; both of the others' are fed back
-                sent = torch.cat([codec.decode(e, chunk) for e in encoded])[:len(corrected)]
+                sent = torch.cat([codec.decode(e, chunk) for e in encoded])[: len(corrected)]
                 self.errors[fragment] = corrected - sent
                 owners = self._owners_encode(fragment, encoded_and_kept)
             mean = self._reduce_scatter_mean(torch.cat(encoded), chunk, len(corrected), owners, codec.decode)
             return mean.to(delta.device)
+
         return collective
 
 
 # ---------------------------------------------------------------------------------------------
 # sparse: chunked top-k at 2 bits with an error-feedback accumulator
+
 
 def sparse_layout(numbers: int, density: float) -> tuple[int, int, int]:
     """(chunks, chunk length, kept per chunk) of a slice of `numbers`: the fewest chunks of at
@@ -405,6 +432,7 @@ def sparse_bytes(numbers: int, density: float) -> int:
 # floor(log2(u/k)) bits go as they are; the rest, its "high part", as a unary run: bit
 # high_i + i of a k + u/2^low bit vector is set for the i-th offset. At the default density
 # that is under half the bits of 12-bit offsets.
+
 
 def elias_fano_layout(chunk: int, k: int) -> tuple[int, int, int]:
     """(low bits per offset, bits of the high parts' vector, bytes of the low parts) for k
@@ -463,8 +491,13 @@ def sparse_encode(values: torch.Tensor, density: float) -> tuple[torch.Tensor, t
     large = magnitude >= magnitude.median(dim=1, keepdim=True).values
     levels = torch.stack([_mean_where(magnitude, ~large), _mean_where(magnitude, large)], dim=1)  # chunks × 2
     codes = (kept < 0).to(torch.uint8) * 2 + large.to(torch.uint8)
-    payload = torch.cat([elias_fano_encode(offsets, chunk).reshape(-1), pack_bits(codes, 2).reshape(-1),
-                         levels.reshape(-1).contiguous().view(torch.uint8)])
+    payload = torch.cat(
+        [
+            elias_fano_encode(offsets, chunk).reshape(-1),
+            pack_bits(codes, 2).reshape(-1),
+            levels.reshape(-1).contiguous().view(torch.uint8),
+        ]
+    )
     return payload, sparse_decode(payload, len(values), density)
 
 
@@ -472,8 +505,8 @@ def sparse_decode(payload: torch.Tensor, numbers: int, density: float) -> torch.
     chunks, chunk, k = sparse_layout(numbers, density)
     positions, width = chunks * positions_bytes(chunk, k), -(-k // 4)
     offsets = elias_fano_decode(payload[:positions].view(chunks, -1), chunk, k)
-    codes = unpack_bits(payload[positions: positions + chunks * width].view(chunks, width), k, 2)
-    levels = _view(payload[positions + chunks * width:], torch.float32).view(chunks, 2)
+    codes = unpack_bits(payload[positions : positions + chunks * width].view(chunks, width), k, 2)
+    levels = _view(payload[positions + chunks * width :], torch.float32).view(chunks, 2)
     kept = levels.gather(1, codes & 1) * (1 - 2 * (codes >> 1).float())
     out = torch.zeros(chunks, chunk).scatter_(1, offsets, kept)
     return out.view(-1)[:numbers]
@@ -507,8 +540,10 @@ class Sparse(Exchange):
         if not self.by_owner:
             return [Transfer("allgather", sparse_bytes(numbers, self.options.density))]
         part = -(-numbers // self.members)
-        return [Transfer("alltoall", self.members * sparse_bytes(part, self.options.density)),
-                Transfer("allgather", sparse_bytes(part, self.owner_density))]
+        return [
+            Transfer("alltoall", self.members * sparse_bytes(part, self.options.density)),
+            Transfer("allgather", sparse_bytes(part, self.owner_density)),
+        ]
 
     def start(self, fragment: int, delta: torch.Tensor, shapes: list[tuple[int, ...]], start: int) -> Collective:
         density = self.options.density
@@ -533,17 +568,25 @@ class Sparse(Exchange):
 
         def collective() -> torch.Tensor:
             if self.by_owner:
-                mean = self._reduce_scatter_mean(payload, part, len(delta), owners_top, decode,
-                                                 lambda p, numbers: sparse_decode(p, numbers, self.owner_density))
+                mean = self._reduce_scatter_mean(
+                    payload,
+                    part,
+                    len(delta),
+                    owners_top,
+                    decode,
+                    lambda p, numbers: sparse_decode(p, numbers, self.owner_density),
+                )
             else:
                 gathered = side_allgather(payload, self.column)
                 mean = torch.stack([decode(p, len(delta)) for p in gathered]).sum(0).div_(self.members)
             return mean.to(delta.device)
+
         return collective
 
 
 # ---------------------------------------------------------------------------------------------
 # low rank: PowerSGD on each whole-row block of the slice
+
 
 @dataclass(frozen=True)
 class Pieces:
@@ -554,8 +597,14 @@ class Pieces:
     dense: tuple[tuple[int, int], ...]
 
 
-def slice_pieces(shapes: list[tuple[int, ...]], start: int, numbers: int, rank: int, share: float,
-                 factor_bytes: float = INT4.per_number) -> Pieces:
+def slice_pieces(
+    shapes: list[tuple[int, ...]],
+    start: int,
+    numbers: int,
+    rank: int,
+    share: float,
+    factor_bytes: float = INT4.per_number,
+) -> Pieces:
     """The whole-row blocks of each tensor inside [start, start + numbers) of the fragment's
     flat numbers, as matrices where a low rank pays, and the rest as dense runs.
 
@@ -613,16 +662,18 @@ class LowRank(Exchange):
         """The slice's matrices and dense runs, with the budget's ranks brought within it on the
         wire: `slice_pieces` counts bytes a number, and what a member's chunks round up to (a
         scale per started block, a byte per odd nibble) could take a short slice past it."""
-        pieces = slice_pieces(shapes, start, numbers, self.options.rank, self.options.factor_share,
-                              self.factor.per_number)
+        pieces = slice_pieces(
+            shapes, start, numbers, self.options.rank, self.options.factor_share, self.factor.per_number
+        )
         if self.options.rank or self.members == 1:
             return pieces
         budget = self.options.factor_share * self._wire(Exchange.transfers(self, numbers, shapes, start))
         while self._wire(self._transfers(pieces)) > budget and any(r > 1 for *_, r in pieces.matrices):
             largest = max(range(len(pieces.matrices)), key=lambda i: pieces.matrices[i][3])
             o, rows, cols, r = pieces.matrices[largest]
-            pieces = Pieces(pieces.matrices[:largest] + ((o, rows, cols, r - 1),) + pieces.matrices[largest + 1:],
-                            pieces.dense)
+            pieces = Pieces(
+                pieces.matrices[:largest] + ((o, rows, cols, r - 1),) + pieces.matrices[largest + 1 :], pieces.dense
+            )
         return pieces
 
     def _wire(self, transfers: list[Transfer]) -> float:
@@ -632,10 +683,14 @@ class LowRank(Exchange):
         return self._transfers(self.pieces(shapes, start, numbers))
 
     def _transfers(self, pieces: Pieces) -> list[Transfer]:
-        first = [(sum(rows * r for _, rows, _, r in pieces.matrices), self.factor),
-                 (sum(n for _, n in pieces.dense), INT8)]
+        first = [
+            (sum(rows * r for _, rows, _, r in pieces.matrices), self.factor),
+            (sum(n for _, n in pieces.dense), INT8),
+        ]
         second = [(sum(cols * r for _, _, cols, r in pieces.matrices), self.factor)]
-        return self._reduce_scatter_transfers(first) + (self._reduce_scatter_transfers(second) if pieces.matrices else [])
+        return self._reduce_scatter_transfers(first) + (
+            self._reduce_scatter_transfers(second) if pieces.matrices else []
+        )
 
     def _initial_qs(self, fragment: int, pieces: Pieces) -> list[torch.Tensor]:
         """Random orthonormal Qs, the same on every member of the column (same seed, same slice)."""
@@ -650,7 +705,7 @@ class LowRank(Exchange):
         self._record(fragment, self._transfers(pieces))
 
         def collective() -> torch.Tensor:
-            ms = [corrected[o:o + rows * cols].view(rows, cols) for o, rows, cols, _ in pieces.matrices]
+            ms = [corrected[o : o + rows * cols].view(rows, cols) for o, rows, cols, _ in pieces.matrices]
             qs = self.qs[fragment]
             # Factors travel column by column, each direction scaled near unit size by its warm
             # start (the same on every member): column i of M Q grows as σ_i times Q's column norm
@@ -658,34 +713,43 @@ class LowRank(Exchange):
             # would round to nothing beside the strong ones on a block's shared scale.
             # Scaling a column of P changes nothing once P is orthogonalised; Q's is undone.
             norms = [q.pow(2).sum(0).clamp_min(1e-30).sqrt() for q in qs]
-            first, dense = self._means([
-                (torch.cat([((m @ q) / n ** 2).T.reshape(-1) for m, q, n in zip(ms, qs, norms)] + [corrected[:0]]),
-                 self.factor),
-                (torch.cat([corrected[o:o + n] for o, n in pieces.dense] + [corrected[:0]]), INT8)])
+            first, dense = self._means(
+                [
+                    (
+                        torch.cat([((m @ q) / n**2).T.reshape(-1) for m, q, n in zip(ms, qs, norms)] + [corrected[:0]]),
+                        self.factor,
+                    ),
+                    (torch.cat([corrected[o : o + n] for o, n in pieces.dense] + [corrected[:0]]), INT8),
+                ]
+            )
             out, error, at = torch.zeros_like(corrected), torch.zeros_like(corrected), 0
             for o, n in pieces.dense:
-                out[o:o + n] = dense.mean[at:at + n]
-                error[o:o + n] = corrected[o:o + n] - dense.sent[at:at + n] + dense.owner_lost[at:at + n]
+                out[o : o + n] = dense.mean[at : at + n]
+                error[o : o + n] = corrected[o : o + n] - dense.sent[at : at + n] + dense.owner_lost[at : at + n]
                 at += n
             ps, at = [], 0
             for m, q in zip(ms, qs):  # P's rounding does not matter: it is orthogonalised and used as it is
-                ps.append(orthogonalise(first.mean[at:at + m.shape[0] * q.shape[1]].view(q.shape[1], m.shape[0]).T))
+                ps.append(orthogonalise(first.mean[at : at + m.shape[0] * q.shape[1]].view(q.shape[1], m.shape[0]).T))
                 at += m.shape[0] * q.shape[1]
             if not ms:  # no matrices: no second mean (`transfers` has none)
                 self.errors[fragment] = error
                 return out.to(delta.device)
-            second, = self._means(
-                [(torch.cat([((p.T @ m) / n[:, None]).reshape(-1) for m, p, n in zip(ms, ps, norms)]), self.factor)])
+            (second,) = self._means(
+                [(torch.cat([((p.T @ m) / n[:, None]).reshape(-1) for m, p, n in zip(ms, ps, norms)]), self.factor)]
+            )
             at, mean_qs = 0, []
             for (o, rows, cols, r), m, p, n in zip(pieces.matrices, ms, ps, norms):
-                mean_q, sent_q, lost_q = ((part[at:at + cols * r].view(r, cols) * n[:, None]).T
-                                          for part in (second.mean, second.sent, second.owner_lost))
+                mean_q, sent_q, lost_q = (
+                    (part[at : at + cols * r].view(r, cols) * n[:, None]).T
+                    for part in (second.mean, second.sent, second.owner_lost)
+                )
                 at += cols * r
-                out[o:o + rows * cols] = (p @ mean_q.T).reshape(-1)
-                error[o:o + rows * cols] = (m - p @ (sent_q - lost_q).T).reshape(-1)
+                out[o : o + rows * cols] = (p @ mean_q.T).reshape(-1)
+                error[o : o + rows * cols] = (m - p @ (sent_q - lost_q).T).reshape(-1)
                 mean_qs.append(mean_q.contiguous())
             self.errors[fragment], self.qs[fragment] = error, mean_qs  # warm start: the mean Q
             return out.to(delta.device)
+
         return collective
 
     def state_dict(self) -> dict[str, Any]:

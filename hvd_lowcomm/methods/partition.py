@@ -6,6 +6,7 @@ Rank i of group k has a *partner* at the same position in groups k-1 and k+1 (gl
 one seed), so activations and gradients pass between partners point to point, through the
 traffic meter.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -35,8 +36,11 @@ class PartitionOptions:
     """How a sequential model is cut across groups of ranks."""
 
     partitions: int = option(2, "partitions, each held by its own group of ranks")
-    cuts: list[int] = option([], "module indices where partitions 2..K start (empty: every partition gets two "
-                                 "weight layers with a non-linearity between them, then balanced by parameters)")
+    cuts: list[int] = option(
+        [],
+        "module indices where partitions 2..K start (empty: every partition gets two "
+        "weight layers with a non-linearity between them, then balanced by parameters)",
+    )
 
     def validate(self) -> None:
         if self.partitions < 2:
@@ -45,16 +49,36 @@ class PartitionOptions:
 
 def _sequential(model: nn.Module) -> nn.Sequential:
     if not isinstance(model, nn.Sequential):
-        raise ConfigError(f"partitioning needs an nn.Sequential model (the zoo's mlp, sil6 and cnn are); got "
-                          f"{type(model).__name__}")
+        raise ConfigError(
+            f"partitioning needs an nn.Sequential model (the zoo's mlp, sil6 and cnn are); got {type(model).__name__}"
+        )
     return model
 
 
 # Element-wise non-linearities. Pooling and normalisation do not count: what a partition needs
 # is an activation between two weight layers.
-NONLINEARITIES = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.RReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
-                  nn.Mish, nn.Tanh, nn.Sigmoid, nn.LogSigmoid, nn.Softplus, nn.Softsign, nn.Hardtanh,
-                  nn.Hardswish, nn.Hardsigmoid, nn.Tanhshrink)
+NONLINEARITIES = (
+    nn.ReLU,
+    nn.ReLU6,
+    nn.LeakyReLU,
+    nn.PReLU,
+    nn.RReLU,
+    nn.ELU,
+    nn.SELU,
+    nn.CELU,
+    nn.GELU,
+    nn.SiLU,
+    nn.Mish,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.LogSigmoid,
+    nn.Softplus,
+    nn.Softsign,
+    nn.Hardtanh,
+    nn.Hardswish,
+    nn.Hardsigmoid,
+    nn.Tanhshrink,
+)
 
 
 def _kinds(module: nn.Module) -> str:
@@ -83,8 +107,13 @@ def _deep(kinds: str) -> bool:
     return re.search("W.*N.*W", kinds) is not None
 
 
-def cut_points(model: nn.Module, partitions: int, cuts: list[int], need_depth: bool = False,
-               input_shape: tuple[int, ...] | None = None) -> list[int]:
+def cut_points(
+    model: nn.Module,
+    partitions: int,
+    cuts: list[int],
+    need_depth: bool = False,
+    input_shape: tuple[int, ...] | None = None,
+) -> list[int]:
     """Boundaries [0, c_1, ..., c_{K-1}, len(model)]: partition k is model[b_k:b_{k+1}].
 
     Explicit `cuts` are taken as given (see `shallow_partitions` for the warning they may earn).
@@ -99,7 +128,9 @@ def cut_points(model: nn.Module, partitions: int, cuts: list[int], need_depth: b
     modules = list(_sequential(model))
     if cuts:
         if len(cuts) != partitions - 1 or sorted(set(cuts)) != list(cuts) or cuts[0] < 1 or cuts[-1] >= len(modules):
-            raise ConfigError(f"cuts {cuts} must be {partitions - 1} increasing module indices in 1..{len(modules) - 1}")
+            raise ConfigError(
+                f"cuts {cuts} must be {partitions - 1} increasing module indices in 1..{len(modules) - 1}"
+            )
         return _refuse_shared_parameters(modules, [0, *cuts, len(modules)])
     return _refuse_shared_parameters(modules, _default_cut_points(modules, partitions, need_depth, input_shape))
 
@@ -112,14 +143,17 @@ def _refuse_shared_parameters(modules: list[nn.Module], bounds: list[int]) -> li
         for module in modules[a:b]:
             for p in module.parameters():
                 if owner.setdefault(id(p), k) != k:
-                    raise ConfigError(f"partitions {owner[id(p)]} and {k} share a parameter (tied weights, e.g. "
-                                      f"--model.tie_weights true): each partition lives on its own ranks, so the two "
-                                      f"copies would drift apart; untie them (--model.tie_weights false)")
+                    raise ConfigError(
+                        f"partitions {owner[id(p)]} and {k} share a parameter (tied weights, e.g. "
+                        f"--model.tie_weights true): each partition lives on its own ranks, so the two "
+                        f"copies would drift apart; untie them (--model.tie_weights false)"
+                    )
     return bounds
 
 
-def _default_cut_points(modules: list[nn.Module], partitions: int, need_depth: bool,
-                        input_shape: tuple[int, ...] | None) -> list[int]:
+def _default_cut_points(
+    modules: list[nn.Module], partitions: int, need_depth: bool, input_shape: tuple[int, ...] | None
+) -> list[int]:
     kinds = [_kinds(m) for m in modules]
     cumulative = list(itertools.accumulate((sum(p.numel() for p in m.parameters()) for m in modules), initial=0))
     block_starts = [c for c in range(1, len(modules)) if kinds[c].startswith("W")]
@@ -141,12 +175,15 @@ def _default_cut_points(modules: list[nn.Module], partitions: int, need_depth: b
         return _refuse_inside_convolutions(partitions)
     if need_depth:
         return _refuse_shallow(partitions, weight_layers)
-    raise ConfigError(f"{partitions} partitions but the model has only {weight_layers} layers with weights: "
-                      f"use at most {weight_layers} partitions")
+    raise ConfigError(
+        f"{partitions} partitions but the model has only {weight_layers} layers with weights: "
+        f"use at most {weight_layers} partitions"
+    )
 
 
-def _balanced_cut(positions: list[int], partitions: int, rule: Callable[[int, int], bool],
-                  cumulative: list[int]) -> list[int] | None:
+def _balanced_cut(
+    positions: list[int], partitions: int, rule: Callable[[int, int], bool], cumulative: list[int]
+) -> list[int] | None:
     """Boundaries with cuts at `positions` whose pieces all satisfy `rule`, minimising the largest
     piece's share of the parameters (then the sum of squared shares), or None. Dynamic
     programming over (pieces so far, where the last one ends): K·n² rule checks, where trying
@@ -176,7 +213,8 @@ def _refuse_shallow(partitions: int, weight_layers: int) -> list[int]:
         f"has {weight_layers}. Use a deeper model (--model.name sil6, or --model.name mlp with at least "
         f"{2 * partitions - 1} hidden widths, e.g. --model.hidden {','.join(['256'] * (2 * partitions - 1))})"
         + (f" or at most {most} partitions" if most >= 2 else "")
-        + ", or give --sil.cuts yourself to accept the accuracy risk")
+        + ", or give --sil.cuts yourself to accept the accuracy risk"
+    )
 
 
 def _refuse_inside_convolutions(partitions: int) -> list[int]:
@@ -186,7 +224,8 @@ def _refuse_inside_convolutions(partitions: int) -> list[int]:
         f"accuracy: the later partitions learn only to decode the class codes, so the joined network classifies "
         f"no better than the convolutions before the cut do on their own ({CONV_CUT_MEASURED}). Use mp for this model, "
         f"a model with two or more fully connected layers after its convolutions (SIL then cuts among them), or "
-        f"give --sil.cuts yourself to accept the accuracy loss")
+        f"give --sil.cuts yourself to accept the accuracy loss"
+    )
 
 
 def _refuse_between_token_blocks(partitions: int) -> list[int]:
@@ -195,12 +234,15 @@ def _refuse_between_token_blocks(partitions: int) -> list[int]:
         f"each image is a sequence of tokens (a vision transformer), and SIL's class codes are one vector per "
         f"label. Matching a code at every token asks each token to know the image's class, and matching the "
         f"tokens' mean is what lost 10 points at the cuts inside a conv net ({CONV_CUT_MEASURED}). Use mp (it cuts "
-        f"between blocks and trains end to end), or give --sil.cuts yourself to accept the accuracy risk")
+        f"between blocks and trains end to end), or give --sil.cuts yourself to accept the accuracy risk"
+    )
 
 
 # The measurement the refusals of cuts inside a conv net quote (docs: sil, "Where it cuts").
-CONV_CUT_MEASURED = ("measured on animal silhouettes with cnn 16,32,32,64 cut after its third block, 5 epochs: "
-                     "86% with channel-mean codes, 89% in sequential mode, against 96% for data-parallel training")
+CONV_CUT_MEASURED = (
+    "measured on animal silhouettes with cnn 16,32,32,64 cut after its third block, 5 epochs: "
+    "86% with channel-mean codes, 89% in sequential mode, against 96% for data-parallel training"
+)
 
 
 def shallow_partitions(table: list[dict[str, Any]]) -> list[int]:
@@ -216,9 +258,16 @@ def partition_table(model: nn.Module, boundaries: list[int]) -> list[dict[str, A
     table = []
     for k, (a, b) in enumerate(zip(boundaries[:-1], boundaries[1:])):
         parameters = sum(p.numel() for m in modules[a:b] for p in m.parameters())
-        table.append({"partition": k, "modules": [a, b - 1], "layers": ", ".join(_short(m) for m in modules[a:b]),
-                      "parameters": parameters, "parameter_share": parameters / total,
-                      "can_learn": can_learn(modules[a:b])})
+        table.append(
+            {
+                "partition": k,
+                "modules": [a, b - 1],
+                "layers": ", ".join(_short(m) for m in modules[a:b]),
+                "parameters": parameters,
+                "parameter_share": parameters / total,
+                "can_learn": can_learn(modules[a:b]),
+            }
+        )
     return table
 
 
@@ -270,8 +319,9 @@ def activation_shapes(model: nn.Module, boundaries: list[int], input_shape: tupl
 class Layout:
     """This rank's place: its partition index, group, partners and the partition module."""
 
-    def __init__(self, model: nn.Module, options: PartitionOptions, input_shape: tuple[int, ...],
-                 need_depth: bool = False) -> None:
+    def __init__(
+        self, model: nn.Module, options: PartitionOptions, input_shape: tuple[int, ...], need_depth: bool = False
+    ) -> None:
         self.boundaries = cut_points(model, options.partitions, options.cuts, need_depth, input_shape)
         # Seconds in this partition's forward and backward passes (not waiting for a partner,
         # which the meter counts as exchange): the step split every method's summary shows.
@@ -305,8 +355,15 @@ class Layout:
 
     def batches(self, split: Any, batch_size: int, shuffle: bool, seed: int, device: torch.device) -> ShardedBatches:
         """Sharded over this group by position, so partners see the same samples."""
-        return ShardedBatches(split, batch_size, self.group.rank_of(runtime.rank()), self.group.size,
-                              seed=seed, shuffle=shuffle, device=device)
+        return ShardedBatches(
+            split,
+            batch_size,
+            self.group.rank_of(runtime.rank()),
+            self.group.size,
+            seed=seed,
+            shuffle=shuffle,
+            device=device,
+        )
 
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:
@@ -321,12 +378,14 @@ class Layout:
     def receive(self, source: int, rows: int, shape: tuple[int, ...], tag: int, name: str) -> torch.Tensor:
         """Activations (or their gradients) from another partition, on this partition's device."""
         device = runtime.device_of(self.module.parameters())
-        return meter.recv(torch.empty(rows, *shape, device=device, dtype=parameter_dtype(self.module)), source, name,
-                          tag)
+        return meter.recv(
+            torch.empty(rows, *shape, device=device, dtype=parameter_dtype(self.module)), source, name, tag
+        )
 
     def average_gradients(self) -> None:
-        exchange_gradients([(f"partition.grad.{n}", p) for n, p in self.module.named_parameters() if p.requires_grad],
-                           self.group)
+        exchange_gradients(
+            [(f"partition.grad.{n}", p) for n, p in self.module.named_parameters() if p.requires_grad], self.group
+        )
 
 
 def pipeline_train_step(layout: Layout, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -335,8 +394,13 @@ def pipeline_train_step(layout: Layout, optimizer: torch.optim.Optimizer, x: tor
     elsewhere (the loss exists only there)."""
     optimizer.zero_grad()
     rows = len(y)
-    inputs = x if layout.first else layout.receive(layout.previous, rows, layout.shapes[layout.index], FORWARD,
-                                                   "mp.activations").requires_grad_()
+    inputs = (
+        x
+        if layout.first
+        else layout.receive(
+            layout.previous, rows, layout.shapes[layout.index], FORWARD, "mp.activations"
+        ).requires_grad_()
+    )
     with layout.timed("forward"):
         out = layout.module(inputs)
         loss = task.loss(out, y) if layout.last else None
@@ -357,8 +421,11 @@ def pipeline_train_step(layout: Layout, optimizer: torch.optim.Optimizer, x: tor
     return loss_value
 
 
-def pipeline_evaluate(layout: Layout, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-                      observe: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> tuple[int, int, float]:
+def pipeline_evaluate(
+    layout: Layout,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    observe: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+) -> tuple[int, int, float]:
     """The joined network on this group's test shard: each batch flows through the partitions
     in order. Counts are returned by the last partition only (zeros elsewhere). `observe(out,
     y)` sees every batch's output of a partition that is not the last."""
@@ -366,8 +433,11 @@ def pipeline_evaluate(layout: Layout, batches: Iterable[tuple[torch.Tensor, torc
     correct, count, loss_sum = 0, 0, 0.0
     with torch.no_grad():
         for x, y in batches:
-            inputs = x if layout.first else layout.receive(layout.previous, len(y), layout.shapes[layout.index],
-                                                           EVALUATE, "eval.activations")
+            inputs = (
+                x
+                if layout.first
+                else layout.receive(layout.previous, len(y), layout.shapes[layout.index], EVALUATE, "eval.activations")
+            )
             out = layout.module(inputs)
             if layout.last:
                 loss_sum += task.loss(out, y, reduction="sum").item()
@@ -385,8 +455,10 @@ def joined_state_dict(layout: Layout) -> dict[str, torch.Tensor] | None:
     """The whole model's ordinary state dict (keys as in the unpartitioned nn.Sequential) on
     global rank 0, gathered from each group's first rank; None on other ranks."""
     offset = layout.boundaries[layout.index]
-    mine = {f"{int(key.split('.', 1)[0]) + offset}.{key.split('.', 1)[1]}": value.detach().cpu()
-            for key, value in layout.module.state_dict().items()}
+    mine = {
+        f"{int(key.split('.', 1)[0]) + offset}.{key.split('.', 1)[1]}": value.detach().cpu()
+        for key, value in layout.module.state_dict().items()
+    }
     leader = layout.group.rank_of(runtime.rank()) == 0
     with meter.in_phase("control"):
         parts = meter.gather_object(mine if leader else None, "partition.state_dict")
@@ -400,14 +472,17 @@ def joined_state_dict(layout: Layout) -> dict[str, torch.Tensor] | None:
 
 def describe(layout: Layout) -> str:
     lines = [f"{layout.count} partitions, {layout.group.size} rank(s) each:"]
-    lines += [f"  partition {p['partition']}: modules {p['modules'][0]}..{p['modules'][1]} "
-              f"({p['parameter_share']:.1%} of the parameters): {p['layers']}" for p in layout.table]
+    lines += [
+        f"  partition {p['partition']}: modules {p['modules'][0]}..{p['modules'][1]} "
+        f"({p['parameter_share']:.1%} of the parameters): {p['layers']}"
+        for p in layout.table
+    ]
     return "\n".join(lines)
-
 
 
 # ---------------------------------------------------------------------------------------------
 # the cost model's view (hvd_lowcomm.costmodel)
+
 
 @dataclass(frozen=True)
 class Cut:
@@ -421,12 +496,15 @@ class Cut:
     def flop_shares(self, profile: Profile) -> list[float]:
         """Each partition's share of the profiled weight layers' flops."""
         total = sum(layer.flops for layer in profile.layers) or 1.0
-        return [sum(layer.flops for layer in profile.layers if a <= layer.module_index < b) / total
-                for a, b in zip(self.bounds[:-1], self.bounds[1:])]
+        return [
+            sum(layer.flops for layer in profile.layers if a <= layer.module_index < b) / total
+            for a, b in zip(self.bounds[:-1], self.bounds[1:])
+        ]
 
 
-def default_cut(model: nn.Module, input_shape: tuple[int, ...], options: PartitionOptions,
-                need_depth: bool) -> Cut | None:
+def default_cut(
+    model: nn.Module, input_shape: tuple[int, ...], options: PartitionOptions, need_depth: bool
+) -> Cut | None:
     """Where the cut into options.partitions falls (None where it is refused), and what each
     piece holds, for the cost model."""
     if not isinstance(model, nn.Sequential):
@@ -436,16 +514,20 @@ def default_cut(model: nn.Module, input_shape: tuple[int, ...], options: Partiti
     except ConfigError:
         return None
     modules = list(model)
-    return Cut(bounds, [sum(p.numel() for m in modules[a:b] for p in m.parameters())
-                        for a, b in zip(bounds[:-1], bounds[1:])],
-               [math.prod(shape) for shape in activation_shapes(model, bounds, input_shape)[1:]])
+    return Cut(
+        bounds,
+        [sum(p.numel() for m in modules[a:b] for p in m.parameters()) for a, b in zip(bounds[:-1], bounds[1:])],
+        [math.prod(shape) for shape in activation_shapes(model, bounds, input_shape)[1:]],
+    )
 
 
-def partitioned_cost(method: str, exchanges_activations: bool, need_depth: bool,
-                     refuse: Callable[[nn.Module], None] | None = None) -> MethodCost:
+def partitioned_cost(
+    method: str, exchanges_activations: bool, need_depth: bool, refuse: Callable[[nn.Module], None] | None = None
+) -> MethodCost:
     """The cost of `method` (mp: activations and gradients cross the cuts at every step; SIL:
     nothing crosses them), from the cut it would make (`need_depth`: SIL's rule); `refuse(model)`
     raises ConfigError for a model the method will not train whatever the cut (no prediction)."""
+
     def facts(model: nn.Module, input_shape: tuple[int, ...], options: PartitionOptions, cfg: Any) -> Cut | None:
         if refuse is not None:
             try:
@@ -454,22 +536,27 @@ def partitioned_cost(method: str, exchanges_activations: bool, need_depth: bool,
                 return None
         return default_cut(model, input_shape, options, need_depth)
 
-    def predict(profile: Profile, world_size: int, link: Link, options: PartitionOptions, cfg: Any,
-                assumptions: Any) -> Prediction:
+    def predict(
+        profile: Profile, world_size: int, link: Link, options: PartitionOptions, cfg: Any, assumptions: Any
+    ) -> Prediction:
         return predict_partitioned(profile, world_size, link, options, method, exchanges_activations)
+
     return MethodCost(predict, model_facts=facts)
 
 
-def predict_partitioned(profile: Profile, world_size: int, link: Link, options: PartitionOptions, method: str,
-                        exchanges_activations: bool) -> Prediction:
+def predict_partitioned(
+    profile: Profile, world_size: int, link: Link, options: PartitionOptions, method: str, exchanges_activations: bool
+) -> Prediction:
     """The K groups average their partitions' gradients at the same time. SIL
     (`exchanges_activations` False): each rank computes its partition alone. mp: the partitions
     of a step run one after another (no pipelining) and activations and gradients cross every cut."""
     cut = profile.facts.get(method)
     k = options.partitions
     if cut is None:
-        raise ConfigError(f"{method}: cannot train this model (no default cut into {k} partitions, or a model "
-                          f"it refuses, e.g. sil and a language model)")
+        raise ConfigError(
+            f"{method}: cannot train this model (no default cut into {k} partitions, or a model "
+            f"it refuses, e.g. sil and a language model)"
+        )
     if world_size % k:
         raise ConfigError(f"{method}: {world_size} ranks do not split into {k} partitions")
     g = world_size // k
@@ -480,7 +567,9 @@ def predict_partitioned(profile: Profile, world_size: int, link: Link, options: 
     reduce = sum(each) if link.shared else max(each)
     sent = sent_bytes("allreduce", FLOAT_BYTES * params, g)
     if not exchanges_activations:
-        return Prediction(method, world_size, profile.step_seconds * share, 0.0, reduce, 0.0, sent, sent * link.node_share(g))
+        return Prediction(
+            method, world_size, profile.step_seconds * share, 0.0, reduce, 0.0, sent, sent * link.node_share(g)
+        )
     width = max(cut.widths)
     # Partners are g ranks apart: on different nodes once a group fills whole nodes. Forward
     # then backward, each time the g ranks of one group send at once.
@@ -489,5 +578,13 @@ def predict_partitioned(profile: Profile, world_size: int, link: Link, options: 
     directions = 2 if k > 2 else 1
     activations = directions * FLOAT_BYTES * profile.batch * width
     across = g >= link.ranks_per_node  # then every rank of a node sends to another node at once
-    return Prediction(method, world_size, profile.step_seconds, 0.0, reduce + sends, 0.0, sent + activations,
-                      sent * link.node_share(g) + (link.ranks_per_node * activations if across else 0.0))
+    return Prediction(
+        method,
+        world_size,
+        profile.step_seconds,
+        0.0,
+        reduce + sends,
+        0.0,
+        sent + activations,
+        sent * link.node_share(g) + (link.ranks_per_node * activations if across else 0.0),
+    )

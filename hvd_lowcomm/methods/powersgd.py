@@ -31,6 +31,7 @@ Difference from the hook, without effect on the update: error feedback is kept f
 matrices only. The hook also stores (local - mean) for uncompressed tensors, which averages to
 zero over ranks and so never changes the allreduced result.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -42,16 +43,21 @@ from torch.distributed.tensor import DTensor
 
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.half_wire import HalfSums
-from hvd_lowcomm.comm.mesh import (columns_across_groups, full_state_dict, load_sharded_state, local_part,
-                                   sharded_state)
+from hvd_lowcomm.comm.mesh import columns_across_groups, full_state_dict, load_sharded_state, local_part, sharded_state
 from hvd_lowcomm.comm.runtime import Group
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
 from hvd_lowcomm.config import Config, ConfigError, make_options, option
 from hvd_lowcomm.costmodel import Link, LayerSample, MethodCost, Prediction, Profile, RunAssumptions, sent_bytes
 from hvd_lowcomm.registry import register
 from hvd_lowcomm.methods.adaptive_rank import PROBES, next_rank, probe_residual, probes, smallest_rank_within
-from hvd_lowcomm.methods.drop_in import (GradientExchange, HorovodArguments, NamedParameters, dense_gradient,
-                                        horovod_arguments, wrap_optimizer)
+from hvd_lowcomm.methods.drop_in import (
+    GradientExchange,
+    HorovodArguments,
+    NamedParameters,
+    dense_gradient,
+    horovod_arguments,
+    wrap_optimizer,
+)
 from hvd_lowcomm.methods.base import make_optimizer
 from hvd_lowcomm.methods.ddp import DataParallel
 from hvd_lowcomm.methods.grouped import group_traffic
@@ -64,39 +70,58 @@ class PowerSGDOptions:
 
     # Adaptive by default (PyTorch's hook defaults to rank 1): no one rank suits every layer and model,
     # so each matrix's rank follows error_target (docs: powersgd, "Adaptive rank"; docs: transformers, "Measured").
-    rank: int = option(0, "columns of P and Q per compressed matrix; 0: adaptive, each matrix's rank follows "
-                          "error_target between min_rank and max_rank")
+    rank: int = option(
+        0,
+        "columns of P and Q per compressed matrix; 0: adaptive, each matrix's rank follows "
+        "error_target between min_rank and max_rank",
+    )
     # A tight target: no one rank suits every layer, and a loose one cost transformers quality
     # (docs: transformers, "At the adaptive defaults").
-    error_target: float = option(0.15, "adaptive rank: the largest share of a compressed matrix's energy (its "
-                                       "error-fed mean over ranks) that P Qᵀ may leave out")
+    error_target: float = option(
+        0.15,
+        "adaptive rank: the largest share of a compressed matrix's energy (its "
+        "error-fed mean over ranks) that P Qᵀ may leave out",
+    )
     # A floor, not 1: the energy rule alone let a transformer's matrices fall to ranks 1-3, and
     # what that dropped cost validation loss that no later rank won back (docs: powersgd,
     # "Choosing the defaults"); a matrix too small to pay at this rank goes uncompressed.
-    min_rank: int = option(16, "adaptive rank: the smallest rank, and where every matrix starts if start_iter is 0 "
-                               "(else at what the last plain mean needs); a matrix is compressed only if this rank "
-                               "pays (see min_compression_rate)")
-    max_rank: int = option(64, "adaptive rank: the largest rank (also capped where compression stops paying, "
-                               "see min_compression_rate)")
-    adapt_every: int = option(10, "steps between measurements of each matrix's missed energy (random probe "
-                                  "columns ride with P on those steps; also measured at a fixed rank, for the "
-                                  "metrics)")
+    min_rank: int = option(
+        16,
+        "adaptive rank: the smallest rank, and where every matrix starts if start_iter is 0 "
+        "(else at what the last plain mean needs); a matrix is compressed only if this rank "
+        "pays (see min_compression_rate)",
+    )
+    max_rank: int = option(
+        64, "adaptive rank: the largest rank (also capped where compression stops paying, see min_compression_rate)"
+    )
+    adapt_every: int = option(
+        10,
+        "steps between measurements of each matrix's missed energy (random probe "
+        "columns ride with P on those steps; also measured at a fixed rank, for the "
+        "metrics)",
+    )
     # PyTorch: 1000 (its docs suggest a tenth of training); runs here are hundreds of steps, and a
     # tenth of the run lost to 10 steps on the chosen ViT (docs: powersgd, "Choosing the defaults").
     start_iter: int = option(10, "steps of plain allreduce before compression starts")
     min_compression_rate: float = option(2.0, "compress a matrix only if (n+m)*rank*rate < n*m")
     # float32, as PyTorch's hook: float16's rounding, which Adam rescales coordinate by coordinate,
     # cost a ViT on the held-out suite (docs: powersgd, "Choosing the defaults").
-    factor_dtype: str = option("float32", "number format on the wire of P, Q, the uncompressed gradients and the "
-                                          "start_iter steps' plain means: float32, or float16 (half the bytes; "
-                                          "scaled by a power of two per matrix to stay in range, redone in float32 "
-                                          "if a sum overflows)",
-                               choices=("float16", "float32"))
+    factor_dtype: str = option(
+        "float32",
+        "number format on the wire of P, Q, the uncompressed gradients and the "
+        "start_iter steps' plain means: float32, or float16 (half the bytes; "
+        "scaled by a power of two per matrix to stay in range, redone in float32 "
+        "if a sum overflows)",
+        choices=("float16", "float32"),
+    )
     error_feedback: bool = option(True, "add back what compression dropped at earlier steps")
     warm_start: bool = option(True, "reuse the previous step's Q")
-    shard_group_size: int = option(0, "shard the model over groups of this many contiguous ranks (FSDP2, torch "
-                                      "engine: gradients reduce-scattered inside a group) and compress each "
-                                      "rank's gradient shard across the groups; 0: no sharding")
+    shard_group_size: int = option(
+        0,
+        "shard the model over groups of this many contiguous ranks (FSDP2, torch "
+        "engine: gradients reduce-scattered inside a group) and compress each "
+        "rank's gradient shard across the groups; 0: no sharding",
+    )
 
     @property
     def adaptive(self) -> bool:
@@ -172,7 +197,7 @@ class PowerSGDState:
         self.kept_energy: dict[str, float] = {}
         self.next_measurement = self.options.start_iter  # then every adapt_every steps
         self.half_sums = HalfSums("powersgd")  # P's and Q's scales on the wire (factor_dtype float16)
-        self.numel_before = 0   # gradient numbers per compressed step, before / after compression
+        self.numel_before = 0  # gradient numbers per compressed step, before / after compression
         self.numel_after = 0
         self.said_nothing_pays = False  # told the user, once, that no gradient was worth compressing
 
@@ -180,9 +205,15 @@ class PowerSGDState:
         return self.numel_before / self.numel_after if self.numel_after else 1.0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"iter": self.iter, "errors": dict(self.errors), "qs": dict(self.qs), "ranks": dict(self.ranks),
-                "kept_energy": dict(self.kept_energy), "next_measurement": self.next_measurement,
-                "wire": self.half_sums.state_dict()}
+        return {
+            "iter": self.iter,
+            "errors": dict(self.errors),
+            "qs": dict(self.qs),
+            "ranks": dict(self.ranks),
+            "kept_energy": dict(self.kept_energy),
+            "next_measurement": self.next_measurement,
+            "wire": self.half_sums.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.iter, self.errors, self.qs = state["iter"], dict(state["errors"]), dict(state["qs"])
@@ -205,8 +236,9 @@ def orthogonalise(matrix: torch.Tensor) -> torch.Tensor:
 class _PowerSGDExchange(GradientExchange):
     """Mixed into the user's optimiser class by PowerSGDOptimizer."""
 
-    def __init__(self, params: Any, named_parameters: NamedParameters | None, state: PowerSGDState,
-                 arguments: HorovodArguments) -> None:
+    def __init__(
+        self, params: Any, named_parameters: NamedParameters | None, state: PowerSGDState, arguments: HorovodArguments
+    ) -> None:
         super().__init__(params)
         self.powersgd = state
         self._set_up_exchange(arguments, named_parameters, "PowerSGDOptimizer")
@@ -245,9 +277,11 @@ class _PowerSGDExchange(GradientExchange):
                 state.numel_after += grad.numel()
         if not matrices and not state.said_nothing_pays:
             state.said_nothing_pays = True
-            runtime.announce(f"PowerSGDOptimizer: no gradient is a matrix large enough for its factors to pay "
-                             f"((n+m)*rank*min_compression_rate {options.min_compression_rate:g} < n*m), so every "
-                             f"gradient is sent whole, as ddp sends it: PowerSGD saves bytes on wider layers")
+            runtime.announce(
+                f"PowerSGDOptimizer: no gradient is a matrix large enough for its factors to pay "
+                f"((n+m)*rank*min_compression_rate {options.min_compression_rate:g} < n*m), so every "
+                f"gradient is sent whole, as ddp sends it: PowerSGD saves bytes on wider layers"
+            )
         gradients = dict(matrices)
         # A non-finite gradient (a GradScaler's overflow) must not reach the error buffers.
         feed_back = options.error_feedback and all_finite(matrices.values())
@@ -261,17 +295,22 @@ class _PowerSGDExchange(GradientExchange):
         qs = {name: self._start_q(name, m.shape[1], ranks[name], m, generator) for name, m in matrices.items()}
         payloads = {name: m @ q for (name, m), q in zip(matrices.items(), qs.values())}
         if measuring:  # the probes ride in the P round: M [Q | S]
-            payloads = {name: torch.cat([payloads[name], m @ probes(m.shape[1], generator, m)], 1)
-                        for name, m in matrices.items()}
+            payloads = {
+                name: torch.cat([payloads[name], m @ probes(m.shape[1], generator, m)], 1)
+                for name, m in matrices.items()
+            }
         # The uncompressed gradients travel with the P round (summed, then averaged here): one
         # Horovod cycle fewer per step than an allreduce of their own.
-        summed, summed_plain = self._sum([(f"powersgd.P.{n}", payload) for n, payload in payloads.items()],
-                                         [(f"allreduce.{n}", g) for n, g in plain.items()], size)
+        summed, summed_plain = self._sum(
+            [(f"powersgd.P.{n}", payload) for n, payload in payloads.items()],
+            [(f"allreduce.{n}", g) for n, g in plain.items()],
+            size,
+        )
         if not all_finite([*summed, *summed_plain]):  # the same sums on every rank: all skip alike
             self._skip(grads, gradients, matrices, feed_back, dict(zip(plain, summed_plain)), size)
             return
-        ps = {n: orthogonalise(p[:, :ranks[n]]) for n, p in zip(matrices, summed)}
-        probed = {n: p[:, ranks[n]:] / size for n, p in zip(matrices, summed)}  # M̄ S
+        ps = {n: orthogonalise(p[:, : ranks[n]]) for n, p in zip(matrices, summed)}
+        probed = {n: p[:, ranks[n] :] / size for n, p in zip(matrices, summed)}  # M̄ S
         averaged = {n: value / size for n, value in zip(plain, summed_plain)}
         # Qᵀ = Pᵀ M rather than Q = Mᵀ P: the same numbers, but M is read along its rows (the
         # order it is stored in, instead of a strided transpose), and the result is contiguous,
@@ -291,9 +330,15 @@ class _PowerSGDExchange(GradientExchange):
         self._assign(grads, {**averaged, **approximations})
         state.iter += 1
 
-    def _skip(self, grads: dict[str, torch.Tensor], gradients: dict[str, torch.Tensor],
-              matrices: dict[str, torch.Tensor], fed_back: bool, plain_sums: dict[str, torch.Tensor],
-              size: int) -> None:
+    def _skip(
+        self,
+        grads: dict[str, torch.Tensor],
+        gradients: dict[str, torch.Tensor],
+        matrices: dict[str, torch.Tensor],
+        fed_back: bool,
+        plain_sums: dict[str, torch.Tensor],
+        size: int,
+    ) -> None:
         """A rank's gradient was inf or NaN (a GradScaler's overflow, which then skips the
         step): the compressed gradients become NaN so that the scaler sees it, and PowerSGD's
         state is left as before the step (its error buffers given back their error)."""
@@ -303,8 +348,13 @@ class _PowerSGDExchange(GradientExchange):
         nan = {name: torch.full_like(m, math.nan) for name, m in matrices.items()}
         self._assign(grads, {**{n: total / size for n, total in plain_sums.items()}, **nan})
 
-    def _measure(self, qs: dict[str, torch.Tensor], ps: dict[str, torch.Tensor], probed: dict[str, torch.Tensor],
-                 matrices: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _measure(
+        self,
+        qs: dict[str, torch.Tensor],
+        ps: dict[str, torch.Tensor],
+        probed: dict[str, torch.Tensor],
+        matrices: dict[str, torch.Tensor],
+    ) -> dict[str, torch.Tensor]:
         """Each matrix's kept energy and, when adaptive, its next rank: P Qᵀ may miss
         error_target of the error-fed mean M̄'s energy (kept: ‖Q‖², missed: the probes' estimate
         of ‖(I - P Pᵀ) M̄‖²). The ranks are agreed by one small allreduce (max: every rank
@@ -320,9 +370,18 @@ class _PowerSGDExchange(GradientExchange):
             kept = float(energies.sum())
             state.kept_energy[name] = kept / (kept + missed) if kept + missed > 0 else 1.0
             n, m = matrices[name].shape
-            proposed[name] = next_rank(state.ranks[name], energies, missed, options.error_target * (kept + missed),
-                                       min(options.min_rank, n, m), highest_rank(n, m, options)) \
-                if options.adaptive else state.ranks[name]
+            proposed[name] = (
+                next_rank(
+                    state.ranks[name],
+                    energies,
+                    missed,
+                    options.error_target * (kept + missed),
+                    min(options.min_rank, n, m),
+                    highest_rank(n, m, options),
+                )
+                if options.adaptive
+                else state.ranks[name]
+            )
         changed = False
         if options.adaptive:
             agreed = meter.allreduce_ints(list(proposed.values()), "powersgd.ranks", self.group, op="max")
@@ -365,8 +424,9 @@ class _PowerSGDExchange(GradientExchange):
         fresh = torch.randn(m, rank - min(rank, warm.shape[1]), generator=generator, dtype=like.dtype).to(like.device)
         return orthogonalise(torch.cat([warm[:, :rank], fresh], 1))
 
-    def _sum(self, factors: list[tuple[str, torch.Tensor]], exact: list[tuple[str, torch.Tensor]],
-             size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _sum(
+        self, factors: list[tuple[str, torch.Tensor]], exact: list[tuple[str, torch.Tensor]], size: int
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Sums over the group of `factors` (each under its own scale in float16) and `exact`
         (the uncompressed gradients, under one), both in factor_dtype on the wire, in one
         Horovod cycle."""
@@ -381,20 +441,34 @@ class _PowerSGDExchange(GradientExchange):
             pieces = sums.pop().split([t.numel() for _, t in exact])
             return sums, [piece.view_as(t) for piece, (_, t) in zip(pieces, exact)]
         outs = meter.allreduce_many(factors + exact, self.group, op="sum")
-        return outs[:len(factors)], outs[len(factors):]
+        return outs[: len(factors)], outs[len(factors) :]
 
     def _assign(self, grads: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
         for name, param in self.named_parameters():
             grad = new[name].reshape(grads[name].shape).to(param.dtype)
-            param.grad = (DTensor.from_local(grad, param.device_mesh, param.placements, shape=param.shape,
-                                             stride=param.stride()) if isinstance(param, DTensor) else grad)
+            param.grad = (
+                DTensor.from_local(grad, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+                if isinstance(param, DTensor)
+                else grad
+            )
 
 
-def PowerSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters: NamedParameters | None = None,
-                      compression: Any = None, backward_passes_per_step: int = 1, op: Any = None,
-                      gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
-                      sparse_as_dense: bool = False, process_set: Any = None, *, state: PowerSGDState | None = None,
-                      group: Group | None = None, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+def PowerSGDOptimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: NamedParameters | None = None,
+    compression: Any = None,
+    backward_passes_per_step: int = 1,
+    op: Any = None,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    sparse_as_dense: bool = False,
+    process_set: Any = None,
+    *,
+    state: PowerSGDState | None = None,
+    group: Group | None = None,
+    model: torch.nn.Module | None = None,
+) -> torch.optim.Optimizer:
     """Wrap `optimizer` so step() applies the PowerSGD-compressed mean gradient over the ranks.
 
     Takes `hvd.DistributedOptimizer`'s arguments (hvd_lowcomm.methods.drop_in): compression
@@ -410,10 +484,21 @@ def PowerSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters: NamedP
     if named_parameters is not None and group is None:
         named_parameters = list(named_parameters)
         group = columns_across_groups(p for _, p in named_parameters)
-    arguments = horovod_arguments("PowerSGDOptimizer", compression, backward_passes_per_step, op,
-                                  gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set, group,
-                                  compressors=("none", "fp16"), model=model,
-                                  why_not_compressed="its own low-rank factors are its compression")
+    arguments = horovod_arguments(
+        "PowerSGDOptimizer",
+        compression,
+        backward_passes_per_step,
+        op,
+        gradient_predivide_factor,
+        num_groups,
+        groups,
+        sparse_as_dense,
+        process_set,
+        group,
+        compressors=("none", "fp16"),
+        model=model,
+        why_not_compressed="its own low-rank factors are its compression",
+    )
     if arguments.compression == "fp16":
         state.options = replace(state.options, factor_dtype="float16")
     return wrap_optimizer(optimizer, _PowerSGDExchange, named_parameters, state, arguments)
@@ -431,11 +516,13 @@ def powersgd_kernels(sample: LayerSample, options: PowerSGDOptions, cfg: Config)
         m = error.add_(grad)
         p = orthogonalise(m @ q)
         m.sub_(p @ (p.T @ m))
+
     return {"powersgd": cycle}
 
 
-def predict_powersgd(profile: Profile, world_size: int, link: Link, options: PowerSGDOptions, cfg: Config,
-                     assumptions: RunAssumptions) -> Prediction:
+def predict_powersgd(
+    profile: Profile, world_size: int, link: Link, options: PowerSGDOptions, cfg: Config, assumptions: RunAssumptions
+) -> Prediction:
     """A compressed step (after start_iter): P with the uncompressed gradients in one allreduce,
     then Q; each compressed layer's cycle as the method's own work; nothing overlaps backward.
     An adaptive rank is assumed to settle at planned_rank; the probes that measure each matrix
@@ -465,11 +552,14 @@ def predict_powersgd(profile: Profile, world_size: int, link: Link, options: Pow
     scales = 2 * matrices + (1 if plain else 0)
     agreement = FLOAT_BYTES * scales / assumptions.run_steps if half else 0.0
     sent = sum(sent_bytes("allreduce", nbytes, world_size) for nbytes in (p_round, q_round, agreement))
-    return Prediction("powersgd", world_size, profile.step_seconds, own, comm, 0.0, sent, sent * link.node_share(world_size))
+    return Prediction(
+        "powersgd", world_size, profile.step_seconds, own, comm, 0.0, sent, sent * link.node_share(world_size)
+    )
 
 
-def predict_sharded_powersgd(profile: Profile, world_size: int, link: Link, options: PowerSGDOptions, cfg: Config,
-                             assumptions: RunAssumptions) -> Prediction:
+def predict_sharded_powersgd(
+    profile: Profile, world_size: int, link: Link, options: PowerSGDOptions, cfg: Config, assumptions: RunAssumptions
+) -> Prediction:
     """FSDP's gathers and reduce-scatter inside each group of shard_group_size ranks, then
     PowerSGD across the groups on each rank's rows of every gradient (the first position's,
     which holds the most), as predict_powersgd's rounds; the factors' work a share of the
@@ -495,18 +585,28 @@ def predict_sharded_powersgd(profile: Profile, world_size: int, link: Link, opti
     spans = shard >= link.ranks_per_node  # a column's ranks sit on different nodes once groups fill nodes
     across = sum(sent_bytes("allreduce", nbytes, groups) for nbytes in (*rounds, scales))
     step = sharded_step_bytes(facts, shard, cfg.train.accumulate)
-    inside = (sent_bytes("allgather", step["allgather"] / shard, shard)
-              + sent_bytes("reduce_scatter", step["reduce_scatter"], shard))
-    comm = (sum(link.allreduce(nbytes, groups, world_size, spans_nodes=spans) for nbytes in rounds if nbytes)
-            + link.allgather(step["allgather"] / shard, shard, world_size)
-            + link.reduce_scatter(step["reduce_scatter"], shard, world_size))
+    inside = sent_bytes("allgather", step["allgather"] / shard, shard) + sent_bytes(
+        "reduce_scatter", step["reduce_scatter"], shard
+    )
+    comm = (
+        sum(link.allreduce(nbytes, groups, world_size, spans_nodes=spans) for nbytes in rounds if nbytes)
+        + link.allgather(step["allgather"] / shard, shard, world_size)
+        + link.reduce_scatter(step["reduce_scatter"], shard, world_size)
+    )
     own = sum(layer.kernels["powersgd"] for layer in profile.layers) / shard
-    return Prediction("powersgd", world_size, profile.step_seconds, own, comm, 0.0, inside + across,
-                      inside * link.node_share(shard) + across * link.node_share(groups, spans))
+    return Prediction(
+        "powersgd",
+        world_size,
+        profile.step_seconds,
+        own,
+        comm,
+        0.0,
+        inside + across,
+        inside * link.node_share(shard) + across * link.node_share(groups, spans),
+    )
 
 
-def powersgd_facts(model: torch.nn.Module, input_shape: tuple[int, ...], options: PowerSGDOptions,
-                   cfg: Config) -> Any:
+def powersgd_facts(model: torch.nn.Module, input_shape: tuple[int, ...], options: PowerSGDOptions, cfg: Config) -> Any:
     """Sharded: the parameters' shapes as FSDP shards them (fsdp_facts); else nothing."""
     return fsdp_facts(model, input_shape, None, cfg) if options.shard_group_size else None
 
@@ -516,13 +616,18 @@ def powersgd_quality(options: PowerSGDOptions, cfg: Config) -> str | None:
     and without error feedback what the target lets go is lost for good."""
     if not options.adaptive or not options.error_feedback:
         return None
-    return (f"low-rank gradients, each matrix's rank adapted so that it leaves out at most {options.error_target:.0%} "
-            f"of its energy, which error feedback adds back later")
+    return (
+        f"low-rank gradients, each matrix's rank adapted so that it leaves out at most {options.error_target:.0%} "
+        f"of its energy, which error feedback adds back later"
+    )
 
 
-@register("powersgd", options=PowerSGDOptions,
-          cost=MethodCost(predict_powersgd, powersgd_kernels, powersgd_facts, powersgd_quality, judged=True),
-          drop_in=True)
+@register(
+    "powersgd",
+    options=PowerSGDOptions,
+    cost=MethodCost(predict_powersgd, powersgd_kernels, powersgd_facts, powersgd_quality, judged=True),
+    drop_in=True,
+)
 class PowerSGD(DataParallel):
     """Gradients compressed to rank-r factors before they are averaged (PowerSGD)."""
 
@@ -547,8 +652,9 @@ class PowerSGD(DataParallel):
 
     def distribute(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> torch.optim.Optimizer:
         state = PowerSGDState(self.options, seed=self.cfg.train.seed)
-        return PowerSGDOptimizer(optimizer, model.named_parameters(), state=state,
-                                 backward_passes_per_step=self.cfg.train.accumulate)
+        return PowerSGDOptimizer(
+            optimizer, model.named_parameters(), state=state, backward_passes_per_step=self.cfg.train.accumulate
+        )
 
     def start_micro_batch(self, last: bool) -> None:
         if self.options.shard_group_size:
@@ -561,10 +667,12 @@ class PowerSGD(DataParallel):
         """The compression rate so far, and each compressed matrix's current rank and kept
         energy at its last measurement (effective_rank/<parameter>, kept_energy/<parameter>)."""
         state = self.optimizer.powersgd
-        return {"powersgd_compression_rate": state.compression_rate(),
-                **{f"effective_rank/{name}": rank for name, rank in state.ranks.items()},
-                **{f"kept_energy/{name}": kept for name, kept in state.kept_energy.items()},
-                **(group_traffic(("column",)) if self.options.shard_group_size else {})}
+        return {
+            "powersgd_compression_rate": state.compression_rate(),
+            **{f"effective_rank/{name}": rank for name, rank in state.ranks.items()},
+            **{f"kept_energy/{name}": kept for name, kept in state.kept_energy.items()},
+            **(group_traffic(("column",)) if self.options.shard_group_size else {}),
+        }
 
     summary_metrics = epoch_metrics
 

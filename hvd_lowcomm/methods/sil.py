@@ -28,6 +28,7 @@ their spread across samples against the codes' spread across classes (`cut_sprea
 that barely vary across samples for their size mean the partition no longer depends on its
 input (`collapsed`), which is warned.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,9 +45,19 @@ from hvd_lowcomm.comm.traffic import meter
 from hvd_lowcomm.config import ConfigError, TrainConfig, make_options, option
 from hvd_lowcomm.registry import register
 from hvd_lowcomm.methods.mp import Partitioned
-from hvd_lowcomm.methods.partition import (CONV_CUT_MEASURED, FORWARD, Layout, PartitionOptions, joined_state_dict,
-                                           parameter_dtype, partitioned_cost, pipeline_evaluate, pipeline_train_step,
-                                           shallow_partitions, token_vocabulary)
+from hvd_lowcomm.methods.partition import (
+    CONV_CUT_MEASURED,
+    FORWARD,
+    Layout,
+    PartitionOptions,
+    joined_state_dict,
+    parameter_dtype,
+    partitioned_cost,
+    pipeline_evaluate,
+    pipeline_train_step,
+    shallow_partitions,
+    token_vocabulary,
+)
 from hvd_lowcomm.schedule import scheduled_lr
 
 
@@ -54,25 +65,34 @@ from hvd_lowcomm.schedule import scheduled_lr
 class SILOptions(PartitionOptions):
     """SIL: partitions trained on their own toward synthetic intermediate labels."""
 
-    mode: str = option("parallel", "parallel: later partitions learn from codes, nothing exchanged; sequential: "
-                                   "from the frozen previous partition's outputs, sent once",
-                       choices=("parallel", "sequential"))
+    mode: str = option(
+        "parallel",
+        "parallel: later partitions learn from codes, nothing exchanged; sequential: "
+        "from the frozen previous partition's outputs, sent once",
+        choices=("parallel", "sequential"),
+    )
     # 1: the scale a ReLU (or BatchNorm + ReLU) layer's outputs already have. The first partition
     # has to move its outputs onto the codes, and an optimiser's steps are of a fixed size (Adam:
     # about lr per parameter), so larger codes need more steps: at kappa 5 a run with few steps
     # (several ranks per partition, few epochs) ends before its outputs reach them.
     kappa: float = option(1.0, "scale of the class codes (kappa * U(0,1) or kappa * N(0,1))")
     code_distribution: str = option("uniform", "distribution of the codes", choices=("uniform", "normal"))
-    noise: float = option(0.3, "std of the Gaussian noise added to the codes a later partition learns from "
-                               "(parallel mode), as a fraction of kappa")
+    noise: float = option(
+        0.3,
+        "std of the Gaussian noise added to the codes a later partition learns from "
+        "(parallel mode), as a fraction of kappa",
+    )
     lr: list[float] = option([], "learning rate per partition (empty: train.lr for all)")
     batch_size: list[int] = option([], "batch size per partition (empty: data.batch_size for all)")
     epochs: list[int] = option([], "epochs per partition (empty: train.epochs for each)")
     recovery_epochs: int = option(0, "end-to-end epochs of the joined network at the end (sends activations)")
     # A fraction of train.lr, with a fresh optimiser state: recovery fine-tunes the joined network,
     # it does not retrain it (docs: sil, on sil.recovery_lr).
-    recovery_lr: float = option(0.3, "recovery's peak learning rate, a fraction of train.lr (a cosine of "
-                                     "its own over the recovery steps, as for fine-tuning)")
+    recovery_lr: float = option(
+        0.3,
+        "recovery's peak learning rate, a fraction of train.lr (a cosine of "
+        "its own over the recovery steps, as for fine-tuning)",
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -85,10 +105,14 @@ class SILOptions(PartitionOptions):
         for name in ("lr", "batch_size", "epochs"):
             values = getattr(self, name)
             if values and (len(values) != self.partitions or min(values) <= 0):
-                raise ConfigError(f"sil.{name} needs one positive value per partition ({self.partitions}), got {values}")
+                raise ConfigError(
+                    f"sil.{name} needs one positive value per partition ({self.partitions}), got {values}"
+                )
 
 
-def class_codes(seed: int, cut: int, classes: int, shape: tuple[int, ...], kappa: float, distribution: str) -> torch.Tensor:
+def class_codes(
+    seed: int, cut: int, classes: int, shape: tuple[int, ...], kappa: float, distribution: str
+) -> torch.Tensor:
     """The fixed code of every class at cut `cut`: classes × shape, the same on every rank."""
     generator = torch.Generator().manual_seed(seed * 1_000 + cut)
     draw = torch.rand if distribution == "uniform" else torch.randn
@@ -96,9 +120,11 @@ def class_codes(seed: int, cut: int, classes: int, shape: tuple[int, ...], kappa
 
 
 # The measurement the refusal quotes (docs: transformers, "What each method does to a transformer").
-LANGUAGE_MODEL_MEASURED = ("validation loss 7.09 against ddp's 2.07 and uniform guessing's 5.55 (gpt 4x128 on "
-                           "Shakespeare, 600 steps, np 2), although the first partition put 31% of positions "
-                           "nearest the code of their next token")
+LANGUAGE_MODEL_MEASURED = (
+    "validation loss 7.09 against ddp's 2.07 and uniform guessing's 5.55 (gpt 4x128 on "
+    "Shakespeare, 600 steps, np 2), although the first partition put 31% of positions "
+    "nearest the code of their next token"
+)
 
 
 def refuse_language_models(model: torch.nn.Module) -> None:
@@ -111,7 +137,8 @@ def refuse_language_models(model: torch.nn.Module) -> None:
             f"sil cannot train a language model: its partitions learn toward one random code per label, and a "
             f"position whose next token is uncertain learns the average of several codes, which the last partition "
             f"decodes as one token with confidence; measured: {LANGUAGE_MODEL_MEASURED}. Use mp (a pipeline of "
-            f"blocks, trained end to end) or diloco for a language model")
+            f"blocks, trained end to end) or diloco for a language model"
+        )
 
 
 class SIL:
@@ -134,12 +161,28 @@ class SIL:
     previous partition's real outputs) instead of the previous cut's codes.
     """
 
-    def __init__(self, model: torch.nn.Module, input_shape: tuple[int, ...], num_classes: int,
-                 partitions: int = SILOptions.partitions, cuts: list[int | str] | None = None,
-                 kappa: float = SILOptions.kappa, code_distribution: str = SILOptions.code_distribution,
-                 noise: float = SILOptions.noise, seed: int = TrainConfig.seed, from_codes: bool = True) -> None:
-        options = make_options(SILOptions, "sil", partitions=partitions, cuts=_cut_indices(model, cuts or []),
-                               kappa=kappa, code_distribution=code_distribution, noise=noise)
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        input_shape: tuple[int, ...],
+        num_classes: int,
+        partitions: int = SILOptions.partitions,
+        cuts: list[int | str] | None = None,
+        kappa: float = SILOptions.kappa,
+        code_distribution: str = SILOptions.code_distribution,
+        noise: float = SILOptions.noise,
+        seed: int = TrainConfig.seed,
+        from_codes: bool = True,
+    ) -> None:
+        options = make_options(
+            SILOptions,
+            "sil",
+            partitions=partitions,
+            cuts=_cut_indices(model, cuts or []),
+            kappa=kappa,
+            code_distribution=code_distribution,
+            noise=noise,
+        )
         refuse_language_models(model)
         self.kappa, self.noise, self.from_codes = kappa, noise, from_codes
         self.layout = Layout(model, options, tuple(input_shape), need_depth=True)
@@ -148,8 +191,10 @@ class SIL:
         with meter.in_phase("setup"):
             meter.broadcast_(code_seed, 0, "sil.code_seed")  # drawn once on rank 0, regenerated everywhere
         self.code_seed = int(code_seed.item())
-        self.codes = {cut: class_codes(self.code_seed, cut, num_classes, self.layout.shapes[cut][:1], kappa,
-                                       code_distribution) for cut in range(1, partitions)}
+        self.codes = {
+            cut: class_codes(self.code_seed, cut, num_classes, self.layout.shapes[cut][:1], kappa, code_distribution)
+            for cut in range(1, partitions)
+        }
         self.generator = torch.Generator().manual_seed(self.code_seed + runtime.rank())
         self.diagnostics: dict[str, Any] = {}
 
@@ -254,11 +299,13 @@ class SIL:
         spread_mean, size_mean = (sum(v) / max(len(v), 1) for v in (spread, size))
         # Collapsed: the outputs barely vary across samples for their size (or are all zero),
         # i.e. the partition maps every input to about the same point.
-        self.diagnostics = {"code_accuracy": hits / max(rows, 1),
-                            "cut_spread": spread_mean / max(self.codes[self.layout.index + 1].flatten(1).std(0).mean().item(),
-                                                            1e-12),
-                            "collapsed": spread_mean <= COLLAPSED_SPREAD * size_mean,
-                            "spread": spread_mean, "size": size_mean}
+        self.diagnostics = {
+            "code_accuracy": hits / max(rows, 1),
+            "cut_spread": spread_mean / max(self.codes[self.layout.index + 1].flatten(1).std(0).mean().item(), 1e-12),
+            "collapsed": spread_mean <= COLLAPSED_SPREAD * size_mean,
+            "spread": spread_mean,
+            "size": size_mean,
+        }
         return counts
 
     def joined_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -285,8 +332,11 @@ def _cut_indices(model: torch.nn.Module, cuts: list[int | str]) -> list[int]:
 COLLAPSED_SPREAD = 0.02
 
 
-@register("sil", options=SILOptions,
-          cost=partitioned_cost("sil", exchanges_activations=False, need_depth=True, refuse=refuse_language_models))
+@register(
+    "sil",
+    options=SILOptions,
+    cost=partitioned_cost("sil", exchanges_activations=False, need_depth=True, refuse=refuse_language_models),
+)
 class SyntheticIntermediateLabels(Partitioned):
     """SIL: each partition learns on its own toward random class codes at the cuts."""
 
@@ -298,29 +348,47 @@ class SyntheticIntermediateLabels(Partitioned):
 
     def partition_warnings(self) -> list[str]:
         spatial = [k for k in range(1, self.layout.count) if len(self.layout.shapes[k]) > 1]
-        conv = [f"sil.cuts {self.options.cuts} cut this model inside its convolutional part (cut {k}, a "
-                f"{'x'.join(map(str, self.layout.shapes[k]))} activation; its codes are per-channel means): the "
-                f"joined network classifies no better than the convolutions before the cut do on their own "
-                f"({CONV_CUT_MEASURED}), so expect a large accuracy loss; mp, or a model with two or more fully "
-                f"connected layers after its convolutions, avoids it" for k in spatial]
-        return conv + [f"sil.cuts {self.options.cuts} leave partition {k} ({self.layout.table[k]['layers']}) without "
-                f"two weight layers and a non-linearity between them: on its own it is an affine map, which cannot "
-                f"send each class onto its random code, so expect accuracy far below data-parallel training (leave "
-                f"sil.cuts empty for a cut that avoids this)"
-                for k in shallow_partitions(self.layout.table)]
+        conv = [
+            f"sil.cuts {self.options.cuts} cut this model inside its convolutional part (cut {k}, a "
+            f"{'x'.join(map(str, self.layout.shapes[k]))} activation; its codes are per-channel means): the "
+            f"joined network classifies no better than the convolutions before the cut do on their own "
+            f"({CONV_CUT_MEASURED}), so expect a large accuracy loss; mp, or a model with two or more fully "
+            f"connected layers after its convolutions, avoids it"
+            for k in spatial
+        ]
+        return conv + [
+            f"sil.cuts {self.options.cuts} leave partition {k} ({self.layout.table[k]['layers']}) without "
+            f"two weight layers and a non-linearity between them: on its own it is an affine map, which cannot "
+            f"send each class onto its random code, so expect accuracy far below data-parallel training (leave "
+            f"sil.cuts empty for a cut that avoids this)"
+            for k in shallow_partitions(self.layout.table)
+        ]
 
     def make_layout(self, model: torch.nn.Module) -> Layout:
         o = self.options
-        self.sil = SIL(model, self.data.input_shape, self.data.num_classes, o.partitions, o.cuts, o.kappa,
-                       o.code_distribution, o.noise, self.cfg.train.seed, from_codes=o.mode == "parallel")
+        self.sil = SIL(
+            model,
+            self.data.input_shape,
+            self.data.num_classes,
+            o.partitions,
+            o.cuts,
+            o.kappa,
+            o.code_distribution,
+            o.noise,
+            self.cfg.train.seed,
+            from_codes=o.mode == "parallel",
+        )
         return self.sil.layout
 
     def setup(self, model: torch.nn.Module) -> None:
         super().setup(model)
         o, k = self.options, self.layout.index
         self.partition_epochs = o.epochs or [self.cfg.train.epochs] * o.partitions
-        starts = [1] * o.partitions if o.mode == "parallel" else \
-            [1 + sum(self.partition_epochs[:j]) for j in range(o.partitions)]
+        starts = (
+            [1] * o.partitions
+            if o.mode == "parallel"
+            else [1 + sum(self.partition_epochs[:j]) for j in range(o.partitions)]
+        )
         self.window = (starts[k], starts[k] + self.partition_epochs[k] - 1)
         self.starts = starts
         self.training_epochs = max(s + e - 1 for s, e in zip(starts, self.partition_epochs))
@@ -352,7 +420,9 @@ class SyntheticIntermediateLabels(Partitioned):
             return super().batches(split, batch_size, shuffle, device)
         self.train_split = split
         sizes = self.options.batch_size
-        return _SILBatches(self, super().batches(split, sizes[self.layout.index] if sizes else batch_size, True, device))
+        return _SILBatches(
+            self, super().batches(split, sizes[self.layout.index] if sizes else batch_size, True, device)
+        )
 
     def start_epoch(self, epoch: int) -> None:
         if epoch > self.training_epochs:
@@ -378,8 +448,11 @@ class SyntheticIntermediateLabels(Partitioned):
     def set_lr(self, lr: float) -> None:
         if self.options.recovery_epochs and self.total_steps:
             done, training = meter.step, self.training_steps
-            lr = scheduled_lr(self.cfg, done, training) if done < training else \
-                self.options.recovery_lr * scheduled_lr(self.cfg, done - training, self.total_steps - training)
+            lr = (
+                scheduled_lr(self.cfg, done, training)
+                if done < training
+                else self.options.recovery_lr * scheduled_lr(self.cfg, done - training, self.total_steps - training)
+            )
         super().set_lr(lr * self.lr_scale)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -400,13 +473,15 @@ class SyntheticIntermediateLabels(Partitioned):
                 outputs = torch.cat([self.model(chunk) for chunk in inputs.split(1024)])
             meter.send(outputs, layout.next, "sil.sequential_transfer", FORWARD)
         elif layout.index == cut:
-            received = layout.receive(layout.previous, len(mine), layout.shapes[cut], FORWARD, "sil.sequential_transfer")
+            received = layout.receive(
+                layout.previous, len(mine), layout.shapes[cut], FORWARD, "sil.sequential_transfer"
+            )
             pieces = meter.allgather(received, "sil.sequential_share", layout.group)
             table = torch.empty(n, *layout.shapes[cut])
             offset = 0
             for p in range(g):
                 rows = np.arange(n)[p::g]
-                table[rows] = pieces[offset:offset + len(rows)]
+                table[rows] = pieces[offset : offset + len(rows)]
                 offset += len(rows)
             self.stored_inputs = table
 
@@ -416,10 +491,12 @@ class SyntheticIntermediateLabels(Partitioned):
         d = self.sil.diagnostics
         leader = self.layout.group.rank_of(runtime.rank()) == 0
         if leader and self.stage != "idle" and d.get("collapsed"):  # any partition's leader, not only rank 0
-            tqdm.write(f"warning: SIL partition {self.layout.index} has collapsed: its outputs are about the same "
-                       f"for every input (spread across samples {d['spread']:.3g}, size {d['size']:.3g}; nearest-code "
-                       f"accuracy {100 * d['code_accuracy']:.1f}%); lower its learning rate (--sil.lr, "
-                       f"--train.lr) or check that it has depth on both sides of the cut")
+            tqdm.write(
+                f"warning: SIL partition {self.layout.index} has collapsed: its outputs are about the same "
+                f"for every input (spread across samples {d['spread']:.3g}, size {d['size']:.3g}; nearest-code "
+                f"accuracy {100 * d['code_accuracy']:.1f}%); lower its learning rate (--sil.lr, "
+                f"--train.lr) or check that it has depth on both sides of the cut"
+            )
         return counts
 
     def epoch_metrics(self) -> dict[str, Any]:
@@ -428,8 +505,10 @@ class SyntheticIntermediateLabels(Partitioned):
     def state_dict(self) -> dict[str, Any]:
         # The codes follow from code_seed (recomputed in setup); the stage and, in sequential
         # mode, the inputs handed over by the previous partition are this partition's progress.
-        return {**super().state_dict(), "sil": {"stage": self.stage, "code_seed": self.code_seed,
-                                                "stored_inputs": self.stored_inputs}}
+        return {
+            **super().state_dict(),
+            "sil": {"stage": self.stage, "code_seed": self.code_seed, "stored_inputs": self.stored_inputs},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
@@ -461,7 +540,7 @@ class _SILBatches:
         if method.stage == "idle":
             return
         if method.stage == "train" and method.stored_inputs is not None:
-            for indices in self.inner.batch_indices()[self.inner.start:]:
+            for indices in self.inner.batch_indices()[self.inner.start :]:
                 _, y = self.inner.split.read(indices)
                 yield method.stored_inputs[indices].to(self.inner.device), y.to(self.inner.device)
             return

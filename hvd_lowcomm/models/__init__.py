@@ -9,6 +9,7 @@ tv:NAME; language models: gpt (hvd_lowcomm.models.transformer) and hf:PATH
 (hvd_lowcomm.models.huggingface), trained on text datasets, where `input_shape` is (tokens per
 window,) and `num_classes` the vocabulary.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,8 +41,10 @@ def cnn(input_shape: Sequence[int], num_classes: int, hidden: Sequence[int], dro
     """Conv3x3-BN-ReLU blocks (one per entry of `hidden`, channels), 2x2 max-pool after each
     while the image is at least 4 pixels wide, global average pool, Linear head."""
     if len(input_shape) != 3:
-        raise ConfigError(f"model cnn needs image input (C, H, W); this dataset's input shape is "
-                          f"{tuple(input_shape)}: use --model.name mlp")
+        raise ConfigError(
+            f"model cnn needs image input (C, H, W); this dataset's input shape is "
+            f"{tuple(input_shape)}: use --model.name mlp"
+        )
     channels, height, _ = input_shape
     layers: list[nn.Module] = []
     for h in hidden:
@@ -61,8 +64,10 @@ def sil6(input_shape: Sequence[int], num_classes: int, hidden: Sequence[int], dr
     """The SIL paper's network: six fully connected layers (five hidden widths). Cut in two, each
     side keeps at least two weight layers with a non-linearity between them, which SIL needs."""
     if len(hidden) != 5:
-        raise ConfigError(f"model sil6 has six fully connected layers, so --model.hidden takes five widths "
-                          f"(e.g. 256,256,256,256,256); got {len(hidden)}: {list(hidden)}")
+        raise ConfigError(
+            f"model sil6 has six fully connected layers, so --model.hidden takes five widths "
+            f"(e.g. 256,256,256,256,256); got {len(hidden)}: {list(hidden)}"
+        )
     return mlp(input_shape, num_classes, hidden, dropout)
 
 
@@ -75,7 +80,7 @@ class ModelFamily:
     build: Callable[[ModelConfig, str, tuple[int, ...], int, str], nn.Module]  # (cfg, argument, shape, classes, task)
     tasks: tuple[str, ...]
     help: str
-    prefix: bool = False   # "hf:PATH": the rest of the name is the argument
+    prefix: bool = False  # "hf:PATH": the rest of the name is the argument
 
 
 FAMILIES: dict[str, ModelFamily] = {}
@@ -89,6 +94,7 @@ def register_family(family: ModelFamily) -> None:
 def _zoo(factory: Callable[..., nn.Module], name: str) -> Callable[..., nn.Module]:
     def build(cfg: ModelConfig, _: str, shape: tuple[int, ...], classes: int, task: str) -> nn.Module:
         return factory(shape, classes, cfg.hidden or DEFAULT_HIDDEN[name], cfg.dropout)
+
     return build
 
 
@@ -97,17 +103,36 @@ for _family in (
     ModelFamily("mlp", _zoo(mlp, "mlp"), CLASSIFIERS, "an MLP (model.hidden widths)"),
     ModelFamily("cnn", _zoo(cnn, "cnn"), CLASSIFIERS, "a small CNN for images (model.hidden channels)"),
     ModelFamily("sil6", _zoo(sil6, "sil6"), CLASSIFIERS, "the SIL paper's six fully connected layers"),
-    ModelFamily("gpt", lambda c, _, shape, classes, t: gpt(classes, int(shape[0]), c.layers, c.width, c.heads,
-                                                           c.dropout, c.tie_weights),
-                LANGUAGE_MODELS, "a decoder-only language model for text datasets"),
-    ModelFamily("vit", lambda c, _, shape, classes, t: vit(shape, classes, c.layers, c.width, c.heads,
-                                                           c.patch_size, c.pool, c.dropout),
-                CLASSIFIERS, "a vision transformer"),
-    ModelFamily("tv", lambda c, name, shape, classes, t: _torchvision_model(name, classes), CLASSIFIERS,
-                "tv:NAME, a torchvision model (the [vision] extra)", prefix=True),
-    ModelFamily("hf", lambda c, path, shape, classes, t: huggingface.build(path, shape, classes, t), ANY,
-                "hf:PATH, a Hugging Face model from a local config.json or pretrained directory (the [hf] "
-                "extra)", prefix=True),
+    ModelFamily(
+        "gpt",
+        lambda c, _, shape, classes, t: gpt(
+            classes, int(shape[0]), c.layers, c.width, c.heads, c.dropout, c.tie_weights
+        ),
+        LANGUAGE_MODELS,
+        "a decoder-only language model for text datasets",
+    ),
+    ModelFamily(
+        "vit",
+        lambda c, _, shape, classes, t: vit(
+            shape, classes, c.layers, c.width, c.heads, c.patch_size, c.pool, c.dropout
+        ),
+        CLASSIFIERS,
+        "a vision transformer",
+    ),
+    ModelFamily(
+        "tv",
+        lambda c, name, shape, classes, t: _torchvision_model(name, classes),
+        CLASSIFIERS,
+        "tv:NAME, a torchvision model (the [vision] extra)",
+        prefix=True,
+    ),
+    ModelFamily(
+        "hf",
+        lambda c, path, shape, classes, t: huggingface.build(path, shape, classes, t),
+        ANY,
+        "hf:PATH, a Hugging Face model from a local config.json or pretrained directory (the [hf] extra)",
+        prefix=True,
+    ),
 ):
     register_family(_family)
 
@@ -121,24 +146,29 @@ def family_of(name: str) -> tuple[ModelFamily | None, str]:
     return None, name
 
 
-def build_model(cfg: ModelConfig, input_shape: Sequence[int], num_classes: int,
-                task: str = tasks.CLASSIFY) -> nn.Module:
+def build_model(
+    cfg: ModelConfig, input_shape: Sequence[int], num_classes: int, task: str = tasks.CLASSIFY
+) -> nn.Module:
     """The model `cfg` names for data of `input_shape` and `num_classes` (for a language model,
     `task` "lm": the window length and the vocabulary)."""
     family, argument = family_of(cfg.name)
     if family is None and ":" in cfg.name:
         return _factory_model(cfg.name, tuple(input_shape), num_classes, cfg.kwargs)
     if family is None:
-        raise ConfigError(f"unknown model {cfg.name!r}; available: "
-                          + "; ".join(f"{f.name + (':...' if f.prefix else '')} ({f.help})" for f in FAMILIES.values())
-                          + "; or your own 'module:factory'")
+        raise ConfigError(
+            f"unknown model {cfg.name!r}; available: "
+            + "; ".join(f"{f.name + (':...' if f.prefix else '')} ({f.help})" for f in FAMILIES.values())
+            + "; or your own 'module:factory'"
+        )
     if cfg.kwargs:
         raise ConfigError(f"model.kwargs is for a 'module:factory' model; {cfg.name} does not take it")
     if task not in family.tasks:
-        raise ConfigError(f"{cfg.name} is a language model: it trains on a text dataset (python -m data_prep text ...)"
-                          if task == tasks.CLASSIFY else
-                          f"this is a text dataset, which trains a language model: use --model.name gpt or "
-                          f"hf:PATH (model {cfg.name} classifies images or feature vectors)")
+        raise ConfigError(
+            f"{cfg.name} is a language model: it trains on a text dataset (python -m data_prep text ...)"
+            if task == tasks.CLASSIFY
+            else f"this is a text dataset, which trains a language model: use --model.name gpt or "
+            f"hf:PATH (model {cfg.name} classifies images or feature vectors)"
+        )
     return family.build(cfg, argument, tuple(input_shape), num_classes, task)
 
 
@@ -149,8 +179,10 @@ def _factory_model(name: str, input_shape: tuple[int, ...], num_classes: int, kw
     try:
         model = factory(input_shape, num_classes, **kwargs)
     except TypeError as err:
-        raise ConfigError(f"model {name}: calling {factory_name}(input_shape={input_shape}, num_classes={num_classes}"
-                          f"{''.join(f', {k}={v!r}' for k, v in kwargs.items())}) failed: {err}") from None
+        raise ConfigError(
+            f"model {name}: calling {factory_name}(input_shape={input_shape}, num_classes={num_classes}"
+            f"{''.join(f', {k}={v!r}' for k, v in kwargs.items())}) failed: {err}"
+        ) from None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model {name}: {factory_name}() returned {type(model).__name__}, not a torch.nn.Module")
     return model

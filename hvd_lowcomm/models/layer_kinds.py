@@ -14,6 +14,7 @@ Entries name their class by import path and are matched only once that module is
 the registry never imports `transformers` (a model holding a Conv1D has imported it already).
 The next library's layer is one more `register_kind(...)` call.
 """
+
 from __future__ import annotations
 
 import sys
@@ -28,8 +29,8 @@ class LayerKind:
     """How one class of weight layer looks as y = x Wᵀ + b with W a d_out × d_in matrix."""
 
     name = "?"
-    class_path = ""          # "module:ClassName"; matched once the module is imported
-    linear = True            # the output is the input's rows times Wᵀ (factors can run without forming W)
+    class_path = ""  # "module:ClassName"; matched once the module is imported
+    linear = True  # the output is the input's rows times Wᵀ (factors can run without forming W)
 
     def matches(self, module: nn.Module) -> bool:
         module_name, _, class_name = self.class_path.partition(":")
@@ -97,13 +98,18 @@ class ConvKind(LayerKind):
         return isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
 
     def has_rows(self, module: nn.Module) -> bool:
-        return isinstance(module, nn.Conv2d) and module.groups == 1 and module.padding_mode == "zeros" \
+        return (
+            isinstance(module, nn.Conv2d)
+            and module.groups == 1
+            and module.padding_mode == "zeros"
             and not isinstance(module.padding, str)
+        )
 
     def input_rows(self, module: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
         """im2col: (sample, output position) rows of unfolded input patches."""
-        patches = F.unfold(inputs, module.kernel_size, dilation=module.dilation, padding=module.padding,
-                           stride=module.stride)  # N × C_in·kh·kw × L
+        patches = F.unfold(
+            inputs, module.kernel_size, dilation=module.dilation, padding=module.padding, stride=module.stride
+        )  # N × C_in·kh·kw × L
         return patches.transpose(1, 2).reshape(-1, patches.shape[1])
 
     def output_rows(self, module: nn.Module, output: torch.Tensor) -> torch.Tensor:
@@ -141,4 +147,3 @@ def shared_weights(model: nn.Module) -> set[int]:
 
 def is_tied(module: nn.Module, shared: set[int]) -> bool:
     return id(module.weight) in shared
-

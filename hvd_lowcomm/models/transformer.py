@@ -11,6 +11,7 @@ GELU MLP four times as wide. Initialisation as nanoGPT's: weights N(0, 0.02), bi
 two projections back into the residual stream N(0, 0.02/√(2·layers)) so the stream's variance
 does not grow with depth; ViT's class token and positions N(0, 0.02) as in the ViT paper.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,8 +33,12 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, width = x.shape
-        q, k, v = (proj(x).view(b, t, self.heads, width // self.heads).transpose(1, 2) for proj in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, dropout_p=self.dropout if self.training else 0.0)
+        q, k, v = (
+            proj(x).view(b, t, self.heads, width // self.heads).transpose(1, 2) for proj in (self.q, self.k, self.v)
+        )
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=self.causal, dropout_p=self.dropout if self.training else 0.0
+        )
         return self.out(y.transpose(1, 2).reshape(b, t, width))
 
 
@@ -45,7 +50,9 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(width)
         self.attn = SelfAttention(width, heads, causal, dropout)
         self.ln2 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.Dropout(dropout))
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.Dropout(dropout)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -90,8 +97,10 @@ class PatchEmbedding(nn.Module):
         super().__init__()
         channels, height, width_px = input_shape
         if height % patch or width_px % patch:
-            raise ConfigError(f"model vit: patch size {patch} does not divide the {height}x{width_px} images; "
-                              f"give --model.patch_size a divisor of both (e.g. {math.gcd(height, width_px)})")
+            raise ConfigError(
+                f"model vit: patch size {patch} does not divide the {height}x{width_px} images; "
+                f"give --model.patch_size a divisor of both (e.g. {math.gcd(height, width_px)})"
+            )
         self.patch = patch
         self.project = nn.Linear(channels * patch * patch, width)
         self.class_token = nn.Parameter(torch.zeros(1, 1, width)) if class_token else None
@@ -124,8 +133,9 @@ class ClassifierHead(nn.Module):
 
 def _check(width: int, heads: int, layers: int) -> None:
     if width % heads:
-        raise ConfigError(f"model.width {width} is not a multiple of model.heads {heads}: each head takes width/heads "
-                          f"channels")
+        raise ConfigError(
+            f"model.width {width} is not a multiple of model.heads {heads}: each head takes width/heads channels"
+        )
     if layers < 1:
         raise ConfigError(f"model.layers must be at least 1, got {layers}")
 
@@ -143,27 +153,46 @@ def _initialise(model: nn.Sequential, layers: int) -> nn.Sequential:
     return model
 
 
-def gpt(vocab_size: int, context: int, layers: int = 4, width: int = 128, heads: int = 4, dropout: float = 0.0,
-        tie_weights: bool = False) -> nn.Sequential:
+def gpt(
+    vocab_size: int,
+    context: int,
+    layers: int = 4,
+    width: int = 128,
+    heads: int = 4,
+    dropout: float = 0.0,
+    tie_weights: bool = False,
+) -> nn.Sequential:
     """A decoder-only language model: token ids [B, T] -> next-token logits [B, T, vocab_size].
     `tie_weights` makes the output layer share the token embedding's matrix (GPT-2)."""
     _check(width, heads, layers)
-    model = nn.Sequential(TokenEmbedding(vocab_size, context, width, dropout),
-                          *(Block(width, heads, True, dropout) for _ in range(layers)),
-                          LanguageModelHead(width, vocab_size))
+    model = nn.Sequential(
+        TokenEmbedding(vocab_size, context, width, dropout),
+        *(Block(width, heads, True, dropout) for _ in range(layers)),
+        LanguageModelHead(width, vocab_size),
+    )
     _initialise(model, layers)
     if tie_weights:
         model[-1].logits.weight = model[0].tokens.weight
     return model
 
 
-def vit(input_shape: tuple[int, ...], num_classes: int, layers: int = 4, width: int = 128, heads: int = 4,
-        patch: int = 4, pool: str = "cls", dropout: float = 0.0) -> nn.Sequential:
+def vit(
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    layers: int = 4,
+    width: int = 128,
+    heads: int = 4,
+    patch: int = 4,
+    pool: str = "cls",
+    dropout: float = 0.0,
+) -> nn.Sequential:
     """A vision transformer: images [B, C, H, W] -> class logits [B, num_classes]."""
     if len(input_shape) != 3:
         raise ConfigError(f"model vit needs image input (C, H, W); this dataset's input shape is {tuple(input_shape)}")
     _check(width, heads, layers)
-    model = nn.Sequential(PatchEmbedding(tuple(input_shape), patch, width, pool == "cls", dropout),
-                          *(Block(width, heads, False, dropout) for _ in range(layers)),
-                          ClassifierHead(width, num_classes, pool))
+    model = nn.Sequential(
+        PatchEmbedding(tuple(input_shape), patch, width, pool == "cls", dropout),
+        *(Block(width, heads, False, dropout) for _ in range(layers)),
+        ClassifierHead(width, num_classes, pool),
+    )
     return _initialise(model, layers)

@@ -1,4 +1,5 @@
 """AB-training without ranks: SVD factors, rank rules and cuts, schedules, option checks, models it refuses."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,14 +14,26 @@ from hvd_lowcomm.methods.factorized import FactorizedLayer, choose_rank, dropped
 from test_ab import spectrum_matrix
 
 
-LAYERS = {"linear": lambda: nn.Linear(7, 5), "linear-wide": lambda: nn.Linear(5, 7),
-          "conv1d": lambda: nn.Conv1d(3, 8, 3), "conv2d": lambda: nn.Conv2d(3, 8, 3),
-          "conv3d": lambda: nn.Conv3d(2, 4, 2), "conv2d-grouped": lambda: nn.Conv2d(4, 8, 3, groups=2),
-          "conv2d-circular": lambda: nn.Conv2d(3, 6, 3, padding=1, padding_mode="circular")}
+LAYERS = {
+    "linear": lambda: nn.Linear(7, 5),
+    "linear-wide": lambda: nn.Linear(5, 7),
+    "conv1d": lambda: nn.Conv1d(3, 8, 3),
+    "conv2d": lambda: nn.Conv2d(3, 8, 3),
+    "conv3d": lambda: nn.Conv3d(2, 4, 2),
+    "conv2d-grouped": lambda: nn.Conv2d(4, 8, 3, groups=2),
+    "conv2d-circular": lambda: nn.Conv2d(3, 6, 3, padding=1, padding_mode="circular"),
+}
 
 
-INPUTS = {"linear": (4, 7), "linear-wide": (4, 5), "conv1d": (2, 3, 9), "conv2d": (2, 3, 6, 6), "conv3d": (2, 2, 4, 4, 4),
-          "conv2d-grouped": (2, 4, 6, 6), "conv2d-circular": (2, 3, 5, 5)}
+INPUTS = {
+    "linear": (4, 7),
+    "linear-wide": (4, 5),
+    "conv1d": (2, 3, 9),
+    "conv2d": (2, 3, 6, 6),
+    "conv3d": (2, 2, 4, 4, 4),
+    "conv2d-grouped": (2, 4, 6, 6),
+    "conv2d-circular": (2, 3, 5, 5),
+}
 
 
 @pytest.mark.parametrize("kind", list(LAYERS))
@@ -47,7 +60,7 @@ def test_tau_rule_keeps_the_singular_values_above_tau_sigma1():
 def test_noise_rule_cuts_at_the_edge_of_a_random_bulk_and_ignores_an_outlier():
     torch.manual_seed(2)
     n = 256
-    bulk = torch.randn(n, n) / n**0.5                  # Marchenko-Pastur bulk, edge at 2
+    bulk = torch.randn(n, n) / n**0.5  # Marchenko-Pastur bulk, edge at 2
     signal = spectrum_matrix([60.0, 8.0, 6.0, 5.0], n, n)  # one outlier, three learned directions
     s = torch.linalg.svdvals(bulk + signal)
     energy = s.square()
@@ -125,8 +138,9 @@ def test_a_spectrum_of_the_leading_triplets_cuts_as_the_full_svd_and_knows_what_
     assert median >= float(full.s.median())  # an upper bound of the median it did not compute
     for floor in (0.25, 0.01):
         rank = choose_rank(full.s, layer.tall_shape, "noise", 0.15, full_energy, floor, layer.noise_edge)
-        assert rank == 12 and rank == choose_rank(leading.s, layer.tall_shape, "noise", 0.15, leading_energy,
-                                                  floor, layer.noise_edge, median=median)
+        assert rank == 12 and rank == choose_rank(
+            leading.s, layer.tall_shape, "noise", 0.15, leading_energy, floor, layer.noise_edge, median=median
+        )
     x = x.double()  # in float64: a 0.3 % difference of two outputs is measured to 1e-6
     dense = x @ layer.weight().double().T
     for rank in (3, 12, 30):  # the tail, residual included, is exactly what the cut drops
@@ -136,7 +150,8 @@ def test_a_spectrum_of_the_leading_triplets_cuts_as_the_full_svd_and_knows_what_
         assert dropped_fraction(leading_energy, rank) == pytest.approx(dropped.item(), rel=1e-3, abs=1e-6)
         if rank <= leading.trusted:  # as good a cut as the full SVD's (past trusted: the bulk, in any order)
             assert dropped_fraction(leading.weight_energy(), rank) == pytest.approx(
-                dropped_fraction(full.weight_energy(), rank), rel=1e-3, abs=1e-6)
+                dropped_fraction(full.weight_energy(), rank), rel=1e-3, abs=1e-6
+            )
 
 
 def test_the_full_svd_is_taken_where_the_leading_triplets_would_not_decide_the_cut():
@@ -177,11 +192,21 @@ def test_optimizer_moments_are_sliced_or_padded():
 
 
 def test_schedule_phases_and_transitions():
-    s = Schedule(config.load(["--ab.warmup", "3", "--ab.sync_every", "2", "--ab.full_rank_steps", "1"]).method_options["ab"], 100)
+    s = Schedule(
+        config.load(["--ab.warmup", "3", "--ab.sync_every", "2", "--ab.full_rank_steps", "1"]).method_options["ab"], 100
+    )
     assert [s.phase(t) for t in range(10)] == ["warmup"] * 3 + ["group", "group", "full"] * 2 + ["group"]
     assert [s.transitions(t) for t in (3, 5, 6, 8)] == [["factorize-first"], ["sync"], ["refactorize"], ["sync"]]
-    s = Schedule(config.load(["--ab.warmup", "0", "--ab.sync_every", "2", "--ab.full_rank_steps", "0"]).method_options["ab"], 100)
-    assert [s.transitions(t) for t in range(5)] == [["factorize-first"], [], ["sync", "refactorize"], [], ["sync", "refactorize"]]
+    s = Schedule(
+        config.load(["--ab.warmup", "0", "--ab.sync_every", "2", "--ab.full_rank_steps", "0"]).method_options["ab"], 100
+    )
+    assert [s.transitions(t) for t in range(5)] == [
+        ["factorize-first"],
+        [],
+        ["sync", "refactorize"],
+        [],
+        ["sync", "refactorize"],
+    ]
 
 
 def test_schedule_lengths_below_one_are_fractions_of_the_run():
@@ -194,23 +219,32 @@ def test_schedule_lengths_below_one_are_fractions_of_the_run():
         Schedule(options)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--ab.tau", "1.5"], r"ab.tau must be in \(0, 1\), got 1.5"),
-    (["--ab.tau", "0"], r"ab.tau must be in \(0, 1\), got 0.0"),
-    (["--ab.sync_every", "0"], "ab.sync_every must be > 0, got 0"),
-    (["--ab.warmup", "2.5"], "ab.warmup must be a whole number of steps or a fraction below 1, got 2.5"),
-    (["--ab.max_output_error", "1"], r"ab.max_output_error must be in \[0, 1\)"),
-    (["--ab.first_cut", "-1"], "ab.first_cut must be >= 0, got -1"),
-    (["--ab.first_cut", "1.5"], "ab.first_cut must be a whole number of steps or a fraction below 1, got 1.5"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--ab.tau", "1.5"], r"ab.tau must be in \(0, 1\), got 1.5"),
+        (["--ab.tau", "0"], r"ab.tau must be in \(0, 1\), got 0.0"),
+        (["--ab.sync_every", "0"], "ab.sync_every must be > 0, got 0"),
+        (["--ab.warmup", "2.5"], "ab.warmup must be a whole number of steps or a fraction below 1, got 2.5"),
+        (["--ab.max_output_error", "1"], r"ab.max_output_error must be in \[0, 1\)"),
+        (["--ab.first_cut", "-1"], "ab.first_cut must be >= 0, got -1"),
+        (["--ab.first_cut", "1.5"], "ab.first_cut must be a whole number of steps or a fraction below 1, got 1.5"),
+    ],
+)
 def test_invalid_settings_are_rejected(argv, message):
     with pytest.raises(ConfigError, match=message):
         config.load(["--method", "ab", *argv])
 
 
 def test_ab_trains_with_adamw_and_weight_decay_unless_told_otherwise(tmp_path):
-    assert (config.load(["--method", "ab"]).train.optimizer, config.load(["--method", "ab"]).train.weight_decay) == ("adamw", 0.1)
-    assert (config.load(["--method", "ddp"]).train.optimizer, config.load(["--method", "ddp"]).train.weight_decay) == ("adam", 0.0)
+    assert (config.load(["--method", "ab"]).train.optimizer, config.load(["--method", "ab"]).train.weight_decay) == (
+        "adamw",
+        0.1,
+    )
+    assert (config.load(["--method", "ddp"]).train.optimizer, config.load(["--method", "ddp"]).train.weight_decay) == (
+        "adam",
+        0.0,
+    )
     chosen = config.load(["--method", "ab", "--train.optimizer", "sgd", "--train.weight_decay", "0"])
     assert (chosen.train.optimizer, chosen.train.weight_decay) == ("sgd", 0.0)
     (tmp_path / "run.yaml").write_text("method: ab\ntrain:\n  weight_decay: 0.01\n")
@@ -232,8 +266,12 @@ class ReadsChildWeight(nn.Module):
 class WithAttention(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.embed, self.attention, self.mid, self.head = nn.Linear(6, 8), nn.MultiheadAttention(8, 2), \
-            nn.Linear(8, 8), nn.Linear(8, 3)
+        self.embed, self.attention, self.mid, self.head = (
+            nn.Linear(6, 8),
+            nn.MultiheadAttention(8, 2),
+            nn.Linear(8, 8),
+            nn.Linear(8, 3),
+        )
 
     def forward(self, x):
         h = self.embed(x).unsqueeze(0)
@@ -255,13 +293,17 @@ def test_multihead_attention_projections_stay_dense_and_the_model_still_computes
     checked(model)
     layers, dense = factorize_model(model, ["first", "last"])
     assert list(layers) == ["mid"]
-    assert dense == {"attention.out_proj": "inside nn.MultiheadAttention, which reads its weight itself",
-                     "embed": "ab.full_rank", "head": "ab.full_rank"}
+    assert dense == {
+        "attention.out_proj": "inside nn.MultiheadAttention, which reads its weight itself",
+        "embed": "ab.full_rank",
+        "head": "ab.full_rank",
+    }
 
 
 def test_a_model_that_reads_a_factorised_weight_directly_is_refused_before_training():
-    model = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), ReadsChildWeight(), nn.ReLU(), nn.Linear(6, 6), nn.ReLU(),
-                          nn.Linear(6, 3))
+    model = nn.Sequential(
+        nn.Linear(6, 6), nn.ReLU(), ReadsChildWeight(), nn.ReLU(), nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 3)
+    )
     with pytest.raises(ConfigError, match="cannot factorise this model.*2.inner.*--ab.full_rank"):
         checked(model)
     checked(model, "--ab.full_rank", "first,last,2.inner")  # kept dense, it trains

@@ -1,4 +1,5 @@
 """The package root: exported names resolve, and library options come through one checked door."""
+
 from __future__ import annotations
 
 import pytest
@@ -28,7 +29,9 @@ def test_library_options_come_through_one_door_checked_the_same_way():
 
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ConfigError, match="diloco.compression must be one of none, fp16, int8, int2, sparse, lowrank; got 'int4'"):
+    with pytest.raises(
+        ConfigError, match="diloco.compression must be one of none, fp16, int8, int2, sparse, lowrank; got 'int4'"
+    ):
         DiLoCo(model, opt, total_steps=10, options=DiLoCoOptions(compression="int4"))
     with pytest.raises(ConfigError, match="diloco.fragments must be >= 1"):
         DiLoCo(model, opt, total_steps=10, options=DiLoCoOptions(), fragments=0)

@@ -1,4 +1,5 @@
 """Comments and option help state a rule and why; measured figures live in results and docs."""
+
 from __future__ import annotations
 
 import dataclasses

@@ -1,4 +1,5 @@
 """The compatibility matrix: methods refuse the options they cannot honour, before training."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """Configuration: precedence, validation messages naming the option, --help."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,21 +19,24 @@ def test_yaml_then_command_line_precedence(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("train:\n  epochs: 3\n  lr: 0.01\nmodel:\n  hidden: [32, 16]\ncomm:\n  compression: fp16\n")
     cfg = config.load(["--config", str(path), "--train.epochs", "5", "--model.hidden", "8,4"])
-    assert cfg.train.epochs == 5            # command line beats YAML
-    assert cfg.train.lr == 0.01             # YAML beats default
-    assert cfg.model.hidden == [8, 4]       # lists parse from "8,4"
+    assert cfg.train.epochs == 5  # command line beats YAML
+    assert cfg.train.lr == 0.01  # YAML beats default
+    assert cfg.model.hidden == [8, 4]  # lists parse from "8,4"
     assert cfg.comm.compression == "fp16"
-    assert cfg.data.batch_size == 32        # untouched default
+    assert cfg.data.batch_size == 32  # untouched default
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--train.epochs", "0"], "train.epochs must be a positive integer, got 0"),
-    (["--data.batch_size", "-4"], "data.batch_size must be a positive integer, got -4"),
-    (["--train.lr", "0"], "train.lr must be positive"),
-    (["--comm.compression", "fp8"], "comm.compression must be one of none, fp16; got 'fp8'"),
-    (["--train.optimizer", "lamb"], "train.optimizer must be one of sgd, adam, adamw"),
-    (["--model.hidden", "64,-1"], "model.hidden must be positive widths"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--train.epochs", "0"], "train.epochs must be a positive integer, got 0"),
+        (["--data.batch_size", "-4"], "data.batch_size must be a positive integer, got -4"),
+        (["--train.lr", "0"], "train.lr must be positive"),
+        (["--comm.compression", "fp8"], "comm.compression must be one of none, fp16; got 'fp8'"),
+        (["--train.optimizer", "lamb"], "train.optimizer must be one of sgd, adam, adamw"),
+        (["--model.hidden", "64,-1"], "model.hidden must be positive widths"),
+    ],
+)
 def test_bad_values_are_rejected_with_the_option_named(argv, expected):
     with pytest.raises(ConfigError) as err:
         config.load(argv)
@@ -69,8 +73,11 @@ def test_unknown_yaml_keys_and_methods_are_rejected_with_suggestions(tmp_path):
 
 
 def test_unknown_command_line_options_are_one_line_with_the_nearest_name():
-    with pytest.raises(ConfigError, match=r"^unknown option --train.epochz \(did you mean '--train.epochs'\?\); "
-                                          r"`python -m hvd_lowcomm.train --help` lists every option$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^unknown option --train.epochz \(did you mean '--train.epochs'\?\); "
+        r"`python -m hvd_lowcomm.train --help` lists every option$",
+    ):
         config.load(["--train.epochz", "3"])
     with pytest.raises(ConfigError, match=r"^unexpected argument\(s\) extra: every option is --section.key VALUE"):
         config.load(["--train.epochs", "3", "extra"])

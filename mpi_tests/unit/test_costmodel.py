@@ -1,4 +1,5 @@
 """The α-β cost model: collective formulas, links, FLOPs, accelerators, the planner's choices."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,6 @@ from hvd_lowcomm.costmodel import ACCELERATORS, UTILISATION, Link, compute_devic
 from hvd_lowcomm.models import cnn, mlp
 from hvd_lowcomm.models.transformer import gpt
 from hvd_lowcomm.registry import specs
-
 
 
 MB = 1e6
@@ -135,7 +135,7 @@ def test_the_forward_flops_of_a_linear_a_conv_and_a_gpt_are_their_formulas():
     lm = profile_model(model, (context,), batch, methods=(), vocabulary=vocabulary, device=at)
     # per token and block: q, k, v, out (4 w²) and the MLP (8 w²), 2 FLOPs a multiply-add; attention's
     # Q Kᵀ and A V over the window (2 · 2 · T · w); then the output layer (2 · w · V)
-    per_token = layers * (2 * 12 * width ** 2 + 4 * context * width) + 2 * width * vocabulary
+    per_token = layers * (2 * 12 * width**2 + 4 * context * width) + 2 * width * vocabulary
     assert lm.flops == batch * context * per_token
 
 
@@ -143,8 +143,9 @@ def test_the_forward_flops_of_a_linear_a_conv_and_a_gpt_are_their_formulas():
 def test_an_accelerator_costs_the_step_as_its_flops_at_its_peak_times_the_utilisation(accelerator, amp):
     peak = ACCELERATORS[accelerator].bf16_tflops if amp == "bf16" else ACCELERATORS[accelerator].fp32_tflops
     cfg = config.load(["--train.amp", amp])
-    profile = profile_model(mlp((64,), 10, [1024, 1024]), (64,), 256, cfg=cfg, methods=("dad",),
-                            device=compute_device(accelerator, amp=amp))
+    profile = profile_model(
+        mlp((64,), 10, [1024, 1024]), (64,), 256, cfg=cfg, methods=("dad",), device=compute_device(accelerator, amp=amp)
+    )
     assert profile.step_seconds == pytest.approx(3 * profile.flops / (peak * 1e12 * UTILISATION), rel=1e-12)
     assert profile.backward_seconds == pytest.approx(2 * profile.forward_seconds, rel=1e-12)
     # The methods' kernels are counted at the fp32 rate: dAD's product of one rank's 256 rows of
@@ -167,7 +168,7 @@ def test_gpus_per_node_sets_the_ranks_per_node_and_an_accelerator_links_them_by_
     from hvd_lowcomm.plan import networks, parser
 
     def network(*argv: str) -> Link:
-        (_, link), = networks(parser().parse_known_args(["--links", "25gbit", *argv])[0])
+        ((_, link),) = networks(parser().parse_known_args(["--links", "25gbit", *argv])[0])
         return link
 
     assert network().ranks_per_node == 1

@@ -1,4 +1,5 @@
 """HDF5 datasets: the documented layout, loader errors, shards, corrupt files."""
+
 from __future__ import annotations
 
 import h5py
@@ -17,7 +18,12 @@ from test_data import _numbered, _write_numbered
 def test_digits_are_written_in_the_documented_layout(tmp_path):
     assert data_prep_main(["digits", "--out", str(tmp_path / "d.h5")]) == 0
     info = data.inspect(tmp_path / "d.h5")
-    assert (info.num_train, info.num_test, info.num_classes, info.input_shape) == (1438, 359, 10, (1, 8, 8))  # stratified 80/20 of 1,797
+    assert (info.num_train, info.num_test, info.num_classes, info.input_shape) == (
+        1438,
+        359,
+        10,
+        (1, 8, 8),
+    )  # stratified 80/20 of 1,797
     with h5py.File(tmp_path / "d.h5") as f:
         assert f.attrs["format"] == data.FORMAT
         assert f["train/x"].chunks is None and f["train/x"].dtype == np.uint8  # contiguous: memory-mapped
@@ -40,8 +46,12 @@ def test_npz_import_and_synthetic(tmp_path):
     assert data_prep_main(["npz", str(tmp_path / "a.npz"), "--out", str(tmp_path / "a.h5")]) == 0
     info = data.inspect(tmp_path / "a.h5")
     assert info.num_train + info.num_test == 50 and info.num_classes == 3
-    assert data_prep_main(["synthetic", "--out", str(tmp_path / "s.h5"), "--samples", "200",
-                           "--shape", "5", "--classes", "4"]) == 0
+    assert (
+        data_prep_main(
+            ["synthetic", "--out", str(tmp_path / "s.h5"), "--samples", "200", "--shape", "5", "--classes", "4"]
+        )
+        == 0
+    )
     assert data.inspect(tmp_path / "s.h5").input_shape == (5,)
     np.savez(tmp_path / "bad.npz", inputs=np.zeros(3))
     assert data_prep_main(["npz", str(tmp_path / "bad.npz"), "--out", str(tmp_path / "b.h5")]) == 1
@@ -49,15 +59,20 @@ def test_npz_import_and_synthetic(tmp_path):
 
 
 def test_missing_file_names_the_path_and_the_command_that_makes_it(tmp_path):
-    with pytest.raises(DataError, match=r"missing\.h5 does not exist; create it with `python -m data_prep SOURCE --out .*missing\.h5`"):
+    with pytest.raises(
+        DataError, match=r"missing\.h5 does not exist; create it with `python -m data_prep SOURCE --out .*missing\.h5`"
+    ):
         data.inspect(tmp_path / "missing.h5")
 
 
 def test_file_without_expected_datasets_is_rejected(tmp_path):
     with h5py.File(tmp_path / "odd.h5", "w") as f:
         f["train/x"] = np.zeros((4, 2), dtype=np.float32)
-    with pytest.raises(DataError, match=r"not a complete hvd_lowcomm dataset: missing /train/y, /test/x, /test/y, "
-                                        r"attribute format, attribute num_classes, attribute checksum"):
+    with pytest.raises(
+        DataError,
+        match=r"not a complete hvd_lowcomm dataset: missing /train/y, /test/x, /test/y, "
+        r"attribute format, attribute num_classes, attribute checksum",
+    ):
         data.inspect(tmp_path / "odd.h5")
 
 
@@ -117,8 +132,9 @@ def test_interrupted_write_leaves_the_previous_file_and_no_partial_one(tmp_path,
     monkeypatch.setattr(writer, "BLOCK_BYTES", 1)  # one chunk of rows per block
     monkeypatch.setattr(writer, "CHUNK_BYTES", 12 * 4)  # four rows per chunk
     with pytest.raises(OSError, match="disk went away"):
-        write_dataset(out, (_FailingRows(40), np.zeros(40)), (np.zeros((5, 3), np.float32), np.zeros(5)), 4,
-                      "x", shards=shards)
+        write_dataset(
+            out, (_FailingRows(40), np.zeros(40)), (np.zeros((5, 3), np.float32), np.zeros(5)), 4, "x", shards=shards
+        )
     assert sorted(p.name for p in tmp_path.rglob("*")) == before  # no temporary left, old data intact
     assert data.inspect(out).num_train == 103
 

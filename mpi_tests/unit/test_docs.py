@@ -1,6 +1,7 @@
 """The documentation cannot drift from the code where it is generated or checked: every option
 has help text and appears in the generated reference, every method's options have a page, the
 API reference covers the package root, and the README's links into the docs resolve."""
+
 from __future__ import annotations
 
 import re
@@ -27,7 +28,7 @@ def test_generated_reference_lists_every_option_with_its_default():
     options = describe_options()
     table = "\n".join(option_table(options))
     for opt in options:
-        row = table[table.index(f"``--{opt.name}``"):]
+        row = table[table.index(f"``--{opt.name}``") :]
         assert row.split("\n")[2].strip() == f"- ``{opt.default}``", opt.name
     assert table.count("   * - ``--") == len(options)
 
@@ -47,8 +48,9 @@ def test_every_method_section_has_a_page_with_its_options():
             directives.update({section: page.name for section in match.group(1).split()})
     missing = sorted(set(option_sections()) - set(directives))
     assert not missing, f"method option sections with no docs/methods page: {missing}"
-    assert re.search(r"^\.\. hvd-options::\s*$", (DOCS / "configuration.rst").read_text(), re.M), \
+    assert re.search(r"^\.\. hvd-options::\s*$", (DOCS / "configuration.rst").read_text(), re.M), (
         "configuration.rst must hold the whole generated reference"
+    )
 
 
 def test_api_reference_covers_the_package_root():

@@ -1,4 +1,5 @@
 """Which engine runs: comm.engine and comm.reduce_dtype, decided before MPI starts."""
+
 from __future__ import annotations
 
 import pytest

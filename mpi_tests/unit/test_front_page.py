@@ -1,4 +1,5 @@
 """The README is the front page: short, and every figure in it is its results' current output."""
+
 from __future__ import annotations
 
 import re
@@ -30,8 +31,9 @@ def paragraphs(text: str) -> list[str]:
 
 
 def test_readme_decision_table_is_the_generated_one():
-    assert front_page.readme_table(README.read_text()) == front_page.decision_table(), \
+    assert front_page.readme_table(README.read_text()) == front_page.decision_table(), (
         "README.rst's decision table differs from its results: run python -m benchmarks.front_page --write"
+    )
 
 
 def test_decision_table_figures_come_from_the_heldout_summary():
@@ -53,7 +55,7 @@ def test_readme_is_a_front_page():
 def test_readme_has_at_most_ten_measured_figures():
     table = front_page.readme_table(README.read_text())
     rows = table.split("=\n", 2)[-1]  # the table's body, after its header
-    body = rows[:rows.index("\nBound:")]
+    body = rows[: rows.index("\nBound:")]
     assert len(re.findall(r"[+-]?\d+\.\d+", body)) <= 10
 
 

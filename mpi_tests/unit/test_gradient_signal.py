@@ -1,4 +1,5 @@
 """benchmarks.gradient_signal: the signal, noise and ranks it reads off independent batches."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """Hugging Face models: what is refused and recognised before any rank exchanges."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """The package's layers: no module imports one above it or in a circle; layer kinds."""
+
 from __future__ import annotations
 
 import ast
@@ -14,22 +15,58 @@ PACKAGE = ROOT / "hvd_lowcomm"
 
 LAYERS = [
     ("registry", ["hvd_lowcomm.registry"]),
-    ("foundation", ["hvd_lowcomm.config", "hvd_lowcomm.metrics", "hvd_lowcomm.schedule", "hvd_lowcomm.task", "hvd_lowcomm.heldout",
-                    "hvd_lowcomm.trackers"]),
-    ("comm", ["hvd_lowcomm.comm", "hvd_lowcomm.comm.engines", "hvd_lowcomm.comm.runtime", "hvd_lowcomm.comm.traffic",
-              "hvd_lowcomm.comm.rendezvous",
-              "hvd_lowcomm.comm.half_wire", "hvd_lowcomm.comm.mesh"]),
+    (
+        "foundation",
+        [
+            "hvd_lowcomm.config",
+            "hvd_lowcomm.metrics",
+            "hvd_lowcomm.schedule",
+            "hvd_lowcomm.task",
+            "hvd_lowcomm.heldout",
+            "hvd_lowcomm.trackers",
+        ],
+    ),
+    (
+        "comm",
+        [
+            "hvd_lowcomm.comm",
+            "hvd_lowcomm.comm.engines",
+            "hvd_lowcomm.comm.runtime",
+            "hvd_lowcomm.comm.traffic",
+            "hvd_lowcomm.comm.rendezvous",
+            "hvd_lowcomm.comm.half_wire",
+            "hvd_lowcomm.comm.mesh",
+        ],
+    ),
     ("data and models", ["hvd_lowcomm.data", "hvd_lowcomm.models", "hvd_lowcomm.models.*"]),
     ("cost model", ["hvd_lowcomm.costmodel"]),
     ("methods", ["hvd_lowcomm.methods", "hvd_lowcomm.methods.*"]),
-    ("harness", ["hvd_lowcomm.checkpoint", "hvd_lowcomm.loop", "hvd_lowcomm.auto", "hvd_lowcomm.train",
-                 "hvd_lowcomm.plan", "hvd_lowcomm.jobs"]),
+    (
+        "harness",
+        [
+            "hvd_lowcomm.checkpoint",
+            "hvd_lowcomm.loop",
+            "hvd_lowcomm.auto",
+            "hvd_lowcomm.train",
+            "hvd_lowcomm.plan",
+            "hvd_lowcomm.jobs",
+        ],
+    ),
     ("package", ["hvd_lowcomm"]),  # resolves its public names lazily, by string
 ]
 
 
-LAZY = {"mpi4py", "horovod.torch", "h5py", "matplotlib", "matplotlib.pyplot", "torchvision", "transformers",
-        "torch.utils.tensorboard", "wandb"}
+LAZY = {
+    "mpi4py",
+    "horovod.torch",
+    "h5py",
+    "matplotlib",
+    "matplotlib.pyplot",
+    "torchvision",
+    "transformers",
+    "torch.utils.tensorboard",
+    "wandb",
+}
 
 
 def module_name(path: Path) -> str:
@@ -57,8 +94,9 @@ def imports(path: Path) -> tuple[set[str], list[tuple[int, str]]]:
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module:
             # `from hvd_lowcomm.comm import runtime` imports the module hvd_lowcomm.comm.runtime
-            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
-                     for a in node.names]
+            names = [
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module for a in node.names
+            ]
         else:
             continue
         own.update(n for n in names if n in MODULES)
@@ -77,8 +115,9 @@ GRAPH = {name: imports(path)[0] - {name} for name, path in MODULES.items()}
 
 def upward(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
     """(importer, imported) pairs where the imported module sits in a higher layer."""
-    return {(module, other) for module, others in graph.items() for other in others
-            if layer_of(other) > layer_of(module)}
+    return {
+        (module, other) for module, others in graph.items() for other in others if layer_of(other) > layer_of(module)
+    }
 
 
 def circle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -88,7 +127,7 @@ def circle(graph: dict[str, set[str]]) -> list[str] | None:
 
     def visit(module: str) -> list[str] | None:
         if module in active:
-            return active[active.index(module):] + [module]
+            return active[active.index(module) :] + [module]
         if module in done:
             return None
         active.append(module)
@@ -104,7 +143,9 @@ def circle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_no_module_imports_one_above_it():
-    assert not upward(GRAPH), "imports from a higher layer: " + ", ".join(f"{a} -> {b}" for a, b in sorted(upward(GRAPH)))
+    assert not upward(GRAPH), "imports from a higher layer: " + ", ".join(
+        f"{a} -> {b}" for a, b in sorted(upward(GRAPH))
+    )
 
 
 def test_no_modules_import_each_other_in_a_circle():
@@ -121,8 +162,9 @@ def test_a_package_belongs_to_its_own_layer():
 
 
 def test_the_checks_catch_an_upward_import_and_a_circle():
-    assert upward({"hvd_lowcomm.config": {"hvd_lowcomm.loop"}, "hvd_lowcomm.loop": {"hvd_lowcomm.config"}}) == \
-        {("hvd_lowcomm.config", "hvd_lowcomm.loop")}
+    assert upward({"hvd_lowcomm.config": {"hvd_lowcomm.loop"}, "hvd_lowcomm.loop": {"hvd_lowcomm.config"}}) == {
+        ("hvd_lowcomm.config", "hvd_lowcomm.loop")
+    }
     assert circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert circle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
 

@@ -1,5 +1,6 @@
 """The option surface is fenced: every --section.key option is listed in options.txt, so one is
 added or renamed only on purpose, and a renamed one keeps working (config.RENAMED) for a release."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,7 +17,8 @@ def test_every_option_is_listed_and_every_listed_option_exists():
     listed = set(LISTED.read_text().split())
     assert names == listed, (
         f"options added: {sorted(names - listed)}, gone: {sorted(listed - names)}. An option is part of the "
-        f"product: update {LISTED.name} on purpose, and give a renamed one its old name in config.RENAMED")
+        f"product: update {LISTED.name} on purpose, and give a renamed one its old name in config.RENAMED"
+    )
 
 
 def test_a_renamed_option_works_under_its_old_name_with_a_warning(monkeypatch, tmp_path):

@@ -1,4 +1,5 @@
 """DiLoCo's exchange codecs: sparse positions, quantisation, low-rank budgets, their bytes."""
+
 from __future__ import annotations
 
 import math
@@ -7,10 +8,23 @@ import pytest
 import torch
 
 from hvd_lowcomm.methods.diloco import DiLoCoOptions
-from hvd_lowcomm.methods.outer_exchange import (BLOCK, BLOCK4, INT4, elias_fano_decode, elias_fano_encode, int2_bytes,
-                                                int2_decode, int2_encode, make_exchange, positions_bytes,
-                                                slice_pieces, sparse_bytes, sparse_decode, sparse_encode,
-                                                sparse_layout)
+from hvd_lowcomm.methods.outer_exchange import (
+    BLOCK,
+    BLOCK4,
+    INT4,
+    elias_fano_decode,
+    elias_fano_encode,
+    int2_bytes,
+    int2_decode,
+    int2_encode,
+    make_exchange,
+    positions_bytes,
+    slice_pieces,
+    sparse_bytes,
+    sparse_decode,
+    sparse_encode,
+    sparse_layout,
+)
 
 
 def test_quantised_bytes_per_rank_stay_flat_in_the_number_of_groups():
@@ -20,7 +34,9 @@ def test_quantised_bytes_per_rank_stay_flat_in_the_number_of_groups():
     for kind, per_number in (("int8", 1 + 4 / BLOCK), ("fp16", 2), ("int2", 0.25 + 4 / BLOCK4)):
         options = DiLoCoOptions(compression=kind)
         for groups in (2, 4, 8, 16):
-            sent = sum(t.sent_bytes(groups) for t in make_exchange(None, options, members=groups).transfers(numbers, [], 0))
+            sent = sum(
+                t.sent_bytes(groups) for t in make_exchange(None, options, members=groups).transfers(numbers, [], 0)
+            )
             assert sent == pytest.approx(2 * (groups - 1) / groups * numbers * per_number, rel=1e-3)
             assert sent < 2 * numbers * per_number
 
@@ -114,17 +130,26 @@ def test_lowrank_ranks_from_the_byte_budget_spend_it_evenly(share):
     # rank 0: each matrix's rank is what its share of the budget buys, so a GPT's 128-wide
     # matrices and an MLP's 1024-wide ones are compressed alike, within the budget, dense numbers
     # and int8 scales included
-    for shapes in ([(65, 128), (384, 128), (384,), (128, 128), (512, 128), (128, 512), (128,)],
-                   [(1024, 784), (1024,), (1024, 1024), (10, 1024), (10,)],
-                   [(256, 784), (256,), (256, 256), (256,), (10, 256), (10,)]):
+    for shapes in (
+        [(65, 128), (384, 128), (384,), (128, 128), (512, 128), (128, 512), (128,)],
+        [(1024, 784), (1024,), (1024, 1024), (10, 1024), (10,)],
+        [(256, 784), (256,), (256, 256), (256,), (10, 256), (10,)],
+    ):
         numbers = sum(math.prod(s) for s in shapes)
         # whole, and each slice of groups of 2 and 4 ranks (short slices round up the most)
         for members, ranks_per_group in ((2, 1), (4, 1), (8, 1), (4, 2), (2, 4)):
             size = -(-numbers // ranks_per_group)
             for start in range(0, numbers, size):
-                sent, fp32 = (sum(t.sent_bytes(members) for t in make_exchange(None, options, members=members).transfers(
-                    size, shapes, start)) for options in (DiLoCoOptions(compression="lowrank", factor_share=share),
-                                                          DiLoCoOptions(compression="none")))
+                sent, fp32 = (
+                    sum(
+                        t.sent_bytes(members)
+                        for t in make_exchange(None, options, members=members).transfers(size, shapes, start)
+                    )
+                    for options in (
+                        DiLoCoOptions(compression="lowrank", factor_share=share),
+                        DiLoCoOptions(compression="none"),
+                    )
+                )
                 assert 0.8 * share <= sent / fp32 <= share
         pieces = slice_pieces(shapes, 0, numbers, 0, share)
         assert len(pieces.matrices) == sum(len(s) == 2 for s in shapes)

@@ -1,5 +1,6 @@
 """The tree holds code, docs and reports; run output stays out of git (benchmarks/results/ is
 ignored, but for the CSVs a docs page renders or cites, added with git add -f)."""
+
 from __future__ import annotations
 
 import re
@@ -10,7 +11,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.rst", *sorted((ROOT / "docs").rglob("*.rst")), *sorted((ROOT / "benchmarks" / "reports").glob("*.md"))]
+PAGES = [
+    ROOT / "README.rst",
+    *sorted((ROOT / "docs").rglob("*.rst")),
+    *sorted((ROOT / "benchmarks" / "reports").glob("*.md")),
+]
 RENDERED = re.compile(r"^([ \t]*)\.\. hvd-results:: (\S+)\n((?:\1   :.*\n)*)", re.M)
 FIGURE = re.compile(r"\.\. (?:figure|image):: (\S+)")
 
@@ -36,8 +41,14 @@ def results_the_pages_use() -> tuple[set[str], set[str]]:
 def test_benchmarks_hold_code_reports_and_the_csvs_the_docs_use():
     rendered, cited = results_the_pages_use()
     allowed = re.compile(r"benchmarks/([a-z_]+\.py|configs/[^/]+|reports/[A-Za-z0-9_.\-]+\.md)")
-    stray = [f for f in tracked() if f.startswith("benchmarks/") and not allowed.fullmatch(f) and f not in rendered
-             and not (f.endswith(".csv") and f.split("/")[2] in cited)]
+    stray = [
+        f
+        for f in tracked()
+        if f.startswith("benchmarks/")
+        and not allowed.fullmatch(f)
+        and f not in rendered
+        and not (f.endswith(".csv") and f.split("/")[2] in cited)
+    ]
     assert not stray, f"run output in git (keep it under the ignored benchmarks/results/, or render it): {stray[:10]}"
 
 

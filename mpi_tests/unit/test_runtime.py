@@ -1,4 +1,5 @@
 """Runtime without MPI: group layouts, launcher checks, thread counts."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,19 +18,22 @@ def test_layout_is_contiguous_equal_groups():
 
 
 def test_a_group_count_that_does_not_divide_the_world_is_a_clear_error():
-    with pytest.raises(GroupLayoutError, match=r"cannot split 6 ranks into 4 equal groups: use a group count "
-                                               r"that divides 6 \(1, 2, 3, 6\) or launch a multiple of 4 ranks"):
+    with pytest.raises(
+        GroupLayoutError,
+        match=r"cannot split 6 ranks into 4 equal groups: use a group count "
+        r"that divides 6 \(1, 2, 3, 6\) or launch a multiple of 4 ranks",
+    ):
         group_layout(6, num_groups=4)
     with pytest.raises(GroupLayoutError, match="cannot split 4 ranks into groups of 3"):
         group_layout(4, group_size=3)
 
 
 def test_one_group_per_node_when_the_job_spans_nodes():
-    assert runtime.groups_for(0, 64, 8) == 8   # 8 nodes of 8
-    assert runtime.groups_for(0, 8, 8) == 2    # one node: two groups all the same
-    assert runtime.groups_for(4, 64, 8) == 4   # asked for
-    assert runtime.groups_for(0, 6, 1) == 6    # one rank per node
-    assert runtime.groups_for(0, 3, 3) == 3    # one node, an odd rank count: its smallest divisor
+    assert runtime.groups_for(0, 64, 8) == 8  # 8 nodes of 8
+    assert runtime.groups_for(0, 8, 8) == 2  # one node: two groups all the same
+    assert runtime.groups_for(4, 64, 8) == 4  # asked for
+    assert runtime.groups_for(0, 6, 1) == 6  # one rank per node
+    assert runtime.groups_for(0, 3, 3) == 3  # one node, an odd rank count: its smallest divisor
     assert runtime.groups_for(0, 9, 9) == 3
     assert runtime.groups_for(0, 6, 6) == 2
 
@@ -50,11 +54,14 @@ def test_a_rank_computes_on_its_share_of_the_node_s_cores():
     assert runtime.compute_threads(local_ranks=1, cores_allowed=8, cores_on_node=8) == 8
 
 
-@pytest.mark.parametrize("local_rank, local_size, visible, expected", [
-    (3, 4, 1, 0),   # one GPU per task (Slurm --gpus-per-task=1): the one it sees
-    (3, 4, 4, 3),   # the node's GPUs all visible: its local rank's
-    (1, 2, 4, 1),   # fewer ranks than GPUs
-])
+@pytest.mark.parametrize(
+    "local_rank, local_size, visible, expected",
+    [
+        (3, 4, 1, 0),  # one GPU per task (Slurm --gpus-per-task=1): the one it sees
+        (3, 4, 4, 3),  # the node's GPUs all visible: its local rank's
+        (1, 2, 4, 1),  # fewer ranks than GPUs
+    ],
+)
 def test_a_rank_uses_the_gpu_it_is_given(local_rank, local_size, visible, expected):
     assert runtime.gpu_for_rank(local_rank, local_size, visible) == expected
 

@@ -1,4 +1,5 @@
 """The trainer's command line: errors before training starts."""
+
 from __future__ import annotations
 
 import torch

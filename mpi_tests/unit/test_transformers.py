@@ -1,4 +1,5 @@
 """Transformers (gpt, vit): shapes, refusals and options checked without ranks."""
+
 from __future__ import annotations
 
 import math
@@ -48,8 +49,10 @@ def test_vit_classifies_images_by_class_token_or_mean():
 
 
 def test_the_zoo_pairs_gpt_with_text_and_classifiers_with_samples():
-    assert isinstance(build_model(ModelConfig(name="gpt", layers=1, width=16, heads=2), (8,), 256, task.LANGUAGE_MODEL)[0],
-                      torch.nn.Module)
+    assert isinstance(
+        build_model(ModelConfig(name="gpt", layers=1, width=16, heads=2), (8,), 256, task.LANGUAGE_MODEL)[0],
+        torch.nn.Module,
+    )
     with pytest.raises(ConfigError, match="use --model.name gpt"):
         build_model(ModelConfig(name="mlp"), (8,), 256, task.LANGUAGE_MODEL)
     with pytest.raises(ConfigError, match="trains on a text dataset"):

@@ -1,4 +1,5 @@
 """A user's own model factory and dataset, resolved from the command line."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,11 +24,14 @@ def test_a_factory_model_is_built_with_the_data_shape_and_its_kwargs():
     assert model.left[0].in_features == 12
 
 
-@pytest.mark.parametrize("name, message", [
-    ("no_such_module:build", "cannot be loaded: No module named 'no_such_module'"),
-    ("user_code:missing", "cannot be loaded.*has no attribute 'missing'"),
-    ("user_code:load", "load\\(input_shape=\\(3, 4\\), num_classes=7\\) failed"),
-])
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("no_such_module:build", "cannot be loaded: No module named 'no_such_module'"),
+        ("user_code:missing", "cannot be loaded.*has no attribute 'missing'"),
+        ("user_code:load", "load\\(input_shape=\\(3, 4\\), num_classes=7\\) failed"),
+    ],
+)
 def test_a_factory_that_cannot_be_used_gets_a_clear_error(name, message):
     with pytest.raises(ConfigError, match=message):
         build_model(config.load(["--model.name", name]).model, (3, 4), 7)

@@ -1,4 +1,5 @@
 """`--method ab`: the built-in loop's adapter to ABTraining, registered with its options and cost."""
+
 from __future__ import annotations
 
 import torch
@@ -16,8 +17,12 @@ from hvd_lowcomm.registry import register
 
 # The paper trains with AdamW and weight decay 0.1: decay shrinks the directions the gradient
 # does not sustain, which is what a cut removes.
-@register("ab", options=ABOptions, presets={"train.optimizer": "adamw", "train.weight_decay": 0.1},
-          cost=MethodCost(predict_ab, ab_kernels))
+@register(
+    "ab",
+    options=ABOptions,
+    presets={"train.optimizer": "adamw", "train.weight_decay": 0.1},
+    cost=MethodCost(predict_ab, ab_kernels),
+)
 class AB(GroupTrainerMethod):
     """`--method ab`: ABTraining driven by the built-in loop."""
 
@@ -31,8 +36,9 @@ class AB(GroupTrainerMethod):
         check_groups(cfg.options, groups, world_size)
 
     def check_model(self, model: nn.Module) -> None:
-        example = task.example_input(2, tuple(self.data.input_shape), self.data.vocabulary,
-                                     torch.Generator().manual_seed(0))
+        example = task.example_input(
+            2, tuple(self.data.input_shape), self.data.vocabulary, torch.Generator().manual_seed(0)
+        )
         check_factorizable(model, self.options.full_rank, example)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:

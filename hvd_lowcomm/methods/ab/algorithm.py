@@ -38,6 +38,7 @@ Traffic in group process sets is intra-group; every world collective (warm-up, f
 phase, syncs, re-factorisation checks, the loop's per-step agreement outside group phases) is
 inter-group: with one group per node, that is the network traffic.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -56,8 +57,14 @@ from hvd_lowcomm.comm.traffic import meter
 from hvd_lowcomm.config import ConfigError, make_options
 from hvd_lowcomm.methods.ab.options import ABOptions, Schedule, check_groups
 from hvd_lowcomm.methods.base import broadcast_model_and_optimizer, exchange_gradients
-from hvd_lowcomm.methods.factorized import (FactorizedLayer, choose_rank, dropped_fraction, factorize_model,
-                                            noise_edge, unfactorized_copy)
+from hvd_lowcomm.methods.factorized import (
+    FactorizedLayer,
+    choose_rank,
+    dropped_fraction,
+    factorize_model,
+    noise_edge,
+    unfactorized_copy,
+)
 from hvd_lowcomm.methods.grouped import group_traffic, outer_optimizer, step_inner_optimizer, trial_sync
 from hvd_lowcomm.models.layer_kinds import kind_of
 from hvd_lowcomm.schedule import SET_LATER, require_run_length
@@ -98,10 +105,18 @@ class ABTraining:
     forward pass of its own (or pass `example=(x, y)` to check at construction).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, total_steps: int | None = None,
-                 options: ABOptions | None = None, clip_grad_norm: float = 0.0, scaler: Any = None,
-                 example: tuple[ModelInput, torch.Tensor | None] | None = None, check_outputs: bool = True,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        total_steps: int | None = None,
+        options: ABOptions | None = None,
+        clip_grad_norm: float = 0.0,
+        scaler: Any = None,
+        example: tuple[ModelInput, torch.Tensor | None] | None = None,
+        check_outputs: bool = True,
+        **kwargs: Any,
+    ) -> None:
         o = make_options(ABOptions, "ab", options, **kwargs)
         require_run_length(o, ("warmup", "sync_every", "full_rank_steps", "rebound_steps"), total_steps, "ab")
         self.options, self.model, self.optimizer, self.clip_grad_norm = o, model, optimizer, clip_grad_norm
@@ -121,8 +136,9 @@ class ABTraining:
         self.group, self.all_groups = runtime.split_world(num_groups=groups, label="group")
         self.role = "B" if o.sync_mode == "only-b" or self.group.index >= groups // 2 else "A"
         a_ranks = sum(g.size for g in self.all_groups[: groups // 2])
-        self.trainers = {"A": a_ranks, "B": runtime.size() - a_ranks} if o.sync_mode != "only-b" else \
-            {"A": 0, "B": runtime.size()}
+        self.trainers = (
+            {"A": a_ranks, "B": runtime.size() - a_ranks} if o.sync_mode != "only-b" else {"A": 0, "B": runtime.size()}
+        )
         broadcast_model_and_optimizer(model, optimizer)
         self.schedule: Schedule | None = None  # plan() knows the run's length; else made at the first step
         self.global_step = 0
@@ -135,8 +151,10 @@ class ABTraining:
         self.outer = None if o.plain_average else outer_optimizer(self.outer_weights, o)
         self._set_trainable()
         kinds = Counter(layer.kind.name for layer in self.layers.values())
-        self._say(f"factorises {len(self.layers)} layers ({', '.join(f'{n} {k}' for k, n in kinds.items())}); kept "
-                  f"dense: {'; '.join(f'{name} ({why})' for name, why in self.kept_dense.items()) or 'none'}")
+        self._say(
+            f"factorises {len(self.layers)} layers ({', '.join(f'{n} {k}' for k, n in kinds.items())}); kept "
+            f"dense: {'; '.join(f'{name} ({why})' for name, why in self.kept_dense.items()) or 'none'}"
+        )
         if total_steps not in (None, SET_LATER):
             self.set_total_steps(total_steps)
 
@@ -144,9 +162,11 @@ class ABTraining:
         """Fix the schedule for a run of `total_steps` steps (resolves fractional options)."""
         self.schedule = Schedule(self.options, total_steps)
         s = self.schedule
-        self._say(f"schedule over {total_steps} steps: warm-up {s.warmup}, then cycles of {s.sync_every} group "
-                  f"steps and {s.full_rank_steps} full-rank steps; the first cut at the first re-factorisation from "
-                  f"step {s.first_cut} on; LR rebound over {s.rebound_steps} steps")
+        self._say(
+            f"schedule over {total_steps} steps: warm-up {s.warmup}, then cycles of {s.sync_every} group "
+            f"steps and {s.full_rank_steps} full-rank steps; the first cut at the first re-factorisation from "
+            f"step {s.first_cut} on; LR rebound over {s.rebound_steps} steps"
+        )
 
     # -- one step ------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -164,8 +184,12 @@ class ABTraining:
         try:
             yield
             self._exchange_gradients()
-            step_inner_optimizer(self.optimizer, [p for p in self.model.parameters() if p.requires_grad],
-                                 self.clip_grad_norm, self.scaler)
+            step_inner_optimizer(
+                self.optimizer,
+                [p for p in self.model.parameters() if p.requires_grad],
+                self.clip_grad_norm,
+                self.scaler,
+            )
             self.global_step += 1
         finally:  # the caller's (or its scheduler's) learning rate, untouched by the rebound
             for group, lr in zip(self.optimizer.param_groups, scheduled):
@@ -203,11 +227,19 @@ class ABTraining:
         if phase != self.phase:
             self.phase = phase
             self._set_trainable()
-            self._say(f"step {self.global_step}: {phase} phase" + (
-                f" (ranks {self._ranks_text()}, compression {self.compression_ratio():.2f}x)" if phase == "group" else ""))
+            self._say(
+                f"step {self.global_step}: {phase} phase"
+                + (
+                    f" (ranks {self._ranks_text()}, compression {self.compression_ratio():.2f}x)"
+                    if phase == "group"
+                    else ""
+                )
+            )
         elif "refactorize" in actions:
-            self._say(f"step {self.global_step}: re-factorised (ranks {self._ranks_text()}, "
-                      f"compression {self.compression_ratio():.2f}x)")
+            self._say(
+                f"step {self.global_step}: re-factorised (ranks {self._ranks_text()}, "
+                f"compression {self.compression_ratio():.2f}x)"
+            )
 
     def _rebound_lr(self, lr: float) -> float:
         o, length = self.options, self.schedule.rebound_steps
@@ -250,11 +282,25 @@ class ABTraining:
             energies = [layer.component_energy(spectrum) for layer, spectrum in zip(layers, spectra)]
             floor = o.max_output_error
             while True:
-                local = [layer.rank if floor is None else  # the last resort: no cut
-                         max(min(layer.rank, math.ceil(o.min_rank_share * min(layer.tall_shape))),
-                             choose_rank(sp.s, layer.tall_shape, o.rank_rule, o.tau, e, floor, layer.noise_edge,
-                                         median=None if sp.complete else sp.median_bound(layer.tall_shape)))
-                         for layer, sp, e in zip(layers, spectra, energies)]
+                local = [
+                    layer.rank
+                    if floor is None
+                    # the last resort: no cut
+                    else max(
+                        min(layer.rank, math.ceil(o.min_rank_share * min(layer.tall_shape))),
+                        choose_rank(
+                            sp.s,
+                            layer.tall_shape,
+                            o.rank_rule,
+                            o.tau,
+                            e,
+                            floor,
+                            layer.noise_edge,
+                            median=None if sp.complete else sp.median_bound(layer.tall_shape),
+                        ),
+                    )
+                    for layer, sp, e in zip(layers, spectra, energies)
+                ]
                 ranks = meter.allreduce_ints(local, "ab.ranks", op="max")
                 short = [i for i, (rank, sp) in enumerate(zip(ranks, spectra)) if rank > sp.trusted]
                 for i in short:  # the cut reaches past the computed triplets: compute more
@@ -265,29 +311,49 @@ class ABTraining:
                 for layer, rank, spectrum in zip(layers, ranks, spectra):
                     layer.factorize(rank=int(rank), svd=spectrum)
                 cut_logits = logits_of(x)
-                check = torch.tensor([float(task.loss(dense_logits, labels, "sum")), float(task.loss(cut_logits, labels, "sum")),
-                                      task.correct(dense_logits, labels), task.correct(cut_logits, labels),
-                                      task.positions(labels)], dtype=torch.float64)
+                check = torch.tensor(
+                    [
+                        float(task.loss(dense_logits, labels, "sum")),
+                        float(task.loss(cut_logits, labels, "sum")),
+                        task.correct(dense_logits, labels),
+                        task.correct(cut_logits, labels),
+                        task.positions(labels),
+                    ],
+                    dtype=torch.float64,
+                )
                 loss_before, loss_after, before, after, count = meter.allreduce_many(
-                    [("ab.cut_check", check)], op="sum")[0].tolist()
+                    [("ab.cut_check", check)], op="sum"
+                )[0].tolist()
                 drop, rise = (before - after) / count, (loss_after - loss_before) / max(loss_before, 1e-30)
                 if (drop <= o.max_accuracy_drop and rise <= o.max_loss_rise) or floor is None:
                     break
                 self.undone_cuts += 1
-                self._say(f"step {self.global_step}: a cut at ranks {ranks} raised the batch loss by "
-                          f"{100 * rise:.1f} % and lowered its accuracy by {100 * drop:.1f} points; keeping more rank")
+                self._say(
+                    f"step {self.global_step}: a cut at ranks {ranks} raised the batch loss by "
+                    f"{100 * rise:.1f} % and lowered its accuracy by {100 * drop:.1f} points; keeping more rank"
+                )
                 floor = floor / 2 if floor > o.max_output_error / 8 else (0.0 if floor else None)
-        self.cuts = {name: {"rank": int(rank), "compression": layer.full_size / layer.factor_size(int(rank)),
-                            "weight_error": dropped_fraction(spectrum.weight_energy(), int(rank)),
-                            "output_error": dropped_fraction(energy, int(rank))}
-                     for (name, layer), rank, spectrum, energy in zip(self.layers.items(), ranks, spectra, energies)}
+        self.cuts = {
+            name: {
+                "rank": int(rank),
+                "compression": layer.full_size / layer.factor_size(int(rank)),
+                "weight_error": dropped_fraction(spectrum.weight_energy(), int(rank)),
+                "output_error": dropped_fraction(energy, int(rank)),
+            }
+            for (name, layer), rank, spectrum, energy in zip(self.layers.items(), ranks, spectra, energies)
+        }
         for layer, shapes in zip(layers, old):
             self._fit_optimizer_state(layer, shapes)
-        self._say("cut per layer: " + "; ".join(
-            f"{name} rank {c['rank']} ({c['compression']:.1f}x, drops {100 * c['weight_error']:.0f}% of W, "
-            f"{100 * c['output_error']:.0f}% of its output)" for name, c in self.cuts.items())
+        self._say(
+            "cut per layer: "
+            + "; ".join(
+                f"{name} rank {c['rank']} ({c['compression']:.1f}x, drops {100 * c['weight_error']:.0f}% of W, "
+                f"{100 * c['output_error']:.0f}% of its output)"
+                for name, c in self.cuts.items()
+            )
             + f"; batch loss {loss_after / count:.4f} ({100 * rise:+.2f} %), accuracy {100 * after / count:.1f}% "
-              f"({-100 * drop:+.1f} points)")
+            f"({-100 * drop:+.1f} points)"
+        )
 
     @contextlib.contextmanager
     def _probing(self) -> Iterator[Any]:
@@ -297,8 +363,10 @@ class ABTraining:
 
         def logits_of(x: ModelInput, record: bool = False) -> torch.Tensor:
             if record:
-                hooks.extend(layer.register_forward_hook(lambda m, inputs, out: m.record_inputs(inputs[0]))
-                             for layer in self.layers.values())
+                hooks.extend(
+                    layer.register_forward_hook(lambda m, inputs, out: m.record_inputs(inputs[0]))
+                    for layer in self.layers.values()
+                )
             try:
                 return task.logits(self.model(**x) if isinstance(x, Mapping) else self.model(x))
             finally:
@@ -328,9 +396,10 @@ class ABTraining:
             state = self.optimizer.state.pop(before, None)
             if not state or self.options.reset_optimizer:
                 continue
-            self.optimizer.state[param] = {key: _resize(value, param.shape)
-                                           if torch.is_tensor(value) and value.shape == before.shape else value
-                                           for key, value in state.items()}
+            self.optimizer.state[param] = {
+                key: _resize(value, param.shape) if torch.is_tensor(value) and value.shape == before.shape else value
+                for key, value in state.items()
+            }
 
     def _sync(self) -> None:
         """Combine the groups' factors by sync mode, W = A B, average everything else."""
@@ -345,8 +414,10 @@ class ABTraining:
             factors = [(n, layer, f) for n, layer in layers for f in ("A", "B") if mode != "only-b" or f == "B"]
             if mode == "only-learned":
                 # Each factor averaged over the ranks that trained it: zero elsewhere, sum, divide.
-                named = [(f"ab.sync.{n}.{f}", getattr(layer, f).detach() * (self.role == f) / self.trainers[f])
-                         for n, layer, f in factors]
+                named = [
+                    (f"ab.sync.{n}.{f}", getattr(layer, f).detach() * (self.role == f) / self.trainers[f])
+                    for n, layer, f in factors
+                ]
                 results = meter.allreduce_many(named, None, op="sum")
             else:
                 named = [(f"ab.sync.{n}.{f}", getattr(layer, f).detach()) for n, layer, f in factors]
@@ -363,8 +434,10 @@ class ABTraining:
         """What the outer step moves: every factorised layer's W (A B in the group phase, its
         dense weight after a sync) and every other parameter."""
         factor_ids = {id(t) for layer in self.layers.values() for t in (layer.A, layer.B, layer.layer.weight)}
-        return [*(layer.weight() for layer in self.layers.values()),
-                *(p for p in self.model.parameters() if id(p) not in factor_ids)]
+        return [
+            *(layer.weight() for layer in self.layers.values()),
+            *(p for p in self.model.parameters() if id(p) not in factor_ids),
+        ]
 
     def _outer_step(self) -> None:
         """After a sync: pseudo-gradient = (where the phase began) - (the synced value), one
@@ -381,8 +454,11 @@ class ABTraining:
         """Parameters outside the factors (1-D, full-rank layers) and float buffers (BatchNorm
         running statistics) may differ between groups: average them over all ranks."""
         factor_ids = {id(t) for layer in self.layers.values() for t in (layer.A, layer.B, layer.layer.weight)}
-        rest = [(f"ab.sync.{n}", t) for n, t in [*self.model.named_parameters(), *self.model.named_buffers()]
-                if id(t) not in factor_ids and t.is_floating_point()]
+        rest = [
+            (f"ab.sync.{n}", t)
+            for n, t in [*self.model.named_parameters(), *self.model.named_buffers()]
+            if id(t) not in factor_ids and t.is_floating_point()
+        ]
         for (_, t), value in zip(rest, meter.allreduce_many([(n, t.detach()) for n, t in rest], None, op="average")):
             t.data.copy_(value)
 
@@ -400,8 +476,10 @@ class ABTraining:
             layer.factorized = True
 
     def _outer_state(self) -> dict[str, Any]:
-        return {"weights": [w.detach().clone() for w in self.outer_weights],
-                "optimizer": self.outer.state_dict() if self.outer is not None else None}
+        return {
+            "weights": [w.detach().clone() for w in self.outer_weights],
+            "optimizer": self.outer.state_dict() if self.outer is not None else None,
+        }
 
     def _load_outer_state(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
@@ -436,14 +514,20 @@ class ABTraining:
 
     def epoch_metrics(self) -> dict[str, Any]:
         rest, factors, at_rank_one = self._parameter_counts()
-        return {"phase": self.phase, "role": self.role, "compression_ratio": self.compression_ratio(),
-                # the most any rank could give with the dense layers beside the factorised ones
-                "compression_bound": self.full_parameters / (rest + at_rank_one),
-                "low_rank_parameters": rest + factors, "undone_cuts": self.undone_cuts,
-                **group_traffic(self.between_groups),
-                **{f"rank/{name}": layer.rank for name, layer in self.layers.items()},
-                **{f"{key}/{name}": value for name, cut in self.cuts.items() for key, value in cut.items()
-                   if key != "rank"}}
+        return {
+            "phase": self.phase,
+            "role": self.role,
+            "compression_ratio": self.compression_ratio(),
+            # the most any rank could give with the dense layers beside the factorised ones
+            "compression_bound": self.full_parameters / (rest + at_rank_one),
+            "low_rank_parameters": rest + factors,
+            "undone_cuts": self.undone_cuts,
+            **group_traffic(self.between_groups),
+            **{f"rank/{name}": layer.rank for name, layer in self.layers.items()},
+            **{
+                f"{key}/{name}": value for name, cut in self.cuts.items() for key, value in cut.items() if key != "rank"
+            },
+        }
 
     def summary_metrics(self) -> dict[str, Any]:
         return {**self.epoch_metrics(), "cuts": self.cuts}
@@ -457,12 +541,20 @@ class ABTraining:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume: model (with its factors), optimiser and schedule state.
         Ranks of one group hold the same state; groups differ in the group phase."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "ab": {"step": self.global_step, "phase": self.phase, "last_switch": self.last_switch,
-                       "factorized": {n: l.factorized for n, l in self.layers.items()},
-                       "cuts": self.cuts, "undone_cuts": self.undone_cuts,
-                       "noise_edges": {n: l.noise_edge for n, l in self.layers.items()},
-                       "outer": self._outer_state()}}
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "ab": {
+                "step": self.global_step,
+                "phase": self.phase,
+                "last_switch": self.last_switch,
+                "factorized": {n: l.factorized for n, l in self.layers.items()},
+                "cuts": self.cuts,
+                "undone_cuts": self.undone_cuts,
+                "noise_edges": {n: l.noise_edge for n, l in self.layers.items()},
+                "outer": self._outer_state(),
+            },
+        }
 
     def local_state_dict(self) -> dict[str, Any]:
         """Nothing differs between the ranks of a group beyond `state_dict()`."""
@@ -508,7 +600,8 @@ def check_outputs_fit_labels(model: nn.Module, x: ModelInput, y: torch.Tensor | 
             f"shape {tuple(logits.shape)} do not fit labels of shape {tuple(y.shape)} ({err}). If the model returns "
             f"logits for part of the input unless given targets (nanoGPT's model(idx) gives the last position only), "
             f"pass its inputs as keywords, ab.step({{'idx': x, 'targets': y}}), or call ab.step(x) without labels: "
-            f"the cut is then judged against the dense model's own predictions") from None
+            f"the cut is then judged against the dense model's own predictions"
+        ) from None
 
 
 def check_factorizable(model: nn.Module, full_rank: list[str], example: torch.Tensor) -> None:
@@ -525,15 +618,19 @@ def check_factorizable(model: nn.Module, full_rank: list[str], example: torch.Te
                 layer.factorize(rank=min(layer.tall_shape))
             got = task.logits(trial(example))
     except Exception as err:  # noqa: BLE001 - any failure here is the model not fitting AB
-        raise ConfigError(f"AB-training cannot factorise this model: with {', '.join(layers)} as A B, its "
-                          f"forward fails ({type(err).__name__}: {err}); name the layer that is used in "
-                          f"an unusual way in --ab.full_rank") from None
+        raise ConfigError(
+            f"AB-training cannot factorise this model: with {', '.join(layers)} as A B, its "
+            f"forward fails ({type(err).__name__}: {err}); name the layer that is used in "
+            f"an unusual way in --ab.full_rank"
+        ) from None
     finally:
         model.train()
     if not torch.allclose(got, expected, rtol=1e-3, atol=1e-4 * float(expected.abs().max()) + 1e-6):
-        raise ConfigError(f"AB-training cannot factorise this model: its output changes when "
-                          f"{', '.join(layers)} compute with A B (some module reads their weight "
-                          f"directly); keep such layers dense with --ab.full_rank")
+        raise ConfigError(
+            f"AB-training cannot factorise this model: its output changes when "
+            f"{', '.join(layers)} compute with A B (some module reads their weight "
+            f"directly); keep such layers dense with --ab.full_rank"
+        )
 
 
 def _add_factors_to_optimizer(optimizer: torch.optim.Optimizer, layers: Iterable[FactorizedLayer]) -> None:
@@ -542,9 +639,11 @@ def _add_factors_to_optimizer(optimizer: torch.optim.Optimizer, layers: Iterable
     for layer in layers:
         group = group_of.get(id(layer.layer.weight))
         if group is None:
-            raise ConfigError(f"AB-training: the optimiser does not hold the weight of {layer.layer}, which it "
-                              f"factorises; make the optimiser over model.parameters(), or keep that layer dense "
-                              f"with full_rank")
+            raise ConfigError(
+                f"AB-training: the optimiser does not hold the weight of {layer.layer}, which it "
+                f"factorises; make the optimiser over model.parameters(), or keep that layer dense "
+                f"with full_rank"
+            )
         present = {id(p) for p in group["params"]}
         group["params"].extend(p for p in (layer.A, layer.B) if id(p) not in present)
 

@@ -1,4 +1,5 @@
 """AB-training's cost: the kernels it times per layer, and its predicted bytes and step time."""
+
 from __future__ import annotations
 
 import math
@@ -24,13 +25,17 @@ def assumed_rank(fan_in: int, fan_out: int, assumptions: RunAssumptions, o: ABOp
 def ab_kernels(sample: LayerSample, options: ABOptions, cfg: Config) -> dict[str, Any]:
     """A re-factorisation's leading triplets and residual at the assumed rank, and a full SVD
     (the first factorisation's and the first cut's)."""
-    tall = torch.randn(max(sample.fan_in, sample.fan_out), min(sample.fan_in, sample.fan_out),
-                       generator=torch.Generator().manual_seed(0))
+    tall = torch.randn(
+        max(sample.fan_in, sample.fan_out),
+        min(sample.fan_in, sample.fan_out),
+        generator=torch.Generator().manual_seed(0),
+    )
     width = min(2 * assumed_rank(sample.fan_in, sample.fan_out, RunAssumptions(), options) + 16, tall.shape[1])
 
     def leading() -> None:
         u, s, vh = leading_svd(tall, width)
         _ = tall - (u * s) @ vh
+
     return {"ab_leading": leading, "ab_svd": _svd_seconds(*tall.shape)}
 
 
@@ -44,8 +49,9 @@ def _svd_seconds(rows: int, cols: int, largest: int = 1024) -> float:
     return seconds * (rows * cols * cols) / (small[0] * small[1] * small[1])
 
 
-def predict_ab(profile: Profile, world_size: int, link: Link, o: ABOptions, cfg: Config,
-               assumptions: RunAssumptions) -> Prediction:
+def predict_ab(
+    profile: Profile, world_size: int, link: Link, o: ABOptions, cfg: Config, assumptions: RunAssumptions
+) -> Prediction:
     """AB-training's mean step over a run of assumptions.run_steps steps (its default layers:
     every weight layer but the first and last is factorised). Warm-up and full-rank steps are
     ddp steps; a group step allreduces the trained factor (the larger of A's and B's, which sets
@@ -88,10 +94,14 @@ def predict_ab(profile: Profile, world_size: int, link: Link, o: ABOptions, cfg:
     dense = profile.params - sum(layer.fan_in * layer.fan_out for layer in factorised)  # biases, dense layers...
 
     def factors(cut: bool) -> tuple[int, int]:  # numbers in A and in B: at the assumed rank, or all of it
-        ranks = [assumed_rank(layer.fan_in, layer.fan_out, assumptions, o) if cut else min(layer.fan_in, layer.fan_out)
-                 for layer in factorised]
-        return (sum(max(layer.fan_in, layer.fan_out) * r for layer, r in zip(factorised, ranks)),
-                sum(min(layer.fan_in, layer.fan_out) * r for layer, r in zip(factorised, ranks)))
+        ranks = [
+            assumed_rank(layer.fan_in, layer.fan_out, assumptions, o) if cut else min(layer.fan_in, layer.fan_out)
+            for layer in factorised
+        ]
+        return (
+            sum(max(layer.fan_in, layer.fan_out) * r for layer, r in zip(factorised, ranks)),
+            sum(min(layer.fan_in, layer.fan_out) * r for layer, r in zip(factorised, ranks)),
+        )
 
     g = world_size // groups
     # A group averages its trained factor (the larger one sets the pace).
@@ -101,14 +111,21 @@ def predict_ab(profile: Profile, world_size: int, link: Link, o: ABOptions, cfg:
     ddp_comm = link.allreduce(ddp_bytes, world_size, world_size)
     # Re-factorisations after the first cut take the leading triplets; each checks its cut with
     # two forward passes.
-    own = (leading_svds * sum(layer.kernels["ab_leading"] for layer in factorised)
-           + full_svds * sum(layer.kernels["ab_svd"] for layer in factorised) + cycles * 2 * profile.forward_seconds) / runs
+    own = (
+        leading_svds * sum(layer.kernels["ab_leading"] for layer in factorised)
+        + full_svds * sum(layer.kernels["ab_svd"] for layer in factorised)
+        + cycles * 2 * profile.forward_seconds
+    ) / runs
     group_steps = (uncut_group_steps, cut_group_steps)
-    comm = (sum(n * link.allreduce(in_group[c], g, world_size) for c, n in enumerate(group_steps)) + full_steps * ddp_comm
-            + sum(n * link.allreduce(at_sync[c], world_size, world_size) for c, n in enumerate(syncs))) / runs
+    comm = (
+        sum(n * link.allreduce(in_group[c], g, world_size) for c, n in enumerate(group_steps))
+        + full_steps * ddp_comm
+        + sum(n * link.allreduce(at_sync[c], world_size, world_size) for c, n in enumerate(syncs))
+    ) / runs
     in_groups = sum(n * sent_bytes("allreduce", in_group[c], g) for c, n in enumerate(group_steps))
-    on_world = (full_steps * sent_bytes("allreduce", ddp_bytes, world_size)
-                + sum(n * sent_bytes("allreduce", at_sync[c], world_size) for c, n in enumerate(syncs)))
+    on_world = full_steps * sent_bytes("allreduce", ddp_bytes, world_size) + sum(
+        n * sent_bytes("allreduce", at_sync[c], world_size) for c, n in enumerate(syncs)
+    )
     sent = (in_groups + on_world) / runs
     between_nodes = (in_groups * link.node_share(g) + on_world * link.node_share(world_size)) / runs
     hidden = full_steps * min(ddp_comm, link.overlap * profile.backward_seconds) / runs  # ddp's overlap in its steps

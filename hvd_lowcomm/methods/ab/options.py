@@ -1,4 +1,5 @@
 """AB-training's options, its phase schedule, and the group counts it can train in."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,43 +24,66 @@ class ABOptions(GroupedOptions):
 
     # Schedule lengths: steps, or below 1 a fraction of the run's steps, so the defaults fit a
     # run of any length (sync_every: the reference syncs about every twentieth of its run).
-    warmup: float = option(0.1, "full-rank data-parallel steps before the first factorisation (< 1: fraction "
-                                "of the run's steps)")
+    warmup: float = option(
+        0.1, "full-rank data-parallel steps before the first factorisation (< 1: fraction of the run's steps)"
+    )
     sync_every: float = option(0.05, "group-phase steps between global syncs (< 1: fraction of the run)")
     full_rank_steps: float = option(0.01, "full-rank data-parallel steps after each sync (< 1: fraction of the run)")
-    rank_rule: str = option("noise", "which singular values a re-factorisation keeps: noise (those above the "
-                                     "random bulk's edge, Gavish-Donoho threshold on the median) or tau "
-                                     "(sigma_i > tau * sigma_1, the reference's rule)", choices=RANK_RULES)
+    rank_rule: str = option(
+        "noise",
+        "which singular values a re-factorisation keeps: noise (those above the "
+        "random bulk's edge, Gavish-Donoho threshold on the median) or tau "
+        "(sigma_i > tau * sigma_1, the reference's rule)",
+        choices=RANK_RULES,
+    )
     tau: float = option(0.15, "rank_rule tau: keep singular values > tau * sigma_1")
-    max_output_error: float = option(0.25, "floor beside the rank rule: a cut drops at most this share "
-                                           "(relative Frobenius norm) of a layer's output on the step's batch "
-                                           "(of its weight for convolutions without unfolded inputs)")
-    max_accuracy_drop: float = option(0.03, "undo a cut (keep more rank) that lowers the step's pooled batch "
-                                             "accuracy by more than this")
+    max_output_error: float = option(
+        0.25,
+        "floor beside the rank rule: a cut drops at most this share "
+        "(relative Frobenius norm) of a layer's output on the step's batch "
+        "(of its weight for convolutions without unfolded inputs)",
+    )
+    max_accuracy_drop: float = option(
+        0.03, "undo a cut (keep more rank) that lowers the step's pooled batch accuracy by more than this"
+    )
     # A cut's rank is a ceiling (W = A B keeps it through syncs, full-rank phases add few directions),
     # so a floor keeps room for what the layer learns later, one share for every layer: the total rank
     # costs, not how it is spread (docs: transformers, "At the adaptive defaults").
     min_rank_share: float = option(0.25, "a cut keeps at least this share of a layer's smaller side")
     # Beside the accuracy guard: a language model's cut shows in its loss, while its next-token
     # accuracy barely moves (docs: ab, "Rank").
-    max_loss_rise: float = option(0.01, "undo a cut (keep more rank) that raises the step's pooled batch loss by "
-                                        "more than this share")
+    max_loss_rise: float = option(
+        0.01, "undo a cut (keep more rank) that raises the step's pooled batch loss by more than this share"
+    )
     sync_mode: str = option("with-stale", "how factors are combined at a sync", choices=SYNC_MODES)
-    comm: str = option("groups", "groups: a group averages its trained factor every step; individual: every "
-                                 "rank trains its own copy until the sync", choices=COMM_SETUPS)
-    init: str = option("default", "ortho-sigma: set every weight's singular values to 1 before training "
-                                  "(the reference's init)", choices=INITS)
+    comm: str = option(
+        "groups",
+        "groups: a group averages its trained factor every step; individual: every "
+        "rank trains its own copy until the sync",
+        choices=COMM_SETUPS,
+    )
+    init: str = option(
+        "default",
+        "ortho-sigma: set every weight's singular values to 1 before training (the reference's init)",
+        choices=INITS,
+    )
     full_rank: list[str] = option(["first", "last"], "layers never factorised (names, or first/last)")
     first_full_rank: bool = option(True, "keep every singular value at the first factorisation")
     # What a cut removes cannot be learned any more, and a layer goes on learning directions long
     # after warm-up, so the first cut waits until they have mostly settled (docs: ab, "Schedule").
-    first_cut: float = option(0.5, "re-factorisations before this step keep every singular value; the "
-                                   "first one from it on cuts (< 1: fraction of the run's steps; 0: every "
-                                   "re-factorisation cuts)")
+    first_cut: float = option(
+        0.5,
+        "re-factorisations before this step keep every singular value; the "
+        "first one from it on cuts (< 1: fraction of the run's steps; 0: every "
+        "re-factorisation cuts)",
+    )
     # Off by default: cycles here are tens of steps, and a third of each spent at a reduced rate is
     # lost learning (docs: ab, "Schedule").
-    rebound_steps: float = option(0.0, "steps to ramp the LR back after a switch (0: no rebound; < 1: "
-                                       "fraction of the run; the reference uses about a third of a cycle)")
+    rebound_steps: float = option(
+        0.0,
+        "steps to ramp the LR back after a switch (0: no rebound; < 1: "
+        "fraction of the run; the reference uses about a third of a cycle)",
+    )
     rebound_lr: float = option(1e-5, "LR right after a switch")
     reset_optimizer: bool = option(False, "drop the factors' optimiser moments at re-factorisation")
     # The outer step (GroupedOptions' outer_*) at every sync: the change the groups made to every
@@ -98,9 +122,12 @@ class Schedule:
 
     def __init__(self, o: ABOptions, total_steps: int | None = None) -> None:
         self.warmup, self.sync_every, self.full_rank_steps, self.rebound_steps, self.first_cut = (
-            run_steps(o.warmup, total_steps, "ab.warmup"), max(1, run_steps(o.sync_every, total_steps, "ab.sync_every")),
+            run_steps(o.warmup, total_steps, "ab.warmup"),
+            max(1, run_steps(o.sync_every, total_steps, "ab.sync_every")),
             run_steps(o.full_rank_steps, total_steps, "ab.full_rank_steps"),
-            run_steps(o.rebound_steps, total_steps, "ab.rebound_steps"), run_steps(o.first_cut, total_steps, "ab.first_cut"))
+            run_steps(o.rebound_steps, total_steps, "ab.rebound_steps"),
+            run_steps(o.first_cut, total_steps, "ab.first_cut"),
+        )
 
     def phase(self, t: int) -> str:
         if t < self.warmup:
@@ -131,7 +158,9 @@ class Schedule:
 
 def check_groups(options: ABOptions, groups: int, world_size: int) -> None:
     if groups < 2 and options.sync_mode != "only-b":
-        raise ConfigError(f"AB-training needs at least 2 groups (A-groups and B-groups), got {groups}: pass "
-                          f"--ab.groups 2 (or more) with a rank count it divides, or --ab.sync_mode only-b, "
-                          f"which trains B alone and allows one group")
+        raise ConfigError(
+            f"AB-training needs at least 2 groups (A-groups and B-groups), got {groups}: pass "
+            f"--ab.groups 2 (or more) with a rank count it divides, or --ab.sync_mode only-b, "
+            f"which trains B alone and allows one group"
+        )
     runtime.group_layout(world_size, num_groups=groups)

@@ -1,5 +1,6 @@
 """`--method dad`, `rank-dad`, `edad`: the built-in loop's adapters to DadOptimizer, registered
 with their options and cost."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -11,15 +12,27 @@ from hvd_lowcomm.comm.traffic import meter
 from hvd_lowcomm.config import Config, ConfigError
 from hvd_lowcomm.costmodel import MethodCost
 from hvd_lowcomm.methods.dad.algorithm import DadOptimizer, check_dad_model
-from hvd_lowcomm.methods.dad.cost import (dad_kernels, edad_layers, predict_dad, predict_edad, predict_rank_dad,
-                                          rank_dad_kernels, rank_dad_quality, shared_layers)
+from hvd_lowcomm.methods.dad.cost import (
+    dad_kernels,
+    edad_layers,
+    predict_dad,
+    predict_edad,
+    predict_rank_dad,
+    rank_dad_kernels,
+    rank_dad_quality,
+    shared_layers,
+)
 from hvd_lowcomm.methods.dad.options import DadOptions, RankDadOptions
 from hvd_lowcomm.methods.ddp import DataParallel
 from hvd_lowcomm.registry import register
 
 
-@register("dad", options=DadOptions, cost=MethodCost(predict_dad, dad_kernels, shared_layers, quality=lambda *_: ""),
-          drop_in=True)
+@register(
+    "dad",
+    options=DadOptions,
+    cost=MethodCost(predict_dad, dad_kernels, shared_layers, quality=lambda *_: ""),
+    drop_in=True,
+)
 class DistributedAutoDiff(DataParallel):
     """Exact dAD: allgather [activations | deltas] per planned layer, allreduce the rest."""
 
@@ -30,16 +43,23 @@ class DistributedAutoDiff(DataParallel):
         check_dad_model(model, self.edad)
 
     def distribute(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
-        return DadOptimizer(optimizer, model, plan=self.options.plan, seed=self.cfg.train.seed,
-                            backward_passes_per_step=self.cfg.train.accumulate)
+        return DadOptimizer(
+            optimizer,
+            model,
+            plan=self.options.plan,
+            seed=self.cfg.train.seed,
+            backward_passes_per_step=self.cfg.train.accumulate,
+        )
 
     def summary_metrics(self) -> dict[str, Any]:
         return {f"plan/{name}": lp.choice for name, lp in self.optimizer.plan.items()}
 
     def local_state_dict(self) -> dict[str, Any]:
         # rank-dAD's random starts, and its error feedback and last ranks (each rank's own)
-        return {"power_iteration_generator": self.optimizer.generator.get_state(),
-                **self.optimizer.sharing.state_dict()}
+        return {
+            "power_iteration_generator": self.optimizer.generator.get_state(),
+            **self.optimizer.sharing.state_dict(),
+        }
 
     def load_local_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.generator.set_state(state["power_iteration_generator"])
@@ -65,16 +85,30 @@ class DistributedAutoDiff(DataParallel):
         return out
 
 
-@register("rank-dad", options=RankDadOptions,
-          cost=MethodCost(predict_rank_dad, lambda *a: {**dad_kernels(*a), **rank_dad_kernels(*a)}, shared_layers,
-                          rank_dad_quality, judged=True),
-          drop_in=True)
+@register(
+    "rank-dad",
+    options=RankDadOptions,
+    cost=MethodCost(
+        predict_rank_dad,
+        lambda *a: {**dad_kernels(*a), **rank_dad_kernels(*a)},
+        shared_layers,
+        rank_dad_quality,
+        judged=True,
+    ),
+    drop_in=True,
+)
 class RankDistributedAutoDiff(DistributedAutoDiff):
     """rank-dAD: each rank shares k <= r power-iteration factors per planned layer."""
 
     def distribute(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
-        return DadOptimizer(optimizer, model, mode="rank", options=self.options, seed=self.cfg.train.seed,
-                            backward_passes_per_step=self.cfg.train.accumulate)
+        return DadOptimizer(
+            optimizer,
+            model,
+            mode="rank",
+            options=self.options,
+            seed=self.cfg.train.seed,
+            backward_passes_per_step=self.cfg.train.accumulate,
+        )
 
 
 @register("edad", cost=MethodCost(predict_edad, dad_kernels, edad_layers))
@@ -92,5 +126,7 @@ class EfficientDistributedAutoDiff(DistributedAutoDiff):
         # forward pass: several micro-batches (or bf16 activations) break that recomputation.
         t = cfg.train
         if t.accumulate > 1 or t.amp != "none":
-            raise ConfigError("edad does not support train.accumulate or train.amp (it recomputes hidden deltas "
-                              "from one fp32 forward pass); use dad, which does, or leave them at 1 and none")
+            raise ConfigError(
+                "edad does not support train.accumulate or train.amp (it recomputes hidden deltas "
+                "from one fp32 forward pass); use dad, which does, or leave them at 1 and none"
+            )

@@ -38,6 +38,7 @@ numbers, and every rank forms the pooled gradient [Δ_1; ...; Δ_p]ᵀ [A_1; ...
   and therefore allowed, only for nn.Sequential MLPs of Linear layers and element-wise
   activations whose derivative is a function of their output (ReLU, LeakyReLU, Tanh, Sigmoid).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -54,16 +55,32 @@ from hvd_lowcomm.comm.traffic import meter
 from hvd_lowcomm.config import ConfigError, make_options
 from hvd_lowcomm.methods.adaptive_rank import smallest_rank_within
 from hvd_lowcomm.methods.dad.options import DAD_MODES, PLANNED_ADAPTIVE_RANK, DadOptions, RankDadOptions, planned_rank
-from hvd_lowcomm.methods.dad.plan import (LayerPlan, activation_rows, delta_rows, fan_in_out, format_plan,
-                                          left_to_allreduce, plan_layer, row_layers, supports)
-from hvd_lowcomm.methods.drop_in import (GradientExchange, HorovodArguments, NamedParameters, dense_gradient,
-                                        horovod_arguments, wrap_optimizer)
+from hvd_lowcomm.methods.dad.plan import (
+    LayerPlan,
+    activation_rows,
+    delta_rows,
+    fan_in_out,
+    format_plan,
+    left_to_allreduce,
+    plan_layer,
+    row_layers,
+    supports,
+)
+from hvd_lowcomm.methods.drop_in import (
+    GradientExchange,
+    HorovodArguments,
+    NamedParameters,
+    dense_gradient,
+    horovod_arguments,
+    wrap_optimizer,
+)
 from hvd_lowcomm.methods.lowrank import cheapest_way, factors_from_rows, gradient_power_iteration, missed_energy
 from hvd_lowcomm.models.layer_kinds import kind_of
 
 
 # ---------------------------------------------------------------------------------------------
 # the optimiser wrapper
+
 
 @dataclass
 class _Capture:
@@ -88,8 +105,16 @@ class _DadExchange(GradientExchange):
     how gradients come back from it is the `sharing` strategy's (ExactRows, FactorRows,
     RecomputedDeltas)."""
 
-    def __init__(self, params: Any, named_parameters: NamedParameters, model: nn.Module, sharing: "_Sharing",
-                 plan: str, arguments: HorovodArguments, seed: int) -> None:
+    def __init__(
+        self,
+        params: Any,
+        named_parameters: NamedParameters,
+        model: nn.Module,
+        sharing: "_Sharing",
+        plan: str,
+        arguments: HorovodArguments,
+        seed: int,
+    ) -> None:
         super().__init__(params)
         self._model, self.sharing = model, sharing
         self._force_all = plan == "all" or sharing.shares_every_layer
@@ -102,12 +127,13 @@ class _DadExchange(GradientExchange):
         # Samples of this rank's batch: every forward pass of the model whose outputs received a
         # gradient counts its batch once (micro-batches add up; a layer used twice in one pass
         # does not count twice; a forward no backward pass followed does not count).
-        self._samples: dict[int, int] = {}    # model forward -> its batch size
-        self._backed: set[int] = set()        # model forwards a delta came back to
+        self._samples: dict[int, int] = {}  # model forward -> its batch size
+        self._backed: set[int] = set()  # model forwards a delta came back to
         self._forwards = 0
         model.register_forward_pre_hook(
             lambda module, inputs, kwargs: self._count_samples(inputs, kwargs) if module is model else None,
-            with_kwargs=True)
+            with_kwargs=True,
+        )
         self._set_up_exchange(arguments, named_parameters, "DadOptimizer")
         self.plan: dict[str, LayerPlan] = {}
         self.planned = False  # the plan is made once, at the first step (it may be empty)
@@ -139,6 +165,7 @@ class _DadExchange(GradientExchange):
                 # Deltas arrive in backward order: reversed within one backward pass (a layer
                 # used twice), in order across several (micro-batches); the use pairs them.
                 output.register_hook(lambda grad: self._delta_arrived(capture, use, grad))
+
         return hook
 
     def _delta_arrived(self, capture: _Capture, use: int, grad: torch.Tensor) -> None:
@@ -169,10 +196,12 @@ class _DadExchange(GradientExchange):
     def _divert_local_gradient(self, param: nn.Parameter) -> None:
         """From now on autograd's local gradient of `param` goes to `local_weight_gradient`,
         not into .grad (which then holds only the pooled gradients exchanges write)."""
+
         def divert(grad: torch.Tensor) -> torch.Tensor:
             kept = self._local_gradients.get(param)  # (autograd accumulates the zeros returned, not `grad`)
             self._local_gradients[param] = grad.detach() if kept is None else kept + grad.detach()
             return torch.zeros_like(grad)
+
         param.register_hook(divert)
 
     def local_weight_gradient(self, module: nn.Module) -> torch.Tensor:
@@ -198,8 +227,9 @@ class _DadExchange(GradientExchange):
         if not self._backward_passes and not self._end_queued and not any(c.deltas for c in self._captured.values()):
             raise RuntimeError("dAD optimizer: a forward pass ran but no backward pass; call backward() before step()")
         backed = [n for f, n in self._samples.items() if f in self._backed]
-        local_batch = sum(backed) or sum(self._samples.values()) or \
-            next(iter(self._captured[ran[0]].acts.values())).shape[0]
+        local_batch = (
+            sum(backed) or sum(self._samples.values()) or next(iter(self._captured[ran[0]].acts.values())).shape[0]
+        )
         # The pooled gradient Σ_s (N_s/N) g_s is formed as (1/N) Σ_s N_s g_s: every rank scales
         # its deltas and gradients by its own N_s, and N = Σ N_s travels in the exchange itself,
         # so the step needs no collective round of its own to agree on N.
@@ -209,7 +239,8 @@ class _DadExchange(GradientExchange):
             names = list(self._layers)
             with meter.in_phase("setup"):  # once per run (and again after a resume): not a step's traffic
                 total_batch, *total_rows = meter.allreduce_ints(
-                    [local_batch, *(self.local_row_count(n) for n in names)], "dad.plan_rows", self.group)
+                    [local_batch, *(self.local_row_count(n) for n in names)], "dad.plan_rows", self.group
+                )
             self._make_plan(dict(zip(names, total_rows)), self.group_size())
         # The same layers on every rank (the plan's), whether or not they ran here this step.
         shared_layers = [n for n, lp in self.plan.items() if lp.choice == "dad"]
@@ -225,11 +256,9 @@ class _DadExchange(GradientExchange):
         covered = {id(p) for n in shared_layers for p in self._layers[n].parameters(recurse=False)}
         if not self.sharing.carries_bias:  # allreduce autograd's bias gradient (= scaled delta sums)
             covered -= {id(self._layers[n].bias) for n in shared_layers if self._layers[n].bias is not None}
-        others = [p for group in self.param_groups for p in group["params"]
-                  if id(p) not in covered and p.requires_grad]
+        others = [p for group in self.param_groups for p in group["params"] if id(p) not in covered and p.requires_grad]
         # Summed in float32 (also for bfloat16 parameters), written back in the parameter's dtype.
-        reduced = [(f"allreduce.{self._names.get(p, id(p))}",
-                    dense_gradient(p).float() * scale) for p in others]
+        reduced = [(f"allreduce.{self._names.get(p, id(p))}", dense_gradient(p).float() * scale) for p in others]
         reduced += [(f"allreduce.{n}.weight", self.sharing.exact_gradient(self, n, scale)) for n in exact]
         votes = self.sharing.votes(factored)
         reduced += votes
@@ -240,9 +269,9 @@ class _DadExchange(GradientExchange):
         self.sharing.apply(self, dict(zip([n for n, _ in shared], gathered)), factored, total_batch)
         for param, value in zip(others, summed):
             param.grad = (value / total_batch).to(param.dtype)
-        for n, value in zip(exact, summed[len(others):]):
+        for n, value in zip(exact, summed[len(others) :]):
             self.set_pooled_gradient(self._layers[n].weight, value / total_batch)
-        self.sharing.count_votes(factored, summed[len(others) + len(exact):len(summed) - 1])
+        self.sharing.count_votes(factored, summed[len(others) + len(exact) : len(summed) - 1])
         if first_step:
             self._keep_local_gradients_out_of_grad(shared_layers)
         self._clear_captures()
@@ -252,8 +281,11 @@ class _DadExchange(GradientExchange):
         the sharing writes hold only pooled numbers; autograd's local ones are diverted."""
         for name in shared_layers:
             module = self._layers[name]
-            written = [module.weight] + ([module.bias] if module.bias is not None and
-                                         (self.sharing.carries_bias or self.sharing.shares_every_layer) else [])
+            written = [module.weight] + (
+                [module.bias]
+                if module.bias is not None and (self.sharing.carries_bias or self.sharing.shares_every_layer)
+                else []
+            )
             for param in written:
                 if param.requires_grad and name not in self.frozen:
                     self._divert_local_gradient(param)
@@ -284,7 +316,8 @@ class _DadExchange(GradientExchange):
         if not uses:
             d_in, d_out = fan_in_out(module)
             return module.weight.new_zeros(1, d_in, dtype=torch.float32), module.weight.new_zeros(
-                1, d_out, dtype=torch.float32)
+                1, d_out, dtype=torch.float32
+            )
         # fp32 rows whatever autocast or the parameters computed in: gradients and the wire stay fp32.
         acts = torch.cat([activation_rows(module, capture.acts[i].float()) for i in uses])
         deltas = torch.cat([delta_rows(module, capture.deltas[i].float()) for i in uses]) * scale
@@ -306,8 +339,15 @@ class _DadExchange(GradientExchange):
                 continue
             module = self._layers[name]
             shared_rows, extra = self.sharing.planned_rows(module, rows, world_size)
-            self.plan[name] = plan_layer(name, module, shared_rows, world_size, extra, force=self._force_all,
-                                         half_rows=self.sharing.half_rows(world_size))
+            self.plan[name] = plan_layer(
+                name,
+                module,
+                shared_rows,
+                world_size,
+                extra,
+                force=self._force_all,
+                half_rows=self.sharing.half_rows(world_size),
+            )
             if not module.weight.requires_grad:  # frozen by the user: no gradient to form for it
                 self.frozen.add(name)
                 if not self.sharing.shares_every_layer:  # (edAD still needs its rows for the deltas below)
@@ -315,8 +355,9 @@ class _DadExchange(GradientExchange):
         left = {name: why for name, why in left_to_allreduce(self._model).items() if name not in self.plan}
         left.update({name: "not used with a gradient this step" for name in self._layers if name not in self.plan})
         self.planned = True
-        runtime.announce(f"{self.sharing.label} plan (wire bytes per rank per step):\n"
-                         f"{format_plan(list(self.plan.values()), left)}")
+        runtime.announce(
+            f"{self.sharing.label} plan (wire bytes per rank per step):\n{format_plan(list(self.plan.values()), left)}"
+        )
 
     def group_size(self) -> int:
         return self.group.size if self.group is not None else runtime.size()
@@ -344,7 +385,7 @@ class _Sharing:
 
     label = "dAD"
     shares_every_layer = False  # share every supported layer whatever the plan's cost rule says
-    carries_bias = True         # the shared rows give the bias gradient too
+    carries_bias = True  # the shared rows give the bias gradient too
 
     def planned_rows(self, module: nn.Module, rows: int, world_size: int) -> tuple[int, int]:
         """Rows all ranks share per step for this layer (`rows`: its rows over all ranks at the
@@ -362,7 +403,9 @@ class _Sharing:
         """Whether autograd's local weight gradient is still needed (not skipped after the plan)."""
         return False
 
-    def payload(self, exchange: _DadExchange, rows: Rows, layers: list[str], scale: float) -> list[tuple[str, torch.Tensor]]:
+    def payload(
+        self, exchange: _DadExchange, rows: Rows, layers: list[str], scale: float
+    ) -> list[tuple[str, torch.Tensor]]:
         raise NotImplementedError
 
     def factor_errors(self) -> dict[str, dict[str, list[torch.Tensor]]]:
@@ -391,19 +434,23 @@ class _Sharing:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
-    def apply(self, exchange: _DadExchange, results: dict[str, torch.Tensor], layers: list[str],
-              total_batch: float) -> None:
+    def apply(
+        self, exchange: _DadExchange, results: dict[str, torch.Tensor], layers: list[str], total_batch: float
+    ) -> None:
         raise NotImplementedError
 
 
 class ExactRows(_Sharing):
     """dAD: every rank shares its [activations | deltas] rows; ∇W = Δᵀ A over the pooled rows."""
 
-    def payload(self, exchange: _DadExchange, rows: Rows, layers: list[str], scale: float) -> list[tuple[str, torch.Tensor]]:
+    def payload(
+        self, exchange: _DadExchange, rows: Rows, layers: list[str], scale: float
+    ) -> list[tuple[str, torch.Tensor]]:
         return [(f"dad.{n}", torch.cat(rows[n], dim=1)) for n in layers]
 
-    def apply(self, exchange: _DadExchange, results: dict[str, torch.Tensor], layers: list[str],
-              total_batch: float) -> None:
+    def apply(
+        self, exchange: _DadExchange, results: dict[str, torch.Tensor], layers: list[str], total_batch: float
+    ) -> None:
         for n in layers:
             exchange.apply_rows(n, results[f"dad.{n}"], total_batch, with_bias=True)
 
@@ -431,10 +478,13 @@ class FactorRows(_Sharing):
         self.options = options
         self.iterations, self.tol = options.iterations, options.tol
         self.adaptive, self.error_feedback = options.rank == 0, options.error_feedback
-        self.label = f"rank-dAD (r={options.rank})" if not self.adaptive else \
-            f"rank-dAD (adaptive: at most {options.error_target:g} of each gradient's energy left out, " \
+        self.label = (
+            f"rank-dAD (r={options.rank})"
+            if not self.adaptive
+            else f"rank-dAD (adaptive: at most {options.error_target:g} of each gradient's energy left out, "
             f"r <= {options.max_rank})"
-        self.last_rank: dict[str, int] = {}        # k each layer kept at its last step
+        )
+        self.last_rank: dict[str, int] = {}  # k each layer kept at its last step
         self.errors: dict[str, torch.Tensor] = {}  # error feedback: what the factors left out
         self.errors_before: dict[str, torch.Tensor] = {}  # the errors before this step's exchange
         # per layer and step, as 0-d tensors (no host sync on the step): the share of (G + e)'s
@@ -443,8 +493,8 @@ class FactorRows(_Sharing):
         self.feedback_norms: dict[str, list[float]] = {}
         self.fallback = self.adaptive and options.exact_fallback
         self.over_target: dict[str, torch.Tensor] = {}  # this step: 1 where max_rank missed more than the target
-        self.steps_over_target: dict[str, int] = {}     # agreed by every rank: consecutive steps over it
-        self.exact: list[str] = []                      # layers handed to an exact allreduce
+        self.steps_over_target: dict[str, int] = {}  # agreed by every rank: consecutive steps over it
+        self.exact: list[str] = []  # layers handed to an exact allreduce
 
     def planned_rows(self, module: nn.Module, rows: int, world_size: int) -> tuple[int, int]:
         return world_size * planned_rank(self.options), module.bias.numel() if module.bias is not None else 0
@@ -453,7 +503,9 @@ class FactorRows(_Sharing):
         """Components to compute for layer `name` this step."""
         if not self.adaptive:
             return self.options.rank
-        return min(self.options.max_rank, max(self.options.min_rank, 2 * self.last_rank.get(name, PLANNED_ADAPTIVE_RANK // 2)))
+        return min(
+            self.options.max_rank, max(self.options.min_rank, 2 * self.last_rank.get(name, PLANNED_ADAPTIVE_RANK // 2))
+        )
 
     def from_gradient(self, exchange: _DadExchange, name: str) -> bool:
         """Whether the factors come from the local weight gradient autograd formed (iterating on
@@ -473,8 +525,9 @@ class FactorRows(_Sharing):
     def keeps_weight_gradient(self, exchange: _DadExchange, name: str) -> bool:
         return self.error_feedback or self.from_gradient(exchange, name)
 
-    def factors_of(self, exchange: _DadExchange, name: str, rows: Rows, scale: float
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def factors_of(
+        self, exchange: _DadExchange, name: str, rows: Rows, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's k factor rows [σ_i b_i | c_i] of layer `name`'s local gradient as they go on
         the wire: float16 with a float32 (k × 2) of their scales, else float32 and None."""
         local = rows[name] if name in rows else (exchange.local_weight_gradient(exchange.layer(name)),)
@@ -495,7 +548,9 @@ class FactorRows(_Sharing):
             b_rows, c_rows = gradient_power_iteration(gradient, *iterate)
             energy = float(gradient.pow(2).sum())
         if self.adaptive:
-            k = max(self.options.min_rank, smallest_rank_within(b_rows.pow(2).sum(1), energy, self.options.error_target))
+            k = max(
+                self.options.min_rank, smallest_rank_within(b_rows.pow(2).sum(1), energy, self.options.error_target)
+            )
             b_rows, c_rows = b_rows[:k], c_rows[:k]
         packed: tuple[torch.Tensor, torch.Tensor | None] = (torch.cat([b_rows, c_rows], dim=1), None)
         if self.half_rows(exchange.group_size()):
@@ -544,9 +599,11 @@ class FactorRows(_Sharing):
             self.steps_over_target[name] = self.steps_over_target.get(name, 0) + 1 if votes > 0 else 0
             if self.steps_over_target[name] >= FALLBACK_STEPS:
                 self.exact.append(name)
-                runtime.announce(f"rank-dAD: {name}'s {self.options.max_rank} components left out more than "
-                                 f"{self.options.error_target:g} of its gradient's energy for {FALLBACK_STEPS} steps "
-                                 f"in a row: it allreduces its exact gradient from the next step on")
+                runtime.announce(
+                    f"rank-dAD: {name}'s {self.options.max_rank} components left out more than "
+                    f"{self.options.error_target:g} of its gradient's energy for {FALLBACK_STEPS} steps "
+                    f"in a row: it allreduces its exact gradient from the next step on"
+                )
 
     def exact_gradient(self, exchange: _DadExchange, name: str, scale: float) -> torch.Tensor:
         """The local gradient (from the rows where autograd no longer forms it), with what the
@@ -562,14 +619,20 @@ class FactorRows(_Sharing):
         return gradient if owed is None else gradient + kind.from_matrix(module, owed.T * scale).reshape(gradient.shape)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"last_rank": dict(self.last_rank), "errors": dict(self.errors), "exact": list(self.exact),
-                "steps_over_target": dict(self.steps_over_target)}
+        return {
+            "last_rank": dict(self.last_rank),
+            "errors": dict(self.errors),
+            "exact": list(self.exact),
+            "steps_over_target": dict(self.steps_over_target),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.last_rank, self.errors = dict(state.get("last_rank", {})), dict(state.get("errors", {}))
         self.exact, self.steps_over_target = list(state.get("exact", [])), dict(state.get("steps_over_target", {}))
 
-    def payload(self, exchange: _DadExchange, rows: Rows, layers: list[str], scale: float) -> list[tuple[str, torch.Tensor]]:
+    def payload(
+        self, exchange: _DadExchange, rows: Rows, layers: list[str], scale: float
+    ) -> list[tuple[str, torch.Tensor]]:
         # Each rank sends its own k rows (Horovod's allgather takes a different count from every
         # rank), so the ranks need not agree on k first; a rank with none sends one zero row.
         self.errors_before = dict(self.errors)  # (given back if a GradScaler skips the step)
@@ -578,22 +641,28 @@ class FactorRows(_Sharing):
             payload, scales = self.factors_of(exchange, n, rows, scale)
             exchange.effective_ranks[n].append(payload.shape[0])
             if not len(payload):
-                payload, scales = payload.new_zeros(1, payload.shape[1]), None if scales is None else scales.new_ones(1, 2)
+                payload, scales = (
+                    payload.new_zeros(1, payload.shape[1]),
+                    None if scales is None else scales.new_ones(1, 2),
+                )
             shared.append((f"rank-dad.{n}", payload))
             if scales is not None:  # two float32 per row, gathered in the same cycle
                 shared.append((f"rank-dad.{n}.scales", scales))
         return shared
 
-    def apply(self, exchange: _DadExchange, results: dict[str, torch.Tensor], layers: list[str],
-              total_batch: float) -> None:
+    def apply(
+        self, exchange: _DadExchange, results: dict[str, torch.Tensor], layers: list[str], total_batch: float
+    ) -> None:
         if not all(bool(torch.isfinite(t).all()) for t in results.values()):
             self.errors = self.errors_before  # an inf or NaN on some rank: the step will be skipped
         for n in layers:
             pooled, scales = results[f"rank-dad.{n}"], results.get(f"rank-dad.{n}.scales")
             if scales is not None:  # [σ b | c] rows, each part with its power of two
                 d_in = fan_in_out(exchange.layer(n))[0]
-                pooled = torch.cat([from_half_rows(pooled[:, :d_in], scales[:, :1]),
-                                    from_half_rows(pooled[:, d_in:], scales[:, 1:])], dim=1)
+                pooled = torch.cat(
+                    [from_half_rows(pooled[:, :d_in], scales[:, :1]), from_half_rows(pooled[:, d_in:], scales[:, 1:])],
+                    dim=1,
+                )
             exchange.apply_rows(n, pooled, total_batch, with_bias=False)
 
 
@@ -608,14 +677,17 @@ class RecomputedDeltas(_Sharing):
     def __init__(self, model: nn.Module) -> None:
         self.chain = edad_chain(model)
 
-    def payload(self, exchange: _DadExchange, rows: Rows, layers: list[str], scale: float) -> list[tuple[str, torch.Tensor]]:
+    def payload(
+        self, exchange: _DadExchange, rows: Rows, layers: list[str], scale: float
+    ) -> list[tuple[str, torch.Tensor]]:
         names = [n for n, _ in self.chain]
         shared = [(f"edad.acts.{n}", rows[n][0]) for n in names]
         shared.append((f"edad.delta.{names[-1]}", rows[names[-1]][1]))
         return shared
 
-    def apply(self, exchange: _DadExchange, results: dict[str, torch.Tensor], layers: list[str],
-              total_batch: float) -> None:
+    def apply(
+        self, exchange: _DadExchange, results: dict[str, torch.Tensor], layers: list[str], total_batch: float
+    ) -> None:
         names = [n for n, _ in self.chain]
         delta = results[f"edad.delta.{names[-1]}"] / total_batch  # the chain below is linear in it
         for index in range(len(names) - 1, -1, -1):
@@ -632,8 +704,10 @@ class RecomputedDeltas(_Sharing):
 
 def check_dad_model(model: nn.Module, edad: bool) -> None:
     if not any(supports(m) for m in model.modules()):
-        raise ConfigError("dAD needs at least one layer it can form from rows (Linear, Hugging Face Conv1D, "
-                          "Conv2d with groups=1); this model has none: use --method ddp")
+        raise ConfigError(
+            "dAD needs at least one layer it can form from rows (Linear, Hugging Face Conv1D, "
+            "Conv2d with groups=1); this model has none: use --method ddp"
+        )
     if edad:
         edad_chain(model)
 
@@ -662,19 +736,35 @@ def edad_chain(model: nn.Module) -> list[tuple[str, Any]]:
         elif isinstance(module, nn.Dropout) and module.p == 0:
             continue
         else:
-            raise ConfigError(f"edAD is exact only for Linear layers and element-wise ReLU/LeakyReLU/Tanh/"
-                              f"Sigmoid activations; layer {name} ({type(module).__name__}) breaks that: use --method dad")
+            raise ConfigError(
+                f"edAD is exact only for Linear layers and element-wise ReLU/LeakyReLU/Tanh/"
+                f"Sigmoid activations; layer {name} ({type(module).__name__}) breaks that: use --method dad"
+            )
     if not chain or chain[-1][1] is not None:
         raise ConfigError("edAD needs a model that ends with a Linear layer; use --method dad")
     return [(name, derivative) for name, derivative in chain]
 
 
-def DadOptimizer(optimizer: torch.optim.Optimizer, named_parameters: NamedParameters | nn.Module | None = None,
-                 compression: Any = None, backward_passes_per_step: int = 1, op: Any = None,
-                 gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
-                 sparse_as_dense: bool = False, process_set: Any = None, *, model: nn.Module | None = None,
-                 mode: str = "exact", plan: str = DadOptions.plan, group: Group | None = None, seed: int = 0,
-                 options: "RankDadOptions | None" = None, **rank_options: Any) -> torch.optim.Optimizer:
+def DadOptimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: NamedParameters | nn.Module | None = None,
+    compression: Any = None,
+    backward_passes_per_step: int = 1,
+    op: Any = None,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    sparse_as_dense: bool = False,
+    process_set: Any = None,
+    *,
+    model: nn.Module | None = None,
+    mode: str = "exact",
+    plan: str = DadOptions.plan,
+    group: Group | None = None,
+    seed: int = 0,
+    options: "RankDadOptions | None" = None,
+    **rank_options: Any,
+) -> torch.optim.Optimizer:
     """Wrap `optimizer` so step() uses the pooled batch's gradient, built by (rank-/e)dAD.
 
     `model` is the module whose layers' activations and deltas are shared (it may also come
@@ -697,26 +787,53 @@ def DadOptimizer(optimizer: torch.optim.Optimizer, named_parameters: NamedParame
             raise ConfigError("DadOptimizer: the module given second is not the model= given too")
         model, named_parameters = named_parameters, None
     if model is None:
-        raise ConfigError("DadOptimizer needs the model, whose layers' activations and deltas it shares: "
-                          "DadOptimizer(opt, named_parameters=model.named_parameters(), model=model)")
+        raise ConfigError(
+            "DadOptimizer needs the model, whose layers' activations and deltas it shares: "
+            "DadOptimizer(opt, named_parameters=model.named_parameters(), model=model)"
+        )
     if mode == "exact" and (rank_options or options is not None):
         mode = "rank"
     if mode not in DAD_MODES:
         raise ConfigError(f"DadOptimizer mode must be one of {', '.join(DAD_MODES)}, got {mode!r}")
     if mode != "rank" and (rank_options or options is not None):
-        raise ConfigError(f"DadOptimizer mode {mode!r} is exact and takes no rank options; use mode='rank' for "
-                          f"rank-dAD")
+        raise ConfigError(
+            f"DadOptimizer mode {mode!r} is exact and takes no rank options; use mode='rank' for rank-dAD"
+        )
     rank_dad = make_options(RankDadOptions, "rank-dad", options, plan=plan, **rank_options)
     arguments = horovod_arguments(
-        "DadOptimizer", compression, backward_passes_per_step, op, gradient_predivide_factor, num_groups, groups,
-        sparse_as_dense, process_set, group, model=model, compressors=("none", "fp16") if mode == "rank" else ("none",),
+        "DadOptimizer",
+        compression,
+        backward_passes_per_step,
+        op,
+        gradient_predivide_factor,
+        num_groups,
+        groups,
+        sparse_as_dense,
+        process_set,
+        group,
+        model=model,
+        compressors=("none", "fp16") if mode == "rank" else ("none",),
         why_not_compressed="its rows are exact (float32); use mode='rank', whose factor rows travel in float16, "
-                           "or DistributedOptimizer with compression=fp16" if mode != "rank" else
-                           "its own factor rows are its compression")
+        "or DistributedOptimizer with compression=fp16"
+        if mode != "rank"
+        else "its own factor rows are its compression",
+    )
     if arguments.compression == "fp16" and rank_dad.factor_dtype != "float16":
-        raise ConfigError("DadOptimizer: compression=fp16 asks for float16 on the wire, but factor_dtype is "
-                          "float32; drop one of the two")
+        raise ConfigError(
+            "DadOptimizer: compression=fp16 asks for float16 on the wire, but factor_dtype is "
+            "float32; drop one of the two"
+        )
     check_dad_model(model, mode == "edad")
-    sharing = {"exact": ExactRows, "rank": lambda: FactorRows(rank_dad), "edad": lambda: RecomputedDeltas(model)}[mode]()
-    return wrap_optimizer(optimizer, _DadExchange, named_parameters or model.named_parameters(), model, sharing,
-                          rank_dad.plan, arguments, seed)
+    sharing = {"exact": ExactRows, "rank": lambda: FactorRows(rank_dad), "edad": lambda: RecomputedDeltas(model)}[
+        mode
+    ]()
+    return wrap_optimizer(
+        optimizer,
+        _DadExchange,
+        named_parameters or model.named_parameters(),
+        model,
+        sharing,
+        rank_dad.plan,
+        arguments,
+        seed,
+    )

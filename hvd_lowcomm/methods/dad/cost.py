@@ -1,5 +1,6 @@
 """dAD's, rank-dAD's and edAD's cost: the kernels they time per layer, and their predicted
 bytes and step time."""
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -12,8 +13,14 @@ from hvd_lowcomm.config import Config, ConfigError
 from hvd_lowcomm.costmodel import LayerSample, Link, Prediction, Profile, RunAssumptions, sent_bytes
 from hvd_lowcomm.methods.dad.algorithm import FactorRows, edad_chain
 from hvd_lowcomm.methods.dad.options import DadOptions, RankDadOptions, planned_rank
-from hvd_lowcomm.methods.dad.plan import (activation_rows, delta_rows, row_layers, shared_row_bytes,
-                                          sharing_is_cheaper, supports)
+from hvd_lowcomm.methods.dad.plan import (
+    activation_rows,
+    delta_rows,
+    row_layers,
+    shared_row_bytes,
+    sharing_is_cheaper,
+    supports,
+)
 from hvd_lowcomm.methods.lowrank import cheapest_way, factors_from_rows, gradient_power_iteration
 
 
@@ -30,8 +37,10 @@ def dad_kernels(sample: LayerSample, options: Any, cfg: Config) -> dict[str, Any
     generator = torch.Generator().manual_seed(0)
     acts = torch.randn(sample.rows, sample.fan_in, generator=generator)
     deltas = torch.randn(sample.rows, sample.fan_out, generator=generator)
-    return {"rows": lambda: (activation_rows(sample.module, sample.inputs), delta_rows(sample.module, sample.output)),
-            "dad_product": lambda: deltas.T @ acts}
+    return {
+        "rows": lambda: (activation_rows(sample.module, sample.inputs), delta_rows(sample.module, sample.output)),
+        "dad_product": lambda: deltas.T @ acts,
+    }
 
 
 def rank_dad_kernels(sample: LayerSample, options: "RankDadOptions", cfg: Config) -> dict[str, Any]:
@@ -53,6 +62,7 @@ def rank_dad_kernels(sample: LayerSample, options: "RankDadOptions", cfg: Config
     if not _factors_from_gradient(sample.rows, sample.fan_in, sample.fan_out, options):
         factors: Callable[[], Any] = lambda: factors_from_rows(acts, deltas, *iterate, generator)  # noqa: E731
     elif options.error_feedback:
+
         def factors() -> None:
             fed = grad + error
             b_rows, c_rows = gradient_power_iteration(fed, *iterate, generator)
@@ -63,8 +73,10 @@ def rank_dad_kernels(sample: LayerSample, options: "RankDadOptions", cfg: Config
 
 
 def _factors_from_gradient(rows: int, fan_in: int, fan_out: int, options: "RankDadOptions") -> bool:
-    return options.error_feedback or \
-        cheapest_way(rows, fan_in, fan_out, planned_rank(options), options.iterations) == "gradient"
+    return (
+        options.error_feedback
+        or cheapest_way(rows, fan_in, fan_out, planned_rank(options), options.iterations) == "gradient"
+    )
 
 
 def _predict_sharing(profile: Profile, world_size: int, link: Link, rank: "RankDadOptions | None") -> Prediction:
@@ -82,8 +94,9 @@ def _predict_sharing(profile: Profile, world_size: int, link: Link, rank: "RankD
         planned = local_rows if rank is None else planned_rank(rank)  # the plan's rows per rank
         width = local_rows if rank is None else min(planned, local_rows, layer.fan_in, layer.fan_out)
         extra = 0 if rank is None else layer.fan_out  # rank-dAD allreduces the bias
-        if layer.name in shareable and sharing_is_cheaper(world_size * planned, layer.fan_in, layer.fan_out, layer.params,
-                                                          extra, half):
+        if layer.name in shareable and sharing_is_cheaper(
+            world_size * planned, layer.fan_in, layer.fan_out, layer.params, extra, half
+        ):
             gathered += width * shared_row_bytes(layer.fan_in, layer.fan_out, half)
             reduced += extra
             from_gradient = rank is not None and _factors_from_gradient(local_rows, layer.fan_in, layer.fan_out, rank)
@@ -97,23 +110,30 @@ def _predict_sharing(profile: Profile, world_size: int, link: Link, rank: "RankD
         else:
             reduced += layer.params
     reduced += profile.other_params - profile.tied_params + 1  # (a tied weight once) + the pooled batch size
-    comm = link.allgather(gathered, world_size, world_size) + link.allreduce(FLOAT_BYTES * reduced, world_size, world_size)
+    comm = link.allgather(gathered, world_size, world_size) + link.allreduce(
+        FLOAT_BYTES * reduced, world_size, world_size
+    )
     sent = sent_bytes("allgather", gathered, world_size) + sent_bytes("allreduce", FLOAT_BYTES * reduced, world_size)
-    return Prediction("", world_size, profile.step_seconds, own - skipped, comm, 0.0, sent, sent * link.node_share(world_size))
+    return Prediction(
+        "", world_size, profile.step_seconds, own - skipped, comm, 0.0, sent, sent * link.node_share(world_size)
+    )
 
 
-def predict_dad(profile: Profile, world_size: int, link: Link, options: "DadOptions", cfg: Config,
-                assumptions: RunAssumptions) -> Prediction:
+def predict_dad(
+    profile: Profile, world_size: int, link: Link, options: "DadOptions", cfg: Config, assumptions: RunAssumptions
+) -> Prediction:
     return _predict_sharing(profile, world_size, link, None)
 
 
-def predict_rank_dad(profile: Profile, world_size: int, link: Link, options: "RankDadOptions", cfg: Config,
-                     assumptions: RunAssumptions) -> Prediction:
+def predict_rank_dad(
+    profile: Profile, world_size: int, link: Link, options: "RankDadOptions", cfg: Config, assumptions: RunAssumptions
+) -> Prediction:
     return _predict_sharing(profile, world_size, link, options)
 
 
-def predict_edad(profile: Profile, world_size: int, link: Link, options: None, cfg: Config,
-                 assumptions: RunAssumptions) -> Prediction:
+def predict_edad(
+    profile: Profile, world_size: int, link: Link, options: None, cfg: Config, assumptions: RunAssumptions
+) -> Prediction:
     """edAD: every layer's activation rows and the output layer's delta rows, one allgather (and
     the pooled batch size); each rank forms every layer's product of the pooled rows and
     recomputes the hidden deltas over them (about one more such product per layer), where
@@ -123,8 +143,12 @@ def predict_edad(profile: Profile, world_size: int, link: Link, options: None, c
     gathered = sum(profile.batch * layer.rows * layer.fan_in for layer in profile.layers)
     gathered += profile.batch * profile.layers[-1].rows * profile.layers[-1].fan_out
     own = sum(layer.kernels["rows"] + (2 * world_size - 1) * layer.kernels["dad_product"] for layer in profile.layers)
-    comm = link.allgather(FLOAT_BYTES * gathered, world_size, world_size) + link.allreduce(FLOAT_BYTES, world_size, world_size)
-    sent = sent_bytes("allgather", FLOAT_BYTES * gathered, world_size) + sent_bytes("allreduce", FLOAT_BYTES, world_size)
+    comm = link.allgather(FLOAT_BYTES * gathered, world_size, world_size) + link.allreduce(
+        FLOAT_BYTES, world_size, world_size
+    )
+    sent = sent_bytes("allgather", FLOAT_BYTES * gathered, world_size) + sent_bytes(
+        "allreduce", FLOAT_BYTES, world_size
+    )
     return Prediction("", world_size, profile.step_seconds, own, comm, 0.0, sent, sent * link.node_share(world_size))
 
 
@@ -142,5 +166,7 @@ def rank_dad_quality(options: RankDadOptions, cfg: Config) -> str | None:
     half of a transformer's local gradient energy; docs: dad, "Error feedback")."""
     if options.rank or not options.error_feedback:
         return None
-    return (f"low-rank local gradients, each layer's rank adapted so that it leaves out at most "
-            f"{options.error_target:.0%} of its energy, which error feedback adds back later")
+    return (
+        f"low-rank local gradients, each layer's rank adapted so that it leaves out at most "
+        f"{options.error_target:.0%} of its energy, which error feedback adds back later"
+    )

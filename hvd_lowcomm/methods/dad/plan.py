@@ -1,5 +1,6 @@
 """dAD's view of a model: which layers form their gradient from rows, and the per-layer plan
 (share rows where that sends fewer bytes than allreducing the gradient)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from hvd_lowcomm.models.layer_kinds import is_tied, kind_of, shared_weights
 
 # ---------------------------------------------------------------------------------------------
 # layers as rows
+
 
 def supports(module: nn.Module) -> bool:
     """Whether the layer's gradient is Δᵀ A over rows (hvd_lowcomm.models.layer_kinds)."""
@@ -40,7 +42,9 @@ def left_to_allreduce(model: nn.Module) -> dict[str, str]:
         if kind is None:
             why[name] = f"{type(module).__name__}: not a layer kind dAD forms from rows"
         elif not kind.has_rows(module):
-            why[name] = f"{type(module).__name__}: no exact rows (not a Conv2d, or groups > 1, padding given as a string or not zeros)"
+            why[name] = (
+                f"{type(module).__name__}: no exact rows (not a Conv2d, or groups > 1, padding given as a string or not zeros)"
+            )
         elif is_tied(module, shared):
             why[name] = "weight tied to another module's"
     return why
@@ -64,18 +68,26 @@ def fan_in_out(module: nn.Module) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------
 # the plan
 
+
 @dataclass
 class LayerPlan:
     name: str
     weight_shape: tuple[int, ...]
-    rows: int                 # rows shared per step by all ranks together
+    rows: int  # rows shared per step by all ranks together
     shared_wire_bytes: float  # what sharing activations + deltas (or factors) costs one rank
     allreduce_wire_bytes: float
-    choice: str               # "dad" or "allreduce"
+    choice: str  # "dad" or "allreduce"
 
 
-def plan_layer(name: str, module: nn.Module, rows: int, world_size: int, extra_allreduce: int = 0,
-               force: bool = False, half_rows: bool = False) -> LayerPlan:
+def plan_layer(
+    name: str,
+    module: nn.Module,
+    rows: int,
+    world_size: int,
+    extra_allreduce: int = 0,
+    force: bool = False,
+    half_rows: bool = False,
+) -> LayerPlan:
     """Share rows for this layer when that sends fewer bytes than allreducing its gradient.
 
     rows·(d_in + d_out) numbers are allgathered ((p-1)/p of them cross the wire per rank)
@@ -86,12 +98,14 @@ def plan_layer(name: str, module: nn.Module, rows: int, world_size: int, extra_a
     d_in, d_out = fan_in_out(module)
     params = sum(p.numel() for p in module.parameters(recurse=False))
     p = world_size
-    shared_wire = wire_bytes("allgather", rows * shared_row_bytes(d_in, d_out, half_rows), p) + \
-        wire_bytes("allreduce", extra_allreduce * FLOAT_BYTES, p)
+    shared_wire = wire_bytes("allgather", rows * shared_row_bytes(d_in, d_out, half_rows), p) + wire_bytes(
+        "allreduce", extra_allreduce * FLOAT_BYTES, p
+    )
     allreduce_wire = wire_bytes("allreduce", params * FLOAT_BYTES, p)
     share = force or sharing_is_cheaper(rows, d_in, d_out, params, extra_allreduce, half_rows)
-    return LayerPlan(name, tuple(module.weight.shape), rows, shared_wire, allreduce_wire,
-                     "dad" if share else "allreduce")
+    return LayerPlan(
+        name, tuple(module.weight.shape), rows, shared_wire, allreduce_wire, "dad" if share else "allreduce"
+    )
 
 
 def shared_row_bytes(d_in: int, d_out: int, half: bool = False) -> int:
@@ -100,12 +114,14 @@ def shared_row_bytes(d_in: int, d_out: int, half: bool = False) -> int:
     return (d_in + d_out) * 2 + 2 * FLOAT_BYTES if half else (d_in + d_out) * FLOAT_BYTES
 
 
-def sharing_is_cheaper(rows: int, d_in: int, d_out: int, params: int, extra_allreduce: int = 0,
-                       half_rows: bool = False) -> bool:
+def sharing_is_cheaper(
+    rows: int, d_in: int, d_out: int, params: int, extra_allreduce: int = 0, half_rows: bool = False
+) -> bool:
     """The plan's rule: `rows` rows of d_in + d_out numbers shared by all ranks together (plus
     `extra_allreduce` numbers still allreduced, which cost twice) against `params` allreduced."""
-    return rows * shared_row_bytes(d_in, d_out, half_rows) + 2 * FLOAT_BYTES * extra_allreduce < \
-        2 * FLOAT_BYTES * params
+    return (
+        rows * shared_row_bytes(d_in, d_out, half_rows) + 2 * FLOAT_BYTES * extra_allreduce < 2 * FLOAT_BYTES * params
+    )
 
 
 def format_plan(plans: list[LayerPlan], left: dict[str, str] | None = None) -> str:
@@ -114,7 +130,9 @@ def format_plan(plans: list[LayerPlan], left: dict[str, str] | None = None) -> s
     width = max([16, *(len(lp.name) for lp in plans)])
     lines = [f"{'layer':<{width}} {'weight':<18} {'rows/step':>9} {'share':>11} {'allreduce':>11}  choice"]
     for lp in plans:
-        lines.append(f"{lp.name:<{width}} {'x'.join(map(str, lp.weight_shape)):<18} {lp.rows:>9} "
-                     f"{human_bytes(lp.shared_wire_bytes):>11} {human_bytes(lp.allreduce_wire_bytes):>11}  {lp.choice}")
+        lines.append(
+            f"{lp.name:<{width}} {'x'.join(map(str, lp.weight_shape)):<18} {lp.rows:>9} "
+            f"{human_bytes(lp.shared_wire_bytes):>11} {human_bytes(lp.allreduce_wire_bytes):>11}  {lp.choice}"
+        )
     lines += [f"{name:<{width}} allreduce: {why}" for name, why in (left or {}).items()]
     return "\n".join(lines)

@@ -1,4 +1,5 @@
 """`--method diloco`: the built-in loop's adapter to DiLoCo, registered with its options and cost."""
+
 from __future__ import annotations
 
 from typing import Any

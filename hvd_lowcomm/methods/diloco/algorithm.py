@@ -54,6 +54,7 @@ other groups (its column); nothing is gathered after the outer step.
 Floating-point buffers (BatchNorm statistics) are averaged plainly with fragment 0. Evaluation
 and the final model use the model a sync of every fragment would give now (as AB-training's).
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -100,9 +101,16 @@ class DiLoCo:
     `step()` unscales, clips, `scaler.step(optimizer)` and `scaler.update()`.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, total_steps: int | None = None,
-                 options: DiLoCoOptions | None = None, clip_grad_norm: float = 0.0, scaler: Any = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        total_steps: int | None = None,
+        options: DiLoCoOptions | None = None,
+        clip_grad_norm: float = 0.0,
+        scaler: Any = None,
+        **kwargs: Any,
+    ) -> None:
         o = make_options(DiLoCoOptions, "diloco", options, **kwargs)
         require_run_length(o, ("sync_every",), total_steps, "diloco")
         self.options, self.model, self.optimizer, self.clip_grad_norm = o, model, optimizer, clip_grad_norm
@@ -124,8 +132,9 @@ class DiLoCo:
         else:
             broadcast_model_and_optimizer(model, optimizer)
         # Per fragment: this rank's slice of its global copy (rank 0's now), its outer optimiser, its exchange.
-        self.fragments = [Fragment.make(f, params, self._local_slice(params), self.column, o)
-                          for f, params in enumerate(parts)]
+        self.fragments = [
+            Fragment.make(f, params, self._local_slice(params), self.column, o) for f, params in enumerate(parts)
+        ]
         self.worker: concurrent.futures.ThreadPoolExecutor | None = None  # runs delayed exchanges
         self.exchange_wait_seconds = 0.0  # what steps waited for exchanges between groups
         self.inner_steps = 0
@@ -141,25 +150,36 @@ class DiLoCo:
         """Fix H for a run of `total_steps` steps (resolves a fractional sync_every)."""
         self._set_every(max(1, run_steps(self.options.sync_every, total_steps, "diloco.sync_every")))
         o = self.options
-        delay = f", applied {o.sync_delay} steps later (alpha {o.update_alpha})" if o.sync_delay else \
-            ", behind the whole next period (eager)" if o.eager else ""
+        delay = (
+            f", applied {o.sync_delay} steps later (alpha {o.update_alpha})"
+            if o.sync_delay
+            else ", behind the whole next period (eager)"
+            if o.eager
+            else ""
+        )
         if o.compression in ("sparse", "lowrank") and o.outer_momentum:
             # Far worse than plain averaging wherever measured (docs: benchmarks, "DiLoCo's exchange between groups")
-            runtime.announce(f"diloco: warning: {o.compression} with outer momentum {o.outer_momentum} trained far "
-                             f"worse than with plain averaging in every measurement here: its error feedback already "
-                             f"carries what momentum would (SparseLoCo); consider --diloco.outer_momentum 0 "
-                             f"--diloco.outer_lr 1")
-        runtime.announce(f"diloco: {len(self.all_groups)} groups of {self.group.size} rank(s); an outer step every "
-                         f"{self.every} inner steps ({len(self.fragments)} fragment(s), {o.compression} exchange"
-                         f"{delay}; outer lr {o.outer_lr}, momentum {o.outer_momentum})")
+            runtime.announce(
+                f"diloco: warning: {o.compression} with outer momentum {o.outer_momentum} trained far "
+                f"worse than with plain averaging in every measurement here: its error feedback already "
+                f"carries what momentum would (SparseLoCo); consider --diloco.outer_momentum 0 "
+                f"--diloco.outer_lr 1"
+            )
+        runtime.announce(
+            f"diloco: {len(self.all_groups)} groups of {self.group.size} rank(s); an outer step every "
+            f"{self.every} inner steps ({len(self.fragments)} fragment(s), {o.compression} exchange"
+            f"{delay}; outer lr {o.outer_lr}, momentum {o.outer_momentum})"
+        )
 
     def _set_every(self, every: int) -> None:
         self.options.check_schedule(every)
         if (self.options.sync_delay or self.options.eager) and self.worker is None:
             problem = side_thread_problem()
             if problem:
-                raise ConfigError(f"diloco.sync_delay and diloco.eager run the exchange on a second thread, which "
-                                  f"cannot run collectives here: {problem}")
+                raise ConfigError(
+                    f"diloco.sync_delay and diloco.eager run the exchange on a second thread, which "
+                    f"cannot run collectives here: {problem}"
+                )
             self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="diloco-exchange")
         self.every = every
 
@@ -171,8 +191,9 @@ class DiLoCo:
             self._set_every(max(1, run_steps(self.options.sync_every, None, "diloco.sync_every")))
         if self.inner_named:
             exchange_gradients(self.inner_named, self.group)
-        step_inner_optimizer(self.optimizer, [p for f in self.fragments for _, p in f.params], self.clip_grad_norm,
-                             self.scaler)
+        step_inner_optimizer(
+            self.optimizer, [p for f in self.fragments for _, p in f.params], self.clip_grad_norm, self.scaler
+        )
         self.inner_steps += 1
         for f in self.fragments:
             f.since_sync += 1
@@ -211,7 +232,7 @@ class DiLoCo:
         if self.sharded:
             return self._flat(params).clone()
         length = shard_length(sum(p.numel() for _, p in params), self.group.size)
-        return self._flat(params)[self.position * length:(self.position + 1) * length].clone()
+        return self._flat(params)[self.position * length : (self.position + 1) * length].clone()
 
     def _start(self, fragment: Fragment, background: bool, delta: torch.Tensor | None = None) -> None:
         """Start averaging the fragment's pseudo-gradient slice (`delta`, or global - local now)
@@ -288,8 +309,11 @@ class DiLoCo:
             f.outer.zero_grad(set_to_none=True)
             f.global_slice.grad = flight.result
             f.outer.step()
-            unsent = (f.exchange.take_unsent(f.index, self.options.unsent_share or 1 / f.exchange.members)
-                      if keep_unsent and self.options.keeps_unsent else None)
+            unsent = (
+                f.exchange.take_unsent(f.index, self.options.unsent_share or 1 / f.exchange.members)
+                if keep_unsent and self.options.keeps_unsent
+                else None
+            )
             own = f.global_slice.detach()
             models.append((f"diloco.global.{f.index}", own if unsent is None else own - unsent.to(own.device)))
         gathered = [m for _, m in models] if self.sharded else meter.allgather_many(models, self.group)
@@ -298,15 +322,16 @@ class DiLoCo:
                 offset = 0
                 for i, (_, p) in enumerate(f.params):
                     p = local_part(p)
-                    new = flat[offset:offset + p.numel()].view_as(p)
+                    new = flat[offset : offset + p.numel()].view_as(p)
                     if flight.prepared is not None:  # keep alpha of what was learned meanwhile
                         new = new + self.options.update_alpha * (p - flight.prepared[i])
                     p.copy_(new)
                     offset += p.numel()
                 f.since_sync = self.options.sync_delay if flight.prepared is not None else 0
             if self.fragments[0] in due and self.buffers:
-                averaged_buffers = meter.allreduce_many([(f"diloco.buffer.{n}", b) for n, b in self.buffers],
-                                                        self.column, op="average")
+                averaged_buffers = meter.allreduce_many(
+                    [(f"diloco.buffer.{n}", b) for n, b in self.buffers], self.column, op="average"
+                )
                 for (_, b), value in zip(self.buffers, averaged_buffers):
                     b.copy_(value)
 
@@ -318,8 +343,11 @@ class DiLoCo:
         the global one even right after a sync), with eager the other groups' parts still in
         flight added too (collective; its traffic counts in the current meter phase); the
         groups' own state, and any exchange in flight, are restored afterwards."""
-        pending = [f for f in self.fragments
-                   if f.since_sync or (self.options.eager and f.in_flight is not None) or self.options.keeps_unsent]
+        pending = [
+            f
+            for f in self.fragments
+            if f.since_sync or (self.options.eager and f.in_flight is not None) or self.options.keeps_unsent
+        ]
         if not pending:
             yield self.model
             return
@@ -341,8 +369,15 @@ class DiLoCo:
             f.in_flight = held
 
     def _sync_state(self) -> list[tuple[Any, ...]]:
-        return [(f.global_slice.detach().clone(), copy.deepcopy(f.outer.state_dict()), f.exchange.state_dict(),
-                 f.since_sync) for f in self.fragments]
+        return [
+            (
+                f.global_slice.detach().clone(),
+                copy.deepcopy(f.outer.state_dict()),
+                f.exchange.state_dict(),
+                f.since_sync,
+            )
+            for f in self.fragments
+        ]
 
     def _load_sync_state(self, state: list[tuple[Any, ...]]) -> None:
         with torch.no_grad():
@@ -356,8 +391,10 @@ class DiLoCo:
         """The synced model, the same on every rank (collective; its traffic counts as eval).
         A sharded model's: full_state_dict()."""
         if self.sharded:
-            raise ConfigError("diloco: a sharded model is not copied whole onto every rank; take "
-                              "diloco.full_state_dict() (the synced model's state dict on rank 0)")
+            raise ConfigError(
+                "diloco: a sharded model is not copied whole onto every rank; take "
+                "diloco.full_state_dict() (the synced model's state dict on rank 0)"
+            )
         with meter.in_phase("eval"):
             with self.synced() as model:
                 final = copy.deepcopy(model)
@@ -369,8 +406,9 @@ class DiLoCo:
         (collective; its traffic counts as eval); the model itself may be sharded."""
         with meter.in_phase("eval"):
             with self.synced() as model:
-                state = full_state_dict(model) if self.sharded else (
-                    model.state_dict() if runtime.rank() == 0 else None)
+                state = (
+                    full_state_dict(model) if self.sharded else (model.state_dict() if runtime.rank() == 0 else None)
+                )
                 state = None if state is None else {k: v.detach().clone() for k, v in state.items()}
             self._end_sync()
         return state
@@ -384,8 +422,12 @@ class DiLoCo:
     between_groups = ("column", "world")  # the column exchange, and the loop's checks at outer steps
 
     def epoch_metrics(self) -> dict[str, Any]:
-        return {"outer_steps": self.outer_steps, "sync_every": self.every,
-                "exchange_wait_seconds": round(self.exchange_wait_seconds, 4), **group_traffic(self.between_groups)}
+        return {
+            "outer_steps": self.outer_steps,
+            "sync_every": self.every,
+            "exchange_wait_seconds": round(self.exchange_wait_seconds, 4),
+            **group_traffic(self.between_groups),
+        }
 
     summary_metrics = epoch_metrics
 
@@ -393,9 +435,15 @@ class DiLoCo:
         """What the ranks of one group share: model, inner optimiser (each rank's own shards of
         them where the model is sharded: in sharded_state_dict), position in the cycle."""
         shared = {} if self.sharded else {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-        return {**shared,
-                "diloco": {"inner_steps": self.inner_steps, "since_sync": [f.since_sync for f in self.fragments],
-                           "outer_steps": self.outer_steps, "synced_now": self.synced_now}}
+        return {
+            **shared,
+            "diloco": {
+                "inner_steps": self.inner_steps,
+                "since_sync": [f.since_sync for f in self.fragments],
+                "outer_steps": self.outer_steps,
+                "synced_now": self.synced_now,
+            },
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not self.sharded:
@@ -423,12 +471,17 @@ class DiLoCo:
         exchange's error feedback (and warm start), and any exchange in flight (waited for, so
         a run resumed from here applies the same result at the same step)."""
         self._settle()
-        return {"global_slices": [f.global_slice.detach().clone() for f in self.fragments],
-                "outer": joined_outer_state([f.outer for f in self.fragments]),
-                "exchange": joined_exchange_state([f.exchange for f in self.fragments]),
-                "own_previous": {f.index: f.own_previous.clone() for f in self.fragments if f.own_previous is not None},
-                "in_flight": {f.index: (f.in_flight.result.clone(), f.in_flight.apply_at, f.in_flight.prepared)
-                              for f in self.fragments if f.in_flight is not None}}
+        return {
+            "global_slices": [f.global_slice.detach().clone() for f in self.fragments],
+            "outer": joined_outer_state([f.outer for f in self.fragments]),
+            "exchange": joined_exchange_state([f.exchange for f in self.fragments]),
+            "own_previous": {f.index: f.own_previous.clone() for f in self.fragments if f.own_previous is not None},
+            "in_flight": {
+                f.index: (f.in_flight.result.clone(), f.in_flight.apply_at, f.in_flight.prepared)
+                for f in self.fragments
+                if f.in_flight is not None
+            },
+        }
 
     def load_local_state_dict(self, state: dict[str, Any]) -> None:
         in_flight = {int(f): InFlight(*flight) for f, flight in state["in_flight"].items()}
@@ -457,38 +510,52 @@ class Fragment:
     """One part of the model that syncs on its own schedule (Streaming DiLoCo), and all this
     rank holds for it (torchft's _StreamingDiLoCoFragment): with one fragment, the whole model."""
 
-    index: int                              # its place among the fragments: its sync offset, its exchange's key
+    index: int  # its place among the fragments: its sync offset, its exchange's key
     params: list[tuple[str, nn.Parameter]]  # its parameters, a contiguous run of the model's
-    global_slice: nn.Parameter              # this rank's slice of its global copy: what the outer step steps
-    outer: torch.optim.Optimizer            # the outer optimiser over global_slice (its momentum)
-    exchange: Exchange                      # its exchange between groups (error feedback, warm start)
-    since_sync: int = 0                     # inner steps since its last sync
-    in_flight: InFlight | None = None       # its started exchange, until applied
+    global_slice: nn.Parameter  # this rank's slice of its global copy: what the outer step steps
+    outer: torch.optim.Optimizer  # the outer optimiser over global_slice (its momentum)
+    exchange: Exchange  # its exchange between groups (error feedback, warm start)
+    since_sync: int = 0  # inner steps since its last sync
+    in_flight: InFlight | None = None  # its started exchange, until applied
     own_previous: torch.Tensor | None = None  # eager: this group's part of the exchange in flight
 
     @classmethod
-    def make(cls, index: int, params: list[tuple[str, nn.Parameter]], local_slice: torch.Tensor,
-             column: runtime.Group, options: DiLoCoOptions) -> "Fragment":
+    def make(
+        cls,
+        index: int,
+        params: list[tuple[str, nn.Parameter]],
+        local_slice: torch.Tensor,
+        column: runtime.Group,
+        options: DiLoCoOptions,
+    ) -> "Fragment":
         """A fragment whose global copy starts as this rank's `local_slice` of it."""
         global_slice = nn.Parameter(local_slice)
-        return cls(index, params, global_slice, outer_optimizer([global_slice], options), make_exchange(column, options))
+        return cls(
+            index, params, global_slice, outer_optimizer([global_slice], options), make_exchange(column, options)
+        )
 
 
 # The checkpoint holds the fragments' outer optimisers as one SGD's state over every global slice,
 # and their exchanges' states as one exchange's, keyed by fragment: a checkpoint loads whichever
 # way the fragments' state is held.
 
+
 def joined_outer_state(outers: list[torch.optim.Optimizer]) -> dict[str, Any]:
     """The fragments' outer optimisers' states as one optimiser's over all global slices, in order."""
     states = [o.state_dict() for o in outers]
-    return {"state": {f: entry for f, s in enumerate(states) for entry in s["state"].values()},
-            "param_groups": [{**states[0]["param_groups"][0], "params": list(range(len(states)))}]}
+    return {
+        "state": {f: entry for f, s in enumerate(states) for entry in s["state"].values()},
+        "param_groups": [{**states[0]["param_groups"][0], "params": list(range(len(states)))}],
+    }
 
 
 def outer_state_of(joined: dict[str, Any], fragment: int) -> dict[str, Any]:
     """One fragment's outer optimiser state from `joined_outer_state`'s form."""
     entry = {int(f): s for f, s in joined["state"].items()}.get(fragment)
-    return {"state": {} if entry is None else {0: entry}, "param_groups": [{**joined["param_groups"][0], "params": [0]}]}
+    return {
+        "state": {} if entry is None else {0: entry},
+        "param_groups": [{**joined["param_groups"][0], "params": [0]}],
+    }
 
 
 def joined_exchange_state(exchanges: list[Exchange]) -> dict[str, Any]:
@@ -509,11 +576,15 @@ def check_sharding(named: list[tuple[str, nn.Parameter]], group: runtime.Group) 
     if not sharded:
         return False
     if len(sharded) < len(named):
-        raise ConfigError("diloco: some parameters are sharded (FSDP2) and some are not; fully_shard the root "
-                          "module too (hvd_lowcomm.shard_model does)")
+        raise ConfigError(
+            "diloco: some parameters are sharded (FSDP2) and some are not; fully_shard the root "
+            "module too (hvd_lowcomm.shard_model does)"
+        )
     mesh = sharded[0].device_mesh
     if mesh.mesh_dim_names != ("shard",) or tuple(sorted(mesh.mesh.flatten().tolist())) != tuple(group.ranks):
-        raise ConfigError(f"diloco: the model must be sharded over this rank's DiLoCo group (ranks {group.ranks[0]}-"
-                          f"{group.ranks[-1]}) alone: shard it on hvd_lowcomm.device_mesh(group_size={group.size}, "
-                          f"replicate=False), DiLoCo joins the groups itself")
+        raise ConfigError(
+            f"diloco: the model must be sharded over this rank's DiLoCo group (ranks {group.ranks[0]}-"
+            f"{group.ranks[-1]}) alone: shard it on hvd_lowcomm.device_mesh(group_size={group.size}, "
+            f"replicate=False), DiLoCo joins the groups itself"
+        )
     return True

@@ -1,4 +1,5 @@
 """DiLoCo's cost: the facts it needs of a model, and its predicted bytes and step time."""
+
 from __future__ import annotations
 
 import math
@@ -16,18 +17,20 @@ from hvd_lowcomm.methods.outer_exchange import Transfer, make_exchange
 from hvd_lowcomm.schedule import run_steps
 
 
-def diloco_facts(model: nn.Module, input_shape: tuple[int, ...], options: DiLoCoOptions, cfg: Config
-                 ) -> dict[str, Any]:
+def diloco_facts(model: nn.Module, input_shape: tuple[int, ...], options: DiLoCoOptions, cfg: Config) -> dict[str, Any]:
     """The shapes of each fragment's tensors, and the numbers in the floating-point buffers."""
     shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
     bounds = fragment_bounds([math.prod(s) for s in shapes], options.fragments)
-    return {"fragments": [shapes[a:b] for a, b in zip(bounds[:-1], bounds[1:])],
-            "buffers": sum(b.numel() for b in model.buffers() if b.is_floating_point()),
-            "fsdp": fsdp_facts(model, input_shape, None, cfg) if options.shard else None}
+    return {
+        "fragments": [shapes[a:b] for a, b in zip(bounds[:-1], bounds[1:])],
+        "buffers": sum(b.numel() for b in model.buffers() if b.is_floating_point()),
+        "fsdp": fsdp_facts(model, input_shape, None, cfg) if options.shard else None,
+    }
 
 
-def predict_diloco(profile: Profile, world_size: int, link: Link, o: DiLoCoOptions, cfg: Config,
-                   assumptions: RunAssumptions) -> Prediction:
+def predict_diloco(
+    profile: Profile, world_size: int, link: Link, o: DiLoCoOptions, cfg: Config, assumptions: RunAssumptions
+) -> Prediction:
     """The mean step over a run of assumptions.run_steps steps: every step the gradients are
     allreduced inside the group (on the node's links when a group fits in a node); each
     fragment's syncs average its slice over the column (one rank per group, across the network
@@ -41,10 +44,12 @@ def predict_diloco(profile: Profile, world_size: int, link: Link, o: DiLoCoOptio
     facts = profile.facts["diloco"]
     if o.shard:  # FSDP inside the group: all-gathers and a reduce-scatter
         step = sharded_step_bytes(facts["fsdp"], g, cfg.train.accumulate)
-        inner_seconds = (link.allgather(step["allgather"] / g, g, world_size)
-                         + link.reduce_scatter(step["reduce_scatter"], g, world_size))
-        inner_sent = (sent_bytes("allgather", step["allgather"] / g, g)
-                      + sent_bytes("reduce_scatter", step["reduce_scatter"], g))
+        inner_seconds = link.allgather(step["allgather"] / g, g, world_size) + link.reduce_scatter(
+            step["reduce_scatter"], g, world_size
+        )
+        inner_sent = sent_bytes("allgather", step["allgather"] / g, g) + sent_bytes(
+            "reduce_scatter", step["reduce_scatter"], g
+        )
     else:
         inner = FLOAT_BYTES * profile.params
         inner_seconds, inner_sent = link.allreduce(inner, g, world_size), sent_bytes("allreduce", inner, g)
@@ -63,19 +68,30 @@ def predict_diloco(profile: Profile, world_size: int, link: Link, o: DiLoCoOptio
             transfers = exchange.transfers(length, local, 0)
         else:
             length = shard_length(sum(math.prod(s) for s in shapes), g)
-            transfers = max((exchange.transfers(length, shapes, position * length) for position in range(g)),
-                            key=lambda ts: sum(t.sent_bytes(groups) for t in ts))
+            transfers = max(
+                (exchange.transfers(length, shapes, position * length) for position in range(g)),
+                key=lambda ts: sum(t.sent_bytes(groups) for t in ts),
+            )
         landing = [Transfer("allreduce", FLOAT_BYTES * facts["buffers"])] if f == 0 and facts["buffers"] else []
         column = [sum(t.sent_bytes(groups) for t in ts) for ts in (transfers, landing)]
         # an alltoall's time is an allgather's of its parts
-        cost = [sum(link.allreduce(t.payload, groups, world_size, spans_nodes=across) if t.op == "allreduce" else
-                    link.allgather(t.payload / (groups if t.op == "alltoall" else 1), groups, world_size, spans_nodes=across)
-                    for t in ts) for ts in (transfers, landing)]
+        cost = [
+            sum(
+                link.allreduce(t.payload, groups, world_size, spans_nodes=across)
+                if t.op == "allreduce"
+                else link.allgather(
+                    t.payload / (groups if t.op == "alltoall" else 1), groups, world_size, spans_nodes=across
+                )
+                for t in ts
+            )
+            for ts in (transfers, landing)
+        ]
         # the group's gather of the new slices, inside it (none where each rank keeps its shards)
         gather = 0.0 if o.shard else sent_bytes("allgather", FLOAT_BYTES * length, g)
         cost[1] += 0.0 if o.shard else link.allgather(FLOAT_BYTES * length, g, world_size)
-        between_nodes += (len(starts) * column[0] + applied * column[1]) * link.node_share(groups, across) \
-            + applied * gather * link.node_share(g)
+        between_nodes += (len(starts) * column[0] + applied * column[1]) * link.node_share(
+            groups, across
+        ) + applied * gather * link.node_share(g)
         # A delayed exchange waits on the network behind sync_delay inner steps, an eager one
         # behind the whole period (its thread needs no core of its own: it mostly waits); what
         # they do not cover is exposed.
@@ -83,4 +99,6 @@ def predict_diloco(profile: Profile, world_size: int, link: Link, o: DiLoCoOptio
         exposed = max(0.0, cost[0] - behind * (profile.step_seconds + inner_seconds))
         comm += len(starts) * exposed + applied * cost[1]
         sent += len(starts) * column[0] + applied * (column[1] + gather)
-    return Prediction("diloco", world_size, profile.step_seconds, 0.0, comm / runs, 0.0, sent / runs, between_nodes / runs)
+    return Prediction(
+        "diloco", world_size, profile.step_seconds, 0.0, comm / runs, 0.0, sent / runs, between_nodes / runs
+    )
