@@ -13,7 +13,7 @@ PYTEST  = $(MPIRUN) --timeout 1500 -np $(1) $(PY) -m pytest -p no:cacheprovider 
 # (fresh clone, .venv deleted) or older than what the install depends on.
 STAMP   := .venv/.installed
 
-.PHONY: install demo test test-unit test-1 test-2 test-4 test-8 test-2-torch test-cluster examples docs clean gpu-check vendor
+.PHONY: install demo lint test test-unit test-1 test-2 test-4 test-8 test-2-torch test-cluster examples docs clean gpu-check vendor
 
 # ENGINE=torch: no Horovod build (the torch engine, torch.distributed, needs none).
 install:          ## MPI (if missing), .venv, torch, the package, horovod (cached wheel)
@@ -26,7 +26,12 @@ $(STAMP): setup.cfg scripts/install.sh
 demo: $(STAMP)    ## the embedded default: MLP on handwritten digits, data-parallel on NP ranks
 	$(MPIRUN) -np $(NP) $(PY) -m hvd_lowcomm.train
 
-test: test-unit test-1 test-2 test-4 test-8 test-2-torch
+test: lint test-unit test-1 test-2 test-4 test-8 test-2-torch
+
+# ruff (pyproject.toml): the lint rules and the format every file is kept in.
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 # Pure functions under plain pytest, no mpirun: seconds, so it runs first.
 test-unit: $(STAMP)

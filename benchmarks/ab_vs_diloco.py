@@ -8,7 +8,8 @@ ranks (2: np 4, 8, 16 give 2, 4 and 8 groups, each group standing for a node): d
 diloco (compression none) with plain averaging and with the DiLoCo paper's outer optimiser (lr
 0.7, Nesterov momentum 0.9); ab at its defaults and with that outer optimiser at its syncs;
 diloco at its defaults and its other exchanges (int8, sparse, low-rank, and fp32 overlapped by
-one step); then fp32 diloco with the H at which its inter-group bytes per rank come closest to what ab's run sent (measured: ab's bytes on the world process set over its steps, against one
+one step); then fp32 diloco with the H at which its inter-group bytes per rank come closest to what
+ab's run sent (measured: ab's bytes on the world process set over its steps, against one
 sharded outer exchange of the model). Writes each rank count's compare tables under np<N>/,
 and at the top results.md / results.csv (accuracy, Δ vs ddp, inter-group bytes × ddp,
 compression (AB's parameters: the full model's over the low-rank one's at the end), step time

@@ -92,7 +92,8 @@ def main() -> None:
         }
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         print(
-            f"horovod: {steps} steps, {1000 * step_seconds / steps:.1f} ms/step, test acc {100 * rows[-1]['test_acc']:.2f} %"
+            f"horovod: {steps} steps, {1000 * step_seconds / steps:.1f} ms/step, "
+            f"test acc {100 * rows[-1]['test_acc']:.2f} %"
         )
 
 

@@ -698,7 +698,8 @@ def write_tables(
             "training step (evaluation's traffic included: the counters cannot tell it apart): measured = the nodes' "
             "interface counters; metered = what hvd_lowcomm's meter counts as sent to another node"
             if nodes
-            else f"Traffic on the emulated {measured[0]['link'] if measured else ''} link, all ranks together, per training "
+            else f"Traffic on the emulated {measured[0]['link'] if measured else ''} "
+            f"link, all ranks together, per training "
             "step: measured = the namespace's loopback counters; metered = hvd_lowcomm's meter"
         )
         + " (both from the trainer's first line, once setup's broadcasts are done, to its last epoch line; "

@@ -105,7 +105,8 @@ def markdown(table: list[dict[str, Any]], title: str, language: bool) -> str:
         x = f"1/{1 / r['inter_bytes_x_fp32_diloco']:.1f}" if r.get("inter_bytes_x_fp32_diloco") else "–"
         wait = f"{r['exchange_wait_seconds']:.2f} s" if r["exchange_wait_seconds"] is not None else "–"
         lines.append(
-            f"| {r['groups']} | {r['form']} | {q} | {vs_ddp:+.2f} | {d} | {human_bytes(r['inter_group_bytes'])} | {x} | "
+            f"| {r['groups']} | {r['form']} | {q} | {vs_ddp:+.2f} | {d} | "
+            f"{human_bytes(r['inter_group_bytes'])} | {x} | "
             f"{r['inter_bytes_x_ddp']:.4f} | {r['outer_steps']} | {wait} |"
         )
     return "\n".join(lines) + "\n"

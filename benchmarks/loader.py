@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
             print(
-                f"np {np_} {layout:>7}: {rates[layout]:10.0f} samples/s ({rates[layout] / rates['memory']:.2f} x memory)",
+                f"np {np_} {layout:>7}: {rates[layout]:10.0f} samples/s "
+                f"({rates[layout] / rates['memory']:.2f} x memory)",
                 flush=True,
             )
     waits = [

@@ -17,7 +17,8 @@ Prints, and with --out writes (predicted.md, predicted.csv), the compute floor (
 communication, `--method local`), one table per link (step ms per method and rank count, × ddp),
 the break-even bandwidth of each method (the bandwidth below which it steps faster than ddp),
 memory per rank beside step time for ddp, DiLoCo and PowerSGD and their sharded forms (fsdp,
-diloco.shard, powersgd.shard_group_size), and what each may lose against ddp's quality: exact, or its error target and its measured result on
+diloco.shard, powersgd.shard_group_size), and what each may lose against ddp's quality: exact, or
+its error target and its measured result on
 the held-out suite (what `--method auto` chooses among: exact methods and those that held).
 """
 

@@ -238,7 +238,7 @@ def test_op_sum_gives_the_sum_over_ranks(world, wrapper):
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
-    opt = wrap(wrapper, torch.optim.SGD(model.parameters(), lr=0.1), model, op=hvd.Sum)
+    _opt = wrap(wrapper, torch.optim.SGD(model.parameters(), lr=0.1), model, op=hvd.Sum)  # its hooks reduce
     x = torch.randn(runtime.size(), 8, 6, generator=torch.Generator().manual_seed(3))
     model(x[runtime.rank()]).pow(2).mean().backward()
     summed = model[2].bias.grad.clone()
@@ -388,7 +388,7 @@ def test_a_sparse_embedding_gradient_is_pooled_dense(world, wrapper):
     torch.manual_seed(0)
     embedding = nn.Embedding(10, 4, sparse=True)
     model = nn.Sequential(embedding, nn.Flatten(), nn.Linear(8, 2))
-    opt = wrap(wrapper, torch.optim.SGD(model.parameters(), lr=0.1), model, sparse_as_dense=True)
+    _opt = wrap(wrapper, torch.optim.SGD(model.parameters(), lr=0.1), model, sparse_as_dense=True)  # its hooks reduce
     idx = torch.randint(0, 10, (runtime.size(), 5, 2), generator=torch.Generator().manual_seed(6))
     model(idx[runtime.rank()]).sum().backward()
     pooled = embedding.weight.grad.clone()

@@ -259,7 +259,8 @@ def test_sil_refuses_a_shallow_model_on_every_rank_before_training(shared_tmp, c
 @pytest.mark.parametrize("partitions", [2, 4])
 def test_sil_at_scale_each_partition_trains_data_parallel_and_keeps_its_accuracy(shared_tmp, partitions):
     hidden = "64,64,64,64,64,64,64"
-    # The documented rule for Adam (docs/methods/sil.rst): the learning rate grows with the square root of the ranks that
+    # The documented rule for Adam (docs/methods/sil.rst): the learning rate grows with the square
+    # root of the ranks that
     # average one partition's gradients (8 / K here; 1e-3 is the default for one).
     lr = f"{0.001 * (SIZE / partitions) ** 0.5:g}"
     argv = [

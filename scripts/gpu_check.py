@@ -417,8 +417,10 @@ def format_row(row: dict) -> str:
         return "-" if value is None else f"{value:.4g}"
 
     return (
-        f"| {row['engine']} | {row['ranks']} | {row['method']} | {number(row['device_loss'])} | {number(row['cpu_loss'])} | "
-        f"{number(row['difference'])} | {row['seconds']:.1f} | {'yes' if row['ok'] else 'NO ' + '; '.join(row['problems'])} |"
+        f"| {row['engine']} | {row['ranks']} | {row['method']} | {number(row['device_loss'])} | "
+        f"{number(row['cpu_loss'])} | "
+        f"{number(row['difference'])} | {row['seconds']:.1f} | "
+        f"{'yes' if row['ok'] else 'NO ' + '; '.join(row['problems'])} |"
     )
 
 

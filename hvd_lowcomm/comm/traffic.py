@@ -17,7 +17,8 @@ puts on the network by the standard ring algorithms for a group of p ranks:
 Of that, the part that leaves the rank's node is counted apart (`between_nodes_bytes`): in a
 ring a rank sends only to its successor, so its bytes cross nodes when the successor lives on
 another node (one rank per node in each ring over several nodes), a point-to-point message
-when its destination does, and an alltoall's parts for members on other nodes. That is what a cluster's network carries; the rest stays in a node.
+when its destination does, and an alltoall's parts for members on other nodes. That is what a
+cluster's network carries; the rest stays in a node.
 
 The meter keeps the records of the current step (for per-step logs and tests) and running
 totals per (phase, op, group) and per tensor name, so its memory does not grow with the run.

@@ -3,7 +3,8 @@
 A weight layer of a registered kind (hvd_lowcomm.models.layer_kinds: Linear, Hugging Face's
 Conv1D, ConvNd) is viewed as its d_out × d_in matrix (a conv kernel C_out × C_in/groups × k… as
 C_out × C_in/groups·k…, the reference implementation's reshape; a Conv1D's stored d_in × d_out
-weight transposed), transposed if needed so that it is tall (rows >= columns), and split by SVD: W = U Σ Vᵀ, A = U √Σ (rows × r), B = √Σ Vᵀ
+weight transposed), transposed if needed so that it is tall (rows >= columns), and split by SVD: W
+= U Σ Vᵀ, A = U √Σ (rows × r), B = √Σ Vᵀ
 (r × columns), so W = A B.
 
 How many singular values to keep (`choose_rank`):

@@ -3,7 +3,8 @@
 The sequential model is cut into K partitions held by K groups of ranks (hvd_lowcomm.methods.partition).
 For every cut a fixed code per class is drawn, S ∈ R^{classes × cut width}, S ~ κ·U(0, 1) (or
 κ·N(0, 1)) (at a C×H×W cut, which only an explicit `cuts` gives, one value per channel: the
-partition's per-channel means are matched to it), from one seed that rank 0 draws and broadcasts once; every rank regenerates the
+partition's per-channel means are matched to it), from one seed that rank 0 draws and broadcasts
+once; every rank regenerates the
 same codes. Then each partition trains on its own, data parallel inside its group:
 
     first partition     x        -> S_1[y]      (MSE)

@@ -95,7 +95,10 @@ def narrative_words(text: str) -> int:
 
 
 def test_narrative_words_skip_code_and_directives():
-    page = "Title\n=====\n\nTwo words.\n\n.. code-block:: python\n\n    not counted here\n\nThree more words::\n\n    x = 1\n"
+    page = (
+        "Title\n=====\n\nTwo words.\n\n.. code-block:: python\n\n    not counted here\n\n"
+        "Three more words::\n\n    x = 1\n"
+    )
     assert narrative_words(page) == 1 + 2 + 3
 
 

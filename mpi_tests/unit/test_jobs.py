@@ -314,7 +314,8 @@ def test_sweep_writes_one_script_per_node_count_and_method_with_a_manifest(tmp_p
         text = (tmp_path / "sweep" / row["script"]).read_text()
         assert f"#SBATCH --nodes={row['nodes']}" in text
         assert (
-            f"--config {run_yaml} --run.name {row['script'][:-3]} --resume auto --run.progress false --method {row['method']} "
+            f"--config {run_yaml} --run.name {row['script'][:-3]} "
+            f"--resume auto --run.progress false --method {row['method']} "
             f"--train.epochs 3" in text
         )
         assert subprocess.run(["bash", "-n", str(tmp_path / "sweep" / row["script"])]).returncode == 0

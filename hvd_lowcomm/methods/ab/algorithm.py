@@ -548,10 +548,10 @@ class ABTraining:
                 "step": self.global_step,
                 "phase": self.phase,
                 "last_switch": self.last_switch,
-                "factorized": {n: l.factorized for n, l in self.layers.items()},
+                "factorized": {n: layer.factorized for n, layer in self.layers.items()},
                 "cuts": self.cuts,
                 "undone_cuts": self.undone_cuts,
-                "noise_edges": {n: l.noise_edge for n, l in self.layers.items()},
+                "noise_edges": {n: layer.noise_edge for n, layer in self.layers.items()},
                 "outer": self._outer_state(),
             },
         }

@@ -43,7 +43,8 @@ def left_to_allreduce(model: nn.Module) -> dict[str, str]:
             why[name] = f"{type(module).__name__}: not a layer kind dAD forms from rows"
         elif not kind.has_rows(module):
             why[name] = (
-                f"{type(module).__name__}: no exact rows (not a Conv2d, or groups > 1, padding given as a string or not zeros)"
+                f"{type(module).__name__}: no exact rows (not a Conv2d, "
+                f"or groups > 1, padding given as a string or not zeros)"
             )
         elif is_tied(module, shared):
             why[name] = "weight tied to another module's"
