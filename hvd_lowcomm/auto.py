@@ -4,8 +4,8 @@ batch, rank count and network, before training starts; the run then trains with 
 Candidates are the methods registered as drop-in (ddp, ddp-fp16, powersgd, dad, rank-dad: the
 same model and training, only the gradient exchange differs) that keep quality: exact ones (ddp,
 dad), and fp16's rounding and compressions to an error target (powersgd, rank-dad) whose
-defaults held on every judged set of the held-out suite (hvd_lowcomm.heldout: within 2 % of
-ddp's validation loss, 1 point of its accuracy). A fixed `rank`, error feedback off, or any
+defaults held on every judged set of the held-out suite (within hvd_lowcomm.heldout's bound on
+ddp's validation loss or accuracy). A fixed `rank`, error feedback off, or any
 option changed from what was measured takes a compression out; the printed choice says what
 quality risk remains and which methods were left out, and why. SIL, AB and DiLoCo change how the
 model trains, so they are a user's decision. Rank 0 profiles the model on its batch: on a CPU it

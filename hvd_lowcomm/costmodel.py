@@ -33,7 +33,7 @@ kernels on data of the layer's shapes, as its cost asks (`MethodCost.layer_kerne
 timed on this machine (`profile_model` without a device; a measured step of `--method local`
 may replace it), or counted for a `Device` (an accelerator of `ACCELERATORS`, this CPU's measured
 rates, or a given rate): every op runs on the meta device, shapes only, and its FLOPs and bytes
-are costed. The step is 3 × the forward pass's FLOPs at the device's peak × UTILISATION; each
+are costed. The step is three times the forward pass's FLOPs at the device's peak × UTILISATION; each
 kernel op at the roofline (`Device.seconds`).
 """
 

@@ -4,7 +4,7 @@ float16 halves the bytes, but its range is narrow: normal numbers run from 6e-5 
 65504, so a gradient factor of 1e-7 keeps a few of its bits and one of 1e5 overflows (Horovod's
 `Compression.fp16` and PyTorch's fp16 hooks simply cast, and lean on AMP's loss scaling). Here
 every rank multiplies a tensor by the same power of two before the cast: the one that puts the
-largest value of that tensor's previous sum at 2**7, leaving 256× of headroom for growth and
+largest value of that tensor's previous sum at 2**7, leaving a factor of 2**8 of headroom for growth and
 more than 20 binades of full precision below it. The previous sum is an allreduce's result, the
 same on every rank, so every rank picks the same scale without a message; a tensor summed for the
 first time (or after a non-finite sum) is scaled from its ranks' largest values, summed in one

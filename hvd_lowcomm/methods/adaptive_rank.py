@@ -1,6 +1,6 @@
 """Choosing a low-rank compressor's rank from an error target instead of fixing it.
 
-A fixed rank is wrong for most layers of a model: an embedding, a 4×-wide MLP projection and an
+A fixed rank is wrong for most layers of a model: an embedding, an MLP's four-times-wide projection and an
 output head do not need the same rank, and what each needs changes during training. Both
 low-rank gradient compressors here (PowerSGD, rank-dAD) instead keep, per matrix, the fewest
 components whose approximation leaves out at most `error_target` of the matrix's energy

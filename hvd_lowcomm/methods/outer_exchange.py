@@ -22,8 +22,8 @@ class per `diloco.compression`:
 - sparse (`Sparse`, SparseLoCo, arXiv 2508.15706): an error-feedback accumulator e <- βe + Δ;
             each chunk of at most CHUNK numbers sends its top `density` share of e by magnitude,
             values at 2 bits (sign, and which of two magnitudes: the means of the larger and
-            smaller half), positions by Elias-Fano (5.6 bits each at 8 % of a chunk, where
-            SparseLoCo's 12-bit offsets take 12); what was sent leaves e. At 2 groups the
+            smaller half), positions by Elias-Fano (about 2 + log2(1 / density) bits each, where
+            SparseLoCo's offsets take 12); what was sent leaves e. At 2 groups the
             contributions are allgathered and averaged, as SparseLoCo does. Beyond, an allgather
             would send G-1 times a slice's sparse bytes, so it is reduced like the quantised
             forms and stays flat in G (Ok-Topk, Li and Hoefler 2022, does the same): member j

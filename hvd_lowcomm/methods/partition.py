@@ -222,7 +222,7 @@ def _refuse_inside_convolutions(partitions: int) -> list[int]:
         f"SIL finds no cut into {partitions} partitions outside this model's convolutional part that leaves two weight "
         f"layers with a non-linearity between them on each side. A cut between conv blocks does not keep SIL's "
         f"accuracy: the later partitions learn only to decode the class codes, so the joined network classifies "
-        f"no better than the convolutions before the cut do on their own ({CONV_CUT_MEASURED}). Use mp for this model, "
+        f"no better than the convolutions before the cut do on their own ({CONV_CUT_EVIDENCE}). Use mp for this model, "
         f"a model with two or more fully connected layers after its convolutions (SIL then cuts among them), or "
         f"give --sil.cuts yourself to accept the accuracy loss"
     )
@@ -233,16 +233,13 @@ def _refuse_between_token_blocks(partitions: int) -> list[int]:
         f"SIL finds no cut into {partitions} partitions where a sample is one vector: between this model's blocks "
         f"each image is a sequence of tokens (a vision transformer), and SIL's class codes are one vector per "
         f"label. Matching a code at every token asks each token to know the image's class, and matching the "
-        f"tokens' mean is what lost 10 points at the cuts inside a conv net ({CONV_CUT_MEASURED}). Use mp (it cuts "
+        f"tokens' mean is what lost most accuracy at the cuts inside a conv net ({CONV_CUT_EVIDENCE}). Use mp (it cuts "
         f"between blocks and trains end to end), or give --sil.cuts yourself to accept the accuracy risk"
     )
 
 
-# The measurement the refusals of cuts inside a conv net quote (docs: sil, "Where it cuts").
-CONV_CUT_MEASURED = (
-    "measured on animal silhouettes with cnn 16,32,32,64 cut after its third block, 5 epochs: "
-    "86% with channel-mean codes, 89% in sequential mode, against 96% for data-parallel training"
-)
+# Where the refusals of cuts inside a conv net point for the measurement behind them.
+CONV_CUT_EVIDENCE = 'measured in the docs: methods/sil, "Where it cuts"'
 
 
 def shallow_partitions(table: list[dict[str, Any]]) -> list[int]:

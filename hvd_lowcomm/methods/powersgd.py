@@ -252,8 +252,8 @@ class _PowerSGDExchange(GradientExchange):
         size = self.group.size if self.group is not None else runtime.size()
         if state.iter < options.start_iter:
             # The plain mean until compression starts, in factor_dtype on the wire too, each
-            # tensor under its own scale (as P and Q): on a short run these steps are a large
-            # share of PowerSGD's bytes (10 of a 630-step MLP run: nearly half of them).
+            # tensor under its own scale (as P and Q): each of these steps sends a whole gradient,
+            # so on a short run they are a large share of PowerSGD's bytes.
             summed, _ = self._sum([(f"powersgd.warmup.{n}", g) for n, g in grads.items()], [], size)
             means = {n: total / size for n, total in zip(grads, summed)}
             self._assign(grads, means)

@@ -47,7 +47,7 @@ from hvd_lowcomm.config import ConfigError, TrainConfig, make_options, option
 from hvd_lowcomm.registry import register
 from hvd_lowcomm.methods.mp import Partitioned
 from hvd_lowcomm.methods.partition import (
-    CONV_CUT_MEASURED,
+    CONV_CUT_EVIDENCE,
     FORWARD,
     Layout,
     PartitionOptions,
@@ -120,12 +120,8 @@ def class_codes(
     return kappa * draw(classes, *shape, generator=generator)
 
 
-# The measurement the refusal quotes (docs: transformers, "What each method does to a transformer").
-LANGUAGE_MODEL_MEASURED = (
-    "validation loss 7.09 against ddp's 2.07 and uniform guessing's 5.55 (gpt 4x128 on "
-    "Shakespeare, 600 steps, np 2), although the first partition put 31% of positions "
-    "nearest the code of their next token"
-)
+# Where the refusal points for the measurement behind it.
+LANGUAGE_MODEL_EVIDENCE = 'docs: transformers, "What each method does to a transformer"'
 
 
 def refuse_language_models(model: torch.nn.Module) -> None:
@@ -137,7 +133,7 @@ def refuse_language_models(model: torch.nn.Module) -> None:
         raise ConfigError(
             f"sil cannot train a language model: its partitions learn toward one random code per label, and a "
             f"position whose next token is uncertain learns the average of several codes, which the last partition "
-            f"decodes as one token with confidence; measured: {LANGUAGE_MODEL_MEASURED}. Use mp (a pipeline of "
+            f"decodes as one token with confidence (measured: {LANGUAGE_MODEL_EVIDENCE}). Use mp (a pipeline of "
             f"blocks, trained end to end) or diloco for a language model"
         )
 
@@ -353,7 +349,7 @@ class SyntheticIntermediateLabels(Partitioned):
             f"sil.cuts {self.options.cuts} cut this model inside its convolutional part (cut {k}, a "
             f"{'x'.join(map(str, self.layout.shapes[k]))} activation; its codes are per-channel means): the "
             f"joined network classifies no better than the convolutions before the cut do on their own "
-            f"({CONV_CUT_MEASURED}), so expect a large accuracy loss; mp, or a model with two or more fully "
+            f"({CONV_CUT_EVIDENCE}), so expect a large accuracy loss; mp, or a model with two or more fully "
             f"connected layers after its convolutions, avoids it"
             for k in spatial
         ]

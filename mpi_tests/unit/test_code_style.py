@@ -1,4 +1,5 @@
-"""Comments and option help state a rule and why; measured figures live in results and docs."""
+"""Comments, docstrings, messages and option help state a rule and why; measured figures live in
+results and docs."""
 
 from __future__ import annotations
 
@@ -27,6 +28,27 @@ def comments(path: Path) -> list[tuple[int, str]]:
 def test_comments_quote_no_measured_figures(path):
     found = [f"{path.name}:{line}: {text}" for line, text in comments(path) if MEASURED.search(text)]
     assert not found, "comments quoting figures (state the rule; point to the docs section):\n" + "\n".join(found)
+
+
+# an f-string's replacement field ({share:.0%}) formats a value, it quotes none
+REPLACEMENT_FIELD = re.compile(r"\{[^{}]*\}")
+
+
+def strings(path: Path) -> list[tuple[int, str]]:
+    """Docstrings, messages and every other string literal, f-strings' fields left out."""
+    tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+    return [(t.start[0], REPLACEMENT_FIELD.sub("", t.string)) for t in tokens if t.type == tokenize.STRING]
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_docstrings_and_messages_quote_no_measured_figures(path):
+    found = [
+        f"{path.name}:{line}: {m.group(0)!r} in {text[:80]!r}"
+        for line, text in strings(path)
+        for m in [MEASURED.search(text)]
+        if m
+    ]
+    assert not found, "strings quoting figures (state the rule; point to the docs section):\n" + "\n".join(found)
 
 
 def test_option_help_quotes_no_measured_figures():

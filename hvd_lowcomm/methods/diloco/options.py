@@ -24,13 +24,10 @@ class DiLoCoOptions(GroupedOptions):
     # nearest fp32 DiLoCo in the worst case of every form tried (docs: benchmarks, "Held-out defaults").
     compression: str = option(
         "int2",
-        "pseudo-gradients between groups: int2 (the default: 4 levels over each "
-        "block's range with error feedback, under a tenth of fp32's bytes; of the "
-        "forms tried, the nearest fp32 in the worst case, though past its bound on "
-        "one held-out ViT: pass none where fp32's quality is a must), sparse (top-k "
-        "of each chunk at 2 bits with error feedback, fewer bytes still), lowrank "
-        "(PowerSGD factors of each matrix in 4 bits, error feedback), int8 "
-        "(per-block scaling, error feedback), fp16 or none (fp32)",
+        "pseudo-gradients between groups: int2 (4 levels over each block's range, error feedback; pass "
+        "none where fp32's quality is a must), sparse (top-k of each chunk at 2 bits, error feedback), lowrank "
+        "(PowerSGD factors of each matrix in 4 bits, error feedback), int8 (per-block scaling, error feedback), "
+        "fp16 or none (fp32); docs: methods/diloco",
         choices=COMPRESSIONS,
     )
     # Denser than SparseLoCo's: its densities lost quality over the tens of outer steps of runs here (the
