@@ -141,7 +141,7 @@ def test_sil_refuses_a_language_model_with_the_measured_reason(world):
     from hvd_lowcomm.methods.sil import SIL
 
     model = gpt(vocab_size=40, context=8, layers=4, width=16, heads=2)
-    with pytest.raises(ConfigError, match=r"sil cannot train a language model.*measured: validation loss 7\.09"):
+    with pytest.raises(ConfigError, match=r"sil cannot train a language model.*measured: docs: transformers"):
         SIL(model, input_shape=(8,), num_classes=40, partitions=2)  # the library's door, before any cut
 
 
