@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import compare
-from hvd_lowcomm.methods.outer_exchange import COMPRESSIONS
+from hvd_lowcomm.methods.diloco.exchange import COMPRESSIONS
 from hvd_lowcomm.metrics import human_bytes, write_csv
 
 NESTEROV = "outer_lr=0.7,outer_momentum=0.9"

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from conftest import RANK, SIZE, member_parts, needs_ranks
 from hvd_lowcomm.config import ConfigError
 from hvd_lowcomm.methods.diloco import DiLoCo, fragment_bounds, shard_length, sync_due
-from hvd_lowcomm.methods.outer_exchange import BLOCK, sparse_encode
+from hvd_lowcomm.comm.wire_codecs import BLOCK, sparse_encode
 from hvd_lowcomm.train import main
 
 INNER_LR = 0.1

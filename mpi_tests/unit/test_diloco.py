@@ -8,7 +8,7 @@ import torch
 from hvd_lowcomm import config
 from hvd_lowcomm.config import ConfigError
 from hvd_lowcomm.methods.diloco import fragment_bounds, sync_due
-from hvd_lowcomm.methods.outer_exchange import BLOCK, dequantise, quantise
+from hvd_lowcomm.comm.wire_codecs import BLOCK, dequantise, quantise
 
 
 def test_int8_quantisation_errs_by_at_most_half_a_step_per_block():

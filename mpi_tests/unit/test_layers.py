@@ -35,6 +35,7 @@ LAYERS = [
             "hvd_lowcomm.comm.traffic",
             "hvd_lowcomm.comm.rendezvous",
             "hvd_lowcomm.comm.half_wire",
+            "hvd_lowcomm.comm.wire_codecs",
             "hvd_lowcomm.comm.mesh",
         ],
     ),

@@ -20,7 +20,7 @@ of every group averages only its 1/|group| slice of Δ with rank i of the other 
 "column", one rank per group), steps its slice of θ_global, and the group allgathers the new
 slices: a rank sends model/|group| across the network per sync, not the whole model. Options:
 
-- compression (hvd_lowcomm.methods.outer_exchange): none (fp32 allreduce); fp16, int8 or int2
+- compression (hvd_lowcomm.methods.diloco.exchange): none (fp32 allreduce); fp16, int8 or int2
   (the default) by a quantised reduce-scatter and allgather whose bytes per rank stay below
   twice the slice's whatever the number of groups; sparse (SparseLoCo: top-k of each chunk at
   2 bits from an error-feedback accumulator; with keep_unsent, the default, a group keeps on
@@ -75,7 +75,7 @@ from hvd_lowcomm.config import ConfigError, make_options
 from hvd_lowcomm.methods.base import broadcast_model_and_optimizer, broadcast_parameters, exchange_gradients
 from hvd_lowcomm.methods.diloco.options import DiLoCoOptions, fragment_bounds, shard_length, sync_due
 from hvd_lowcomm.methods.grouped import group_traffic, outer_optimizer, step_inner_optimizer, trial_sync
-from hvd_lowcomm.methods.outer_exchange import Exchange, make_exchange
+from hvd_lowcomm.methods.diloco.exchange import Exchange, make_exchange
 from hvd_lowcomm.schedule import SET_LATER, require_run_length, run_steps
 
 

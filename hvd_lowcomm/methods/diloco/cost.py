@@ -13,7 +13,7 @@ from hvd_lowcomm.config import Config, ConfigError
 from hvd_lowcomm.costmodel import Link, Prediction, Profile, RunAssumptions, sent_bytes
 from hvd_lowcomm.methods.diloco.options import DiLoCoOptions, fragment_bounds, shard_length, sync_due
 from hvd_lowcomm.methods.fsdp import fsdp_facts, sharded_step_bytes
-from hvd_lowcomm.methods.outer_exchange import Transfer, make_exchange
+from hvd_lowcomm.methods.diloco.exchange import Transfer, make_exchange
 from hvd_lowcomm.schedule import run_steps
 
 

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from hvd_lowcomm.config import ConfigError, option
 from hvd_lowcomm.methods.grouped import GroupedOptions
-from hvd_lowcomm.methods.outer_exchange import COMPRESSIONS
+from hvd_lowcomm.methods.diloco.exchange import COMPRESSIONS
 
 
 @dataclass

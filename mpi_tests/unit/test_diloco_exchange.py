@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hvd_lowcomm.methods.diloco import DiLoCoOptions
-from hvd_lowcomm.methods.outer_exchange import (
+from hvd_lowcomm.comm.wire_codecs import (
     BLOCK,
     BLOCK4,
     INT4,
@@ -17,14 +17,13 @@ from hvd_lowcomm.methods.outer_exchange import (
     int2_bytes,
     int2_decode,
     int2_encode,
-    make_exchange,
     positions_bytes,
-    slice_pieces,
     sparse_bytes,
     sparse_decode,
     sparse_encode,
     sparse_layout,
 )
+from hvd_lowcomm.methods.diloco.exchange import make_exchange, slice_pieces
 
 
 def test_quantised_bytes_per_rank_stay_flat_in_the_number_of_groups():

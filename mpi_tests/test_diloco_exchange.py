@@ -10,14 +10,8 @@ import torch
 from conftest import RANK, SIZE, member_parts, needs_ranks
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.methods.diloco import DiLoCoOptions
-from hvd_lowcomm.methods.outer_exchange import (
-    int4_bytes,
-    int8_bytes,
-    make_exchange,
-    slice_pieces,
-    sparse_bytes,
-    sparse_encode,
-)
+from hvd_lowcomm.comm.wire_codecs import int4_bytes, int8_bytes, sparse_bytes, sparse_encode
+from hvd_lowcomm.methods.diloco.exchange import make_exchange, slice_pieces
 
 SHAPES = [(48, 40), (48,), (30, 24)]  # a fragment: two matrices and a bias
 NUMBERS = 48 * 40 + 48 + 30 * 24
