@@ -267,6 +267,7 @@ def test_a_layer_whose_factors_keep_missing_the_target_falls_back_to_its_exact_g
         max_rank=1,
         error_target=0.01,
         plan="all",
+        exact_fallback=True,
     )
     layers = ("1", "3", "5")
     applied = {name: torch.zeros_like(model.get_submodule(name).weight) for name in layers}
