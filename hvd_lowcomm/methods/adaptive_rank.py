@@ -18,10 +18,16 @@ from __future__ import annotations
 
 import torch
 
+from hvd_lowcomm.config import ConfigError
+
 # Random probe columns that estimate the energy a subspace misses. The estimate of a residual
 # spread over many directions (a gradient's tail) has a relative spread of about sqrt(2 / (PROBES
 # · its stable rank)): a few probes suffice, and they cost PROBES numbers per matrix row.
 PROBES = 4
+# What the plan and the cost model assume an adaptive rank settles at (they cannot know it
+# before training): about the median rank PowerSGD and rank-dAD kept on the benchmarks'
+# transformers (docs: powersgd and dad), within each matrix's bounds.
+PLANNED_ADAPTIVE_RANK = 8
 # A rank is shrunk only to where the error is at most this share of the target, so that the
 # next measurement's noise does not grow it straight back.
 SHRINK_MARGIN = 0.5
@@ -65,3 +71,13 @@ def next_rank(rank: int, energies: torch.Tensor, missed: float, allowed: float, 
             min(rank, smallest_rank_within(energies, total, SHRINK_MARGIN * allowed / total)) if total > 0 else rank
         )
     return max(lowest, min(wanted, highest))
+
+
+def validate_adaptive_rank(section: str, rank: int, error_target: float, min_rank: int, max_rank: int) -> None:
+    """The rules every adaptive-rank compressor's options share (`section`: its name in errors)."""
+    if rank < 0:
+        raise ConfigError(f"{section}.rank must be >= 0 (0: adaptive), got {rank}")
+    if not 0 < error_target < 1:
+        raise ConfigError(f"{section}.error_target must be between 0 and 1, got {error_target}")
+    if not 1 <= min_rank <= max_rank:
+        raise ConfigError(f"{section} needs 1 <= min_rank <= max_rank, got {min_rank} and {max_rank}")

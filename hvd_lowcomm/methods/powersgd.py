@@ -49,7 +49,15 @@ from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
 from hvd_lowcomm.config import Config, ConfigError, make_options, option
 from hvd_lowcomm.costmodel import Link, LayerSample, MethodCost, Prediction, Profile, RunAssumptions, sent_bytes
 from hvd_lowcomm.registry import register
-from hvd_lowcomm.methods.adaptive_rank import PROBES, next_rank, probe_residual, probes, smallest_rank_within
+from hvd_lowcomm.methods.adaptive_rank import (
+    PLANNED_ADAPTIVE_RANK,
+    PROBES,
+    next_rank,
+    probe_residual,
+    probes,
+    smallest_rank_within,
+    validate_adaptive_rank,
+)
 from hvd_lowcomm.methods.drop_in import (
     GradientExchange,
     HorovodArguments,
@@ -128,12 +136,7 @@ class PowerSGDOptions:
         return self.rank == 0
 
     def validate(self) -> None:
-        if self.rank < 0:
-            raise ConfigError(f"powersgd.rank must be >= 0 (0: adaptive), got {self.rank}")
-        if not 0 < self.error_target < 1:
-            raise ConfigError(f"powersgd.error_target must be between 0 and 1, got {self.error_target}")
-        if not 1 <= self.min_rank <= self.max_rank:
-            raise ConfigError(f"powersgd needs 1 <= min_rank <= max_rank, got {self.min_rank} and {self.max_rank}")
+        validate_adaptive_rank("powersgd", self.rank, self.error_target, self.min_rank, self.max_rank)
         if self.adapt_every < 1:
             raise ConfigError(f"powersgd.adapt_every must be >= 1, got {self.adapt_every}")
         if self.start_iter < 0:
@@ -149,12 +152,6 @@ def compresses(n: int, m: int, options: PowerSGDOptions) -> tuple[bool, int]:
     rank), or min_rank when the rank is adaptive."""
     rank = min(n, m, options.min_rank if options.adaptive else options.rank)
     return (n + m) * rank * options.min_compression_rate < n * m, rank
-
-
-# What the cost model assumes an adaptive rank settles at (it cannot know before training):
-# the median rank adaptive PowerSGD kept on the benchmarks' transformers (see docs/methods/
-# powersgd.rst), within each matrix's bounds.
-PLANNED_ADAPTIVE_RANK = 8
 
 
 def planned_rank(n: int, m: int, options: PowerSGDOptions) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hvd_lowcomm.config import ConfigError, option
+from hvd_lowcomm.methods.adaptive_rank import PLANNED_ADAPTIVE_RANK, validate_adaptive_rank
 
 
 @dataclass
@@ -65,12 +66,7 @@ class RankDadOptions(DadOptions):
     )
 
     def validate(self) -> None:
-        if self.rank < 0:
-            raise ConfigError(f"rank-dad.rank must be >= 0 (0: adaptive), got {self.rank}")
-        if not 0 < self.error_target < 1:
-            raise ConfigError(f"rank-dad.error_target must be between 0 and 1, got {self.error_target}")
-        if not 1 <= self.min_rank <= self.max_rank:
-            raise ConfigError(f"rank-dad needs 1 <= min_rank <= max_rank, got {self.min_rank} and {self.max_rank}")
+        validate_adaptive_rank("rank-dad", self.rank, self.error_target, self.min_rank, self.max_rank)
         if self.iterations < 1:
             raise ConfigError(f"rank-dad.iterations must be >= 1, got {self.iterations}")
         if self.tol <= 0:
@@ -78,9 +74,6 @@ class RankDadOptions(DadOptions):
 
 
 DAD_MODES = ("exact", "rank", "edad")
-# The k the plan and the cost model assume for an adaptive rank (they cannot know it before
-# training): about the median rank-dAD kept on the benchmarks' transformers.
-PLANNED_ADAPTIVE_RANK = 8
 
 
 def planned_rank(options: "RankDadOptions") -> int:
