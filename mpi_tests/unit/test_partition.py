@@ -114,7 +114,7 @@ def test_sil_refuses_to_cut_inside_the_convolutions_by_default(model, k):
     with pytest.raises(ConfigError) as caught:
         cut_points(model, k, [], True, (model[0].in_channels, 28, 28))
     assert "no cut into" in str(caught.value) and "outside this model's convolutional part" in str(caught.value)
-    assert "89% in sequential mode, against 96%" in str(caught.value)  # the measured reason
+    assert 'docs: methods/sil, "Where it cuts"' in str(caught.value)  # where the measured reason is
     assert "--sil.cuts" in str(caught.value) and "Use mp" in str(caught.value)
     state = {key: value.clone() for key, value in model.state_dict().items()}
     training = [m.training for m in model.modules()]
