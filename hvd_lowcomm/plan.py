@@ -40,6 +40,7 @@ from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES
 from hvd_lowcomm.config import ConfigError
 from hvd_lowcomm.metrics import write_csv
+from hvd_lowcomm.registry import specs
 
 # The method with no communication: its step is the floor every other method's stands on.
 FLOOR = "local"
@@ -296,7 +297,7 @@ def memory_table(
         section = variant.method_options[method] if method in variant.method_options else None
         for key, value in options.items():
             setattr(section, key, node if value == NODE else value)
-        facts = costmodel.specs()[method].cost.model_facts
+        facts = specs()[method].cost.model_facts
         shaped = (
             replace(profile, facts={**profile.facts, method: facts(model, info.input_shape, section, variant)})
             if facts

@@ -40,7 +40,7 @@ LAYERS = [
         ],
     ),
     ("data and models", ["hvd_lowcomm.data", "hvd_lowcomm.models", "hvd_lowcomm.models.*"]),
-    ("cost model", ["hvd_lowcomm.costmodel"]),
+    ("cost model", ["hvd_lowcomm.costmodel", "hvd_lowcomm.costmodel.*"]),
     ("methods", ["hvd_lowcomm.methods", "hvd_lowcomm.methods.*"]),
     (
         "harness",
