@@ -171,8 +171,7 @@ def sparse_bytes(numbers: int, density: float) -> int:
 # log2(u/k)) bits at most, a fixed size (so the meter and the cost model know it before sending),
 # close to the entropy of choosing k of u (docs: diloco, on the sparse form). Each offset's low
 # floor(log2(u/k)) bits go as they are; the rest, its "high part", as a unary run: bit
-# high_i + i of a k + u/2^low bit vector is set for the i-th offset. At the default density
-# that is under half the bits of 12-bit offsets.
+# high_i + i of a k + u/2^low bit vector is set for the i-th offset.
 
 
 def elias_fano_layout(chunk: int, k: int) -> tuple[int, int, int]:
