@@ -588,7 +588,11 @@ class FactorRows(_Sharing):
     def votes(self, layers: list[str]) -> list[tuple[str, torch.Tensor]]:
         if not self.fallback or not layers:
             return []
-        return [("rank-dad.over_target", torch.stack([self.over_target.pop(n, torch.zeros(())) for n in layers]))]
+        flags = [self.over_target.pop(n, None) for n in layers]
+        device = next((f.device for f in flags if f is not None), torch.device("cpu"))  # the model's
+        return [
+            ("rank-dad.over_target", torch.stack([torch.zeros((), device=device) if f is None else f for f in flags]))
+        ]
 
     def count_votes(self, layers: list[str], summed: list[torch.Tensor]) -> None:
         """A layer over the target on any rank for FALLBACK_STEPS steps in a row allreduces its
