@@ -82,7 +82,7 @@ from hvd_lowcomm.comm.wire_codecs import (
     sparse_decode,
     sparse_encode,
 )
-from hvd_lowcomm.methods.powersgd import orthogonalise
+from hvd_lowcomm.methods.powersgd.algorithm import orthogonalise
 
 COMPRESSIONS = ("none", "fp16", "int8", "int2", "sparse", "lowrank")
 # Sparse beyond 2 groups, by default: the share of the groups' mean an owner sends back, as a multiple
