@@ -286,6 +286,27 @@ def test_a_layer_whose_factors_keep_missing_the_target_falls_back_to_its_exact_g
     assert not opt.sharing.errors and opt.effective_ranks["1"] == [1] * FALLBACK_STEPS
 
 
+def test_rank_dad_s_first_start_iter_steps_allreduce_exact_gradients_then_factors_start(world, fresh_meter):
+    """start_iter 2 at rank 1: steps 1 and 2 give the pooled gradient exactly through one
+    allreduce, with no factor rows sent; step 3 sends rows and its gradient is rank 1's."""
+    x, y, local, _ = unequal_batches(world.size, world.comm.Get_rank(), (6,), 3)
+    model = mlp()
+    reference = copy.deepcopy(model)
+    F.cross_entropy(reference(x), y).backward()
+    opt = DadOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, rank=1, start_iter=2, plan="all")
+    for step in range(3):
+        opt.zero_grad()
+        fresh_meter.reset()
+        F.cross_entropy(model(x[local]), y[local]).backward()
+        opt.step()
+        sent_rows = [r.name for r in fresh_meter.step_records if r.name.startswith("rank-dad.")]
+        for name in ("1", "3", "5"):
+            error = relative_error(model.get_submodule(name).weight.grad, reference.get_submodule(name).weight.grad)
+            assert (error <= 1e-5) == (step < 2), (step, name, error)
+        assert bool(sent_rows) == (step == 2), (step, sent_rows)
+    assert opt.effective_ranks["1"] == [1] and not opt.sharing.fallen_back()
+
+
 @pytest.mark.parametrize("magnitude", [1e-9, 1.0, 1e6])
 def test_rank_dad_float16_rows_halve_the_bytes_and_keep_the_gradient_at_any_magnitude(world, fresh_meter, magnitude):
     """At full rank the float16 rows (each scaled by its own power of two) give the pooled

@@ -67,7 +67,7 @@ class DistributedAutoDiff(DataParallel):
 
     def epoch_metrics(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        exact = self.optimizer.sharing.exact_layers()
+        exact = self.optimizer.sharing.fallen_back()
         for name, lp in self.optimizer.plan.items():
             out[f"plan/{name}"] = "allreduce (fallen back)" if name in exact else lp.choice
         for name, totals in meter.by_name.items():

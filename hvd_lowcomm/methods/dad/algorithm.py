@@ -246,7 +246,7 @@ class _DadExchange(GradientExchange):
         shared_layers = [n for n, lp in self.plan.items() if lp.choice == "dad"]
         if first_step:
             self._stop_unused_weight_gradients(shared_layers)
-        exact = self.sharing.exact_layers()  # (planned, but their exact gradient is allreduced)
+        exact = self.sharing.exact_layers(shared_layers)  # (planned, but their exact gradient is allreduced)
         factored = [n for n in shared_layers if n not in exact]
         # Rows only where they are shared: a conv layer's im2col rows cost more than its
         # allreduce saves; rank-dAD's factors of a conv layer come from its gradient instead.
@@ -412,8 +412,12 @@ class _Sharing:
         """Per-step factor errors by series and layer, for the epoch record (exact modes: none)."""
         return {}
 
-    def exact_layers(self) -> list[str]:
-        """Planned layers this sharing has handed back to an exact allreduce of their gradient."""
+    def exact_layers(self, shared_layers: list[str]) -> list[str]:
+        """Planned layers (of `shared_layers`) whose exact gradient is allreduced this step."""
+        return []
+
+    def fallen_back(self) -> list[str]:
+        """Planned layers handed back to an exact allreduce for the rest of the run."""
         return []
 
     def votes(self, layers: list[str]) -> list[tuple[str, torch.Tensor]]:
@@ -495,6 +499,7 @@ class FactorRows(_Sharing):
         self.over_target: dict[str, torch.Tensor] = {}  # this step: 1 where max_rank missed more than the target
         self.steps_over_target: dict[str, int] = {}  # agreed by every rank: consecutive steps over it
         self.exact: list[str] = []  # layers handed to an exact allreduce
+        self.steps_done = 0  # exchanges so far: the first start_iter allreduce every exact gradient
 
     def planned_rows(self, module: nn.Module, rows: int, world_size: int) -> tuple[int, int]:
         return world_size * planned_rank(self.options), module.bias.numel() if module.bias is not None else 0
@@ -582,7 +587,10 @@ class FactorRows(_Sharing):
     def factor_errors(self) -> dict[str, dict[str, list[torch.Tensor]]]:
         return {"missed_energy": self.missed_shares, "feedback_norm": self.feedback_norms}
 
-    def exact_layers(self) -> list[str]:
+    def exact_layers(self, shared_layers: list[str]) -> list[str]:
+        return list(shared_layers) if self.steps_done < self.options.start_iter else self.exact
+
+    def fallen_back(self) -> list[str]:
         return self.exact
 
     def votes(self, layers: list[str]) -> list[tuple[str, torch.Tensor]]:
@@ -628,11 +636,13 @@ class FactorRows(_Sharing):
             "errors": dict(self.errors),
             "exact": list(self.exact),
             "steps_over_target": dict(self.steps_over_target),
+            "steps_done": self.steps_done,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.last_rank, self.errors = dict(state.get("last_rank", {})), dict(state.get("errors", {}))
         self.exact, self.steps_over_target = list(state.get("exact", [])), dict(state.get("steps_over_target", {}))
+        self.steps_done = int(state.get("steps_done", 0))
 
     def payload(
         self, exchange: _DadExchange, rows: Rows, layers: list[str], scale: float
@@ -657,6 +667,7 @@ class FactorRows(_Sharing):
     def apply(
         self, exchange: _DadExchange, results: dict[str, torch.Tensor], layers: list[str], total_batch: float
     ) -> None:
+        self.steps_done += 1
         if not all(bool(torch.isfinite(t).all()) for t in results.values()):
             self.errors = self.errors_before  # an inf or NaN on some rank: the step will be skipped
         for n in layers:

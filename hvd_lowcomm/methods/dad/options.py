@@ -45,6 +45,7 @@ class RankDadOptions(DadOptions):
         "adaptive rank: a layer whose max_rank components keep leaving out more than error_target of its "
         "gradient's energy allreduces its exact gradient from then on",
     )
+    start_iter: int = option(0, "steps of exact gradient allreduce before the factor rows start")
     error_feedback: bool = option(
         True,
         "add what a rank's factors left out of its gradient to its next one "
@@ -67,6 +68,8 @@ class RankDadOptions(DadOptions):
 
     def validate(self) -> None:
         validate_adaptive_rank("rank-dad", self.rank, self.error_target, self.min_rank, self.max_rank)
+        if self.start_iter < 0:
+            raise ConfigError(f"rank-dad.start_iter must be >= 0, got {self.start_iter}")
         if self.iterations < 1:
             raise ConfigError(f"rank-dad.iterations must be >= 1, got {self.iterations}")
         if self.tol <= 0:
