@@ -40,7 +40,7 @@ AB_OUTER = "ab:outer_lr=0.7,outer_momentum=0.9"
 
 def _lowrank_default() -> str:
     """What DiLoCo's low-rank exchange sends at its defaults, for the table's label."""
-    o = DiLoCoOptions()
+    o = DiLoCoOptions().lowrank
     budget = f"ranks from 1/{1 / o.factor_share:.0f} of fp32's bytes" if o.rank == 0 else f"rank {o.rank}"
     return f"{budget}, {o.factor_bits} bits"
 
@@ -50,7 +50,7 @@ def _lowrank_default() -> str:
 FORMS = {
     "diloco": f"diloco, defaults ({DiLoCoOptions().compression} exchange)",
     "diloco:compression=int8": "diloco, int8 exchange",
-    "diloco:compression=sparse": f"diloco, sparse (top {DiLoCoOptions().density:.0%}, 2 bits)",
+    "diloco:compression=sparse": f"diloco, sparse (top {DiLoCoOptions().sparse.density:.0%}, 2 bits)",
     "diloco:compression=lowrank": f"diloco, low-rank ({_lowrank_default()})",
     f"{FP32},sync_delay=1": "diloco, fp32 exchange overlapped (τ = 1)",
 }

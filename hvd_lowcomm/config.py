@@ -6,7 +6,8 @@ validated here, before MPI or Horovod start, so a bad config never costs an allo
 A method with its own options registers an options dataclass with it (see
 `hvd_lowcomm.methods`); it appears here as a section named after the method (`--ab.groups 4`),
 so adding a method never means editing this file. This module knows methods only through that
-registry, which imports none of them until asked.
+registry, which imports none of them until asked. Options that only one form of a method reads
+are grouped under it (`subsection`: `--diloco.sparse.density`).
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import argparse
 import dataclasses
 import difflib
 import importlib
+import copy
 import typing
 import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import yaml
 
@@ -38,18 +40,74 @@ def option(default: Any, help: str, choices: tuple | None = None) -> Any:
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
+def subsection(cls: type, help: str) -> Any:
+    """A section's options that one form of its method reads, grouped under the field's name
+    (`--diloco.sparse.density`; in YAML a mapping, `diloco: {sparse: {density: 0.1}}`)."""
+    return field(default_factory=cls, metadata={"help": help, "subsection": True})
+
+
+def is_subsection(f: dataclasses.Field) -> bool:
+    return bool(f.metadata.get("subsection"))
+
+
+def leaves(section: Any, prefix: str) -> Iterator[tuple[str, Any, dataclasses.Field]]:
+    """Every option of `section` (its sub-sections' included) as (dotted name, the dataclass
+    instance holding it, its field)."""
+    for f in dataclasses.fields(section):
+        if is_subsection(f):
+            yield from leaves(getattr(section, f.name), f"{prefix}.{f.name}")
+        else:
+            yield f"{prefix}.{f.name}", section, f
+
+
+def _holder(section: Any, path: list[str], name: str) -> tuple[Any, dataclasses.Field]:
+    """The dataclass instance under `section` that holds the option at `path` (its keys after the
+    section's name), and its field; ConfigError naming the nearest option if there is none."""
+    for depth, key in enumerate(path):
+        fields = {f.name: f for f in dataclasses.fields(section)}
+        if key not in fields:
+            known = [n.split(".", 1)[1] for n, _, _ in leaves(section, "_")]
+            where = ".".join([name.split(".")[0], *path[:depth]])
+            raise ConfigError(f"unknown option {where}.{'.'.join(path[depth:])}{_did_you_mean(key, known)}")
+        if depth == len(path) - 1:
+            return section, fields[key]
+        if not is_subsection(fields[key]):
+            raise ConfigError(f"{name}: {'.'.join(path[: depth + 1])} holds no options of its own")
+        section = getattr(section, key)
+    raise ConfigError(f"{name} names a section, not an option")
+
+
+def set_option(sections: dict[str, Any], dotted: str, value: Any, convert: bool = False) -> None:
+    """Set option 'section.key' (or 'section.form.key') to `value`, converted from text or YAML
+    to the field's type when `convert`."""
+    section, *path = dotted.split(".")
+    holder, f = _holder(sections[section], path, dotted)
+    setattr(holder, f.name, _convert(dotted, _field_type(holder, f.name), value) if convert else value)
+
+
 def make_options(cls: type, prefix: str, options: Any = None, **kwargs: Any) -> Any:
     """The options a library user asked for: `options` (an instance of `cls`, default: the
     defaults) with any keyword arguments set on a copy of it, checked the same way whichever
     door they came through (choices and `validate()`), with a clear error for a misspelt
-    name; `prefix` names the options in messages ('ab', 'powersgd')."""
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(kwargs) - known)
-    if unknown:
-        raise ConfigError(f"unknown {prefix} option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    name; `prefix` names the options in messages ('ab', 'powersgd'). A sub-section's keyword
+    takes a mapping of its options (`sparse={"density": 0.1}`); a renamed option's old keyword
+    still works for a release (RENAMED)."""
     if options is not None and not isinstance(options, cls):
         raise ConfigError(f"{prefix}: options= must be a {cls.__name__}, got {type(options).__name__}")
-    options = dataclasses.replace(options, **kwargs) if options is not None else cls(**kwargs)
+    options = copy.deepcopy(options) if options is not None else cls()
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(k for k in kwargs if k not in fields and f"{prefix}.{k}" not in RENAMED)
+    if unknown:
+        known = sorted(n.split(".", 1)[1] for n, _, _ in leaves(options, prefix))
+        raise ConfigError(f"unknown {prefix} option(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    for key, value in kwargs.items():
+        if key in fields and is_subsection(fields[key]) and isinstance(value, dict):
+            for inner, inner_value in value.items():
+                set_option({prefix: options}, f"{prefix}.{key}.{inner}", inner_value)
+        else:
+            set_option(
+                {prefix: options}, _renamed(f"{prefix}.{key}") if key not in fields else f"{prefix}.{key}", value
+            )
     _check_choices(prefix, options)
     if hasattr(options, "validate"):
         options.validate()
@@ -393,8 +451,7 @@ def apply_presets(cfg: Config, presets: dict[str, Any], explicit: set[str] = fro
     """Set each 'section.key' of `presets` on `cfg`, except those in `explicit` (the user's)."""
     for dotted, value in presets.items():
         if dotted not in explicit:
-            section, key = dotted.split(".", 1)
-            setattr(cfg.sections()[section], key, value)
+            set_option(cfg.sections(), dotted, value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -416,8 +473,7 @@ def load(
         cfg.method = args.method
     for dest, value in vars(args).items():
         if "." in dest and value is not None:
-            section, key = dest.split(".", 1)
-            setattr(cfg.sections()[section], key, value)
+            set_option(cfg.sections(), dest, value)
             explicit.add(dest)
     spec = specs().get(cfg.method)
     if not cfg.model.name:
@@ -454,20 +510,34 @@ def apply_mapping(cfg: Config, data: dict[str, Any]) -> set[str]:
             raise ConfigError(f"unknown config section {name!r}{_did_you_mean(name, [*sections, 'method'])}")
         if not isinstance(values, dict):
             raise ConfigError(f"config section {name!r} must be a mapping of keys to values")
-        for given, value in values.items():
-            where, key = _renamed(f"{name}.{given}").split(".", 1)
-            section = sections[where]
-            fields = {f.name: f for f in dataclasses.fields(section)}
-            if key not in fields:
-                raise ConfigError(f"unknown option {where}.{key}{_did_you_mean(key, fields)}")
-            setattr(section, key, _convert(f"{where}.{key}", _field_type(section, key), value))
-            applied.add(f"{where}.{key}")
+        pending = [(f"{name}.{given}", value) for given, value in values.items()]
+        while pending:
+            dotted, value = pending.pop(0)
+            dotted = _renamed(dotted)
+            section, *path = dotted.split(".")
+            holder, f = _holder(sections[section], path, dotted)
+            if is_subsection(f):  # a form's options, as a mapping
+                if not isinstance(value, dict):
+                    raise ConfigError(f"{dotted} holds options: give it a mapping ({dotted}: {{key: value}})")
+                pending += [(f"{dotted}.{key}", inner) for key, inner in value.items()]
+                continue
+            set_option(sections, dotted, value, convert=True)
+            applied.add(dotted)
     return applied
 
 
 # Old option names -> their new names: each keeps working for one release, with a one-line
 # deprecation message; every other change to the option list fails mpi_tests/unit/test_options.py.
-RENAMED: dict[str, str] = {}
+RENAMED: dict[str, str] = {
+    "diloco.density": "diloco.sparse.density",
+    "diloco.owner_density": "diloco.sparse.owner_density",
+    "diloco.keep_unsent": "diloco.sparse.keep_unsent",
+    "diloco.unsent_share": "diloco.sparse.unsent_share",
+    "diloco.error_decay": "diloco.sparse.error_decay",
+    "diloco.rank": "diloco.lowrank.rank",
+    "diloco.factor_bits": "diloco.lowrank.factor_bits",
+    "diloco.factor_share": "diloco.lowrank.factor_share",
+}
 
 
 def _renamed(name: str) -> str:
@@ -543,17 +613,17 @@ def describe_options(cfg: Config | None = None) -> list[OptionDoc]:
     cfg = cfg or default_config()
     docs = []
     for name, section in cfg.sections().items():
-        for f in dataclasses.fields(section):
-            ftype = _field_type(section, f.name)
+        for dotted, holder, f in leaves(section, name):
+            ftype = _field_type(holder, f.name)
             choices = f.metadata.get("choices")
             docs.append(
                 OptionDoc(
                     name,
                     _first_line(type(section).__doc__),
-                    f"{name}.{f.name}",
+                    dotted,
                     ftype,
                     _metavar(ftype),
-                    _show(getattr(section, f.name)),
+                    _show(getattr(holder, f.name)),
                     f.metadata.get("help", ""),
                     tuple(map(str, choices)) if choices else None,
                 )
@@ -592,11 +662,11 @@ def _positive(section: Any, *names: str) -> None:
 
 
 def _check_choices(name: str, section: Any) -> None:
-    for f in dataclasses.fields(section):
+    for dotted, holder, f in leaves(section, name):
         choices = f.metadata.get("choices")
-        value = getattr(section, f.name)
+        value = getattr(holder, f.name)
         if choices and value not in choices:
-            raise ConfigError(f"{name}.{f.name} must be one of {', '.join(map(str, choices))}; got {value!r}")
+            raise ConfigError(f"{dotted} must be one of {', '.join(map(str, choices))}; got {value!r}")
 
 
 def _section_name(section: Any) -> str:

@@ -52,9 +52,9 @@ METHODS = {
         "5",
         "--diloco.compression",
         "sparse",
-        "--diloco.error_decay",
+        "--diloco.sparse.error_decay",
         "0.9",
-        "--diloco.keep_unsent",
+        "--diloco.sparse.keep_unsent",
         "false",
     ],
     # the groups' models hold their unsent parts (the default), with an exchange in flight at the stop
@@ -88,7 +88,7 @@ METHODS = {
         "5",
         "--diloco.compression",
         "lowrank",
-        "--diloco.rank",
+        "--diloco.lowrank.rank",
         "2",
     ],
     # exchanges start at steps 5, 10, ... and land 2 steps later: the stop at 11 has one in flight

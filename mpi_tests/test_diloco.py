@@ -272,7 +272,9 @@ def test_sparse_groups_keep_their_share_of_what_they_did_not_send_and_nothing_is
     (plain averaging): the sparse exchange delays progress but drops none. Evaluation's synced
     model is still one for all."""
     share = unsent_share or 1 / SIZE
-    model, diloco = train(3, groups=SIZE, sync_every=4, compression="sparse", density=0.1, unsent_share=unsent_share)
+    model, diloco = train(
+        3, groups=SIZE, sync_every=4, compression="sparse", sparse={"density": 0.1, "unsent_share": unsent_share}
+    )
     diloco.optimizer.zero_grad()
     x, y = batch(RANK, 4)
     F.cross_entropy(model(x), y).backward()
@@ -304,7 +306,9 @@ def test_sparse_groups_keep_their_share_of_what_they_did_not_send_and_nothing_is
 
 @needs_ranks(2)
 def test_without_keep_unsent_sparse_groups_restart_from_the_global_model(world):
-    model, diloco = train(4, groups=SIZE, sync_every=4, compression="sparse", density=0.1, keep_unsent=False)
+    model, diloco = train(
+        4, groups=SIZE, sync_every=4, compression="sparse", sparse={"density": 0.1, "keep_unsent": False}
+    )
     after = flat_parameters(model)
     assert all(torch.equal(after, other) for other in world.comm.allgather(after))
     assert diloco.fragments[0].exchange.errors[0].abs().max() > 0  # the exchange holds the unsent part instead

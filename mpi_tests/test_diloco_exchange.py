@@ -9,7 +9,7 @@ import torch
 
 from conftest import RANK, SIZE, member_parts, needs_ranks
 from hvd_lowcomm.comm import runtime
-from hvd_lowcomm.methods.diloco import DiLoCoOptions
+from hvd_lowcomm.methods.diloco import DiLoCoOptions, LowRankOptions, SparseOptions
 from hvd_lowcomm.comm.wire_codecs import int4_bytes, int8_bytes, sparse_bytes, sparse_encode
 from hvd_lowcomm.methods.diloco.exchange import make_exchange, slice_pieces
 
@@ -102,7 +102,9 @@ def test_sparse_exchange_averages_the_groups_tops_and_loses_nothing(world, colum
     delivered plus what is still pending equals the mean of every pseudo-gradient so far."""
     density, by_owner = 0.02, SIZE > 2
     owner = owner_density or 3 * density
-    exchange = make_exchange(column, DiLoCoOptions(compression="sparse", density=density, owner_density=owner_density))
+    exchange = make_exchange(
+        column, DiLoCoOptions(compression="sparse", sparse=SparseOptions(density=density, owner_density=owner_density))
+    )
     deltas = [pseudo_gradient(RANK, seed) for seed in range(3)]
     parts = member_parts(deltas[0], SIZE) if by_owner else [deltas[0]]
     mine = torch.cat([sparse_encode(part, density)[1] for part in parts])[:NUMBERS]  # each part's top at 2 bits
@@ -145,7 +147,8 @@ def test_sparse_exchange_averages_the_groups_tops_and_loses_nothing(world, colum
 @needs_ranks(2)
 def test_sparse_accumulator_decays_by_error_decay(world, column, fresh_meter):
     exchange = make_exchange(
-        column, DiLoCoOptions(compression="sparse", density=0.02, error_decay=0.5, keep_unsent=False)
+        column,
+        DiLoCoOptions(compression="sparse", sparse=SparseOptions(density=0.02, error_decay=0.5, keep_unsent=False)),
     )
     first, second = pseudo_gradient(RANK), pseudo_gradient(RANK, seed=1)
     exchange.start(0, first, SHAPES, 0)()
@@ -163,7 +166,9 @@ def test_lowrank_exchange_is_powersgd_on_each_matrix_with_error_feedback_and_war
     world, column, fresh_meter, bits
 ):
     rank = 3
-    exchange = make_exchange(column, DiLoCoOptions(compression="lowrank", rank=rank, factor_bits=bits))
+    exchange = make_exchange(
+        column, DiLoCoOptions(compression="lowrank", lowrank=LowRankOptions(rank=rank, factor_bits=bits))
+    )
     delta = pseudo_gradient(RANK)
     offsets = [(0, 48, 40), (48 * 40 + 48, 30, 24)]
     qs = [q.clone() for q in exchange._initial_qs(0, slice_pieces(SHAPES, 0, NUMBERS, rank, 0.05))]
@@ -231,7 +236,7 @@ def test_lowrank_exchange_of_a_slice_without_matrices_sends_it_dense(world, colu
     # rank 4 does not pay on an 8 × 8 matrix, and a bias is a vector: nothing is factorised, and
     # the mean goes as the dense part alone (no factor collectives)
     shapes = [(8, 8), (16,)]
-    exchange = make_exchange(column, DiLoCoOptions(compression="lowrank", rank=4))
+    exchange = make_exchange(column, DiLoCoOptions(compression="lowrank", lowrank=LowRankOptions(rank=4)))
     delta = torch.randn(80, generator=torch.Generator().manual_seed(RANK))
     mean = exchange.start(0, delta, shapes, 0)()
     want = everyones(world, delta).mean(0)

@@ -3,7 +3,6 @@ results and docs."""
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import re
 import tokenize
@@ -52,11 +51,7 @@ def test_docstrings_and_messages_quote_no_measured_figures(path):
 
 
 def test_option_help_quotes_no_measured_figures():
-    found = []
-    for section, options in config.default_config().sections().items():
-        for f in dataclasses.fields(options):
-            if MEASURED.search(f.metadata.get("help", "")):
-                found.append(f"{section}.{f.name}: {f.metadata['help']}")
+    found = [f"{o.name}: {o.help}" for o in config.describe_options() if MEASURED.search(o.help)]
     assert not found, "option help quoting figures:\n" + "\n".join(found)
 
 

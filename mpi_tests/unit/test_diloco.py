@@ -37,12 +37,16 @@ def test_fragments_hold_about_equal_numbers_and_sync_at_staggered_steps():
         (["--diloco.sync_every", "1.5"], "diloco.sync_every must be a whole number of steps or a fraction"),
         (["--diloco.outer_momentum", "1"], r"diloco.outer_momentum must be in \[0, 1\)"),
         (["--diloco.fragments", "0"], "diloco.fragments must be >= 1"),
-        (["--diloco.owner_density", "1.5"], r"diloco.owner_density must be in \[0, 1\] \(0: three times density\)"),
-        (["--diloco.unsent_share", "-0.5"], r"diloco.unsent_share must be in \[0, 1\] \(0: 1/groups\)"),
+        (
+            ["--diloco.sparse.owner_density", "1.5"],
+            r"diloco.sparse.owner_density must be in \[0, 1\] \(0: three times density\)",
+        ),
+        (["--diloco.sparse.unsent_share", "-0.5"], r"diloco.sparse.unsent_share must be in \[0, 1\] \(0: 1/groups\)"),
         (["--diloco.compression", "int4"], "diloco.compression must be one of none, fp16, int8, int2, sparse, lowrank"),
         (
-            ["--diloco.compression", "sparse", "--diloco.error_decay", "0.9"],
-            "with diloco.keep_unsent .* each group's model holds what is unsent: set --diloco.keep_unsent false",
+            ["--diloco.compression", "sparse", "--diloco.sparse.error_decay", "0.9"],
+            "with diloco.sparse.keep_unsent .* each group's model holds what is unsent: "
+            "set --diloco.sparse.keep_unsent false",
         ),
     ],
 )

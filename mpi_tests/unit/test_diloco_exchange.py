@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hvd_lowcomm.methods.diloco import DiLoCoOptions
+from hvd_lowcomm.methods.diloco import DiLoCoOptions, LowRankOptions
 from hvd_lowcomm.comm.wire_codecs import (
     BLOCK,
     BLOCK4,
@@ -107,7 +107,7 @@ def test_sparse_bytes_per_rank_stay_flat_in_the_number_of_groups():
     density (3 x density by default) at any G, where an allgather of every group's
     contribution sends (G-1) times them."""
     numbers, options = 1 << 22, DiLoCoOptions(compression="sparse")
-    one, owners = sparse_bytes(numbers, options.density), sparse_bytes(numbers, 3 * options.density)
+    one, owners = sparse_bytes(numbers, options.sparse.density), sparse_bytes(numbers, 3 * options.sparse.density)
     for groups in (2, 3, 4, 8, 16):
         transfers = make_exchange(None, options, members=groups).transfers(numbers, [], 0)
         assert [t.op for t in transfers] == (["allgather"] if groups == 2 else ["alltoall", "allgather"])
@@ -145,7 +145,7 @@ def test_lowrank_ranks_from_the_byte_budget_spend_it_evenly(share):
                         for t in make_exchange(None, options, members=members).transfers(size, shapes, start)
                     )
                     for options in (
-                        DiLoCoOptions(compression="lowrank", factor_share=share),
+                        DiLoCoOptions(compression="lowrank", lowrank=LowRankOptions(factor_share=share)),
                         DiLoCoOptions(compression="none"),
                     )
                 )

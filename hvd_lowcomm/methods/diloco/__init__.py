@@ -6,7 +6,14 @@ from __future__ import annotations
 from hvd_lowcomm.methods.diloco.adapter import DiLoCoMethod
 from hvd_lowcomm.methods.diloco.algorithm import DiLoCo, Fragment, InFlight
 from hvd_lowcomm.methods.diloco.cost import diloco_facts, predict_diloco
-from hvd_lowcomm.methods.diloco.options import DiLoCoOptions, fragment_bounds, shard_length, sync_due
+from hvd_lowcomm.methods.diloco.options import (
+    DiLoCoOptions,
+    LowRankOptions,
+    SparseOptions,
+    fragment_bounds,
+    shard_length,
+    sync_due,
+)
 
 __all__ = [
     "DiLoCo",
@@ -14,6 +21,8 @@ __all__ = [
     "DiLoCoOptions",
     "Fragment",
     "InFlight",
+    "LowRankOptions",
+    "SparseOptions",
     "diloco_facts",
     "fragment_bounds",
     "predict_diloco",

@@ -310,7 +310,7 @@ class DiLoCo:
             f.global_slice.grad = flight.result
             f.outer.step()
             unsent = (
-                f.exchange.take_unsent(f.index, self.options.unsent_share or 1 / f.exchange.members)
+                f.exchange.take_unsent(f.index, self.options.sparse.unsent_share or 1 / f.exchange.members)
                 if keep_unsent and self.options.keeps_unsent
                 else None
             )

@@ -32,17 +32,17 @@ class per `diloco.compression`:
             `owner_density` (three times density unless set) of that mean at 2 bits; its own error
             feedback keeps what this second selection leaves out (the groups' supports differ,
             so the mean is up to G times denser) for the next exchange. With
-            `diloco.keep_unsent` (the default) DiLoCo takes a group's accumulator after each
-            exchange (`take_unsent`; `diloco.unsent_share` of it) and keeps it on the group's
+            `diloco.sparse.keep_unsent` (the default) DiLoCo takes a group's accumulator after each
+            exchange (`take_unsent`; `diloco.sparse.unsent_share` of it) and keeps it on the group's
             model instead: Δ, measured from the global model, then carries it, and the group
             trains on from it meanwhile.
 - lowrank (`LowRank`): PowerSGD on each matrix's pseudo-gradient (the seed's premise: an
             update is low-rank): P = M Q, mean, orthogonalise, Q = Mᵀ P, mean; error feedback and
             warm start of Q across syncs. A slice cuts matrices along rows, so each whole-row
             block of a tensor is a matrix; vectors and cut rows go dense. Each matrix's rank
-            is what its part of a byte budget buys (`diloco.factor_share` of fp32's bytes, every
-            matrix compressed alike), or one fixed `diloco.rank`. Both means are reduce-
-            scatters as above, the factors in 4 bits (`diloco.factor_bits`; 64 numbers to a
+            is what its part of a byte budget buys (`diloco.lowrank.factor_share` of fp32's bytes, every
+            matrix compressed alike), or one fixed `diloco.lowrank.rank`. Both means are reduce-
+            scatters as above, the factors in 4 bits (`diloco.lowrank.factor_bits`; 64 numbers to a
             scale), the dense numbers in int8. P is re-orthogonalised, so its rounding only
             blurs the subspace; every rounding of Q and of the dense numbers is fed back: a
             member's own chunks' by its error feedback, the mean's by the chunk's owner (G
@@ -86,7 +86,7 @@ from hvd_lowcomm.methods.powersgd.algorithm import orthogonalise
 
 COMPRESSIONS = ("none", "fp16", "int8", "int2", "sparse", "lowrank")
 # Sparse beyond 2 groups, by default: the share of the groups' mean an owner sends back, as a multiple
-# of a group's density (diloco.owner_density)
+# of a group's density (diloco.sparse.owner_density)
 OWNER_DENSITY_SHARE = 3.0
 MIN_COMPRESSION = 2.0  # a block is compressed only if (rows + cols)·rank·this < rows·cols (PowerSGD's)
 
@@ -307,20 +307,20 @@ class Sparse(Exchange):
         # its second selection only loses; beyond, it sends (G-1)/G of them at density and (G-1)/G
         # at owner_density (under four slices' worth at the default owner_density) where an allgather sends G-1.
         self.by_owner = self.members > 2
-        self.owner_density = options.owner_density or min(1.0, OWNER_DENSITY_SHARE * options.density)
+        self.owner_density = options.sparse.owner_density or min(1.0, OWNER_DENSITY_SHARE * options.sparse.density)
 
     def transfers(self, numbers: int, shapes: list[tuple[int, ...]], start: int) -> list[Transfer]:
         if not self.by_owner:
-            return [Transfer("allgather", sparse_bytes(numbers, self.options.density))]
+            return [Transfer("allgather", sparse_bytes(numbers, self.options.sparse.density))]
         part = -(-numbers // self.members)
         return [
-            Transfer("alltoall", self.members * sparse_bytes(part, self.options.density)),
+            Transfer("alltoall", self.members * sparse_bytes(part, self.options.sparse.density)),
             Transfer("allgather", sparse_bytes(part, self.owner_density)),
         ]
 
     def start(self, fragment: int, delta: torch.Tensor, shapes: list[tuple[int, ...]], start: int) -> Collective:
-        density = self.options.density
-        accumulated = self._feedback(fragment, delta, self.options.error_decay)
+        density = self.options.sparse.density
+        accumulated = self._feedback(fragment, delta, self.options.sparse.error_decay)
         if self.by_owner:
             pairs, part = self._encode_chunks(accumulated, lambda c: sparse_encode(c, density))
             payload = torch.cat([bytes_ for bytes_, _ in pairs])
@@ -428,7 +428,7 @@ class LowRank(Exchange):
 
     def __init__(self, column: Group | None, options: Any, members: int | None, seed: int = 0) -> None:
         super().__init__(column, options, members)
-        self.seed, self.factor = seed, FACTOR_CODECS[options.factor_bits]
+        self.seed, self.factor = seed, FACTOR_CODECS[options.lowrank.factor_bits]
         self.qs: dict[int, list[torch.Tensor]] = {}  # warm start per fragment, one Q per matrix
 
     def pieces(self, shapes: list[tuple[int, ...]], start: int, numbers: int) -> Pieces:
@@ -436,11 +436,11 @@ class LowRank(Exchange):
         wire: `slice_pieces` counts bytes a number, and what a member's chunks round up to (a
         scale per started block, a byte per odd nibble) could take a short slice past it."""
         pieces = slice_pieces(
-            shapes, start, numbers, self.options.rank, self.options.factor_share, self.factor.per_number
+            shapes, start, numbers, self.options.lowrank.rank, self.options.lowrank.factor_share, self.factor.per_number
         )
-        if self.options.rank or self.members == 1:
+        if self.options.lowrank.rank or self.members == 1:
             return pieces
-        budget = self.options.factor_share * self._wire(Exchange.transfers(self, numbers, shapes, start))
+        budget = self.options.lowrank.factor_share * self._wire(Exchange.transfers(self, numbers, shapes, start))
         while self._wire(self._transfers(pieces)) > budget and any(r > 1 for *_, r in pieces.matrices):
             largest = max(range(len(pieces.matrices)), key=lambda i: pieces.matrices[i][3])
             o, rows, cols, r = pieces.matrices[largest]

@@ -5,9 +5,92 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from hvd_lowcomm.config import ConfigError, option
+from hvd_lowcomm.config import ConfigError, option, subsection
 from hvd_lowcomm.methods.grouped import GroupedOptions
 from hvd_lowcomm.methods.diloco.exchange import COMPRESSIONS
+
+
+@dataclass
+class SparseOptions:
+    """diloco.sparse: top-k of each chunk of the pseudo-gradient at 2 bits, with error feedback."""
+
+    # Denser than SparseLoCo's: its densities lost quality over the tens of outer steps of runs here (the
+    # papers ran far more), and Elias-Fano positions pay for the difference (docs: benchmarks, "DiLoCo's
+    # exchange between groups").
+    density: float = option(
+        0.12,
+        "the share of each chunk's numbers sent (SparseLoCo used 0.01-0.03 on large models with many outer steps)",
+    )
+    # Three times density: the mean of G groups' sparse parts holds up to G times their numbers, and what
+    # the owner's second selection leaves out is what cost most beyond two groups; other splits of the same
+    # bytes did no better (docs: benchmarks, "DiLoCo's exchange between groups").
+    owner_density: float = option(
+        0.0,
+        "beyond 2 groups: the share of each chunk of the groups' mean that its "
+        "owner sends back (the mean of G sparse parts is up to G times denser "
+        "than one); 0: three times density",
+    )
+    # A pseudo-gradient's signal is not sparse in coordinates, so much of a group's progress waits unsent;
+    # kept on its own model, the group trains on from it and only the other groups see it late. Sparse only:
+    # low-rank leaves mostly noise unsent (docs: diloco, on keep_unsent).
+    keep_unsent: bool = option(
+        True,
+        "each group keeps on its own model what its exchange has not sent yet "
+        "(its error feedback) instead of restarting from the global model without it "
+        "(not with eager)",
+    )
+    # All of it by default: 1/G, the weight fp32's average gives a group's own progress, helped one ViT and
+    # hurt another more (docs: diloco, on keep_unsent).
+    unsent_share: float = option(
+        1.0,
+        "with keep_unsent: the share of a group's unsent progress it keeps on "
+        "its model, the rest waiting in the accumulator; 0: 1/groups",
+    )
+    error_decay: float = option(1.0, "the error-feedback accumulator's decay, e <- decay*e + Δ")
+
+    def validate(self) -> None:
+        if not 0 < self.density <= 1:
+            raise ConfigError(f"diloco.sparse.density must be in (0, 1], got {self.density}")
+        if not 0 <= self.owner_density <= 1:
+            raise ConfigError(
+                f"diloco.sparse.owner_density must be in [0, 1] (0: three times density), got {self.owner_density}"
+            )
+        if not 0 <= self.unsent_share <= 1:
+            raise ConfigError(f"diloco.sparse.unsent_share must be in [0, 1] (0: 1/groups), got {self.unsent_share}")
+        if not 0 <= self.error_decay <= 1:
+            raise ConfigError(f"diloco.sparse.error_decay must be in [0, 1], got {self.error_decay}")
+
+
+@dataclass
+class LowRankOptions:
+    """diloco.lowrank: PowerSGD factors of each matrix of the pseudo-gradient, with error feedback."""
+
+    # 0, a rank per matrix from a byte budget: one fixed rank spends the bytes unevenly between models, and
+    # the pseudo-gradient's tail needs rank wherever the bytes allow (docs: benchmarks, "DiLoCo's exchange
+    # between groups").
+    rank: int = option(
+        0,
+        "columns of P and Q per matrix; 0: each matrix's own, what its share of the byte budget (factor_share) buys",
+    )
+    # 4: the same bytes buy nearly twice int8's rank, at equal bytes rank buys more than precision, and
+    # the mean's rounding, fed back by its owner, is not lost (docs: benchmarks, "DiLoCo's exchange between groups").
+    factor_bits: int = option(
+        4, "bits a factor's number takes on the wire (4 or 8; dense numbers go in int8)", choices=(4, 8)
+    )
+    factor_share: float = option(
+        0.05,
+        "with rank 0: the share of fp32's bytes the exchange sends (dense "
+        "numbers and scales included); every matrix is compressed by the same "
+        "factor",
+    )
+
+    def validate(self) -> None:
+        if self.rank < 0:
+            raise ConfigError(
+                f"diloco.lowrank.rank must be >= 0 (0: from diloco.lowrank.factor_share), got {self.rank}"
+            )
+        if not 0 < self.factor_share <= 1:
+            raise ConfigError(f"diloco.lowrank.factor_share must be in (0, 1], got {self.factor_share}")
 
 
 @dataclass
@@ -30,59 +113,8 @@ class DiLoCoOptions(GroupedOptions):
         "fp16 or none (fp32); docs: methods/diloco",
         choices=COMPRESSIONS,
     )
-    # Denser than SparseLoCo's: its densities lost quality over the tens of outer steps of runs here (the
-    # papers ran far more), and Elias-Fano positions pay for the difference (docs: benchmarks, "DiLoCo's
-    # exchange between groups").
-    density: float = option(
-        0.12,
-        "sparse: the share of each chunk's numbers sent (SparseLoCo used 0.01-0.03 on "
-        "large models with many outer steps)",
-    )
-    # Three times density: the mean of G groups' sparse parts holds up to G times their numbers, and what
-    # the owner's second selection leaves out is what cost most beyond two groups; other splits of the same
-    # bytes did no better (docs: benchmarks, "DiLoCo's exchange between groups").
-    owner_density: float = option(
-        0.0,
-        "sparse beyond 2 groups: the share of each chunk of the groups' mean that its "
-        "owner sends back (the mean of G sparse parts is up to G times denser "
-        "than one); 0: three times density",
-    )
-    # A pseudo-gradient's signal is not sparse in coordinates, so much of a group's progress waits unsent;
-    # kept on its own model, the group trains on from it and only the other groups see it late. Sparse only:
-    # low-rank leaves mostly noise unsent (docs: diloco, on keep_unsent).
-    keep_unsent: bool = option(
-        True,
-        "sparse: each group keeps on its own model what its exchange has not sent yet "
-        "(its error feedback) instead of restarting from the global model without it "
-        "(not with eager)",
-    )
-    # All of it by default: 1/G, the weight fp32's average gives a group's own progress, helped one ViT and
-    # hurt another more (docs: diloco, on keep_unsent).
-    unsent_share: float = option(
-        1.0,
-        "sparse with keep_unsent: the share of a group's unsent progress it keeps on "
-        "its model, the rest waiting in the accumulator; 0: 1/groups",
-    )
-    error_decay: float = option(1.0, "sparse: the error-feedback accumulator's decay, e <- decay*e + Δ")
-    # 0, a rank per matrix from a byte budget: one fixed rank spends the bytes unevenly between models, and
-    # the pseudo-gradient's tail needs rank wherever the bytes allow (docs: benchmarks, "DiLoCo's exchange
-    # between groups").
-    rank: int = option(
-        0,
-        "lowrank: columns of P and Q per matrix; 0: each matrix's own, what its share of the "
-        "byte budget (factor_share) buys",
-    )
-    # 4: the same bytes buy nearly twice int8's rank, at equal bytes rank buys more than precision, and
-    # the mean's rounding, fed back by its owner, is not lost (docs: benchmarks, "DiLoCo's exchange between groups").
-    factor_bits: int = option(
-        4, "lowrank: bits a factor's number takes on the wire (4 or 8; dense numbers go in int8)", choices=(4, 8)
-    )
-    factor_share: float = option(
-        0.05,
-        "lowrank with rank 0: the share of fp32's bytes the exchange sends (dense "
-        "numbers and scales included); every matrix is compressed by the same "
-        "factor",
-    )
+    sparse: SparseOptions = subsection(SparseOptions, "options of compression sparse")
+    lowrank: LowRankOptions = subsection(LowRankOptions, "options of compression lowrank")
     fragments: int = option(
         1, "streaming: sync the model in this many parts at staggered steps (peak traffic between groups / fragments)"
     )
@@ -120,26 +152,14 @@ class DiLoCoOptions(GroupedOptions):
             )
         if self.fragments < 1:
             raise ConfigError(f"diloco.fragments must be >= 1, got {self.fragments}")
-        if not 0 < self.density <= 1:
-            raise ConfigError(f"diloco.density must be in (0, 1], got {self.density}")
-        if not 0 <= self.owner_density <= 1:
+        self.sparse.validate()
+        self.lowrank.validate()
+        if self.keeps_unsent and self.sparse.error_decay != 1:
             raise ConfigError(
-                f"diloco.owner_density must be in [0, 1] (0: three times density), got {self.owner_density}"
+                f"diloco.sparse.error_decay {self.sparse.error_decay} decays the exchange's accumulator, but "
+                f"with diloco.sparse.keep_unsent (the default) each group's model holds what is unsent: set "
+                f"--diloco.sparse.keep_unsent false to decay it"
             )
-        if not 0 <= self.unsent_share <= 1:
-            raise ConfigError(f"diloco.unsent_share must be in [0, 1] (0: 1/groups), got {self.unsent_share}")
-        if not 0 <= self.error_decay <= 1:
-            raise ConfigError(f"diloco.error_decay must be in [0, 1], got {self.error_decay}")
-        if self.keeps_unsent and self.error_decay != 1:
-            raise ConfigError(
-                f"diloco.error_decay {self.error_decay} decays the exchange's accumulator, but with "
-                f"diloco.keep_unsent (the default) each group's model holds what is unsent: set "
-                f"--diloco.keep_unsent false to decay it"
-            )
-        if self.rank < 0:
-            raise ConfigError(f"diloco.rank must be >= 0 (0: from diloco.factor_share), got {self.rank}")
-        if not 0 < self.factor_share <= 1:
-            raise ConfigError(f"diloco.factor_share must be in (0, 1], got {self.factor_share}")
         if self.sync_delay < 0:
             raise ConfigError(f"diloco.sync_delay must be >= 0, got {self.sync_delay}")
         if not 0 <= self.update_alpha <= 1:
@@ -160,7 +180,7 @@ class DiLoCoOptions(GroupedOptions):
     @property
     def keeps_unsent(self) -> bool:
         """Whether groups keep their unsent error feedback on their models (eager keeps its own)."""
-        return self.compression == "sparse" and self.keep_unsent and not self.eager
+        return self.compression == "sparse" and self.sparse.keep_unsent and not self.eager
 
     def check_schedule(self, every: int) -> None:
         """The delay must let each fragment's exchange land before the next one starts."""
