@@ -529,6 +529,12 @@ def apply_mapping(cfg: Config, data: dict[str, Any]) -> set[str]:
 # Old option names -> their new names: each keeps working for one release, with a one-line
 # deprecation message; every other change to the option list fails mpi_tests/unit/test_options.py.
 RENAMED: dict[str, str] = {
+    "ab.rank_rule": "ab.cut.rank_rule",
+    "ab.tau": "ab.cut.tau",
+    "ab.max_output_error": "ab.cut.max_output_error",
+    "ab.min_rank_share": "ab.cut.min_rank_share",
+    "ab.max_loss_rise": "ab.cut.max_loss_rise",
+    "ab.max_accuracy_drop": "ab.cut.max_accuracy_drop",
     "diloco.density": "diloco.sparse.density",
     "diloco.owner_density": "diloco.sparse.owner_density",
     "diloco.keep_unsent": "diloco.sparse.keep_unsent",

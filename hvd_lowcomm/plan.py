@@ -12,7 +12,7 @@ it reaches; the methods' own kernels (SVDs, power iterations, row products, QRs)
 too. With neither, the step and the kernels are timed on this machine (a model whose step would
 take long here is counted at this CPU's measured rates instead). AB-training's step is the mean
 over a run of --run-steps steps with cuts that keep --ab-rank-share of each factorised layer's
-smaller side, never below the cuts' floor (ab.min_rank_share) (both unknown before training).
+smaller side, never below the cuts' floor (ab.cut.min_rank_share) (both unknown before training).
 Prints, and with --out writes (predicted.md, predicted.csv), the compute floor (a step with no
 communication, `--method local`), one table per link (step ms per method and rank count, × ddp),
 the break-even bandwidth of each method (the bandwidth below which it steps faster than ddp),
@@ -111,7 +111,7 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=0.02,
         help="rank AB's cuts are assumed to keep, as a share of each factorised layer's smaller "
-        "side (learned in training; never below ab.min_rank_share, the cuts' floor; default: %(default)s)",
+        "side (learned in training; never below ab.cut.min_rank_share, the cuts' floor; default: %(default)s)",
     )
     parser.add_argument("--out", default="", help="directory for predicted.md and predicted.csv")
     parser.add_argument("-h", "--help", action="store_true")

@@ -119,7 +119,7 @@ def test_ab_training_cuts_and_syncs_a_model_on_the_device_as_on_the_cpu(world):
             sync_every=3,
             full_rank_steps=1,
             first_cut=0,
-            min_rank_share=0.02,
+            cut={"min_rank_share": 0.02},
         )
         for x, y in batches(18, device):
             with ab.step(x, y):

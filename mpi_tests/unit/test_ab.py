@@ -222,11 +222,11 @@ def test_schedule_lengths_below_one_are_fractions_of_the_run():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--ab.tau", "1.5"], r"ab.tau must be in \(0, 1\), got 1.5"),
-        (["--ab.tau", "0"], r"ab.tau must be in \(0, 1\), got 0.0"),
+        (["--ab.cut.tau", "1.5"], r"ab.cut.tau must be in \(0, 1\), got 1.5"),
+        (["--ab.cut.tau", "0"], r"ab.cut.tau must be in \(0, 1\), got 0.0"),
         (["--ab.sync_every", "0"], "ab.sync_every must be > 0, got 0"),
         (["--ab.warmup", "2.5"], "ab.warmup must be a whole number of steps or a fraction below 1, got 2.5"),
-        (["--ab.max_output_error", "1"], r"ab.max_output_error must be in \[0, 1\)"),
+        (["--ab.cut.max_output_error", "1"], r"ab.cut.max_output_error must be in \[0, 1\)"),
         (["--ab.first_cut", "-1"], "ab.first_cut must be >= 0, got -1"),
         (["--ab.first_cut", "1.5"], "ab.first_cut must be a whole number of steps or a fraction below 1, got 1.5"),
     ],

@@ -96,7 +96,7 @@ class ABTraining:
     replace, so the user's optimiser, its hyper-parameters and LR scheduler keep working;
     `clip_grad_norm` clips the pooled gradient before that step. Frozen layers stay dense.
     `total_steps` lets options below 1 mean fractions of the run; keyword options are those
-    of `ABOptions` (groups, warmup, sync_every, rank_rule, ...). Collective: every rank
+    of `ABOptions` (groups, warmup, sync_every, cut, ...). Collective: every rank
     constructs it and takes every step.
 
     With mixed precision pass the loop's GradScaler (`scaler=`): inside the block call
@@ -261,7 +261,7 @@ class ABTraining:
         agreed over all ranks (MAX), and checked against the pooled loss and accuracy of this
         step's batch (the floor halves until the cut costs at most max_loss_rise and
         max_accuracy_drop)."""
-        o = self.options
+        o = self.options.cut
         layers = list(self.layers.values())
         old = [{"A": layer.A, "B": layer.B} for layer in layers]
         # After a cut, only the leading triplets near the last rank (layer.rank is the full one

@@ -17,9 +17,9 @@ from hvd_lowcomm.methods.factorized import leading_svd
 
 def assumed_rank(fan_in: int, fan_out: int, assumptions: RunAssumptions, o: ABOptions) -> int:
     """The rank the cost model assumes AB's cuts keep for a fan_in × fan_out layer: the assumed
-    share of its smaller side, and never below the cuts' floor (min_rank_share)."""
+    share of its smaller side, and never below the cuts' floor (cut.min_rank_share)."""
     side = min(fan_in, fan_out)
-    return max(1, round(assumptions.rank_share * side), math.ceil(o.min_rank_share * side))
+    return max(1, round(assumptions.rank_share * side), math.ceil(o.cut.min_rank_share * side))
 
 
 def ab_kernels(sample: LayerSample, options: ABOptions, cfg: Config) -> dict[str, Any]:

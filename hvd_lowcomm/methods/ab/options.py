@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from hvd_lowcomm.comm import runtime
-from hvd_lowcomm.config import ConfigError, option
+from hvd_lowcomm.config import ConfigError, option, subsection
 from hvd_lowcomm.methods.factorized import RANK_RULES
 from hvd_lowcomm.methods.grouped import GroupedOptions
 from hvd_lowcomm.schedule import run_steps
@@ -17,18 +17,9 @@ INITS = ("default", "ortho-sigma")
 
 
 @dataclass
-class ABOptions(GroupedOptions):
-    """AB-training: low-rank factors A, B trained by independent groups of ranks."""
+class CutOptions:
+    """ab.cut: which singular values a re-factorisation keeps, and the guards that undo a cut."""
 
-    section: ClassVar[str] = "ab"
-
-    # Schedule lengths: steps, or below 1 a fraction of the run's steps, so the defaults fit a
-    # run of any length (sync_every: the reference syncs about every twentieth of its run).
-    warmup: float = option(
-        0.1, "full-rank data-parallel steps before the first factorisation (< 1: fraction of the run's steps)"
-    )
-    sync_every: float = option(0.05, "group-phase steps between global syncs (< 1: fraction of the run)")
-    full_rank_steps: float = option(0.01, "full-rank data-parallel steps after each sync (< 1: fraction of the run)")
     rank_rule: str = option(
         "noise",
         "which singular values a re-factorisation keeps: noise (those above the "
@@ -55,6 +46,34 @@ class ABOptions(GroupedOptions):
     max_loss_rise: float = option(
         0.01, "undo a cut (keep more rank) that raises the step's pooled batch loss by more than this share"
     )
+
+    def validate(self) -> None:
+        if not 0.0 < self.tau < 1.0:
+            raise ConfigError(f"ab.cut.tau must be in (0, 1), got {self.tau}")
+        if not 0.0 <= self.max_output_error < 1.0:
+            raise ConfigError(f"ab.cut.max_output_error must be in [0, 1), got {self.max_output_error}")
+        if not 0.0 <= self.min_rank_share <= 1.0:
+            raise ConfigError(f"ab.cut.min_rank_share must be in [0, 1], got {self.min_rank_share}")
+        if self.max_loss_rise < 0:
+            raise ConfigError(f"ab.cut.max_loss_rise must be >= 0, got {self.max_loss_rise}")
+        if not 0.0 <= self.max_accuracy_drop <= 1.0:
+            raise ConfigError(f"ab.cut.max_accuracy_drop must be in [0, 1], got {self.max_accuracy_drop}")
+
+
+@dataclass
+class ABOptions(GroupedOptions):
+    """AB-training: low-rank factors A, B trained by independent groups of ranks."""
+
+    section: ClassVar[str] = "ab"
+
+    # Schedule lengths: steps, or below 1 a fraction of the run's steps, so the defaults fit a
+    # run of any length (sync_every: the reference syncs about every twentieth of its run).
+    warmup: float = option(
+        0.1, "full-rank data-parallel steps before the first factorisation (< 1: fraction of the run's steps)"
+    )
+    sync_every: float = option(0.05, "group-phase steps between global syncs (< 1: fraction of the run)")
+    full_rank_steps: float = option(0.01, "full-rank data-parallel steps after each sync (< 1: fraction of the run)")
+    cut: CutOptions = subsection(CutOptions, "how a re-factorisation chooses each layer's rank, and its guards")
     sync_mode: str = option("with-stale", "how factors are combined at a sync", choices=SYNC_MODES)
     comm: str = option(
         "groups",
@@ -103,16 +122,7 @@ class ABOptions(GroupedOptions):
             value = getattr(self, name)
             if value > 1 and value != int(value):
                 raise ConfigError(f"ab.{name} must be a whole number of steps or a fraction below 1, got {value}")
-        if not 0.0 < self.tau < 1.0:
-            raise ConfigError(f"ab.tau must be in (0, 1), got {self.tau}")
-        if not 0.0 <= self.max_output_error < 1.0:
-            raise ConfigError(f"ab.max_output_error must be in [0, 1), got {self.max_output_error}")
-        if not 0.0 <= self.min_rank_share <= 1.0:
-            raise ConfigError(f"ab.min_rank_share must be in [0, 1], got {self.min_rank_share}")
-        if self.max_loss_rise < 0:
-            raise ConfigError(f"ab.max_loss_rise must be >= 0, got {self.max_loss_rise}")
-        if not 0.0 <= self.max_accuracy_drop <= 1.0:
-            raise ConfigError(f"ab.max_accuracy_drop must be in [0, 1], got {self.max_accuracy_drop}")
+        self.cut.validate()
         if self.rebound_lr <= 0:
             raise ConfigError(f"ab.rebound_lr must be > 0, got {self.rebound_lr}")
 
