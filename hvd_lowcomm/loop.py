@@ -128,8 +128,7 @@ def train(
             "train_wire_bytes_total": meter.total("train"),
             **method.epoch_metrics(),
         }
-        log.epoch(record)
-        log.print(f"step {meter.step:>6} | loss {record['train_loss']:.4f} | {_quality(record)}")
+        log.evaluation(record)
 
     total_steps = epochs * len(train_batches)
     if cfg.train.max_steps >= 0:
@@ -168,12 +167,7 @@ def train(
         }
         state.record = record
         state.best_acc = max(state.best_acc, record["test_acc"])
-        log.epoch(record)
-        log.print(
-            f"epoch {epoch:>3}/{epochs} | loss {record['train_loss']:.4f} | {_quality(record)} | "
-            f"sent {human_bytes(record['train_wire_bytes'])} "
-            f"({human_bytes(record['train_wire_bytes'] / max(result.steps, 1))}/step)"
-        )
+        log.end_of_epoch(record, epochs, result.steps)
         done = result.next_batch >= len(train_batches)
         state.epoch, state.batch = (epoch + 1, 0) if done else (epoch, result.next_batch)
         if not method.lockstep:  # the epoch's end is where all ranks meet
@@ -187,11 +181,11 @@ def train(
         state.record = evaluate(method, test_batches, 0.0, info)
     keeper.save(state.epoch, state.batch)
 
-    summary, rows = summarize(cfg, method, state, time.perf_counter() - start, parameters, notes or {}, info)
+    summary, extra = summarize(cfg, method, state, time.perf_counter() - start, parameters, notes or {}, info)
     final = method.final_state_dict()
     if final is not None:
         torch.save(final, run_dir / "model.pt")
-    log.summary(summary, rows)
+    log.summary(summary, extra)
     log.close()
     return summary
 
@@ -332,16 +326,6 @@ def _samples(info: data.DatasetInfo) -> str:
     return f"samples, {info.num_classes} classes"
 
 
-def _quality(record: dict[str, Any]) -> str:
-    """How good the model is now, as its task measures it."""
-    if "perplexity" in record:
-        return (
-            f"val loss {record['test_loss']:.4f} (ppl {record['perplexity']:.2f}, "
-            f"{record['bits_per_byte']:.3f} bits/byte)"
-        )
-    return f"test acc {100 * record['test_acc']:6.2f}%"
-
-
 def summarize(
     cfg: Config,
     method: Method,
@@ -351,7 +335,8 @@ def summarize(
     notes: dict[str, Any],
     info: data.DatasetInfo,
 ) -> tuple[dict[str, Any], list[tuple[str, str]]]:
-    """The run's summary record, and its rows for the table printed at the end."""
+    """The run's summary record (the method's own figures and `notes` included), and those
+    figures on their own (the summary table shows them under the method's name)."""
     last, step_seconds, wait_seconds = state.record, state.step_seconds, state.wait_seconds
     best_acc, skipped = state.best_acc, state.skipped
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports kB
@@ -393,6 +378,14 @@ def summarize(
         "wire_bytes_all_ranks_after_setup": per_rank["after_setup"].sum().item(),
         "between_nodes_bytes_all_ranks_after_setup": per_rank["between_nodes_after_setup"].sum().item(),
         "engine": runtime.engine_line(),
+        "engine_name": runtime.engine().name,
+        "lr_schedule": cfg.train.lr_schedule,
+        "peak_lr": cfg.train.lr,
+        "train_wire_bytes_by_kind": {
+            f"{op} in {group}": t.wire_bytes
+            for (phase, op, group), t in sorted(meter.by_kind.items())
+            if phase == "train"
+        },
         "process_sets": [list(ranks) for ranks in runtime.process_sets()],
         "peak_rss_bytes_max_rank": peak_rss_max,
         "peak_rss_bytes_per_rank": [int(v) for v in per_rank["peak_rss"].tolist()],
@@ -412,51 +405,7 @@ def summarize(
         )
     extra = {**method.summary_metrics(), **notes}
     summary.update(extra)
-    rows = [
-        ("method", f"{cfg.method} on {runtime.size()} rank(s), engine {runtime.engine().name}"),
-        ("test accuracy", f"{100 * last['test_acc']:.2f}% (best {100 * best_acc:.2f}%)")
-        if info.task != task.LANGUAGE_MODEL
-        else (
-            "validation",
-            f"{_quality(last)}, next-token accuracy {100 * last['test_acc']:.2f}%; "
-            f"{summary['tokens_per_step_per_rank']:,} tokens per step per rank",
-        ),
-        ("steps", f"{meter.step} in {elapsed:.1f} s ({1000 * step_seconds / steps:.1f} ms/step)"),
-        (
-            "step time (rank 0)",
-            ", ".join(
-                f"{name} {summary[f'step_ms_{name}']:.1f} ms" for name in ("forward", "backward", "exchange", "other")
-            ),
-        ),
-        ("lr schedule", f"{cfg.train.lr_schedule}, peak {cfg.train.lr:g}"),
-        ("waiting for data (rank 0)", f"{100 * summary['data_wait_fraction']:.1f}% of step time"),
-        ("sent for training (rank 0)", f"{human_bytes(meter.total('train'))} on the wire"),
-        ("sent per step", human_bytes(summary["train_wire_bytes_per_step"])),
-        *(
-            [
-                (
-                    "between nodes (all ranks)",
-                    f"{human_bytes(summary['train_between_nodes_bytes_all_ranks'])} ({summary['nodes']} nodes)",
-                )
-            ]
-            if summary["nodes"] > 1
-            else []
-        ),
-        ("sent for evaluation", human_bytes(meter.total("eval"))),
-        ("sent at setup (broadcasts, checks)", human_bytes(meter.total("setup"))),
-        ("peak memory (max over ranks)", human_bytes(peak_rss_max)),
-    ]
-    rows += [
-        (f"  {op} in {group}", human_bytes(t.wire_bytes))
-        for (phase, op, group), t in sorted(meter.by_kind.items())
-        if phase == "train"
-    ]
-    rows += [
-        (f"{cfg.method}: {key} (rank 0)", _show_value(key, value))
-        for key, value in extra.items()
-        if not isinstance(value, (list, dict))
-    ]  # structured figures: summary.json only
-    return summary, rows
+    return summary, extra
 
 
 def step_split(method: Method, step_seconds: float, steps: int) -> dict[str, float]:
@@ -467,14 +416,6 @@ def step_split(method: Method, step_seconds: float, steps: int) -> dict[str, flo
     }
     ms["other"] = max(0.0, step_seconds - sum(ms.values()))
     return {f"step_ms_{name}": 1000 * seconds / steps for name, seconds in ms.items()}
-
-
-def _show_value(key: str, value: Any) -> str:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and "bytes" in key:
-        return human_bytes(value)
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
 
 
 def _count_parameters(model: torch.nn.Module) -> int:

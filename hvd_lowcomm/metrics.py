@@ -35,6 +35,71 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def quality_text(record: dict[str, Any]) -> str:
+    """How good the model is now, as its task measures it (a language model: by its loss)."""
+    if "perplexity" in record:
+        return (
+            f"val loss {record['test_loss']:.4f} (ppl {record['perplexity']:.2f}, "
+            f"{record['bits_per_byte']:.3f} bits/byte)"
+        )
+    return f"test acc {100 * record['test_acc']:6.2f}%"
+
+
+def show_value(key: str, value: Any) -> str:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and "bytes" in key:
+        return human_bytes(value)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def summary_rows(s: dict[str, Any], extra: dict[str, Any]) -> list[tuple[str, str]]:
+    """The table printed at the end of a run, from its summary record `s` (hvd_lowcomm.loop);
+    `extra`: the method's own figures and notes, shown under its name."""
+    if "final_perplexity" in s:
+        last = {"test_loss": s["final_test_loss"], "perplexity": s["final_perplexity"]}
+        last["bits_per_byte"] = s["final_bits_per_byte"]
+        quality = (
+            "validation",
+            f"{quality_text(last)}, next-token accuracy {100 * s['final_test_acc']:.2f}%; "
+            f"{s['tokens_per_step_per_rank']:,} tokens per step per rank",
+        )
+    else:
+        quality = ("test accuracy", f"{100 * s['final_test_acc']:.2f}% (best {100 * s['best_test_acc']:.2f}%)")
+    rows = [
+        ("method", f"{s['method']} on {s['world_size']} rank(s), engine {s['engine_name']}"),
+        quality,
+        ("steps", f"{s['steps']} in {s['seconds']:.1f} s ({1000 * s['step_seconds_mean']:.1f} ms/step)"),
+        (
+            "step time (rank 0)",
+            ", ".join(f"{name} {s[f'step_ms_{name}']:.1f} ms" for name in ("forward", "backward", "exchange", "other")),
+        ),
+        ("lr schedule", f"{s['lr_schedule']}, peak {s['peak_lr']:g}"),
+        ("waiting for data (rank 0)", f"{100 * s['data_wait_fraction']:.1f}% of step time"),
+        ("sent for training (rank 0)", f"{human_bytes(s['train_wire_bytes'])} on the wire"),
+        ("sent per step", human_bytes(s["train_wire_bytes_per_step"])),
+    ]
+    if s["nodes"] > 1:
+        rows.append(
+            (
+                "between nodes (all ranks)",
+                f"{human_bytes(s['train_between_nodes_bytes_all_ranks'])} ({s['nodes']} nodes)",
+            )
+        )
+    rows += [
+        ("sent for evaluation", human_bytes(s["eval_wire_bytes"])),
+        ("sent at setup (broadcasts, checks)", human_bytes(s["setup_wire_bytes"])),
+        ("peak memory (max over ranks)", human_bytes(s["peak_rss_bytes_max_rank"])),
+    ]
+    rows += [(f"  {kind}", human_bytes(wire)) for kind, wire in s["train_wire_bytes_by_kind"].items()]
+    rows += [
+        (f"{s['method']}: {key} (rank 0)", show_value(key, value))
+        for key, value in extra.items()
+        if not isinstance(value, (list, dict))
+    ]  # structured figures: summary.json only
+    return rows
+
+
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     """Rows as a CSV file with a header: every key any row has, in order of first appearance."""
     columns = list(dict.fromkeys(key for row in rows for key in row))
@@ -110,6 +175,20 @@ class RunLogger:
         self.epoch_rows.append(record)
         write_csv(self.run_dir / "epochs.csv", self.epoch_rows)
 
+    def evaluation(self, record: dict[str, Any]) -> None:
+        """An evaluation within an epoch: its record, and a line."""
+        self.epoch(record)
+        self.print(f"step {record['step']:>6} | loss {record['train_loss']:.4f} | {quality_text(record)}")
+
+    def end_of_epoch(self, record: dict[str, Any], epochs: int, steps: int) -> None:
+        """The epoch's record, and its line: loss, quality, bytes sent (in all and per step)."""
+        self.epoch(record)
+        sent = record["train_wire_bytes"]
+        self.print(
+            f"epoch {record['epoch']:>3}/{epochs} | loss {record['train_loss']:.4f} | {quality_text(record)} | "
+            f"sent {human_bytes(sent)} ({human_bytes(sent / max(steps, 1))}/step)"
+        )
+
     def progress(self, items: Iterable[T], total: int, desc: str) -> Iterator[T] | tqdm:
         if not self.show_progress:
             return iter(items)
@@ -117,9 +196,11 @@ class RunLogger:
         # twice a second.
         return tqdm(items, total=total, desc=desc, leave=False, dynamic_ncols=True, unit="step", mininterval=0.5)
 
-    def summary(self, record: dict[str, Any], rows: list[tuple[str, str]]) -> None:
+    def summary(self, record: dict[str, Any], extra: dict[str, Any]) -> None:
+        """The run's summary record to summary.json (and the trackers), and its table."""
         if not self.active:
             return
+        rows = summary_rows(record, extra)
         self.log("summary", record)
         (self.run_dir / "summary.json").write_text(json.dumps(record, indent=2) + "\n")
         plotted = plot_series_groups(self.epoch_rows, self.run_dir)
