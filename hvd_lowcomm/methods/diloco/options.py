@@ -104,7 +104,7 @@ class DiLoCoOptions(GroupedOptions):
     # of a 10,000-step run is the paper's H = 500.
     sync_every: float = option(0.05, "inner steps between outer steps, H (< 1: fraction of the run's steps)")
     # Four levels per block move every number at each exchange, so little waits in error feedback;
-    # nearest fp32 DiLoCo in the worst case of every form tried (docs: benchmarks, "Held-out defaults").
+    # nearest fp32 DiLoCo in the worst case of every form tried (docs: decisions, "DiLoCo: int2").
     compression: str = option(
         "int2",
         "pseudo-gradients between groups: int2 (4 levels over each block's range, error feedback; pass "

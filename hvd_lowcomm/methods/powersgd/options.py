@@ -29,8 +29,8 @@ class PowerSGDOptions:
         "error-fed mean over ranks) that P Qᵀ may leave out",
     )
     # A floor, not 1: the energy rule alone let a transformer's matrices fall to ranks 1-3, and
-    # what that dropped cost validation loss that no later rank won back (docs: powersgd,
-    # "Choosing the defaults"); a matrix too small to pay at this rank goes uncompressed.
+    # what that dropped cost validation loss that no later rank won back (docs: decisions,
+    # "PowerSGD: a rank floor"); a matrix too small to pay at this rank goes uncompressed.
     min_rank: int = option(
         16,
         "adaptive rank: the smallest rank, and where every matrix starts if start_iter is 0 "
@@ -47,11 +47,11 @@ class PowerSGDOptions:
         "metrics)",
     )
     # PyTorch: 1000 (its docs suggest a tenth of training); runs here are hundreds of steps, and a
-    # tenth of the run lost to 10 steps on the chosen ViT (docs: powersgd, "Choosing the defaults").
+    # tenth of the run lost to 10 steps on the chosen ViT (docs: decisions, "PowerSGD: float32 factors").
     start_iter: int = option(10, "steps of plain allreduce before compression starts")
     min_compression_rate: float = option(2.0, "compress a matrix only if (n+m)*rank*rate < n*m")
     # float32, as PyTorch's hook: float16's rounding, which Adam rescales coordinate by coordinate,
-    # cost a ViT on the held-out suite (docs: powersgd, "Choosing the defaults").
+    # cost a ViT on the held-out suite (docs: decisions, "PowerSGD: float32 factors").
     factor_dtype: str = option(
         "float32",
         "number format on the wire of P, Q, the uncompressed gradients and the "
