@@ -1,14 +1,14 @@
 """The registry of training methods: what the framework knows of each method, found by name.
 
-The methods live in hvd_lowcomm.methods, one module each; this module sits below everything
-that asks for a method by name (config, the cost model, the harness) and imports no method:
-the modules of hvd_lowcomm.methods are imported on the first lookup, so adding a method is
-adding one module there.
+The methods live in hvd_lowcomm.methods, one module or package each; this module sits below
+everything that asks for a method by name (config, the cost model, the harness) and imports no
+method: the modules of hvd_lowcomm.methods are imported on the first lookup, so adding a method
+is adding one module or package there.
 
 A method module registers what the framework needs to know of the method, in one place
 (the shape of torchtitan's TrainSpec):
 
-    @register("powersgd", options=PowerSGDOptions, cost=powersgd_cost, drop_in=True)
+    @register("powersgd", options=PowerSGDOptions, cost=MethodCost(predict_powersgd, ...), drop_in=True)
     class PowerSGD(DataParallel): ...
 
 - the `Method` subclass the training loop drives (hvd_lowcomm.methods.base);
