@@ -73,8 +73,11 @@ from benchmarks.netns import (
 )
 from data_prep import BUNDLED
 from hvd_lowcomm.comm import runtime
+from hvd_lowcomm.config import default_config
 from hvd_lowcomm.registry import specs
 from hvd_lowcomm.metrics import human_bytes, write_csv
+
+SECTIONS = set(default_config().sections())  # a method entry's dotted key starting with one names it
 
 # Measured and metered bytes should agree within this fraction: on one shaped loopback, and
 # between emulated nodes (where the meter's count is exact: large messages, jumbo frames).
@@ -117,7 +120,8 @@ class Variant:
             key, sep, value = item.partition("=")
             if not sep:
                 raise SystemExit(f"compare: method option {item!r} in {text!r} needs key=value")
-            overrides += [f"--{key if '.' in key else f'{section}.{key}'}", value]
+            # 'train.lr' names its section; 'sparse.density' is the method's own (diloco.sparse.density)
+            overrides += [f"--{key if key.split('.')[0] in SECTIONS else f'{section}.{key}'}", value]
         return cls(text, method, tuple(overrides))
 
 

@@ -141,3 +141,13 @@ def test_a_diloco_form_naming_no_compression_is_fp32_whatever_the_default():
     assert entry("sparse+density=0.05", 2, 10) == "diloco:groups=2,sync_every=10,compression=sparse,density=0.05"
     with pytest.raises(SystemExit, match="unknown form part 'int3'"):
         entry("int3", 2, 10)
+
+
+def test_a_method_entry_s_keys_are_the_method_s_options_unless_they_name_a_section():
+    from benchmarks.compare import Variant
+
+    parsed = Variant.parse("diloco:compression=sparse,sparse.density=0.05,train.lr=0.01")
+    assert parsed.overrides == (
+        "--diloco.compression", "sparse", "--diloco.sparse.density", "0.05", "--train.lr", "0.01"
+    )  # fmt: skip
+    assert Variant.parse("ddp-fp16:comm.compression=none").overrides == ("--comm.compression", "none")
