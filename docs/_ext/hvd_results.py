@@ -110,6 +110,9 @@ FORMATS: dict[str, tuple[str, Callable[[float], str] | None]] = {
     "measured_vs_meter": ("counters vs meter", percent(1, signed=True)),
     "link_utilisation": ("link use", percent(0)),
     "agreement": ("agreement", None),
+    # benchmarks.rank_dad_warmup's rows: one per set and seed
+    "set": ("set", None),
+    "seed": ("seed", fixed(0)),
     # diloco_forms' forms.csv
     "form": ("form", None),
     "quality": ("quality (loss or acc.)", fixed(4)),

@@ -39,12 +39,13 @@ class RankDadOptions(DadOptions):
     min_rank: int = option(16, "adaptive rank: the fewest components per layer (where the layer has them)")
     max_rank: int = option(32, "adaptive rank: the most components per layer")
     # Off by default: on the text sets it was tried on it raised the bytes and left the loss as
-    # it was (docs: dad, "Why the default moved on unseen text").
+    # it was (docs: decisions, "rank-dAD").
     exact_fallback: bool = option(
         False,
         "adaptive rank: a layer whose max_rank components keep leaving out more than error_target of its "
         "gradient's energy allreduces its exact gradient from then on",
     )
+    # Off until the whole judged half has run with it (docs: decisions, "rank-dAD").
     start_iter: int = option(0, "steps of exact gradient allreduce before the factor rows start")
     error_feedback: bool = option(
         True,
