@@ -54,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m benchmarks.rank_dad_warmup", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--start-iter", type=int, default=10, help="exact steps before the factors (default: 10)")
-    parser.add_argument("--sets", default="hf-llama-perl-pod,mlp-digits,gpt-perl-pod", help="judged held-out sets")
+    parser.add_argument(
+        "--sets", default="hf-llama-perl-pod,mlp-digits,gpt-perl-pod,gpt-python-stdlib", help="judged held-out sets"
+    )
     parser.add_argument("--data-dir", default="data/heldout", help="where the corpora are prepared")
     parser.add_argument("--out", default="runs/rank-dad-warmup", help="the runs (git-ignored)")
     parser.add_argument("--csv", default="benchmarks/results/rank-dad-warmup/results.csv", help="the table")
