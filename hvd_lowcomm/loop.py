@@ -334,7 +334,7 @@ def summarize(
     parameters: int,
     notes: dict[str, Any],
     info: data.DatasetInfo,
-) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The run's summary record (the method's own figures and `notes` included), and those
     figures on their own (the summary table shows them under the method's name)."""
     last, step_seconds, wait_seconds = state.record, state.step_seconds, state.wait_seconds
