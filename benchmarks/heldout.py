@@ -26,9 +26,11 @@ says more about the seed than about the method.
 Writes --out/results.csv and results.md (method × set), each set's own comparison under
 --out/<set>/ (its first seed) and --out/<set>/seed<N>/ (the others), and with --package the
 summary that `--method auto` and `plan` read (hvd_lowcomm/heldout.csv: per method, its worst
-judged result and whether it held). --out/corpora.csv keeps the sha256 of each corpus the results
-were made on: the corpora are cut from the machine's files, and a run on other text (another
-machine's packages or versions) into the same --out is refused before it starts.
+judged result and whether it held). A method and set with no runs under --out keep their row of
+the table already there (a clone has the table, not its runs). --out/corpora.csv keeps the
+sha256 of each corpus the results were made on: the corpora are cut from the machine's files,
+and a run on other text (another machine's packages or versions) into the same --out is refused
+before it starts.
 """
 
 from __future__ import annotations
@@ -280,6 +282,21 @@ def rows_of(s: HeldOutSet, out: Path) -> list[dict[str, str]]:
     return rows
 
 
+def merged(rows: list[dict[str, str]], out: Path) -> list[dict[str, str]]:
+    """`rows` (made from the runs under `out`) with the rows of `out`'s table that none of them
+    replaces: a clone has the table but not its runs, so rerunning one method or set there must
+    not drop the others' results."""
+    fresh = {(r["set"], r["method"]): r for r in rows}
+    table = []
+    if (out / "results.csv").exists():
+        with open(out / "results.csv") as f:
+            table = [fresh.pop((r["set"], r["method"]), r) for r in csv.DictReader(f)]
+    order = list(SETS)
+    return sorted(
+        table + list(fresh.values()), key=lambda r: order.index(r["set"]) if r["set"] in order else len(order)
+    )
+
+
 def write(rows: list[dict[str, str]], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "results.csv", "w", newline="") as f:
@@ -346,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             if seeds is None or str(seed) in seeds:
                 run_set(s, seed, args)
     # The table covers every set and seed with results, run now or before.
-    rows = [row for s in SETS.values() for row in rows_of(s, Path(args.out))]
+    rows = merged([row for s in SETS.values() for row in rows_of(s, Path(args.out))], Path(args.out))
     if not rows:
         raise SystemExit("heldout: no set has results yet")
     write(rows, Path(args.out))

@@ -158,6 +158,25 @@ def test_a_sets_verdict_is_the_mean_over_its_seeds_against_ddp_at_the_same_seed(
     )
 
 
+def test_rerunning_one_method_replaces_its_rows_and_keeps_the_rest_of_the_table(tmp_path):
+    from benchmarks.heldout import SETS, merged, rows_of, write
+
+    s = SETS["mlp-digits"]
+    table = [
+        {"set": name, "split": SETS[name].split, "method": method, "metric": "acc_points", "vs_ddp": vs}
+        | {"bytes_vs_ddp": "0.1", "vs_fp32_diloco": "", "bytes_vs_fp32_diloco": "", "seeds": "42"}
+        | {"vs_ddp_per_seed": vs}
+        for name, method, vs in (("vit-animals", "rank-dad", "-3"), (s.name, "rank-dad", "-3"), (s.name, "ab", "1"))
+    ]
+    write(table, tmp_path)  # the committed table, without its runs (a fresh clone)
+    write_comparison(s.results(tmp_path, 42), {"ddp": 0.50, "rank-dad": 0.49}, {"ddp": 1.0, "rank-dad": 0.2})
+    rows = {(r["set"], r["method"]): r for r in merged(rows_of(s, tmp_path), tmp_path)}
+    assert float(rows[(s.name, "rank-dad")]["vs_ddp"]) == pytest.approx(-1.0)  # the new run replaced it
+    assert rows[("vit-animals", "rank-dad")]["vs_ddp"] == "-3"  # another set's row is kept
+    assert rows[(s.name, "ab")]["vs_ddp"] == "1"  # another method's row is kept
+    assert float(rows[(s.name, "ddp")]["vs_ddp"]) == 0.0 and len(rows) == 4
+
+
 def test_a_seed_outside_the_suites_is_refused_before_anything_runs(tmp_path):
     from benchmarks.heldout import main
 
