@@ -6,10 +6,12 @@ held-out suite and on a corpus in none of its sets:
 
 Corpora (benchmarks.heldout.prepare): Debian's changelogs (the chosen text set), the machine's man
 pages (in no set) and the Python standard library (a judged set), the zoo's `gpt` 4 × 128, np 2,
-10 epochs, with ddp, rank-dAD's default and the warm-up beside it; then the judged sets of
-benchmarks.heldout named by --sets, at seeds 42-44, with ddp and the warm-up (the default's
-results on them are the held-out suite's own). Writes --csv: one row per set, seed and method,
-its quality against ddp at the same seed and its bytes as a multiple of ddp's.
+10 epochs, with ddp, rank-dAD with factors from the first step (`start_iter=0`, the default
+until 2026-12-03) and the warm-up beside it; then the judged sets of benchmarks.heldout named
+by --sets, at each of their seeds, with ddp and the warm-up (the figures of factors from the
+first step on them are the held-out suite's table before the warm-up became the default).
+Writes --csv: one row per set, seed and method, its quality against ddp at the same seed and its
+bytes as a multiple of ddp's.
 """
 
 from __future__ import annotations
@@ -54,9 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m benchmarks.rank_dad_warmup", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--start-iter", type=int, default=10, help="exact steps before the factors (default: 10)")
-    parser.add_argument(
-        "--sets", default="hf-llama-perl-pod,mlp-digits,gpt-perl-pod,gpt-python-stdlib", help="judged held-out sets"
-    )
+    judged_sets = ",".join(name for name, s in suite.SETS.items() if s.split == "judged")
+    parser.add_argument("--sets", default=judged_sets, help="judged held-out sets (default: all of them)")
     parser.add_argument("--data-dir", default="data/heldout", help="where the corpora are prepared")
     parser.add_argument("--out", default="runs/rank-dad-warmup", help="the runs (git-ignored)")
     parser.add_argument("--csv", default="benchmarks/results/rank-dad-warmup/results.csv", help="the table")
@@ -65,11 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         r
         for corpus, seed in CORPORA + JUDGED_CORPORA
-        for r in corpus_rows(corpus, seed, f"ddp,rank-dad,{warmup}", args)
+        for r in corpus_rows(corpus, seed, f"ddp,rank-dad:start_iter=0,{warmup}", args)
     ]
     judged = Path(args.out) / "heldout"
     suite.main(
-        ["--split", "judged", "--sets", args.sets, "--seeds", "42,43,44", "--methods", f"ddp,{warmup}"]
+        ["--split", "judged", "--sets", args.sets, "--seeds", "all", "--methods", f"ddp,{warmup}"]
         + ["--data-dir", args.data_dir, "--out", str(judged)]
     )
     for name in args.sets.split(","):

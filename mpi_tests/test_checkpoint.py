@@ -26,7 +26,10 @@ METHODS = {
     # adaptive ranks measured every 3 steps: the stop falls between a measurement and the next
     "powersgd": ["--powersgd.start_iter", "2", "--powersgd.adapt_every", "3"],
     "dad": [],
-    "rank-dad": [],  # adaptive ranks and error feedback, both each rank's own
+    # adaptive ranks and error feedback, both each rank's own, after a short exact start
+    "rank-dad": ["--rank-dad.start_iter", "3"],
+    # the stop falls inside the exact start: the resumed run must end it where the whole run does
+    "rank-dad-exact-start": ["--method", "rank-dad", "--rank-dad.start_iter", "14"],
     "edad": [],
     "ab": [
         "--ab.groups",

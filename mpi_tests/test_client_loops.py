@@ -78,8 +78,12 @@ def wrap(name: str, optimizer: torch.optim.Optimizer, model: nn.Module, **horovo
     # plan "all": rows shared for every layer that has them (these small layers would be
     # allreduced by the cost rule, and the rows are the path under test); rank-dAD at a rank
     # above these layers' sizes: its factors are then exact (bar float16 rounding), so that a
-    # lost clip shows beyond their approximation
-    mode = {"dad": {"mode": "exact"}, "rank-dad": {"mode": "rank", "rank": 32}, "edad": {"mode": "edad"}}[name]
+    # lost clip shows beyond their approximation; and from the first step (no exact start)
+    mode = {
+        "dad": {"mode": "exact"},
+        "rank-dad": {"mode": "rank", "rank": 32, "start_iter": 0},
+        "edad": {"mode": "edad"},
+    }[name]
     return hl.DadOptimizer(optimizer, **arguments, model=model, plan="all", **mode)
 
 

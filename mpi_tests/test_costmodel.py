@@ -31,8 +31,9 @@ EXACT = {
     # a fixed rank (an adaptive one follows what is learned), measured at steps 0, 10, 20, 30 of
     # 40: the probes' average per step is exact
     "powersgd": (["--powersgd.rank", "2", "--powersgd.start_iter", "0", "--powersgd.adapt_every", "10"], {}, 1e-6),
-    # 4 of the 8-row gradients' components, none dropped as rounding noise: k is 4 on every rank
-    "rank-dad": (["--rank-dad.rank", "4", "--rank-dad.tol", "1e-9"], {}, 1e-6),
+    # 4 of the 8-row gradients' components, none dropped as rounding noise: k is 4 on every rank;
+    # factors from the first step (the model, as PowerSGD's, predicts the steps after start_iter)
+    "rank-dad": (["--rank-dad.rank", "4", "--rank-dad.tol", "1e-9", "--rank-dad.start_iter", "0"], {}, 1e-6),
     "ab": (
         [
             "--ab.groups",

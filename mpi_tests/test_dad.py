@@ -74,7 +74,8 @@ def test_after_the_first_step_autograd_skips_the_weight_gradients_rows_replace_a
     # (rank-dAD without error feedback: with it, the factors come from the local gradient; float32
     # rows: the exactness of the algorithm, float16's rounding is tested on its own)
     options = (
-        {"rank": 8, "iterations": 300, "tol": 1e-9, "error_feedback": False, "factor_dtype": "float32"}
+        {"rank": 8, "start_iter": 0, "iterations": 300, "tol": 1e-9, "error_feedback": False}
+        | {"factor_dtype": "float32"}
         if mode == "rank"
         else {}
     )
@@ -146,6 +147,7 @@ def test_rank_dad_at_or_above_the_true_rank_reproduces_the_exact_gradient(world)
         y,
         local,
         rank=8,
+        start_iter=0,
         iterations=300,
         tol=1e-9,
         plan="all",
@@ -167,6 +169,7 @@ def test_rank_dad_takes_a_conv_layer_s_factors_from_its_gradient_and_stays_exact
         torch.optim.SGD(model.parameters(), lr=0.1),
         model,
         rank=5,
+        start_iter=0,
         iterations=10,
         tol=1e-9,
         plan="all",
@@ -190,6 +193,7 @@ def test_adaptive_rank_dad_is_exact_at_a_tight_target_and_keeps_the_fewest_compo
         y,
         local,
         mode="rank",
+        start_iter=0,
         error_target=1e-9,
         iterations=300,
         tol=1e-9,
@@ -202,7 +206,7 @@ def test_adaptive_rank_dad_is_exact_at_a_tight_target_and_keeps_the_fewest_compo
     local_grads = copy.deepcopy(model)
     F.cross_entropy(local_grads(x[local]), y[local]).backward()
     opt, _ = pooled_and_distributed_grads(
-        world, model, x, y, local, mode="rank", error_target=0.5, plan="all", min_rank=1
+        world, model, x, y, local, mode="rank", start_iter=0, error_target=0.5, plan="all", min_rank=1
     )
     for name in ("1", "3", "5"):
         energies = torch.linalg.svdvals(local_grads.get_submodule(name).weight.grad).pow(2)
@@ -214,7 +218,7 @@ def test_adaptive_rank_dad_is_exact_at_a_tight_target_and_keeps_the_fewest_compo
     assert not opt.sharing.feedback_norms  # a first step has no error to feed back
     # the floor: at least min_rank components where the layer has them, whatever the target
     opt, _ = pooled_and_distributed_grads(
-        world, mlp(), x, y, local, mode="rank", error_target=0.5, plan="all", min_rank=3
+        world, mlp(), x, y, local, mode="rank", start_iter=0, error_target=0.5, plan="all", min_rank=3
     )
     assert opt.effective_ranks["1"] == opt.effective_ranks["3"] == [3], opt.effective_ranks
 
@@ -231,6 +235,7 @@ def test_rank_dad_error_feedback_carries_what_the_factors_dropped(world, factor_
         torch.optim.SGD(model.parameters(), lr=0.0),
         model,
         rank=1,
+        start_iter=0,
         error_feedback=True,
         plan="all",
         factor_dtype=factor_dtype,
@@ -263,6 +268,7 @@ def test_a_layer_whose_factors_keep_missing_the_target_falls_back_to_its_exact_g
         torch.optim.SGD(model.parameters(), lr=0.0),
         model,
         mode="rank",
+        start_iter=0,
         min_rank=1,
         max_rank=1,
         error_target=0.01,
@@ -299,7 +305,9 @@ def test_rank_dad_s_first_start_iter_steps_allreduce_exact_gradients_then_factor
         fresh_meter.reset()
         F.cross_entropy(model(x[local]), y[local]).backward()
         opt.step()
-        sent_rows = [r.name for r in fresh_meter.step_records if r.name.startswith("rank-dad.")]
+        names = [r.name for r in fresh_meter.step_records]
+        sent_rows = [n for n in names if n.startswith("rank-dad.") and not n.startswith("rank-dad.warmup.")]
+        assert any(n.startswith("rank-dad.warmup.") for n in names) == (step < 2), (step, names)
         for name in ("1", "3", "5"):
             error = relative_error(model.get_submodule(name).weight.grad, reference.get_submodule(name).weight.grad)
             assert (error <= 1e-5) == (step < 2), (step, name, error)
@@ -320,6 +328,7 @@ def test_rank_dad_float16_rows_halve_the_bytes_and_keep_the_gradient_at_any_magn
         torch.optim.SGD(model.parameters(), lr=0.1),
         model,
         rank=8,
+        start_iter=0,
         iterations=300,
         tol=1e-9,
         plan="all",

@@ -34,8 +34,10 @@ JOB = textwrap.dedent("""
             opt = hl.DistributedOptimizer(opt, named, compression="fp16" if name == "ddp-fp16" else "none")
         elif name == "powersgd":
             opt = hl.PowerSGDOptimizer(opt, named, state=PowerSGDState(start_iter=2, min_compression_rate=0.5))
-        elif name in ("dad", "rank-dad"):
-            opt = hl.DadOptimizer(opt, named, model=model, mode="exact" if name == "dad" else "rank", plan="all")
+        elif name == "dad":
+            opt = hl.DadOptimizer(opt, named, model=model, plan="all")
+        elif name == "rank-dad":  # (as PowerSGD: its exact start, then its factors)
+            opt = hl.DadOptimizer(opt, named, model=model, mode="rank", plan="all", start_iter=2)
         elif name == "diloco":
             owner = hl.DiLoCo(model, opt, total_steps=6, groups=2, sync_every=2)
         elif name == "diloco-int8-delayed":  # the column exchange on the worker thread

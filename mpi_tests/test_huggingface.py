@@ -195,7 +195,7 @@ def train(name: str, method: str, steps: int = 40) -> tuple[list[float], torch.n
     elif method == "dad":
         opt = DadOptimizer(opt, model)
     elif method == "rank-dad":
-        opt = DadOptimizer(opt, model, mode="rank", rank=4)
+        opt = DadOptimizer(opt, model, mode="rank", rank=4, start_iter=0)  # the factors from the first step
     elif method == "ab":
         ab = ABTraining(model, opt, total_steps=steps)
     else:

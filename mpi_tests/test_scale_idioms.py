@@ -22,7 +22,12 @@ from hvd_lowcomm.methods.powersgd import PowerSGDState
 from conftest import SIZE, clean_env, mpirun
 
 WRAPPERS = ("ddp", "ddp-fp16", "powersgd", "dad", "rank-dad")
-DAD_MODES = {"dad": {"mode": "exact"}, "rank-dad": {"mode": "rank", "rank": 64}, "edad": {"mode": "edad"}}
+# rank-dAD's factors from the first step: these tests are about them (the exact start has its own)
+DAD_MODES = {
+    "dad": {"mode": "exact"},
+    "rank-dad": {"mode": "rank", "rank": 64, "start_iter": 0},
+    "edad": {"mode": "edad"},
+}
 # (rtol, atol) of a float32 wrapper against one process on the pooled batch: exact ones to
 # float32 rounding; fp16 on the wire to its rounding; rank-dAD at full rank (`wrap`) to its
 # float16 rows' rounding; PowerSGD at full rank to its QR's rounding.
@@ -333,7 +338,7 @@ UNUSED_ON_ONE_RANK = textwrap.dedent("""
         elif name == "powersgd":
             opt = hl.PowerSGDOptimizer(opt, named, state=PowerSGDState(start_iter=1, min_compression_rate=0.1))
         elif name in ("dad", "rank-dad"):
-            opt = hl.DadOptimizer(opt, named, model=model, mode="exact" if name == "dad" else "rank", plan="all")
+            opt = hl.DadOptimizer(opt, named, model=model, plan="all", **DAD_MODES[name])
         elif name == "diloco":
             owner = hl.DiLoCo(model, opt, total_steps=4, groups=2, sync_every=2)
         for step in range(4):

@@ -259,7 +259,7 @@ class _DadExchange(GradientExchange):
         others = [p for group in self.param_groups for p in group["params"] if id(p) not in covered and p.requires_grad]
         # Summed in float32 (also for bfloat16 parameters), written back in the parameter's dtype.
         reduced = [(f"allreduce.{self._names.get(p, id(p))}", dense_gradient(p).float() * scale) for p in others]
-        reduced += [(f"allreduce.{n}.weight", self.sharing.exact_gradient(self, n, scale)) for n in exact]
+        reduced += [(self.sharing.exact_name(n), self.sharing.exact_gradient(self, n, scale)) for n in exact]
         votes = self.sharing.votes(factored)
         reduced += votes
         reduced.append(("dad.batch_size", torch.tensor([scale])))
@@ -431,6 +431,10 @@ class _Sharing:
         """This rank's exact weight gradient of an exact layer, × `scale`, to be allreduced."""
         raise NotImplementedError
 
+    def exact_name(self, name: str) -> str:
+        """The name the exact gradient of layer `name` travels under."""
+        return f"allreduce.{name}.weight"
+
     def state_dict(self) -> dict[str, Any]:
         """What the sharing carries from step to step (a checkpoint's, per rank)."""
         return {}
@@ -592,6 +596,11 @@ class FactorRows(_Sharing):
 
     def fallen_back(self) -> list[str]:
         return self.exact
+
+    def exact_name(self, name: str) -> str:
+        # the first start_iter steps are named as PowerSGD's plain ones: the traffic says which it was
+        warming_up = self.steps_done < self.options.start_iter
+        return f"rank-dad.warmup.{name}.weight" if warming_up else super().exact_name(name)
 
     def votes(self, layers: list[str]) -> list[tuple[str, torch.Tensor]]:
         if not self.fallback or not layers:

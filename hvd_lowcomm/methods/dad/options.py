@@ -45,8 +45,9 @@ class RankDadOptions(DadOptions):
         "adaptive rank: a layer whose max_rank components keep leaving out more than error_target of its "
         "gradient's energy allreduces its exact gradient from then on",
     )
-    # Off until the whole judged half has run with it (docs: decisions, "rank-dAD").
-    start_iter: int = option(0, "steps of exact gradient allreduce before the factor rows start")
+    # Adam's first steps divide each coordinate's size out, so a truncated gradient there sets
+    # the run apart for good; 10 is 1 / (1 - beta1) (docs: dad, "Why the first steps are exact").
+    start_iter: int = option(10, "steps of exact gradient allreduce before the factor rows start")
     error_feedback: bool = option(
         True,
         "add what a rank's factors left out of its gradient to its next one "
