@@ -591,16 +591,19 @@ class FactorRows(_Sharing):
     def factor_errors(self) -> dict[str, dict[str, list[torch.Tensor]]]:
         return {"missed_energy": self.missed_shares, "feedback_norm": self.feedback_norms}
 
+    def warming_up(self) -> bool:
+        """Whether this step is one of the first start_iter, which allreduce every exact gradient."""
+        return self.steps_done < self.options.start_iter
+
     def exact_layers(self, shared_layers: list[str]) -> list[str]:
-        return list(shared_layers) if self.steps_done < self.options.start_iter else self.exact
+        return list(shared_layers) if self.warming_up() else self.exact
 
     def fallen_back(self) -> list[str]:
         return self.exact
 
     def exact_name(self, name: str) -> str:
         # the first start_iter steps are named as PowerSGD's plain ones: the traffic says which it was
-        warming_up = self.steps_done < self.options.start_iter
-        return f"rank-dad.warmup.{name}.weight" if warming_up else super().exact_name(name)
+        return f"rank-dad.warmup.{name}.weight" if self.warming_up() else super().exact_name(name)
 
     def votes(self, layers: list[str]) -> list[tuple[str, torch.Tensor]]:
         if not self.fallback or not layers:
