@@ -338,7 +338,8 @@ UNUSED_ON_ONE_RANK = textwrap.dedent("""
         elif name == "powersgd":
             opt = hl.PowerSGDOptimizer(opt, named, state=PowerSGDState(start_iter=1, min_compression_rate=0.1))
         elif name in ("dad", "rank-dad"):
-            opt = hl.DadOptimizer(opt, named, model=model, plan="all", **DAD_MODES[name])
+            modes = {"dad": {"mode": "exact"}, "rank-dad": {"mode": "rank", "start_iter": 0}}  # factors from step 1
+            opt = hl.DadOptimizer(opt, named, model=model, plan="all", **modes[name])
         elif name == "diloco":
             owner = hl.DiLoCo(model, opt, total_steps=4, groups=2, sync_every=2)
         for step in range(4):
