@@ -22,6 +22,10 @@ _EXPORTS = {
     "init": "hvd_lowcomm.comm.runtime",  # start MPI and the engine (Horovod or torch)
     "rank": "hvd_lowcomm.comm.runtime",  # this process's global rank
     "size": "hvd_lowcomm.comm.runtime",  # the number of ranks
+    "local_rank": "hvd_lowcomm.comm.runtime",  # this rank's index on its node (Horovod's names)
+    "local_size": "hvd_lowcomm.comm.runtime",  # the ranks on its node
+    "cross_rank": "hvd_lowcomm.comm.runtime",  # its node's index
+    "cross_size": "hvd_lowcomm.comm.runtime",  # the number of nodes
     "device_mesh": "hvd_lowcomm.comm.mesh",  # groups as a DeviceMesh, for FSDP2 (torch engine)
     "fully_shard": "hvd_lowcomm.comm.mesh",  # torch's fully_shard, its collectives metered
     "shard_model": "hvd_lowcomm.comm.mesh",  # fully_shard on each repeated block, then the root
@@ -35,6 +39,10 @@ _EXPORTS = {
     "meter": "hvd_lowcomm.comm.traffic",  # the traffic meter: bytes per op/tensor
     "broadcast_parameters": "hvd_lowcomm.methods.base",  # Horovod's, on either engine
     "broadcast_optimizer_state": "hvd_lowcomm.methods.base",
+    "Compression": "hvd_lowcomm.methods.drop_in",  # Horovod's names, for `import hvd_lowcomm as hvd`
+    "Average": "hvd_lowcomm.methods.drop_in",
+    "Sum": "hvd_lowcomm.methods.drop_in",
+    "Adasum": "hvd_lowcomm.methods.drop_in",
 }
 __all__ = list(_EXPORTS)
 
@@ -43,3 +51,8 @@ def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'hvd_lowcomm' has no attribute {name!r}")
     return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+def __dir__() -> list[str]:
+    """The exported API beside the module's own names (they load on first use)."""
+    return sorted(set(globals()) | set(_EXPORTS))

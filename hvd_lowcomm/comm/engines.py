@@ -136,20 +136,7 @@ class TorchEngine:
     def __init__(self, comm: Any, node_of: tuple[int, ...] | None = None) -> None:
         """`node_of`: the node of every rank of `comm` (None: found over `comm`)."""
         self.dist = dist
-        if not dist.is_initialized():
-            rank, size = comm.Get_rank(), comm.Get_size()
-            node_of = node_of or rendezvous.nodes_of(comm)
-            host = rendezvous.agree(comm, len(set(node_of)) == 1, node_of[rank] == node_of[0])
-            address = None
-            if rank == 0:  # a free port, chosen by the store itself: nothing can take it meanwhile
-                store = dist.TCPStore(host, 0, size, is_master=True, wait_for_workers=False)
-                address = (host, store.port)
-            address = comm.bcast(address, root=0)
-            if rank != 0:
-                store = dist.TCPStore(address[0], address[1], size, is_master=False)
-            backend = "cpu:gloo,cuda:nccl" if dist.is_nccl_available() else "gloo"
-            dist.init_process_group(backend, store=store, rank=rank, world_size=size)
-            atexit.register(_destroy_process_groups)
+        start_default_process_group(comm, node_of)
 
     def takes(self, device: torch.device, gpus_shared: bool) -> bool:
         if device.type == "cpu":
@@ -283,6 +270,28 @@ def choose(requested: str, reduce_dtype: str = "float32") -> tuple[str, str]:
     if torch.cuda.is_available() and not hvd.nccl_built():
         return "torch", "auto: this Horovod has no GPU operations (built without NCCL)"
     return "horovod", "auto: Horovod is installed"
+
+
+def start_default_process_group(comm: Any, node_of: tuple[int, ...] | None = None) -> None:
+    """torch.distributed's default process group over `comm`'s ranks (Gloo for CPU tensors,
+    NCCL for CUDA ones), its rendezvous from MPI; nothing where one exists. Collective. On the
+    Horovod engine too, so that a DDP user's DistributedSampler, dist.get_rank(), dist.barrier()
+    and destroy_process_group() work unchanged (what goes through it directly is not metered)."""
+    if dist.is_initialized():
+        return
+    rank, size = comm.Get_rank(), comm.Get_size()
+    node_of = node_of or rendezvous.nodes_of(comm)
+    host = rendezvous.agree(comm, len(set(node_of)) == 1, node_of[rank] == node_of[0])
+    address = None
+    if rank == 0:  # a free port, chosen by the store itself: nothing can take it meanwhile
+        store = dist.TCPStore(host, 0, size, is_master=True, wait_for_workers=False)
+        address = (host, store.port)
+    address = comm.bcast(address, root=0)
+    if rank != 0:
+        store = dist.TCPStore(address[0], address[1], size, is_master=False)
+    backend = "cpu:gloo,cuda:nccl" if dist.is_nccl_available() else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size)
+    atexit.register(_destroy_process_groups)
 
 
 def _destroy_process_groups() -> None:

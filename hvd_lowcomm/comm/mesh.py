@@ -23,6 +23,7 @@ runs on torch.distributed process groups: the torch engine only.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.runtime import Group
@@ -53,9 +55,22 @@ except ImportError as missing:  # said when sharding is asked for, not when the 
         f"set_custom_all_gather; torch {torch.__version__} has not: {missing}): pip install -U torch"
     )
 
-# The attribute a mesh made here carries its groups in (shard, replicate or None): what the
-# metered comms record a call's group as; it lives and dies with the mesh.
-GROUPS_ATTRIBUTE = "_hvd_lowcomm_groups"
+# The groups (shard, replicate or None) of each mesh made here, by the mesh's id: what the
+# metered comms record a call's group as. Kept beside the mesh, not on it, so a DTensor's pickle
+# (torch.save of a sharded model's state_dict) holds torch's objects alone; an entry goes with its mesh.
+_mesh_groups: dict[int, tuple[Group | None, Group | None]] = {}
+
+# The parameters fully_shard replaced by their shards, by id: an optimiser built on them before
+# sharding would step tensors the model no longer uses (see refuse_unsharded_parameters).
+_replaced: dict[int, weakref.ref] = {}
+_step_guard: Any = None  # the optimiser-step hook that checks for them, registered at the first shard
+
+
+def _remember(mesh: DeviceMesh, groups: tuple[Group | None, Group | None]) -> DeviceMesh:
+    key = id(mesh)
+    _mesh_groups[key] = groups
+    weakref.finalize(mesh, _mesh_groups.pop, key, None)
+    return mesh
 
 
 def device_mesh(group_size: int = 0, device: torch.device | str | None = None, replicate: bool = True) -> DeviceMesh:
@@ -80,32 +95,29 @@ def device_mesh(group_size: int = 0, device: torch.device | str | None = None, r
         )
     device_type = torch.device(device).type if device is not None else runtime.device().type
     if size == world.size:
-        mesh = DeviceMesh.from_group(dist.group.WORLD, device_type, mesh_dim_names=("shard",))
-        setattr(mesh, GROUPS_ATTRIBUTE, (world, None))
-        return mesh
+        return _remember(DeviceMesh.from_group(dist.group.WORLD, device_type, mesh_dim_names=("shard",)), (world, None))
     shard, _ = runtime.split_world(group_size=size, label="shard")
     if not replicate:
-        mesh = DeviceMesh.from_group(shard.process_set, device_type, mesh_dim_names=("shard",))
-        setattr(mesh, GROUPS_ATTRIBUTE, (shard, None))
-        return mesh
+        return _remember(
+            DeviceMesh.from_group(shard.process_set, device_type, mesh_dim_names=("shard",)), (shard, None)
+        )
     replicate, _ = runtime.split_by_position(world.size // size, label="replicate")
     layout = torch.arange(world.size).view(world.size // size, size)
     columns = replicate.process_set if replicate.size < world.size else dist.group.WORLD  # groups of one rank
     mesh = DeviceMesh.from_group(
         [columns, shard.process_set], device_type, mesh=layout, mesh_dim_names=("replicate", "shard")
     )
-    setattr(mesh, GROUPS_ATTRIBUTE, (shard, replicate))
-    return mesh
+    return _remember(mesh, (shard, replicate))
 
 
 def groups_of(mesh: DeviceMesh) -> tuple[Group | None, Group | None]:
     """(this rank's shard group, its replicate group or None) of a mesh made by device_mesh."""
-    if not hasattr(mesh, GROUPS_ATTRIBUTE):
+    if id(mesh) not in _mesh_groups:
         raise ValueError(
             "this DeviceMesh was not made by hvd_lowcomm.device_mesh: its groups are not known "
             "(make it with hvd_lowcomm.device_mesh)"
         )
-    return getattr(mesh, GROUPS_ATTRIBUTE)
+    return _mesh_groups[id(mesh)]
 
 
 def columns_across_groups(parameters: Any) -> Group | None:
@@ -157,7 +169,9 @@ def fully_shard(module: torch.nn.Module, mesh: DeviceMesh, **options: Any) -> to
     """torch's ``fully_shard(module, mesh=mesh, **options)``, its collectives recorded in the meter
     under the module's class name; `mesh` from device_mesh. Returns the module (now an FSDPModule)."""
     shard, replicate = groups_of(mesh)
+    before = list(module.parameters())
     sharded = torch_fully_shard(module, mesh=mesh, **options)
+    _remember_replaced(p for p in before if not isinstance(p, DTensor))
     name = f"fsdp/{type(module).__name__}"
     sharded.set_custom_all_gather(MeteredAllGather(shard, name))
     sharded.set_custom_reduce_scatter(MeteredReduceScatter(shard, name))
@@ -168,6 +182,33 @@ def fully_shard(module: torch.nn.Module, mesh: DeviceMesh, **options: Any) -> to
 
         sharded.set_all_reduce_hook(record_allreduce)
     return sharded
+
+
+def _remember_replaced(parameters: Any) -> None:
+    """Note the parameters fully_shard replaced, and check every optimiser step from now on."""
+    global _step_guard
+    for param in parameters:
+        key = id(param)
+        _replaced[key] = weakref.ref(param, lambda _, key=key: _replaced.pop(key, None))
+    if _step_guard is None:
+        _step_guard = register_optimizer_step_pre_hook(refuse_unsharded_parameters)
+
+
+def refuse_unsharded_parameters(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Before any optimiser's step: refuse one that holds parameters a module had before
+    fully_shard replaced them by their shards (built before shard_model, as DDP's tutorial
+    builds it before DDP(model)): its steps would change tensors the model no longer uses, and
+    the model would train nothing."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            held = _replaced.get(id(param))
+            if held is not None and held() is param:
+                raise ConfigError(
+                    "this optimiser holds a parameter from before the model was sharded: fully_shard "
+                    "(hvd_lowcomm.shard_model) replaces every parameter by its shard, so its steps would "
+                    "change nothing the model uses. Shard first, then build the optimiser: "
+                    "shard_model(model, mesh); optimizer = torch.optim.AdamW(model.parameters(), ...)"
+                )
 
 
 def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:

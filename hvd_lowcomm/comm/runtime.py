@@ -129,11 +129,17 @@ def init(seed: int | None = None, engine: str = "auto", reduce_dtype: str | None
 
             start_horovod(hvd, MPI)
         _node_of = rendezvous.nodes_of(MPI.COMM_WORLD)
+        global _local_rank, _local_size
         local = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
-        local_rank, local_size = local.Get_rank(), local.Get_size()
+        _local_rank = local_rank = local.Get_rank()
+        _local_size = local_size = local.Get_size()
         local.Free()
         _bind_gpu(local_rank, local_size)
-        _engine = engines.HorovodEngine() if name == "horovod" else engines.TorchEngine(MPI.COMM_WORLD, _node_of)
+        if name == "horovod":
+            engines.start_default_process_group(MPI.COMM_WORLD, _node_of)  # for DDP's idioms (DistributedSampler)
+            _engine = engines.HorovodEngine()
+        else:
+            _engine = engines.TorchEngine(MPI.COMM_WORLD, _node_of)
         world_ranks = tuple(range(MPI.COMM_WORLD.Get_size()))
         _world = Group("world", 0, world_ranks, _engine.world(), MPI.COMM_WORLD)
         _process_sets[world_ranks] = _engine.world()
@@ -240,6 +246,35 @@ def rank() -> int:
 
 def size() -> int:
     return world().size
+
+
+_local_rank = 0  # this rank's place among the ranks of its node, and their number (set by init)
+_local_size = 1
+
+
+def local_rank() -> int:
+    """This rank's index among the ranks on its node (Horovod's hvd.local_rank()): the GPU a
+    rank takes where each node has one per rank."""
+    world()
+    return _local_rank
+
+
+def local_size() -> int:
+    """The number of ranks on this rank's node (Horovod's hvd.local_size())."""
+    world()
+    return _local_size
+
+
+def cross_rank() -> int:
+    """The index of this rank's node (Horovod's hvd.cross_rank())."""
+    world()
+    return _node_of[rank()]
+
+
+def cross_size() -> int:
+    """The number of nodes in the job (Horovod's hvd.cross_size())."""
+    world()
+    return len(set(_node_of))
 
 
 def device(choice: str = "auto") -> torch.device:

@@ -84,8 +84,9 @@ def horovod_arguments(
     op_name = op_kind(op)
     if op_name not in ("average", "sum"):
         raise ConfigError(
-            f"{wrapper} takes op=hvd.Average (the default) or hvd.Sum, not {op!r}: Adasum and the "
-            f"other reductions are not gradient means; for Adasum keep hvd.DistributedOptimizer"
+            f"{wrapper} takes op=hvd.Average (the default) or hvd.Sum, not "
+            f"{'hvd.Adasum' if op_name == 'adasum' else repr(op)}: Adasum and the other reductions are "
+            f"not gradient means; for Adasum keep Horovod's own hvd.DistributedOptimizer"
         )
     if gradient_predivide_factor <= 0:
         raise ConfigError(f"{wrapper}: gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
@@ -108,6 +109,18 @@ def horovod_arguments(
         group,
         model,
     )
+
+
+class Compression:
+    """Horovod's compression names (`hvd.Compression.fp16`), for a script that imports
+    hvd_lowcomm in Horovod's place (`import hvd_lowcomm as hvd`, the torch engine)."""
+
+    none = "none"
+    fp16 = "fp16"
+
+
+# Horovod's reduction names (hvd.Average, hvd.Sum, hvd.Adasum), likewise.
+Average, Sum, Adasum = "average", "sum", "adasum"
 
 
 def compression_kind(compression: Any) -> str:

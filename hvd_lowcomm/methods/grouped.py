@@ -89,6 +89,87 @@ def step_inner_optimizer(
     scaler.update()
 
 
+class OptimizerDoor:
+    """The doors through which a loop can step a trainer that owns the user's optimiser
+    (DiLoCo, ABTraining): the trainer's own step (`own`, e.g. "diloco.step()") and the
+    optimiser's `step()` itself, which a pre- and a post-step hook on the optimiser see (as
+    torchft's DiLoCo hooks its inner optimiser). `before` and `after` run around a direct
+    `optimizer.step()`; where `before` is None the door is shut and a direct step refuses
+    with `shut`. The first step fixes the door a run uses: a loop that takes both (the
+    trainer's step, then the optimiser's) would step twice per batch, so the second door
+    refuses at once. `close()` takes the hooks off."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        own: str,
+        before: Callable[[], None] | None = None,
+        after: Callable[[], None] | None = None,
+        shut: str = "",
+    ) -> None:
+        self.own, self.before, self.after, self.shut = own, before, after, shut
+        self.used: str | None = None  # the door the first step came through
+        self.inside = False  # the trainer is stepping the optimiser itself: the hooks stand aside
+        self.handles = [
+            optimizer.register_step_pre_hook(self._before_optimizer_step),
+            optimizer.register_step_post_hook(self._after_optimizer_step),
+        ]
+
+    def take(self, door: str) -> None:
+        """A step comes through `door`: the run's door from now on, or a refusal if it has another."""
+        if self.used is None:
+            self.used = door
+        elif self.used != door:
+            raise ConfigError(
+                f"{door} was called, but this run steps through {self.used}: calling both would take two "
+                f"steps per batch. Call one of them: {self.own} (it steps the optimiser itself)"
+                + ("" if self.before is None else " or the optimiser's own step(), which it hooks")
+            )
+
+    @contextlib.contextmanager
+    def own_step(self) -> Iterator[None]:
+        """Around the trainer's own call of the optimiser's step (its hooks stand aside)."""
+        self.inside = True
+        try:
+            yield
+        finally:
+            self.inside = False
+
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.inside:
+            return
+        if self.before is None:
+            raise ConfigError(self.shut)
+        self.take("optimizer.step()")
+        self.before()
+
+    def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self.inside and self.after is not None:
+            self.after()
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def user_step_notice(trainer: str, call: str) -> Callable[..., None]:
+    """Horovod's `optimizer.synchronize()` / `skip_synchronize()` on an optimiser a grouped
+    trainer steps: nothing to do (the trainer exchanges what it must when it steps), said once."""
+    said = []
+
+    def notice(*args: Any, **kwargs: Any) -> Any:
+        if not said:
+            said.append(True)
+            runtime.announce(
+                f"hvd_lowcomm: {trainer} exchanges gradients itself when it steps; optimizer.{call}() "
+                f"does nothing here and can be dropped"
+            )
+        return contextlib.nullcontext() if call == "skip_synchronize" else None
+
+    return notice
+
+
 @contextlib.contextmanager
 def trial_sync(
     model: nn.Module, sync: Callable[[], None], state: Callable[[], Any], restore: Callable[[Any], None]

@@ -65,7 +65,14 @@ from hvd_lowcomm.methods.factorized import (
     noise_edge,
     unfactorized_copy,
 )
-from hvd_lowcomm.methods.grouped import group_traffic, outer_optimizer, step_inner_optimizer, trial_sync
+from hvd_lowcomm.methods.grouped import (
+    OptimizerDoor,
+    group_traffic,
+    outer_optimizer,
+    step_inner_optimizer,
+    trial_sync,
+    user_step_notice,
+)
 from hvd_lowcomm.models.layer_kinds import kind_of
 from hvd_lowcomm.schedule import SET_LATER, require_run_length
 
@@ -149,6 +156,16 @@ class ABTraining:
         # The outer step's weights (where the group phase began) and its optimiser, when on.
         self.outer_weights = [nn.Parameter(t.detach().clone()) for t in self._outer_targets()]
         self.outer = None if o.plain_average else outer_optimizer(self.outer_weights, o)
+        self.door = OptimizerDoor(
+            optimizer,
+            "the `with ab.step(x, y):` block",
+            shut="ABTraining steps the optimiser itself when a `with ab.step(x, y):` block ends, after "
+            "the exchange and the schedule's switches; a step of its own would skip both: remove "
+            "optimizer.step() from the loop (and scaler.step(opt): pass the GradScaler as scaler=)",
+        )
+        for call in ("synchronize", "skip_synchronize"):  # Horovod's calls: nothing to do here
+            if not hasattr(optimizer, call):
+                setattr(optimizer, call, user_step_notice("ABTraining", call))
         self._set_trainable()
         kinds = Counter(layer.kind.name for layer in self.layers.values())
         self._say(
@@ -184,12 +201,13 @@ class ABTraining:
         try:
             yield
             self._exchange_gradients()
-            step_inner_optimizer(
-                self.optimizer,
-                [p for p in self.model.parameters() if p.requires_grad],
-                self.clip_grad_norm,
-                self.scaler,
-            )
+            with self.door.own_step():
+                step_inner_optimizer(
+                    self.optimizer,
+                    [p for p in self.model.parameters() if p.requires_grad],
+                    self.clip_grad_norm,
+                    self.scaler,
+                )
             self.global_step += 1
         finally:  # the caller's (or its scheduler's) learning rate, untouched by the rebound
             for group, lr in zip(self.optimizer.param_groups, scheduled):

@@ -74,7 +74,14 @@ from hvd_lowcomm.comm.traffic import meter, side_thread_problem
 from hvd_lowcomm.config import ConfigError, make_options
 from hvd_lowcomm.methods.base import broadcast_model_and_optimizer, broadcast_parameters, exchange_gradients
 from hvd_lowcomm.methods.diloco.options import DiLoCoOptions, fragment_bounds, shard_length, sync_due
-from hvd_lowcomm.methods.grouped import group_traffic, outer_optimizer, step_inner_optimizer, trial_sync
+from hvd_lowcomm.methods.grouped import (
+    OptimizerDoor,
+    group_traffic,
+    outer_optimizer,
+    step_inner_optimizer,
+    trial_sync,
+    user_step_notice,
+)
 from hvd_lowcomm.methods.diloco.exchange import Exchange, make_exchange
 from hvd_lowcomm.schedule import SET_LATER, require_run_length, run_steps
 
@@ -91,6 +98,15 @@ class DiLoCo:
             F.cross_entropy(model(x), y).backward()
             diloco.step()              # gradients averaged in the group, opt.step(); every H: outer step
         final = diloco.full_model()    # the model after a sync of every fragment (collective)
+
+    torchft's form works too: DiLoCo hooks the inner optimiser, so the loop may keep
+    `opt.step()` in place of `diloco.step()` (one of the two, never both: the second refuses),
+    and `with DiLoCo(...) as diloco:` takes the hooks off when the block ends;
+    `diloco.current_step()` (torchft's `manager.current_step()`) counts outer steps and
+    `diloco.members()` names the groups that took part in the last one. Through `opt.step()`
+    the gradients are averaged in the group just before the step, so a clip the loop applies
+    first acts on this rank's own gradient (pass `clip_grad_norm=` to clip the average); a
+    GradScaler needs `diloco.step()` (`scaler=`).
 
     `step()` averages the gradients inside this rank's group, clips them (`clip_grad_norm`),
     steps the inner optimiser and, on the steps the schedule says, runs the outer step of the
@@ -141,6 +157,10 @@ class DiLoCo:
         self.outer_steps = 0
         self.synced_now = False  # whether the step just taken ended with an outer step
         self.every: int | None = None
+        self.door = OptimizerDoor(optimizer, "diloco.step()", self._before_inner_step, self._after_inner_step)
+        for call in ("synchronize", "skip_synchronize"):  # Horovod's calls: nothing to do here
+            if not hasattr(optimizer, call):
+                setattr(optimizer, call, user_step_notice("DiLoCo", call))
         if total_steps not in (None, SET_LATER):
             self.set_total_steps(total_steps)
         elif o.sync_every >= 1:  # steps: the schedule is known now
@@ -187,13 +207,33 @@ class DiLoCo:
     def step(self) -> None:
         """After the caller's backward pass: the inner step, then the outer step of every
         fragment due (see the class)."""
+        self.door.take("diloco.step()")
+        self._average_in_group()
+        with self.door.own_step():
+            step_inner_optimizer(
+                self.optimizer, [p for f in self.fragments for _, p in f.params], self.clip_grad_norm, self.scaler
+            )
+        self._after_inner_step()
+
+    def _average_in_group(self) -> None:
         if self.every is None:  # steps only: a fraction needs set_total_steps()
             self._set_every(max(1, run_steps(self.options.sync_every, None, "diloco.sync_every")))
         if self.inner_named:
             exchange_gradients(self.inner_named, self.group)
-        step_inner_optimizer(
-            self.optimizer, [p for f in self.fragments for _, p in f.params], self.clip_grad_norm, self.scaler
-        )
+
+    def _before_inner_step(self) -> None:
+        """The loop called the inner optimiser's step() itself (torchft's idiom)."""
+        if self.scaler is not None:
+            raise ConfigError(
+                "diloco was given a GradScaler (scaler=): call diloco.step() in place of scaler.step(opt) "
+                "and opt.step(); it unscales, clips and steps in that order"
+            )
+        self._average_in_group()
+        if self.clip_grad_norm:
+            torch.nn.utils.clip_grad_norm_([p for f in self.fragments for _, p in f.params], self.clip_grad_norm)
+
+    def _after_inner_step(self) -> None:
+        """The inner step is taken: count it, and run the outer step of every fragment due."""
         self.inner_steps += 1
         for f in self.fragments:
             f.since_sync += 1
@@ -211,6 +251,26 @@ class DiLoCo:
             self._apply(due)
             self.outer_steps += 1
         self.synced_now = bool(due)
+
+    def current_step(self) -> int:
+        """Outer steps taken so far (torchft's manager.current_step())."""
+        return self.outer_steps
+
+    def members(self) -> list[tuple[int, ...]]:
+        """The ranks of every group that took part in the last outer step (every group)."""
+        return [g.ranks for g in self.all_groups]
+
+    def __enter__(self) -> "DiLoCo":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Take DiLoCo's hooks off the inner optimiser (its step() no longer drives DiLoCo) and
+        let any exchange still in flight finish (torchft's DiLoCo leaving its `with` block)."""
+        self.door.close()
+        self._settle()
 
     def agreement_group(self) -> runtime.Group | None:
         """Where the loop's per-step checks run: the whole world right after an outer step (all
@@ -399,6 +459,7 @@ class DiLoCo:
             with self.synced() as model:
                 final = copy.deepcopy(model)
             self._end_sync()
+        check_same_everywhere(final, "diloco.full_model()")
         return final
 
     def full_state_dict(self) -> dict[str, Any] | None:
@@ -588,3 +649,18 @@ def check_sharding(named: list[tuple[str, nn.Parameter]], group: runtime.Group) 
             f"replicate=False), DiLoCo joins the groups itself"
         )
     return True
+
+
+def check_same_everywhere(model: nn.Module, what: str) -> None:
+    """Raise where `model` differs between ranks (a fingerprint of its floating-point state,
+    compared over MPI): a model the docs promise is the same on every rank must be."""
+    with torch.no_grad():
+        values = [t.detach().double() for t in model.state_dict().values() if t.is_floating_point()]
+        mine = (sum(float(v.sum()) for v in values), sum(float(v.abs().sum()) for v in values))
+    prints = runtime.world().comm.allgather(mine)
+    if any(p != prints[0] for p in prints):
+        raise RuntimeError(
+            f"{what}: the model differs between ranks, so a sync did not see every change: its parameters "
+            f"were changed outside the inner optimiser DiLoCo was given (another optimiser, or a step "
+            f"taken before DiLoCo was built). Step only that optimiser, through diloco.step() or its own step()"
+        )

@@ -32,7 +32,8 @@ input (`collapsed`), which is warned.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import contextlib
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -136,6 +137,8 @@ class SIL:
         }
         self.generator = torch.Generator().manual_seed(self.code_seed + runtime.rank())
         self.diagnostics: dict[str, Any] = {}
+        self.stepping = False  # inside step() or recovery_step(): they step the optimiser themselves
+        self.hooked: set[int] = set()  # the optimisers step() was given, whose own step() refuses
 
     def _code_as_input(self, codes: torch.Tensor, cut: int) -> torch.Tensor:
         """Codes (batch × channels) shaped as the activation at `cut`: spread over the positions
@@ -166,6 +169,12 @@ class SIL:
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """This partition's own objective: the first maps x, a later one the previous cut's
         codes (with noise), onto the next cut's codes (MSE); the last onto y (cross-entropy)."""
+        if torch.is_grad_enabled() and not self.stepping and self.data_replicas > 1:
+            raise ConfigError(
+                "sil.loss() outside sil.step(): a loop that steps on it itself would skip the average of "
+                f"the gradients over this partition's {self.data_replicas} ranks, which then drift apart; "
+                "call sil.step(opt, x, y) (or take the loss under torch.no_grad() to look at it)"
+            )
         k = self.layout.index
         inputs = x
         if k > 0 and self.from_codes:
@@ -189,14 +198,35 @@ class SIL:
     def step(self, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
         """One step of this partition: its loss, gradients averaged in its group, optimiser
         step; returns the local loss."""
-        optimizer.zero_grad()
-        with self.layout.timed("forward"):
-            loss = self.loss(x, y)
-        with self.layout.timed("backward"):
-            loss.backward()
-        self.layout.average_gradients()
-        optimizer.step()
+        with self._own_step(optimizer):
+            optimizer.zero_grad()
+            with self.layout.timed("forward"):
+                loss = self.loss(x, y)
+            with self.layout.timed("backward"):
+                loss.backward()
+            self.layout.average_gradients()
+            optimizer.step()
         return loss.item()
+
+    @contextlib.contextmanager
+    def _own_step(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+        """Around SIL's own step of `optimizer`, whose step() refuses anywhere else from now on:
+        a loop that calls it after sil.step() would step twice per batch."""
+        if id(optimizer) not in self.hooked:
+            self.hooked.add(id(optimizer))
+            optimizer.register_step_pre_hook(self._refuse_outside_step)
+        self.stepping = True
+        try:
+            yield
+        finally:
+            self.stepping = False
+
+    def _refuse_outside_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self.stepping:
+            raise ConfigError(
+                "SIL steps this optimiser itself in sil.step(opt, x, y) and sil.recovery_step(...): "
+                "a step of the loop's own would step twice per batch; remove optimizer.step() from the loop"
+            )
 
     def start_recovery(self, optimizer: torch.optim.Optimizer) -> None:
         """Call once before the first recovery step: forgets the optimiser's state (Adam's
@@ -209,7 +239,8 @@ class SIL:
     def recovery_step(self, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
         """One end-to-end step of the joined network (model parallel: activations forward,
         gradients back); the loss on the last partition, 0.0 elsewhere."""
-        return pipeline_train_step(self.layout, optimizer, x, y)
+        with self._own_step(optimizer):
+            return pipeline_train_step(self.layout, optimizer, x, y)
 
     def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int, float]:
         """(correct, count, loss sum) of the joined network on the last partition (zeros
