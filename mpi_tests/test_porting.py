@@ -79,6 +79,20 @@ def test_calling_both_diloco_step_and_the_optimisers_step_refuses_at_the_first_b
     diloco.close()
 
 
+def test_full_model_refuses_a_model_changed_outside_dilocos_inner_optimiser():
+    model = torchft_diloco.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = torch.optim.SGD(model.parameters(), lr=0.1)  # an optimiser DiLoCo was not given
+    diloco = hl.DiLoCo(model, opt, sync_every=1)
+    (x, y), *_ = torchft_diloco.batches(1, seed=RANK)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()  # synced: nothing pending
+    other.step()  # each rank's own gradient, unseen by DiLoCo
+    with pytest.raises(RuntimeError, match="the model differs between ranks"):
+        diloco.full_model()
+    diloco.close()
+
+
 def test_diloco_given_a_gradscaler_refuses_the_optimisers_own_step_naming_diloco_step():
     model = torchft_diloco.make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
