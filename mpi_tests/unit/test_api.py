@@ -21,6 +21,21 @@ def test_every_exported_name_resolves_to_the_implementation():
         hvd_lowcomm.ABTrainer  # noqa: B018
 
 
+def test_dir_of_the_package_lists_the_exported_api_for_tab_completion():
+    listed = dir(hvd_lowcomm)
+    assert set(hvd_lowcomm.__all__) <= set(listed) and listed == sorted(listed)
+    assert {"local_rank", "local_size", "DiLoCo", "Compression"} <= set(listed)
+
+
+def test_horovods_names_mean_what_the_wrappers_take():
+    from hvd_lowcomm.methods.drop_in import compression_kind, op_kind
+
+    assert compression_kind(hvd_lowcomm.Compression.fp16) == "fp16"
+    assert compression_kind(hvd_lowcomm.Compression.none) == "none"
+    names = (hvd_lowcomm.Average, hvd_lowcomm.Sum, hvd_lowcomm.Adasum)
+    assert [op_kind(o) for o in names] == ["average", "sum", "adasum"]
+
+
 def test_library_options_come_through_one_door_checked_the_same_way():
     from hvd_lowcomm.config import ConfigError
     from hvd_lowcomm.methods.ab import ABTraining

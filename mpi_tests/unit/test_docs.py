@@ -105,3 +105,15 @@ def test_narrative_words_skip_code_and_directives():
 def test_the_docs_narrative_is_at_most_twelve_thousand_words():
     counts = {p.relative_to(DOCS).as_posix(): narrative_words(p.read_text()) for p in DOCS.rglob("*.rst")}
     assert sum(counts.values()) <= NARRATIVE_WORDS, sorted(counts.items(), key=lambda kv: -kv[1])[:5]
+
+
+def test_every_porting_page_shows_a_whole_program_the_mpi_tests_run():
+    """A porting page's code is a file under examples/porting/ that mpi_tests/test_porting.py
+    imports and runs, so a page whose example stops working fails the tests."""
+    tests = (ROOT / "mpi_tests" / "test_porting.py").read_text()
+    for page in sorted(DOCS.glob("porting-*.rst")):
+        shown = re.findall(r"\.\. literalinclude:: \.\./examples/porting/(\w+)\.py", page.read_text())
+        assert shown, f"{page.name} shows no program from examples/porting/"
+        for program in shown:
+            assert (ROOT / "examples" / "porting" / f"{program}.py").exists(), program
+            assert f"import {program}" in tests, f"{program} ({page.name}) is not run by test_porting.py"
