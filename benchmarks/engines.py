@@ -91,9 +91,7 @@ def worker(variant: str, steps: int, layers: int, width: int, batch: int, contex
         logits = forward(tokens[:, :-1])
         loss_tensor = F.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
         loss_tensor.backward()
-        opt.step()
-        if owner is not None:
-            owner.step()
+        (opt if owner is None else owner).step()  # DiLoCo steps the optimiser itself
         seconds.append(time.perf_counter() - start)
         loss = float(loss_tensor)
     if rank == 0:

@@ -57,9 +57,7 @@ JOB = textwrap.dedent("""
                 continue
             opt.zero_grad()
             F.cross_entropy(model(x).float(), y).backward()
-            opt.step()
-            if owner is not None:
-                owner.step()
+            (opt if owner is None else owner).step()  # DiLoCo steps the optimiser itself
         final = owner.full_model() if owner is not None else model
         report[name] = {"initial": initial,
                         "parameters": torch.cat([p.detach().float().reshape(-1) for p in final.parameters()]).tolist(),

@@ -197,57 +197,59 @@ def text_dataset(folder):
     return folder / "text.h5"
 
 
-def train_job(tmp_path, ranks: int, name: str, *options: str) -> tuple[dict, dict]:
-    """(summary, final model) of one run of the trainer on the torch engine."""
-    command = mpirun(
-        ranks,
-        sys.executable,
-        "-m",
-        "hvd_lowcomm.train",
-        "--comm.engine",
-        "torch",
-        "--data.path",
-        str(tmp_path / "text.h5"),
-        "--model.name",
-        "gpt",
-        "--model.layers",
-        "2",
-        "--model.width",
-        "32",
-        "--model.heads",
-        "2",
-        "--data.seq_len",
-        "16",
-        "--data.batch_size",
-        "8",
-        "--train.optimizer",
-        "sgd",
-        "--train.lr",
-        "0.1",
-        "--train.momentum",
-        "0.9",
-        "--train.lr_schedule",
-        "constant",
-        "--train.accumulate",
-        "2",
-        "--train.clip_grad_norm",
-        "0.5",
-        "--train.epochs",
-        "1",
-        "--run.dir",
-        str(tmp_path / "runs"),
-        "--run.name",
-        name,
-        "--run.progress",
-        "false",
-        *options,
-    )
-    done = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
+# The trainer's options every run below shares: the torch engine, a 2-layer GPT on text_dataset's
+# words, SGD with momentum (a wrong gradient scale shows), accumulation and clipping.
+TRAINER_OPTIONS = (
+    "--comm.engine", "torch", "--model.name", "gpt", "--model.layers", "2", "--model.width", "32",
+    "--model.heads", "2", "--data.seq_len", "16", "--data.batch_size", "8", "--train.optimizer", "sgd",
+    "--train.lr", "0.1", "--train.momentum", "0.9", "--train.lr_schedule", "constant",
+    "--train.accumulate", "2", "--train.clip_grad_norm", "0.5", "--train.epochs", "1", "--run.progress", "false",
+)  # fmt: skip
+
+# Runs the trainer once per argv of a JSON list, one after another in one MPI job: a job's start
+# (torch, MPI, the rendezvous) costs more than a run of these few steps.
+RUNS = textwrap.dedent("""
+    import json, sys
+    from hvd_lowcomm.train import main
+    for argv in json.loads(open(sys.argv[1]).read()):
+        if main(argv) != 0:
+            sys.exit(f"hvd_lowcomm.train failed: {argv}")
+""")
+
+
+def train_jobs(tmp_path, ranks: int, runs: list[tuple[str, ...]]) -> list[tuple[dict, dict]]:
+    """(summary, final model) of each run (its name, then its options) of the trainer, run in
+    order in one job of `ranks` ranks on the torch engine."""
     import torch
 
-    run = tmp_path / "runs" / name
-    return json.loads((run / "summary.json").read_text()), torch.load(run / "model.pt")
+    script, plan = tmp_path / "runs.py", tmp_path / "runs.json"
+    script.write_text(RUNS)
+    data = ("--data.path", str(tmp_path / "text.h5"), "--run.dir", str(tmp_path / "runs"))
+    plan.write_text(json.dumps([[*TRAINER_OPTIONS, *data, "--run.name", name, *options] for name, *options in runs]))
+    done = subprocess.run(
+        mpirun(ranks, sys.executable, str(script), str(plan)),
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]
+    results = []
+    for name, *_ in runs:
+        run = tmp_path / "runs" / name
+        results.append((json.loads((run / "summary.json").read_text()), torch.load(run / "model.pt")))
+    return results
+
+
+def refused_resume(tmp_path, checkpoint: Path) -> str:
+    """stderr of a ddp job at np 2 asked to resume from `checkpoint` (it must fail)."""
+    done = subprocess.run(
+        mpirun(2, sys.executable, "-m", "hvd_lowcomm.train", "--method", "ddp", "--comm.engine", "torch",
+               "--data.path", str(tmp_path / "text.h5"), "--resume", str(checkpoint)),
+        env=clean_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode != 0
+    return done.stderr
 
 
 @pytest.mark.skipif(SIZE > 1, reason="launches jobs of its own")
@@ -260,16 +262,22 @@ def test_the_trainer_s_fsdp_trains_as_ddp_and_resumes_bit_for_bit(tmp_path, rank
 
     text_dataset(tmp_path)
     steps = ["--train.max_steps", "8"]
-    ddp, ddp_model = train_job(tmp_path, ranks, "ddp", "--method", "ddp", *steps)
     sharding = ["--method", "fsdp", "--fsdp.group_size", str(group_size)]
-    fsdp, fsdp_model = train_job(tmp_path, ranks, "fsdp", *sharding, *steps)
+    (ddp, ddp_model), (fsdp, fsdp_model), _, (_, resumed) = train_jobs(
+        tmp_path,
+        ranks,
+        [
+            ("ddp", "--method", "ddp", *steps),
+            ("fsdp", *sharding, *steps),
+            ("parts", *sharding, "--train.max_steps", "4", "--run.checkpoint_every", "0"),
+            ("parts", *sharding, *steps, "--resume", "auto"),
+        ],
+    )
     assert fsdp_model.keys() == ddp_model.keys()
     for key in ddp_model:  # the same gradient to float32 rounding: SGD shows any wrong scale or term
         torch.testing.assert_close(fsdp_model[key], ddp_model[key], rtol=1e-4, atol=1e-5, msg=key)
     assert fsdp["final_test_loss"] == pytest.approx(ddp["final_test_loss"], rel=1e-4)
     assert fsdp["parameter_share_per_rank"] == pytest.approx(1 / (group_size or ranks), abs=0.05)
-    train_job(tmp_path, ranks, "parts", *sharding, "--train.max_steps", "4", "--run.checkpoint_every", "0")
-    _, resumed = train_job(tmp_path, ranks, "parts", *sharding, *steps, "--resume", "auto")
     for key in fsdp_model:
         assert torch.equal(resumed[key], fsdp_model[key]), key
 
@@ -284,63 +292,27 @@ def test_fsdp_s_dcp_checkpoint_resumes_on_another_group_size_and_rank_count(tmp_
 
     text_dataset(tmp_path)
     hsdp = ["--method", "fsdp", "--fsdp.group_size", "2"]
-    _, whole = train_job(tmp_path, 4, "whole", *hsdp, "--train.max_steps", "8")
-    _, at_four = train_job(tmp_path, 4, "parts", *hsdp, "--train.max_steps", "4")
+    (_, whole), (_, at_four) = train_jobs(
+        tmp_path, 4, [("whole", *hsdp, "--train.max_steps", "8"), ("parts", *hsdp, "--train.max_steps", "4")]
+    )
     written = sorted((tmp_path / "runs" / "parts" / "checkpoints").iterdir())[-1]
     assert (written / "sharded" / ".metadata").is_file() and len(list((written / "sharded").glob("*.distcp"))) == 4
     (tmp_path / "runs" / "parts2").mkdir()
     shutil.copytree(written.parent, tmp_path / "runs" / "parts2" / "checkpoints")
-    _, regrouped = train_job(
-        tmp_path, 4, "parts", "--method", "fsdp", "--fsdp.group_size", "0", "--train.max_steps", "8", "--resume", "auto"
+    regrouped = ("--method", "fsdp", "--fsdp.group_size", "0", "--train.max_steps", "8", "--resume", "auto")
+    # and a ddp run, whose replica state is its rank count's
+    (_, regrouped), _ = train_jobs(
+        tmp_path, 4, [("parts", *regrouped), ("ddp", "--method", "ddp", "--train.max_steps", "2")]
     )
     for key in whole:
         torch.testing.assert_close(regrouped[key], whole[key], rtol=1e-4, atol=1e-5, msg=key)
-    summary, on_two = train_job(tmp_path, 2, "parts2", "--method", "fsdp", "--train.max_steps", "4", "--resume", "auto")
+    ((_, on_two),) = train_jobs(
+        tmp_path, 2, [("parts2", "--method", "fsdp", "--train.max_steps", "4", "--resume", "auto")]
+    )
     for key in at_four:
         assert torch.equal(on_two[key], at_four[key]), key
-    done = subprocess.run(
-        mpirun(
-            2,
-            sys.executable,
-            "-m",
-            "hvd_lowcomm.train",
-            "--method",
-            "ddp",
-            "--comm.engine",
-            "torch",
-            "--data.path",
-            str(tmp_path / "text.h5"),
-            "--resume",
-            str(written),
-        ),
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode != 0 and "written by fsdp; resume it with --method fsdp" in done.stderr, done.stderr
-    train_job(tmp_path, 4, "ddp", "--method", "ddp", "--train.max_steps", "2")  # a replica's state: its rank count
-    done = subprocess.run(
-        mpirun(
-            2,
-            sys.executable,
-            "-m",
-            "hvd_lowcomm.train",
-            "--method",
-            "ddp",
-            "--comm.engine",
-            "torch",
-            "--data.path",
-            str(tmp_path / "text.h5"),
-            "--resume",
-            str(tmp_path / "runs" / "ddp"),
-        ),
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode != 0 and "written by 4 ranks; resume it with mpirun -np 4" in done.stderr, done.stderr
+    assert "written by fsdp; resume it with --method fsdp" in refused_resume(tmp_path, written)
+    assert "written by 4 ranks; resume it with mpirun -np 4" in refused_resume(tmp_path, tmp_path / "runs" / "ddp")
 
 
 @pytest.mark.skipif(SIZE > 1, reason="launches jobs of its own")
@@ -382,18 +354,24 @@ def test_diloco_across_sharded_groups_trains_as_diloco_and_resumes_bit_for_bit(t
     text_dataset(tmp_path)
     diloco = ["--method", "diloco", "--diloco.groups", "2", "--diloco.sync_every", "3", "--train.max_steps", "8"]
     fp32 = ["--diloco.compression", "none"]
-    _, plain = train_job(tmp_path, 4, "plain", *diloco, *fp32)
-    summary, sharded = train_job(tmp_path, 4, "sharded", *diloco, *fp32, "--diloco.shard", "true")
+    parts = [*diloco[:-1], "4", "--diloco.shard", "true"]
+    (_, plain), (summary, sharded), (int2, whole), (unsharded, _), _, (_, resumed) = train_jobs(
+        tmp_path,
+        4,
+        [
+            ("plain", *diloco, *fp32),
+            ("sharded", *diloco, *fp32, "--diloco.shard", "true"),
+            ("int2", *diloco, "--diloco.shard", "true"),
+            ("int2-plain", *diloco),
+            ("parts", *parts),
+            ("parts", *diloco, "--diloco.shard", "true", "--resume", "auto"),
+        ],
+    )
     for key in plain:
         torch.testing.assert_close(sharded[key], plain[key], rtol=1e-5, atol=1e-6, msg=key)
     assert summary["intra_group_wire_bytes"] > 0
-    int2, whole = train_job(tmp_path, 4, "int2", *diloco, "--diloco.shard", "true")
-    unsharded, _ = train_job(tmp_path, 4, "int2-plain", *diloco)
     # each rank sends its shards' pseudo-gradient: as many numbers as an unsharded slice
     assert int2["inter_group_wire_bytes"] == pytest.approx(unsharded["inter_group_wire_bytes"], rel=0.02)
-    parts = [*diloco[:-1], "4", "--diloco.shard", "true"]
-    train_job(tmp_path, 4, "parts", *parts)
-    _, resumed = train_job(tmp_path, 4, "parts", *diloco, "--diloco.shard", "true", "--resume", "auto")
     for key in whole:
         assert torch.equal(resumed[key], whole[key]), key
 
@@ -447,10 +425,6 @@ def test_powersgd_across_sharded_groups_trains_as_powersgd_and_resumes_bit_for_b
         "--powersgd.start_iter",
         "2",
     ]
-    _, plain = train_job(tmp_path, 4, "plain", *full, *steps)
-    _, sharded = train_job(tmp_path, 4, "sharded", *full, "--powersgd.shard_group_size", "2", *steps)
-    for key in plain:
-        torch.testing.assert_close(sharded[key], plain[key], rtol=1e-4, atol=1e-5, msg=key)
     defaults = [
         "--method",
         "powersgd",
@@ -465,9 +439,19 @@ def test_powersgd_across_sharded_groups_trains_as_powersgd_and_resumes_bit_for_b
         "--powersgd.adapt_every",
         "3",
     ]
-    compressed, whole = train_job(tmp_path, 4, "defaults", *defaults, *steps)
+    (_, plain), (_, sharded), (compressed, whole), _, (_, resumed) = train_jobs(
+        tmp_path,
+        4,
+        [
+            ("plain", *full, *steps),
+            ("sharded", *full, "--powersgd.shard_group_size", "2", *steps),
+            ("defaults", *defaults, *steps),
+            ("parts", *defaults, "--train.max_steps", "4"),
+            ("parts", *defaults, *steps, "--resume", "auto"),
+        ],
+    )
+    for key in plain:
+        torch.testing.assert_close(sharded[key], plain[key], rtol=1e-4, atol=1e-5, msg=key)
     assert compressed["powersgd_compression_rate"] > 1
-    train_job(tmp_path, 4, "parts", *defaults, "--train.max_steps", "4")
-    _, resumed = train_job(tmp_path, 4, "parts", *defaults, *steps, "--resume", "auto")
     for key in whole:
         assert torch.equal(resumed[key], whole[key]), key
