@@ -93,6 +93,21 @@ def test_full_model_refuses_a_model_changed_outside_dilocos_inner_optimiser():
     diloco.close()
 
 
+def test_a_checkpoint_making_the_optimisers_state_is_not_an_inner_step():
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = torchft_diloco.make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    diloco = hl.DiLoCo(model, opt, sync_every=4)
+    get_state_dict(model, opt)  # DCP makes AdamW's state with a step at learning rate 0
+    assert diloco.inner_steps == 0 and opt.state
+    (x, y), *_ = torchft_diloco.batches(1, seed=RANK)
+    F.cross_entropy(model(x), y).backward()
+    diloco.step()  # the door is still the loop's to choose
+    assert diloco.inner_steps == 1
+    diloco.close()
+
+
 def test_diloco_given_a_gradscaler_refuses_the_optimisers_own_step_naming_diloco_step():
     model = torchft_diloco.make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

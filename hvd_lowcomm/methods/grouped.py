@@ -110,6 +110,7 @@ class OptimizerDoor:
         self.own, self.before, self.after, self.shut = own, before, after, shut
         self.used: str | None = None  # the door the first step came through
         self.inside = False  # the trainer is stepping the optimiser itself: the hooks stand aside
+        self.aside = False  # the hooks stand aside for the step running now
         self.handles = [
             optimizer.register_step_pre_hook(self._before_optimizer_step),
             optimizer.register_step_post_hook(self._after_optimizer_step),
@@ -136,7 +137,8 @@ class OptimizerDoor:
             self.inside = False
 
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.inside:
+        self.aside = self.inside or initialising_state(optimizer)
+        if self.aside:
             return
         if self.before is None:
             raise ConfigError(self.shut)
@@ -144,13 +146,20 @@ class OptimizerDoor:
         self.before()
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self.inside and self.after is not None:
+        if not self.aside and self.after is not None:
             self.after()
 
     def close(self) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+
+
+def initialising_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a step of `optimizer` only makes its state: a step at learning rate 0 of an
+    optimiser without state, as torch.distributed.checkpoint's get_state_dict / set_state_dict
+    take one on zero gradients. Not a training step: the trainers' hooks let it pass."""
+    return not optimizer.state and all(float(group.get("lr", 1.0)) == 0 for group in optimizer.param_groups)
 
 
 def user_step_notice(trainer: str, call: str) -> Callable[..., None]:

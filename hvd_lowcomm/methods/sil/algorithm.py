@@ -51,6 +51,7 @@ from hvd_lowcomm.methods.partition import (
     pipeline_train_step,
     token_vocabulary,
 )
+from hvd_lowcomm.methods.grouped import initialising_state
 from hvd_lowcomm.methods.sil.options import SILOptions
 
 
@@ -222,7 +223,7 @@ class SIL:
             self.stepping = False
 
     def _refuse_outside_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self.stepping:
+        if not self.stepping and not initialising_state(optimizer):
             raise ConfigError(
                 "SIL steps this optimiser itself in sil.step(opt, x, y) and sil.recovery_step(...): "
                 "a step of the loop's own would step twice per batch; remove optimizer.step() from the loop"
