@@ -14,8 +14,8 @@ class RunAssumptions:
     # The run's length: schedules given as fractions of the run, and one-off work (AB's full
     # SVDs), spread over it.
     run_steps: int = 10_000
-    # The share of each factorised layer's smaller side that a learned cut keeps (AB-training): what
-    # the rank rule alone kept on this project's MLPs (docs: which-method, "Which method for my cluster?").
+    # The share of each factorised layer's smaller side that a learned cut keeps (AB-training): the
+    # rank rule's own keep, as measured (docs: which-method, "Which method for my cluster?").
     rank_share: float = 0.02
 
 

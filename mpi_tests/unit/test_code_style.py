@@ -15,7 +15,12 @@ from hvd_lowcomm import config
 
 PACKAGE = Path(__file__).resolve().parents[2] / "hvd_lowcomm"
 # a measured-looking figure: a number with %, ×, "x" or points, or a pointer to a results set
-MEASURED = re.compile(r"[+-]?\d+(?:\.\d+)?\s?(?:%|×|x\b|points?\b)|benchmarks/results/")
+# or a lab note: a measured fraction ("1/39 of a GPT's"), or evidence named by where it ran
+MEASURED = re.compile(
+    r"[+-]?\d+(?:\.\d+)?\s?(?:%|×|x\b|points?\b)|benchmarks/results/|\b\d+/\d+ of an? \w"
+    r"|\bon the chosen\b|\bthis project's\b|\b(?:in|on) (?:every|our|these) (?:measurements?|runs?)\b"
+    r"|\bmeasurements? here\b|\bwherever measured\b|\bhelped one\b|\bhurt another\b"
+)
 
 
 def comments(path: Path) -> list[tuple[int, str]]:
@@ -58,3 +63,11 @@ def test_option_help_quotes_no_measured_figures():
 def test_the_rule_catches_a_measured_comment():
     assert MEASURED.search("# on a GPT it lost +1.3 % at 0.12x ddp's bytes")
     assert not MEASURED.search("# a twentieth of the run, so the default fits a run of any length")
+    for note in (
+        "rank 8 in int8 sent 1/39 of a GPT's fp32 bytes",
+        "lost to 10 steps on the chosen ViT",
+        "it cost accuracy at this project's cycle lengths",
+        "trained worse in every measurement here",
+        "helped one ViT and hurt another more",
+    ):
+        assert MEASURED.search(note), note

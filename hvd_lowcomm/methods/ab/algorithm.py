@@ -30,7 +30,7 @@ halved (more rank kept) and the cut tried again, down to the rank rule alone and
 
 With `rebound_steps` > 0, at every switch (phase change, sync, re-factorisation) the learning
 rate drops to `rebound_lr` and ramps linearly back to the schedule's value over `rebound_steps`
-(off by default: it cost a point of accuracy at this project's cycle lengths). Adam/SGD
+(off by default: it cost accuracy at the cycle lengths measured; docs: ab). Adam/SGD
 moments are kept across switches and sliced or zero-padded when a factor's rank changes (or
 dropped: `reset_optimizer`).
 

@@ -178,12 +178,11 @@ class DiLoCo:
             else ""
         )
         if o.compression in ("sparse", "lowrank") and o.outer_momentum:
-            # Far worse than plain averaging wherever measured (docs: benchmarks, "DiLoCo's exchange between groups")
+            # Error feedback already carries what momentum would (docs: benchmarks, "DiLoCo's exchange between groups")
             runtime.announce(
-                f"diloco: warning: {o.compression} with outer momentum {o.outer_momentum} trained far "
-                f"worse than with plain averaging in every measurement here: its error feedback already "
-                f"carries what momentum would (SparseLoCo); consider --diloco.outer_momentum 0 "
-                f"--diloco.outer_lr 1"
+                f"diloco: warning: {o.compression} with outer momentum {o.outer_momentum}: its error feedback "
+                f"already carries what momentum would (SparseLoCo), and the two together train far worse "
+                f"than plain averaging (docs: benchmarks); consider --diloco.outer_momentum 0 --diloco.outer_lr 1"
             )
         runtime.announce(
             f"diloco: {len(self.all_groups)} groups of {self.group.size} rank(s); an outer step every "

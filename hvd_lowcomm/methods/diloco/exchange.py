@@ -384,9 +384,8 @@ def slice_pieces(
     Each matrix's rank is `rank`, or with rank 0 what its part of the byte budget buys: the
     slice may send `share` of its fp32 bytes (scales included); the dense runs take their int8
     bytes first, and each matrix gets the rest, at `factor_bytes` a factor's number, in
-    proportion to its size, so every matrix is compressed by the same factor. A fixed rank
-    spends that budget unevenly: rank 8 in int8 sent 1/39 of a GPT's fp32 bytes (128-wide
-    matrices) and 1/34-1/68 of an MLP's (256-1024 wide)."""
+    proportion to its size, so every matrix is compressed by the same factor (a fixed rank
+    would compress narrow matrices less than wide ones; docs: diloco)."""
     blocks, dense, offset, stop = [], [], 0, start + numbers
     for shape in shapes:
         size = math.prod(shape)

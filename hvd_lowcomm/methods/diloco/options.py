@@ -39,8 +39,8 @@ class SparseOptions:
         "(its error feedback) instead of restarting from the global model without it "
         "(not with eager)",
     )
-    # All of it by default: 1/G, the weight fp32's average gives a group's own progress, helped one ViT and
-    # hurt another more (docs: diloco, on keep_unsent).
+    # All of it by default: 1/G, the weight fp32's average gives a group's own progress, did not
+    # hold across the sets it was tried on (docs: diloco, on keep_unsent).
     unsent_share: float = option(
         1.0,
         "with keep_unsent: the share of a group's unsent progress it keeps on "

@@ -46,8 +46,8 @@ class PowerSGDOptions:
         "columns ride with P on those steps; also measured at a fixed rank, for the "
         "metrics)",
     )
-    # PyTorch: 1000 (its docs suggest a tenth of training); runs here are hundreds of steps, and a
-    # tenth of the run lost to 10 steps on the chosen ViT (docs: decisions, "PowerSGD: float32 factors").
+    # PyTorch: 1000 (its docs suggest a tenth of training); a fixed count fits runs of any length,
+    # where a tenth of a short run lost to ten steps (docs: decisions, "PowerSGD: float32 factors").
     start_iter: int = option(10, "steps of plain allreduce before compression starts")
     min_compression_rate: float = option(2.0, "compress a matrix only if (n+m)*rank*rate < n*m")
     # float32, as PyTorch's hook: float16's rounding, which Adam rescales coordinate by coordinate,
