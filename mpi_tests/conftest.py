@@ -148,10 +148,13 @@ def skip_where_its_engine_is_not_running(method: str, argv: tuple[str, ...] | li
 
 
 def clean_env() -> dict[str, str]:
-    """Environment for a child process that must not think it is one of our MPI ranks."""
+    """Environment for a child process that must not think it is one of our MPI ranks, nor take
+    this rank's network interface (set by the engine's rendezvous) for its own."""
+    from hvd_lowcomm.comm.rendezvous import child_environment
+
     return {
         k: v
-        for k, v in os.environ.items()
+        for k, v in child_environment().items()
         if not k.startswith(("OMPI_", "PMIX_", "PMI_", "HOROVOD_", "OPAL_", "PRTE_"))
     }
 

@@ -21,6 +21,9 @@ from typing import Any
 from hvd_lowcomm.config import ConfigError
 
 LOOPBACK = "127.0.0.1"
+# The variables this process's rendezvous set (name -> value): a rank's own choice of interface,
+# which a child job it launches must not inherit (its ranks may sit on other nodes).
+SET_HERE: dict[str, str] = {}
 SIOCGIFADDR = 0x8915  # Linux's ioctl for an interface's IPv4 address
 
 
@@ -47,6 +50,21 @@ def route_source(address: str) -> str | None:
         return None
 
 
+def _set_default(name: str, value: str) -> None:
+    """os.environ[name] = value where the user has not set it, noted in SET_HERE."""
+    if name not in os.environ:
+        os.environ[name] = SET_HERE[name] = value
+
+
+def child_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """`environ` (os.environ) without what this process's rendezvous set: for a job it launches."""
+    env = dict(os.environ if environ is None else environ)
+    for name, value in SET_HERE.items():
+        if env.get(name) == value:
+            del env[name]
+    return env
+
+
 def nodes_of(comm: Any) -> tuple[int, ...]:
     """The node of every rank of `comm` (index in order of first appearance of its host name);
     collective."""
@@ -61,7 +79,7 @@ def agree(comm: Any, one_node: bool, beside_root: bool) -> str:
     a node, `beside_root`: this rank shares rank 0's); sets this rank's GLOO_SOCKET_IFNAME (and
     NCCL_SOCKET_IFNAME, for several nodes) where the user has not."""
     if one_node and "MASTER_ADDR" not in os.environ:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", _interface_of(LOOPBACK) or "lo")
+        _set_default("GLOO_SOCKET_IFNAME", _interface_of(LOOPBACK) or "lo")
         return LOOPBACK
     offered = None
     if comm.Get_rank() == 0:
@@ -83,9 +101,9 @@ def agree(comm: Any, one_node: bool, beside_root: bool) -> str:
     store = common[0]
     interface = _interface_of(route_source(store))
     if interface:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+        _set_default("GLOO_SOCKET_IFNAME", interface)
         if not one_node:
-            os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+            _set_default("NCCL_SOCKET_IFNAME", interface)
     return store
 
 
