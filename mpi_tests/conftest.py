@@ -14,10 +14,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -162,6 +165,31 @@ def clean_env() -> dict[str, str]:
 def mpirun(np_: int, *command: str) -> list[str]:
     """An mpirun command line that works as root and with more ranks than cores."""
     return ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np_), *command]
+
+
+# Runs hvd_lowcomm.train once per argv of a JSON list, in order, in one MPI job: a job's start
+# (torch, MPI, the engine's rendezvous) costs more than a run of a few steps.
+TRAINER_RUNS = textwrap.dedent("""
+    import json, sys
+    from hvd_lowcomm.train import main
+    for argv in json.loads(open(sys.argv[1]).read()):
+        if main(argv) != 0:
+            sys.exit(f"hvd_lowcomm.train failed: {argv}")
+""")
+
+
+def trainer_runs(
+    folder: Path, ranks: int, argvs: list[list[str]], env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`python -m hvd_lowcomm.train` with each of `argvs`, one after another in one job of
+    `ranks` ranks (env: clean_env()); the job stops at the first run that fails."""
+    script, plan = folder / "trainer_runs.py", folder / "trainer_runs.json"
+    script.write_text(TRAINER_RUNS)
+    plan.write_text(json.dumps(argvs))
+    command = mpirun(ranks, "-x", "PYTHONPATH", sys.executable, str(script), str(plan))
+    env = env or clean_env()
+    env.setdefault("PYTHONPATH", "")
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=540)
 
 
 def random_images(path: Path, seed: int) -> Path:

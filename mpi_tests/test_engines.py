@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from conftest import RANK, SIZE, clean_env, mpirun
+from conftest import RANK, SIZE, clean_env, mpirun, trainer_runs
 
 JOB = textwrap.dedent("""
     import json, sys
@@ -132,37 +132,17 @@ def test_bfloat16_on_the_wire_halves_the_bytes_and_trains_as_float32_sums_do(tmp
 
 
 @pytest.mark.skipif(SIZE > 1, reason="launches jobs of its own")
-@pytest.mark.parametrize("method", ["ddp", "powersgd", "dad", "rank-dad", "ab", "diloco", "sil", "mp"])
-def test_without_horovod_every_method_trains_from_the_command_line(tmp_path, method):
-    done = subprocess.run(
-        mpirun(
-            2,
-            "-x",
-            "PYTHONPATH",
-            sys.executable,
-            "-m",
-            "hvd_lowcomm.train",
-            "--method",
-            method,
-            "--train.max_steps",
-            "4",
-            "--train.epochs",
-            "1",
-            "--run.progress",
-            "false",
-            "--run.dir",
-            str(tmp_path / "runs"),
-            "--data.path",
-            str(tmp_path / "digits.h5"),
-        ),
-        env=without_horovod(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def test_without_horovod_every_method_trains_from_the_command_line(tmp_path):
+    methods = ["ddp", "powersgd", "dad", "rank-dad", "ab", "diloco", "sil", "mp"]
+    common = ["--train.max_steps", "4", "--train.epochs", "1", "--run.progress", "false"]
+    files = ["--run.dir", str(tmp_path / "runs"), "--data.path", str(tmp_path / "digits.h5")]
+    argvs = [["--method", method, *common, *files, "--run.name", method] for method in methods]
+    done = trainer_runs(tmp_path, 2, argvs, env=without_horovod(tmp_path))  # one job, every method in turn
     output = done.stdout + done.stderr
-    assert done.returncode == 0, output
-    assert "engine torch (auto: Horovod is not installed)" in output, output
+    assert done.returncode == 0, output[-5000:]
+    assert "engine torch (auto: Horovod is not installed)" in output, output[-5000:]
+    for method in methods:
+        assert (tmp_path / "runs" / method / "summary.json").is_file(), method
 
 
 def test_the_engine_and_reduce_dtype_are_said_and_cannot_change_after_init(world):

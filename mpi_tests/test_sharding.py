@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SIZE, clean_env, mpirun
+from conftest import SIZE, clean_env, mpirun, trainer_runs
 
 JOB = textwrap.dedent("""
     import json, sys
@@ -206,33 +206,15 @@ TRAINER_OPTIONS = (
     "--train.accumulate", "2", "--train.clip_grad_norm", "0.5", "--train.epochs", "1", "--run.progress", "false",
 )  # fmt: skip
 
-# Runs the trainer once per argv of a JSON list, one after another in one MPI job: a job's start
-# (torch, MPI, the rendezvous) costs more than a run of these few steps.
-RUNS = textwrap.dedent("""
-    import json, sys
-    from hvd_lowcomm.train import main
-    for argv in json.loads(open(sys.argv[1]).read()):
-        if main(argv) != 0:
-            sys.exit(f"hvd_lowcomm.train failed: {argv}")
-""")
-
 
 def train_jobs(tmp_path, ranks: int, runs: list[tuple[str, ...]]) -> list[tuple[dict, dict]]:
     """(summary, final model) of each run (its name, then its options) of the trainer, run in
     order in one job of `ranks` ranks on the torch engine."""
     import torch
 
-    script, plan = tmp_path / "runs.py", tmp_path / "runs.json"
-    script.write_text(RUNS)
     data = ("--data.path", str(tmp_path / "text.h5"), "--run.dir", str(tmp_path / "runs"))
-    plan.write_text(json.dumps([[*TRAINER_OPTIONS, *data, "--run.name", name, *options] for name, *options in runs]))
-    done = subprocess.run(
-        mpirun(ranks, sys.executable, str(script), str(plan)),
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
+    argvs = [[*TRAINER_OPTIONS, *data, "--run.name", name, *options] for name, *options in runs]
+    done = trainer_runs(tmp_path, ranks, argvs)
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]
     results = []
     for name, *_ in runs:
