@@ -36,7 +36,6 @@ import torch
 
 from data_prep import prepare_if_bundled
 from hvd_lowcomm import config, costmodel, data, models
-from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES
 from hvd_lowcomm.config import ConfigError
 from hvd_lowcomm.metrics import write_csv
@@ -251,20 +250,14 @@ def plan(args: argparse.Namespace, train_argv: list[str]) -> tuple[str, list[dic
     return "\n".join(lines), rows
 
 
-# The replicated methods and their sharded forms, for the memory table: (row, method, options
-# set on the method's section); NODE: the ranks of a node.
-NODE = "node"
-MEMORY_FORMS = (
-    ("ddp", "ddp", {}),
-    ("fsdp over every rank", "fsdp", {}),
-    ("fsdp in each node, all-reduced across (HSDP)", "fsdp", {"group_size": NODE}),
-    ("diloco", "diloco", {}),
-    ("diloco + shard (FSDP in each group)", "diloco", {"shard": True}),
-    ("powersgd", "powersgd", {}),
-    ("powersgd + shard_group_size a node", "powersgd", {"shard_group_size": NODE}),
-)
-# Error-feedback buffers DiLoCo's compressed exchanges keep, one number per parameter of the slice
-FED_BACK = ("int8", "int2", "sparse", "lowrank")
+def memory_forms() -> list[tuple[str, str, dict[str, Any]]]:
+    """The memory table's rows: every registered method at its defaults, then the forms its cost
+    names (MethodCost.memory_forms), as (row, method, options set on its section)."""
+    rows = []
+    for name, spec in specs().items():
+        rows.append((name, name, {}))
+        rows += [(label, name, options) for label, options in spec.cost.memory_forms]
+    return rows
 
 
 def memory_table(
@@ -290,13 +283,13 @@ def memory_table(
         "| method | " + " | ".join(f"{p} ranks: GiB, ms (× ddp)" for p in ranks) + " |",
         "|---|" + "---|" * len(ranks),
     ]
-    for row, method, options in MEMORY_FORMS:
-        if node < 2 and NODE in options.values():
+    for row, method, options in memory_forms():
+        if node < 2 and costmodel.NODE in options.values():
             continue
         variant = copy.deepcopy(cfg)
         section = variant.method_options[method] if method in variant.method_options else None
         for key, value in options.items():
-            setattr(section, key, node if value == NODE else value)
+            setattr(section, key, node if value == costmodel.NODE else value)
         facts = specs()[method].cost.model_facts
         shaped = (
             replace(profile, facts={**profile.facts, method: facts(model, info.input_shape, section, variant)})
@@ -308,9 +301,13 @@ def memory_table(
             if p % node:
                 cells.append("-")
                 continue
-            step = costmodel.predict(shaped, method, p, network, variant, assumptions).step
+            try:
+                step = costmodel.predict(shaped, method, p, network, variant, assumptions).step
+            except ConfigError:  # the method cannot train this model or rank count
+                cells.append("-")
+                continue
             ddp = costmodel.predict(profile, "ddp", p, network, cfg, assumptions).step
-            gib = memory_per_rank(profile, method, section, p, node, variant) / 2**30
+            gib = memory_per_rank(shaped, method, section, p, node, variant) / 2**30
             cells.append(f"{gib:.3g}, {step * 1e3:.2f} ({step / ddp:.2f})")
         lines.append(f"| {row} | " + " | ".join(cells) + " |")
     return lines
@@ -319,28 +316,13 @@ def memory_table(
 def memory_per_rank(
     profile: costmodel.Profile, method: str, options: Any, ranks: int, ranks_per_node: int, cfg: config.Config
 ) -> float:
-    """Bytes a rank holds for `method` on `ranks` ranks (see memory_table): its share of the
-    weights, gradients and optimiser state, FSDP's gathered blocks, and DiLoCo's outer state
-    (global slice, momentum, error feedback) or PowerSGD's error buffers."""
+    """Bytes a rank holds for `method` on `ranks` ranks: what the method's own cost says it holds
+    (MethodCost.memory: its share of the weights, gradients and optimiser state, what a sharded
+    model holds gathered, the method's own state), in float32."""
     t = cfg.train
     slots = 2 if t.optimizer in ("adam", "adamw") else (1 if t.momentum else 0)
-    group = ranks // runtime.groups_for(options.groups, ranks, ranks_per_node) if method == "diloco" else 1
-    shard = {
-        "fsdp": (options.group_size if method == "fsdp" else 0) or ranks,
-        "diloco": group if method == "diloco" and options.shard else 1,
-        "powersgd": options.shard_group_size if method == "powersgd" else 1,
-    }.get(method, 1) or 1
-    params = profile.params
-    held = FLOAT_BYTES * params * (2 + slots) / shard
-    if shard > 1:
-        facts = profile.facts["fsdp"]
-        largest = max((math.prod(s) for s in facts["units"]), default=0)
-        held += FLOAT_BYTES * (sum(math.prod(s) for s in facts["root"]) + 2 * largest)
-    if method == "diloco":
-        held += FLOAT_BYTES * params / group * (1 + bool(options.outer_momentum) + (options.compression in FED_BACK))
-    if method == "powersgd" and options.error_feedback:
-        held += FLOAT_BYTES * params / shard
-    return held
+    held = specs()[method].cost.memory(profile, ranks, ranks_per_node, options, cfg)
+    return FLOAT_BYTES * held.numbers(profile.params, slots)
 
 
 def networks(args: argparse.Namespace) -> list[tuple[str, costmodel.Link]]:

@@ -321,7 +321,8 @@ def test_the_planner_command_writes_its_tables(tmp_path, capsys):
     text = (tmp_path / "plan" / "predicted.md").read_text()
     assert "## 1gbit" in text and "## 100gbit" in text and "| sil |" in text and "Break-even bandwidth" in text
     assert "8 ranks: ms (× ddp)" in text and "TFLOP forward and backward; 10 TFLOP/s)" in text
-    assert "Compute floor (a step with no communication, as `--method local`)" in text and "| local |" not in text
+    steps = text.split("## Memory per rank")[0]
+    assert "Compute floor (a step with no communication, as `--method local`)" in text and "| local |" not in steps
     # memory per rank beside step time: fsdp over 8 ranks holds about an eighth of ddp's
     # weights, gradients and Adam state, plus what it gathers at once
     memory = {
@@ -329,7 +330,8 @@ def test_the_planner_command_writes_its_tables(tmp_path, capsys):
         for line in text.split("## Memory per rank")[1].split("## Quality")[0].splitlines()
         if line.startswith("| ") and " GiB" not in line
     }
-    assert memory["fsdp over every rank"] < memory["ddp"] / 4 < memory["diloco"] and "powersgd" in memory
+    assert memory["fsdp"] < memory["ddp"] / 4 < memory["diloco"] and "powersgd" in memory
+    assert memory["mp"] < memory["ddp"]  # a partition of the model per rank
     # auto's choice per link and rank count: always one that keeps quality, and on 1 Gbit/s,
     # with 10 TFLOP/s of compute, one that sends less than ddp
     keeping = costmodel.quality_keeping_methods(config.default_config())
@@ -432,7 +434,8 @@ def test_a_gpt2_sized_plan_for_16_nodes_of_4_gpus_on_25gbit_ethernet(tmp_path):
     assert f"{params:,} parameters" in text and "4 rank(s) per node" in text  # the tied matrix counted once
     flops = batch * context * (layers * (24 * width**2 + 4 * context * width) + 2 * width * vocabulary)
     floor = 3 * flops / (ACCELERATORS["h100"].bf16_tflops * 1e12 * UTILISATION)
-    assert f"as `--method local`): {floor * 1e3:.2f} ms per step" in text and "| local |" not in text
+    steps = text.split("## Memory per rank")[0]  # local is the floor there, not a row
+    assert f"as `--method local`): {floor * 1e3:.2f} ms per step" in text and "| local |" not in steps
     assert "25 Gbit/s, 30 µs, 4 ranks per node" in text  # Ethernet's latency
     by_method = {row["method"]: row for row in rows}
     assert {"ddp", "powersgd", "diloco"} <= set(by_method) and "local" not in by_method

@@ -61,9 +61,12 @@ from hvd_lowcomm.costmodel.device import (  # noqa: F401 - the package's names
     median_seconds,
 )
 from hvd_lowcomm.costmodel.method_cost import (  # noqa: F401 - the package's names
+    NODE,
+    Memory,
     MethodCost,
     Prediction,
     RunAssumptions,
+    replicated,
 )
 from hvd_lowcomm.costmodel.profile import (  # noqa: F401 - the package's names
     Layer,

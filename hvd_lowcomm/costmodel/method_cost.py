@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 
@@ -39,6 +39,11 @@ class MethodCost:
     judged: whether `--method auto` needs the held-out suite's verdict on the method's defaults
         (hvd_lowcomm.heldout) before choosing it: true for a compression whose loss depends on
         the model and data (an error target, or fp16's rounding), false for an exact exchange.
+    memory(profile, ranks, ranks_per_node, options, cfg) -> Memory
+        what one rank holds for the method with these options (plan's memory table); every
+        registered method gives one (`replicated` for a whole model on every rank).
+    memory_forms: the method's other forms the memory table shows beside its defaults, as
+        (row label, options), an option's value NODE meaning the ranks of a node.
     """
 
     predict: Callable[..., Prediction]
@@ -46,6 +51,32 @@ class MethodCost:
     model_facts: Callable[..., Any] | None = None
     quality: Callable[..., str | None] | None = None
     judged: bool = False
+    memory: Callable[..., Memory] | None = None
+    memory_forms: tuple[tuple[str, dict[str, Any]], ...] = ()
+
+
+# In a memory form's options: the number of ranks on a node (a group the size of a node).
+NODE = "node"
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What one rank holds for a method, in float32 numbers: `model_share` of the weights, their
+    gradients and the optimiser's slots (below 1 where the model is sharded or partitioned),
+    `gathered` numbers a sharded model holds gathered at once, and `state`, the method's own
+    buffers by name (outer state, error feedback). Activations are not counted."""
+
+    model_share: float = 1.0
+    gathered: float = 0.0
+    state: dict[str, float] = field(default_factory=dict)
+
+    def numbers(self, params: int, optimizer_slots: int) -> float:
+        return params * (2 + optimizer_slots) * self.model_share + self.gathered + sum(self.state.values())
+
+
+def replicated(*args: Any) -> Memory:
+    """The memory rule of a method that keeps the whole model on every rank and nothing of its own."""
+    return Memory()
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.runtime import Group
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES, FP16Compression, NoCompression, meter
 from hvd_lowcomm.config import Config
-from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, RunAssumptions, sent_bytes
+from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, RunAssumptions, replicated, sent_bytes
 from hvd_lowcomm.registry import register, register_variant
 from hvd_lowcomm.methods.base import Method, broadcast_model_and_optimizer, make_optimizer
 from hvd_lowcomm.methods.drop_in import (
@@ -216,7 +216,7 @@ def ddp_quality(options: None, cfg: Config) -> str:
     return "ddp's gradient, rounded to fp16 on the wire" if cfg.comm.compression == "fp16" else ""
 
 
-DDP_COST = MethodCost(predict_ddp, quality=ddp_quality)
+DDP_COST = MethodCost(predict_ddp, quality=ddp_quality, memory=replicated)
 
 
 @register("ddp", cost=DDP_COST, drop_in=True)
@@ -257,7 +257,7 @@ class DataParallel(Method):
 register_variant("ddp-fp16", "ddp", {"comm.compression": "fp16"}, cost=replace(DDP_COST, judged=True))
 
 
-@register("local", cost=MethodCost(predict_local))
+@register("local", cost=MethodCost(predict_local, memory=replicated))
 class LocalOnly(DataParallel):
     """No communication: every rank trains its own copy on its own shard (the compute floor).
 

@@ -32,7 +32,7 @@ from hvd_lowcomm.comm.mesh import (
 )
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES
 from hvd_lowcomm.config import Config, ConfigError, option
-from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, RunAssumptions, sent_bytes
+from hvd_lowcomm.costmodel import NODE, Link, Memory, MethodCost, Prediction, Profile, RunAssumptions, sent_bytes
 from hvd_lowcomm.methods.base import Method, broadcast_parameters, make_optimizer
 from hvd_lowcomm.methods.grouped import group_traffic
 from hvd_lowcomm.registry import register
@@ -142,12 +142,36 @@ def predict_fsdp(
     )
 
 
+def sharded_memory(profile: Profile, shard: int) -> Memory:
+    """A model sharded over `shard` ranks (shard_model's units): its share, and what it holds
+    gathered at once, the root and the largest unit's parameter twice (backward prefetches the next)."""
+    if shard <= 1:
+        return Memory()
+    facts = profile.facts["fsdp"]
+    largest = max((math.prod(s) for s in facts["units"]), default=0)
+    return Memory(1 / shard, sum(math.prod(s) for s in facts["root"]) + 2 * largest)
+
+
+def fsdp_memory(profile: Profile, ranks: int, ranks_per_node: int, options: FSDPOptions, cfg: Config) -> Memory:
+    return sharded_memory(profile, options.group_size or ranks)
+
+
 def fsdp_quality(options: FSDPOptions | None, cfg: Config) -> str:
     """Exact: ddp's gradient, reduced in another order."""
     return ""
 
 
-@register("fsdp", options=FSDPOptions, cost=MethodCost(predict_fsdp, model_facts=fsdp_facts, quality=fsdp_quality))
+@register(
+    "fsdp",
+    options=FSDPOptions,
+    cost=MethodCost(
+        predict_fsdp,
+        model_facts=fsdp_facts,
+        quality=fsdp_quality,
+        memory=fsdp_memory,
+        memory_forms=(("fsdp in each node, all-reduced across (HSDP)", {"group_size": NODE}),),
+    ),
+)
 class FullyShardedDataParallel(Method):
     """ddp's training with the model, gradients and optimiser state sharded (FSDP2)."""
 

@@ -23,7 +23,7 @@ from hvd_lowcomm import task
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter
 from hvd_lowcomm.config import ConfigError, option
-from hvd_lowcomm.costmodel import Link, MethodCost, Prediction, Profile, sent_bytes
+from hvd_lowcomm.costmodel import Link, Memory, MethodCost, Prediction, Profile, sent_bytes
 from hvd_lowcomm.data import ShardedBatches
 from hvd_lowcomm.methods.base import exchange_gradients
 from hvd_lowcomm.task import example_input
@@ -538,7 +538,11 @@ def partitioned_cost(
     ) -> Prediction:
         return predict_partitioned(profile, world_size, link, options, method, exchanges_activations)
 
-    return MethodCost(predict, model_facts=facts)
+    def memory(profile: Profile, ranks: int, ranks_per_node: int, options: PartitionOptions, cfg: Any) -> Memory:
+        cut = profile.facts.get(method)  # the largest partition, where the method can cut the model
+        return Memory(max(cut.params) / profile.params) if cut is not None and profile.params else Memory()
+
+    return MethodCost(predict, model_facts=facts, memory=memory)
 
 
 def predict_partitioned(

@@ -124,6 +124,31 @@ def test_every_registered_method_has_a_cost_and_auto_chooses_only_among_drop_ins
     assert why.endswith("Quality: the same gradient as ddp")
 
 
+def test_every_registered_method_describes_its_memory_and_plans_table_has_a_row_for_each(mlp_profile):
+    from hvd_lowcomm.plan import memory_forms, memory_per_rank
+
+    cfg = config.default_config()
+    rows = memory_forms()
+    assert {method for _, method, _ in rows} == set(specs())
+    held = {}
+    for name, spec in specs().items():
+        assert spec.cost.memory is not None, f"{name} registers no memory rule (MethodCost.memory)"
+        options = cfg.method_options.get(name)
+        held[name] = memory_per_rank(mlp_profile, name, options, 8, 4, cfg)
+    assert held["ddp"] == held["powersgd"] - 4 * mlp_profile.params  # its error feedback on top
+    assert held["diloco"] > held["ddp"]  # its global copy's slice and int2's error feedback
+    assert held["fsdp"] < held["ddp"] / 2 and held["mp"] < held["ddp"] and held["sil"] < held["ddp"]
+
+
+def test_dilocos_forms_say_whether_they_keep_error_feedback():
+    from hvd_lowcomm.methods.diloco.exchange import make_exchange
+    from hvd_lowcomm.methods.diloco.options import DiLoCoOptions
+
+    kept = {form: make_exchange(None, DiLoCoOptions(compression=form), members=2).feeds_back for form in
+            ("none", "fp16", "int8", "int2", "sparse", "lowrank")}  # fmt: skip
+    assert kept == {"none": False, "fp16": False, "int8": True, "int2": True, "sparse": True, "lowrank": True}
+
+
 def test_the_forward_flops_of_a_linear_a_conv_and_a_gpt_are_their_formulas():
     at = compute_device(tflops=1)  # counted: nothing is timed
     linear = profile_model(nn.Sequential(nn.Linear(64, 32)), (64,), 8, methods=(), device=at)

@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from hvd_lowcomm import task
 from hvd_lowcomm.config import Config
-from hvd_lowcomm.costmodel import MethodCost
+from hvd_lowcomm.costmodel import MethodCost, replicated
 from hvd_lowcomm.methods.ab.algorithm import ABTraining, check_factorizable
 from hvd_lowcomm.methods.ab.cost import ab_kernels, predict_ab
 from hvd_lowcomm.methods.ab.options import ABOptions, check_groups
@@ -21,7 +21,7 @@ from hvd_lowcomm.registry import register
     "ab",
     options=ABOptions,
     presets={"train.optimizer": "adamw", "train.weight_decay": 0.1},
-    cost=MethodCost(predict_ab, ab_kernels),
+    cost=MethodCost(predict_ab, ab_kernels, memory=replicated),  # its peak: the dense model's full-rank phases
 )
 class AB(GroupTrainerMethod):
     """`--method ab`: ABTraining driven by the built-in loop."""

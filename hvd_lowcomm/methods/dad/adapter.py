@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from hvd_lowcomm.comm.traffic import meter
 from hvd_lowcomm.config import Config, ConfigError
-from hvd_lowcomm.costmodel import MethodCost
+from hvd_lowcomm.costmodel import MethodCost, replicated
 from hvd_lowcomm.methods.dad.algorithm import DadOptimizer, check_dad_model
 from hvd_lowcomm.methods.dad.cost import (
     dad_kernels,
@@ -30,7 +30,7 @@ from hvd_lowcomm.registry import register
 @register(
     "dad",
     options=DadOptions,
-    cost=MethodCost(predict_dad, dad_kernels, shared_layers, quality=lambda *_: ""),
+    cost=MethodCost(predict_dad, dad_kernels, shared_layers, quality=lambda *_: "", memory=replicated),
     drop_in=True,
 )
 class DistributedAutoDiff(DataParallel):
@@ -94,6 +94,7 @@ class DistributedAutoDiff(DataParallel):
         shared_layers,
         rank_dad_quality,
         judged=True,
+        memory=replicated,
     ),
     drop_in=True,
 )
@@ -111,7 +112,7 @@ class RankDistributedAutoDiff(DistributedAutoDiff):
         )
 
 
-@register("edad", cost=MethodCost(predict_edad, dad_kernels, edad_layers))
+@register("edad", cost=MethodCost(predict_edad, dad_kernels, edad_layers, memory=replicated))
 class EfficientDistributedAutoDiff(DistributedAutoDiff):
     """edAD: share all activations and only the output delta; recompute hidden deltas (exact MLPs)."""
 

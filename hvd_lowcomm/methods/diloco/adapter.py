@@ -11,14 +11,23 @@ from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.config import Config
 from hvd_lowcomm.costmodel import MethodCost
 from hvd_lowcomm.methods.diloco.algorithm import DiLoCo
-from hvd_lowcomm.methods.diloco.cost import diloco_facts, predict_diloco
+from hvd_lowcomm.methods.diloco.cost import diloco_facts, diloco_memory, predict_diloco
 from hvd_lowcomm.methods.diloco.options import DiLoCoOptions, fragment_bounds
 from hvd_lowcomm.methods.fsdp import check_sharding_world, shard_the_replicas
 from hvd_lowcomm.methods.grouped import GroupTrainerMethod
 from hvd_lowcomm.registry import register
 
 
-@register("diloco", options=DiLoCoOptions, cost=MethodCost(predict_diloco, model_facts=diloco_facts))
+@register(
+    "diloco",
+    options=DiLoCoOptions,
+    cost=MethodCost(
+        predict_diloco,
+        model_facts=diloco_facts,
+        memory=diloco_memory,
+        memory_forms=(("diloco + shard (FSDP in each group)", {"shard": True}),),
+    ),
+)
 class DiLoCoMethod(GroupTrainerMethod):
     """`--method diloco`: DiLoCo driven by the built-in loop."""
 

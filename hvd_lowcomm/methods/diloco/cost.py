@@ -10,9 +10,9 @@ import torch.nn as nn
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES
 from hvd_lowcomm.config import Config, ConfigError
-from hvd_lowcomm.costmodel import Link, Prediction, Profile, RunAssumptions, sent_bytes
+from hvd_lowcomm.costmodel import Link, Memory, Prediction, Profile, RunAssumptions, sent_bytes
 from hvd_lowcomm.methods.diloco.options import DiLoCoOptions, fragment_bounds, shard_length, sync_due
-from hvd_lowcomm.methods.fsdp import fsdp_facts, sharded_step_bytes
+from hvd_lowcomm.methods.fsdp import fsdp_facts, sharded_memory, sharded_step_bytes
 from hvd_lowcomm.methods.diloco.exchange import Transfer, make_exchange
 from hvd_lowcomm.schedule import run_steps
 
@@ -26,6 +26,20 @@ def diloco_facts(model: nn.Module, input_shape: tuple[int, ...], options: DiLoCo
         "buffers": sum(b.numel() for b in model.buffers() if b.is_floating_point()),
         "fsdp": fsdp_facts(model, input_shape, None, cfg) if options.shard else None,
     }
+
+
+def diloco_memory(profile: Profile, ranks: int, ranks_per_node: int, options: DiLoCoOptions, cfg: Config) -> Memory:
+    """A group's model (sharded over the group with `shard`), and this rank's slice of the outer
+    state: the global copy, its momentum, and the exchange's error feedback where its form keeps one."""
+    group = ranks // runtime.groups_for(options.groups, ranks, ranks_per_node)
+    held = sharded_memory(profile, group if options.shard else 1)
+    slice_ = profile.params / group
+    state = {"global copy": slice_}
+    if options.outer_momentum:
+        state["outer momentum"] = slice_
+    if make_exchange(None, options, members=2).feeds_back:
+        state["error feedback"] = slice_
+    return Memory(held.model_share, held.gathered, state)
 
 
 def predict_diloco(

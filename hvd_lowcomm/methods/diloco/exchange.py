@@ -126,6 +126,7 @@ class Exchange:
     """The mean over the column of each fragment's pseudo-gradient slice (see the module)."""
 
     name = "none"
+    feeds_back = False  # whether it keeps an error-feedback buffer the size of its slice
 
     def __init__(self, column: Group | None, options: Any, members: int | None = None) -> None:
         self.column, self.options = column, options
@@ -266,6 +267,7 @@ class Quantised(Exchange):
     def __init__(self, column: Group | None, options: Any, members: int | None, kind: str) -> None:
         super().__init__(column, options, members)
         self.name, self.codec = kind, QUANTISED_CODECS[kind]
+        self.feeds_back = kind != "fp16"  # fp16's rounding is far below the signal
 
     def transfers(self, numbers: int, shapes: list[tuple[int, ...]], start: int) -> list[Transfer]:
         return self._reduce_scatter_transfers([(numbers, self.codec)])
@@ -282,7 +284,7 @@ class Quantised(Exchange):
         def collective() -> torch.Tensor:
             encoded, chunk = self._encode_chunks(corrected, codec.encode)
             owners = codec.encode
-            if self.name != "fp16":  # fp16's rounding is far below the signal; both of the others' are fed back
+            if self.feeds_back:
                 sent = torch.cat([codec.decode(e, chunk) for e in encoded])[: len(corrected)]
                 self.errors[fragment] = corrected - sent
                 owners = self._owners_encode(fragment, encoded_and_kept)
@@ -300,6 +302,7 @@ class Sparse(Exchange):
     """Chunked top-k at 2 bits: allgathered at 2 groups, reduced by owner beyond (see the module)."""
 
     name = "sparse"
+    feeds_back = True
 
     def __init__(self, column: Group | None, options: Any, members: int | None = None) -> None:
         super().__init__(column, options, members)
@@ -424,6 +427,7 @@ def _pays(rows: int, cols: int, rank: int) -> bool:
 
 class LowRank(Exchange):
     name = "lowrank"
+    feeds_back = True
 
     def __init__(self, column: Group | None, options: Any, members: int | None, seed: int = 0) -> None:
         super().__init__(column, options, members)

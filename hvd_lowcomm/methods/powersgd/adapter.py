@@ -9,21 +9,35 @@ import torch
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.mesh import full_state_dict, load_sharded_state, sharded_state
 from hvd_lowcomm.config import Config
-from hvd_lowcomm.costmodel import MethodCost
+from hvd_lowcomm.costmodel import NODE, MethodCost
 from hvd_lowcomm.registry import register
 from hvd_lowcomm.methods.base import make_optimizer
 from hvd_lowcomm.methods.ddp import DataParallel
 from hvd_lowcomm.methods.grouped import group_traffic
 from hvd_lowcomm.methods.fsdp import check_sharding_world, shard_the_replicas
 from hvd_lowcomm.methods.powersgd.algorithm import PowerSGDOptimizer, PowerSGDState
-from hvd_lowcomm.methods.powersgd.cost import predict_powersgd, powersgd_kernels, powersgd_facts, powersgd_quality
+from hvd_lowcomm.methods.powersgd.cost import (
+    powersgd_facts,
+    powersgd_kernels,
+    powersgd_memory,
+    powersgd_quality,
+    predict_powersgd,
+)
 from hvd_lowcomm.methods.powersgd.options import PowerSGDOptions
 
 
 @register(
     "powersgd",
     options=PowerSGDOptions,
-    cost=MethodCost(predict_powersgd, powersgd_kernels, powersgd_facts, powersgd_quality, judged=True),
+    cost=MethodCost(
+        predict_powersgd,
+        powersgd_kernels,
+        powersgd_facts,
+        powersgd_quality,
+        judged=True,
+        memory=powersgd_memory,
+        memory_forms=(("powersgd + shard_group_size a node", {"shard_group_size": NODE}),),
+    ),
     drop_in=True,
 )
 class PowerSGD(DataParallel):

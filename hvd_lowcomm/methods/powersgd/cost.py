@@ -9,9 +9,9 @@ import torch
 
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES
 from hvd_lowcomm.config import Config, ConfigError
-from hvd_lowcomm.costmodel import Link, LayerSample, Prediction, Profile, RunAssumptions, sent_bytes
+from hvd_lowcomm.costmodel import Link, LayerSample, Memory, Prediction, Profile, RunAssumptions, sent_bytes
 from hvd_lowcomm.methods.adaptive_rank import PROBES
-from hvd_lowcomm.methods.fsdp import fsdp_facts, sharded_step_bytes
+from hvd_lowcomm.methods.fsdp import fsdp_facts, sharded_memory, sharded_step_bytes
 from hvd_lowcomm.methods.powersgd.algorithm import orthogonalise
 from hvd_lowcomm.methods.powersgd.options import PowerSGDOptions, compresses, planned_rank
 
@@ -132,3 +132,10 @@ def powersgd_quality(options: PowerSGDOptions, cfg: Config) -> str | None:
         f"low-rank gradients, each matrix's rank adapted so that it leaves out at most {options.error_target:.0%} "
         f"of its energy, which error feedback adds back later"
     )
+
+
+def powersgd_memory(profile: Profile, ranks: int, ranks_per_node: int, options: PowerSGDOptions, cfg: Config) -> Memory:
+    """The model (sharded over shard_group_size ranks), and the error feedback of this rank's gradient."""
+    held = sharded_memory(profile, options.shard_group_size or 1)
+    state = {"error feedback": profile.params * held.model_share} if options.error_feedback else {}
+    return Memory(held.model_share, held.gathered, state)
