@@ -348,9 +348,7 @@ UNUSED_ON_ONE_RANK = textwrap.dedent("""
                 h = h + aux(h)
             opt.zero_grad()
             F.cross_entropy(head(h), torch.randint(0, 3, (4,))).backward()
-            opt.step()
-            if owner is not None:
-                owner.step()
+            (opt if owner is None else owner).step()  # DiLoCo steps the optimiser itself
         sys.stdout.write(f"rank {rank} {name} done\\n")  # one write: lines stay whole
         sys.stdout.flush()
 """)
