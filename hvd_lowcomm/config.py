@@ -351,7 +351,7 @@ class RunConfig:
     dir: str = option("runs", "parent directory of run directories")
     name: str = option("", "run directory name (default: <method>-<timestamp>)")
     log_every: int = option(10, "write a step record to metrics.jsonl every N steps")
-    progress: bool = option(True, "show a progress bar on rank 0")
+    progress: bool = option(True, "show a progress bar on rank 0 where its stderr is a terminal (mpirun pipes it)")
     eval_every: int = option(
         0,
         "also evaluate every N steps within an epoch (0: at epoch ends only; methods "

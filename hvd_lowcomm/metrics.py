@@ -124,7 +124,9 @@ class RunLogger:
 
     def __init__(self, run_dir: Path | None, progress: bool = True, continuing: bool = False) -> None:
         self.run_dir = run_dir
-        self.show_progress = progress and run_dir is not None
+        # A bar redraws its line: in a log file that is fragments, so only where stderr is a
+        # terminal (mpirun pipes it: a job's log gets the per-epoch lines alone).
+        self.show_progress = progress and run_dir is not None and sys.stderr.isatty()
         self.epoch_rows: list[dict[str, Any]] = []
         self.trackers: list[Tracker] = []
         self._jsonl = None
@@ -192,8 +194,7 @@ class RunLogger:
     def progress(self, items: Iterable[T], total: int, desc: str) -> Iterator[T] | tqdm:
         if not self.show_progress:
             return iter(items)
-        # mpirun pipes output, so a bar redrawn every step would flood logs: redraw at most
-        # twice a second.
+        # redrawn at most twice a second: a fast step would spend its time drawing
         return tqdm(items, total=total, desc=desc, leave=False, dynamic_ncols=True, unit="step", mininterval=0.5)
 
     def summary(self, record: dict[str, Any], extra: dict[str, Any]) -> None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from hvd_lowcomm.metrics import quality_text, summary_rows
+import io
+import sys
+
+from hvd_lowcomm.metrics import RunLogger, quality_text, summary_rows
 
 SUMMARY = {
     "method": "diloco",
@@ -47,3 +50,18 @@ def test_a_language_model_s_summary_reads_its_validation_loss_and_one_node_shows
     assert rows["validation"].startswith("val loss 2.2500 (ppl 9.49, 3.246 bits/byte), next-token accuracy 50.00%")
     assert "4,096 tokens per step per rank" in rows["validation"] and "between nodes (all ranks)" not in rows
     assert quality_text({"test_acc": 0.25}) == "test acc  25.00%"
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_progress_bar_only_where_stderr_is_a_terminal_and_a_log_gets_none(tmp_path, monkeypatch):
+    monkeypatch.setattr("sys.stderr", io.StringIO())  # a pipe or a file, as mpirun gives a rank
+    log = RunLogger(tmp_path / "log", progress=True)
+    assert list(log.progress(range(3), 3, "epoch 1")) == [0, 1, 2] and not log.show_progress
+    assert "epoch 1" not in sys.stderr.getvalue()
+    monkeypatch.setattr("sys.stderr", Terminal())
+    assert RunLogger(tmp_path / "tty", progress=True).show_progress
+    assert not RunLogger(tmp_path / "off", progress=False).show_progress
