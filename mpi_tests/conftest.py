@@ -84,7 +84,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     if SIZE > 1 and not all(is_unit(item) for item in session.items):
-        from hvd_lowcomm.comm import runtime
+        from hvd_lowcomm.comm import failures, runtime
 
         capture = session.config.pluginmanager.get_plugin("capturemanager")
 
@@ -94,7 +94,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
                 print(f"\n{text}", file=sys.stderr, end="", flush=True)
 
         if capture is not None:
-            runtime.report_failure = report_past_capture
+            failures.report_failure = report_past_capture
         runtime.init(seed=0)
 
 

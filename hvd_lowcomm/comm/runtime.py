@@ -1,4 +1,5 @@
-"""Process start-up: MPI and the engine, rank groups, device, seeds, abort-on-error.
+"""Process start-up: MPI and the engine, the world and its ranks and nodes, splitting it into
+groups, seeds.
 
 MPI starts the job (mpirun, srun) and gives ranks, nodes and groups. The engine that moves the
 meter's tensors (hvd_lowcomm.comm.engines) starts on MPI_COMM_WORLD: Horovod with *dynamic*
@@ -7,62 +8,38 @@ into groups whenever its schedule needs them (`split_world`), and every group ge
 mpi4py sub-communicator (for point-to-point messages) and the engine's handle for the same
 ranks (a Horovod process set, or a torch.distributed group) for collectives.
 
-A failure on any rank must end the whole job, never leave the others waiting in a collective:
-`abort_on_error` turns an uncaught exception into MPI_Abort, which makes mpirun/srun kill
-every rank and exit non-zero.
+Beside it, one concern a module: the groups' layout (hvd_lowcomm.comm.groups), where a rank
+computes (hvd_lowcomm.comm.devices) and how a failure ends the job (hvd_lowcomm.comm.failures);
+their names are this module's too, where the rest of the package has always found them.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import os
 import random
-import sys
-import time
-import traceback
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from hvd_lowcomm.comm import engines, rendezvous
+from hvd_lowcomm.comm import devices, engines, rendezvous
+from hvd_lowcomm.comm.devices import (  # noqa: F401 - this module's names too
+    clock,
+    compute_threads,
+    device,
+    device_of,
+    gpu_for_rank,
+    ranks_share_a_gpu,
+)
+from hvd_lowcomm.comm.failures import abort_on_error, exit_process  # noqa: F401 - this module's names too
+from hvd_lowcomm.comm.groups import (  # noqa: F401 - this module's names too
+    Group,
+    GroupLayoutError,
+    group_layout,
+    groups_for,
+)
 from hvd_lowcomm.config import ConfigError
-
-
-class GroupLayoutError(ConfigError):
-    """The ranks cannot be split into the requested groups."""
-
-
-@dataclass(frozen=True)
-class Group:
-    """A set of contiguous ranks that communicate among themselves.
-
-    `process_set` is what the engine's collectives take for these ranks (a Horovod process set,
-    or a torch.distributed group on the torch engine); `comm` is the matching mpi4py
-    sub-communicator on members and MPI.COMM_NULL on every other rank; `side`, where the split
-    asked for one, the engine's channel of these ranks' own for a worker thread's collectives.
-    """
-
-    label: str
-    index: int
-    ranks: tuple[int, ...]
-    process_set: Any = field(compare=False, repr=False)
-    comm: Any = field(compare=False, repr=False)
-    side: Any = field(default=None, compare=False, repr=False)
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-    def rank_of(self, global_rank: int) -> int:
-        """Position of a global rank inside this group."""
-        return self.ranks.index(global_rank)
-
-    def __contains__(self, global_rank: int) -> bool:
-        return global_rank in self.ranks
 
 
 _world: Group | None = None
@@ -134,7 +111,7 @@ def init(seed: int | None = None, engine: str = "auto", reduce_dtype: str | None
         _local_rank = local_rank = local.Get_rank()
         _local_size = local_size = local.Get_size()
         local.Free()
-        _bind_gpu(local_rank, local_size)
+        devices.bind_gpu(local_rank, local_size)
         if name == "horovod":
             engines.start_default_process_group(MPI.COMM_WORLD, _node_of)  # for DDP's idioms (DistributedSampler)
             _engine = engines.HorovodEngine()
@@ -213,17 +190,6 @@ def group_of_process_set(process_set: Any) -> Group | None:
     return Group(f"process_set{process_set.process_set_id}", process_set.process_set_id, ranks, process_set, comm)
 
 
-def compute_threads(local_ranks: int, cores_allowed: int, cores_on_node: int) -> int:
-    """Threads for one rank's tensor arithmetic: the cores it may run on, but no more than its
-    share of the node when it shares them with the node's other ranks. torch's default, a
-    thread per core in every process, puts local_ranks x cores threads on the node's cores when
-    mpirun does not bind ranks (it does not once they outnumber cores): the threads then wait
-    for one another's time slices, which slows even a step without communication several
-    times over. A rank bound to its own cores (srun --cpus-per-task, mpirun --map-by
-    slot:PE=n) sees just those, and uses them all. Like torchrun, which sets one thread."""
-    return max(1, min(cores_allowed, cores_on_node // max(local_ranks, 1)))
-
-
 def process_sets() -> list[tuple[int, ...]]:
     """The ranks of every Horovod process set this job has, the world's first: Horovod's
     background thread coordinates each of them every cycle, whether or not it has work."""
@@ -277,98 +243,6 @@ def cross_size() -> int:
     return len(set(_node_of))
 
 
-def device(choice: str = "auto") -> torch.device:
-    """Where this rank computes: `cuda` the GPU bound to it (init() binds it: gpu_for_rank),
-    `cpu`, `auto` that GPU when CUDA is available, else the CPU; any other name is a device
-    PyTorch knows (another accelerator's backend), used as it is."""
-    if choice not in ("auto", "cuda", "cpu"):
-        try:
-            return torch.device(choice)
-        except RuntimeError:
-            raise ConfigError(
-                f"train.device {choice!r} is not a device PyTorch knows: use auto, cuda, cpu or the name "
-                f"of a device type with a backend in this PyTorch"
-            ) from None
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(
-            "train.device cuda, but this rank sees no CUDA GPU (torch.cuda.is_available() is "
-            "False): use --train.device auto or cpu, or a CUDA build of torch on a GPU node"
-        )
-    if choice != "cpu" and torch.cuda.is_available():
-        if _gpu_problem:
-            raise ConfigError(_gpu_problem)
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-# Why this rank has no GPU of its own (more ranks than GPUs on its node), or "".
-_gpu_problem = ""
-# Whether the ranks of a node share GPUs (allowed by HVD_LOWCOMM_SHARE_GPUS=1): NCCL then refuses them.
-_gpus_shared = False
-
-
-def gpu_for_rank(local_rank: int, local_size: int, visible: int, share: bool = False) -> int:
-    """The GPU index (among the visible ones) a rank uses: the one GPU it sees when it is given
-    one (Slurm's --gpus-per-task, CUDA_VISIBLE_DEVICES per task), else its local rank when the
-    node has a GPU for every rank. More ranks than GPUs is a ConfigError saying how to fix it,
-    unless `share` (several ranks per GPU: correct, and slow beyond a check)."""
-    if visible == 1:
-        return 0
-    if local_size <= visible:
-        return local_rank
-    if share:
-        return local_rank % visible
-    raise ConfigError(
-        f"{local_size} ranks on this node but {visible} GPUs visible to each: a rank needs a GPU of its "
-        f"own. Start at most {visible} ranks per node (Slurm: --ntasks-per-node={visible} "
-        f"--gpus-per-task=1; Open MPI: mpirun --npernode {visible}), or train on the CPU with "
-        f"--train.device cpu (HVD_LOWCOMM_SHARE_GPUS=1 lets ranks share GPUs, for tests)"
-    )
-
-
-def _bind_gpu(local_rank: int, local_size: int) -> None:
-    """Bind this rank's GPU (gpu_for_rank), then find out, by the GPUs' UUIDs, whether ranks of
-    a node share one (each sees a single GPU, but the same). Collective. A problem is kept for
-    device() to raise where the GPU is asked for, not on CPU runs."""
-    from mpi4py import MPI
-
-    global _gpu_problem, _gpus_shared
-    share = os.environ.get("HVD_LOWCOMM_SHARE_GPUS") == "1"
-    uuid = None
-    if torch.cuda.is_available():
-        try:
-            torch.cuda.set_device(gpu_for_rank(local_rank, local_size, torch.cuda.device_count(), share))
-            uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-        except ConfigError as problem:
-            _gpu_problem = str(problem)
-    bound = [(host, gpu) for host, gpu in MPI.COMM_WORLD.allgather((MPI.Get_processor_name(), uuid)) if gpu]
-    _gpus_shared = len(set(bound)) < len(bound)
-    if _gpus_shared and not share and not _gpu_problem:
-        _gpu_problem = (
-            "ranks of one node are bound to the same GPU (each sees one, the same): a rank needs a GPU of "
-            "its own. Give each task its own (Slurm: --gpus-per-task=1) or start as many ranks per node "
-            "as it has GPUs, or train on the CPU with --train.device cpu (HVD_LOWCOMM_SHARE_GPUS=1 lets "
-            "ranks share GPUs, for tests)"
-        )
-
-
-def device_of(tensors: Any) -> torch.device:
-    """Where the first of `tensors` (a module's parameters, say) lives; the CPU when there is none."""
-    return next((t.device for t in tensors), torch.device("cpu"))
-
-
-def clock(device: torch.device) -> float:
-    """time.perf_counter() once the work queued on `device` is done: a GPU runs kernels
-    asynchronously, so a phase's time must wait for them to be its own."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
-def ranks_share_a_gpu() -> bool:
-    return _gpus_shared
-
-
 def node_of(global_rank: int) -> int:
     """The node (0, 1, ... in order of host names' first appearance) that holds a global rank."""
     return _node_of[global_rank] if _node_of else 0
@@ -402,45 +276,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def group_layout(
-    world_size: int, num_groups: int | None = None, group_size: int | None = None
-) -> list[tuple[int, ...]]:
-    """Contiguous, equal groups of ranks: [(0, 1), (2, 3)] for 4 ranks in 2 groups.
-
-    Contiguous ranks share a node under the usual block placement (--map-by core/slot), so
-    traffic inside a group stays inside a node when groups are node-sized.
-    """
-    if (num_groups is None) == (group_size is None):
-        raise ValueError("give exactly one of num_groups or group_size")
-    if num_groups is not None:
-        if num_groups <= 0 or world_size % num_groups:
-            raise GroupLayoutError(
-                f"cannot split {world_size} ranks into {num_groups} equal groups: use a group "
-                f"count that divides {world_size} ({_divisors(world_size)}) or launch a multiple "
-                f"of {num_groups} ranks"
-            )
-        group_size = world_size // num_groups
-    assert group_size is not None
-    if group_size <= 0 or world_size % group_size:
-        raise GroupLayoutError(
-            f"cannot split {world_size} ranks into groups of {group_size}: use a group size that "
-            f"divides {world_size} ({_divisors(world_size)}) or launch a multiple of {group_size} ranks"
-        )
-    return [tuple(range(start, start + group_size)) for start in range(0, world_size, group_size)]
-
-
-def groups_for(requested: int, world_size: int, ranks_per_node: int) -> int:
-    """`requested` groups, or with 0 one group per node when the job spans several nodes (a
-    group's traffic then stays inside its node), else 2, or on an odd rank count its smallest
-    divisor (3 ranks: 3 groups of one), so that any rank count has a default. The rule of
-    AB-training and DiLoCo, for their runs and for the cost model's predictions alike."""
-    if requested:
-        return requested
-    if world_size > ranks_per_node:
-        return world_size // ranks_per_node
-    return next((g for g in range(2, world_size + 1) if world_size % g == 0), 2)
 
 
 def default_group_count(requested: int, world_size: int) -> int:
@@ -496,86 +331,3 @@ def announce(text: str) -> None:
     intact); the one way the library speaks to the user while training."""
     if rank() == 0:
         tqdm.write(text)
-
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
-
-# ---------------------------------------------------------------------------------------------
-# failure handling
-
-
-@contextlib.contextmanager
-def abort_on_error() -> Iterator[None]:
-    """Any exception inside ends the whole MPI job with a non-zero exit instead of a hang.
-
-    The failing rank prints its traceback (prefixed with its rank) and calls MPI_Abort, which
-    makes the launcher kill every other rank, wherever they are blocked.
-    """
-    try:
-        yield
-    except SystemExit as exc:
-        if exc.code not in (None, 0):
-            _abort(int(exc.code) if isinstance(exc.code, int) else 1)
-        raise
-    except BaseException as exc:  # noqa: BLE001 - every failure must reach the other ranks
-        where = f"[rank {_safe_rank()}]"
-        if isinstance(exc, (ConfigError, FloatingPointError)):  # the message says it all
-            report_failure(f"{where} error: {exc}\n")
-        else:
-            text = "".join(traceback.format_exception(exc))
-            report_failure("".join(f"{where} {line}\n" for line in text.rstrip().splitlines()))
-        _abort(2 if isinstance(exc, ConfigError) else 1)
-
-
-def _print_to_stderr(text: str) -> None:
-    print(text, file=sys.stderr, end="", flush=True)
-
-
-# How a failing rank shows why it ends the job; mpi_tests' conftest prints past pytest's capture,
-# which MPI_Abort would otherwise discard with the traceback in it.
-report_failure: Callable[[str], None] = _print_to_stderr
-
-
-def exit_process(code: int) -> None:
-    """End a finished program: its exit handlers and MPI_Finalize while Python still runs,
-    then the process, without the interpreter's teardown, where a Gloo worker thread still
-    alive (its process group referenced by a mesh or a module) may drop a tensor's last
-    reference and abort the process (pytorch/pytorch#190489)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    atexit._run_exitfuncs()  # the torch engine's destroy_process_group, loggers, Horovod's shutdown
-    if "mpi4py.MPI" in sys.modules:
-        from mpi4py import MPI
-
-        if MPI.Is_initialized() and not MPI.Is_finalized():
-            MPI.Finalize()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _abort(code: int) -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if "mpi4py.MPI" in sys.modules and _mpi_size() > 1:
-        from mpi4py import MPI
-
-        MPI.COMM_WORLD.Abort(code)
-    os._exit(code)
-
-
-def _mpi_size() -> int:
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD.Get_size() if MPI.Is_initialized() and not MPI.Is_finalized() else 1
-
-
-def _safe_rank() -> int:
-    try:
-        from mpi4py import MPI
-
-        return MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else 0
-    except Exception:  # noqa: BLE001 - best effort while already failing
-        return 0
