@@ -9,7 +9,13 @@ import torch.nn as nn
 from hvd_lowcomm import config
 from hvd_lowcomm.config import ConfigError
 from hvd_lowcomm.methods.ab import AB, Schedule, _resize
-from hvd_lowcomm.methods.factorized import FactorizedLayer, choose_rank, dropped_fraction, factorize_model, noise_edge
+from hvd_lowcomm.methods.ab.factorized import (
+    FactorizedLayer,
+    choose_rank,
+    dropped_fraction,
+    factorize_model,
+    noise_edge,
+)
 
 from test_ab import spectrum_matrix
 

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from hvd_lowcomm.config import ConfigError
 from hvd_lowcomm.methods.dad import DadOptimizer
-from hvd_lowcomm.methods.lowrank import cheapest_way
+from hvd_lowcomm.methods.dad.lowrank import cheapest_way
 
 from test_dad import cnn, mlp
 

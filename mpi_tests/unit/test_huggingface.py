@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hvd_lowcomm.config import ConfigError
-from hvd_lowcomm.methods.factorized import factorize_model
+from hvd_lowcomm.methods.ab.factorized import factorize_model
 from hvd_lowcomm.methods.sil import SIL
 
 from test_huggingface import SEQ, VOCAB, build

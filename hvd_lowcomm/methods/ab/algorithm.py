@@ -1,6 +1,6 @@
 """`ab`: AB-training (Coquelin et al., arXiv 2405.01067): low-rank factors trained by groups.
 
-Every Linear/ConvNd weight outside `ab.full_rank` becomes W = A B (hvd_lowcomm.methods.factorized).
+Every Linear/ConvNd weight outside `ab.full_rank` becomes W = A B (hvd_lowcomm.methods.ab.factorized).
 The world is split into G groups of contiguous ranks; the first ⌊G/2⌋ are A-groups (train A,
 B frozen), the rest B-groups (train B, A frozen). Schedule, with t the global step and a cycle
 = `sync_every` group steps + `full_rank_steps` full-rank steps:
@@ -57,7 +57,7 @@ from hvd_lowcomm.comm.traffic import meter
 from hvd_lowcomm.config import ConfigError, make_options
 from hvd_lowcomm.methods.ab.options import ABOptions, Schedule, check_groups
 from hvd_lowcomm.methods.base import broadcast_model_and_optimizer, exchange_gradients
-from hvd_lowcomm.methods.factorized import (
+from hvd_lowcomm.methods.ab.factorized import (
     FactorizedLayer,
     choose_rank,
     dropped_fraction,

@@ -12,7 +12,7 @@ from hvd_lowcomm.comm.traffic import FLOAT_BYTES
 from hvd_lowcomm.config import Config, ConfigError
 from hvd_lowcomm.costmodel import LayerSample, Link, Prediction, Profile, RunAssumptions, median_seconds, sent_bytes
 from hvd_lowcomm.methods.ab.options import ABOptions, Schedule
-from hvd_lowcomm.methods.factorized import leading_svd
+from hvd_lowcomm.methods.ab.factorized import leading_svd
 
 
 def assumed_rank(fan_in: int, fan_out: int, assumptions: RunAssumptions, o: ABOptions) -> int:

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.config import ConfigError, option, subsection
-from hvd_lowcomm.methods.factorized import RANK_RULES
+from hvd_lowcomm.methods.ab.factorized import RANK_RULES
 from hvd_lowcomm.methods.grouped import GroupedOptions
 from hvd_lowcomm.schedule import run_steps
 

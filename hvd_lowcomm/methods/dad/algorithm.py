@@ -17,7 +17,7 @@ numbers, and every rank forms the pooled gradient [Δ_1; ...; Δ_p]ᵀ [A_1; ...
   loss over the pooled batch, also for unequal batch sizes. The exchange is one Horovod cycle
   (allgathers and allreduces submitted together).
 - rank-dAD replaces each rank's rows by k <= r factor rows: the top singular triplets of the
-  local gradient, computed the cheapest way for the layer's shapes (hvd_lowcomm.methods.lowrank: exactly
+  local gradient, computed the cheapest way for the layer's shapes (hvd_lowcomm.methods.dad.lowrank: exactly
   from few rows, by power iteration on the gradient autograd formed for a conv layer's many
   rows, or by structured power iteration); each rank sends its own k rows (Horovod's allgather
   takes a different count from each rank). Bias gradients, which factors do not carry, are
@@ -74,7 +74,7 @@ from hvd_lowcomm.methods.drop_in import (
     horovod_arguments,
     wrap_optimizer,
 )
-from hvd_lowcomm.methods.lowrank import cheapest_way, factors_from_rows, gradient_power_iteration, missed_energy
+from hvd_lowcomm.methods.dad.lowrank import cheapest_way, factors_from_rows, gradient_power_iteration, missed_energy
 from hvd_lowcomm.models.layer_kinds import kind_of
 
 
@@ -470,7 +470,7 @@ FALLBACK_STEPS = 10
 
 class FactorRows(_Sharing):
     """rank-dAD: every rank shares k factor rows of its local gradient (its top singular
-    triplets, hvd_lowcomm.methods.lowrank); biases are allreduced.
+    triplets, hvd_lowcomm.methods.dad.lowrank); biases are allreduced.
 
     Adaptive (rank 0, the default): k is each layer's own, the fewest components that leave out
     at most `error_target` of the local gradient's energy (hvd_lowcomm.methods.adaptive_rank), at

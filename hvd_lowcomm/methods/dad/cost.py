@@ -21,7 +21,7 @@ from hvd_lowcomm.methods.dad.plan import (
     sharing_is_cheaper,
     supports,
 )
-from hvd_lowcomm.methods.lowrank import cheapest_way, factors_from_rows, gradient_power_iteration
+from hvd_lowcomm.methods.dad.lowrank import cheapest_way, factors_from_rows, gradient_power_iteration
 
 
 def shared_layers(model: nn.Module, input_shape: tuple[int, ...], options: Any, cfg: Config) -> set[str]:
