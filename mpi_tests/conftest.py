@@ -169,12 +169,17 @@ def mpirun(np_: int, *command: str) -> list[str]:
 
 # Runs hvd_lowcomm.train once per argv of a JSON list, in order, in one MPI job: a job's start
 # (torch, MPI, the engine's rendezvous) costs more than a run of a few steps.
+# It ends as `python -m hvd_lowcomm.train` does (exit_process: no interpreter teardown, where a
+# Gloo worker thread may abort the process).
 TRAINER_RUNS = textwrap.dedent("""
     import json, sys
+    from hvd_lowcomm.comm.runtime import exit_process
     from hvd_lowcomm.train import main
     for argv in json.loads(open(sys.argv[1]).read()):
         if main(argv) != 0:
-            sys.exit(f"hvd_lowcomm.train failed: {argv}")
+            print(f"hvd_lowcomm.train failed: {argv}", file=sys.stderr)
+            exit_process(1)
+    exit_process(0)
 """)
 
 
