@@ -105,7 +105,11 @@ def load_train_objs(seed: int = 0) -> tuple[Dataset, torch.nn.Module, Callable]:
 
 def prepare_dataloader(dataset: Dataset, batch_size: int) -> DataLoader:
     return DataLoader(
-        dataset, batch_size=batch_size, pin_memory=True, shuffle=False, sampler=DistributedSampler(dataset)
+        dataset,
+        batch_size=batch_size,
+        pin_memory=torch.cuda.is_available(),  # port: the tutorial's True; pinning is for a GPU's copies
+        shuffle=False,
+        sampler=DistributedSampler(dataset),
     )
 
 
