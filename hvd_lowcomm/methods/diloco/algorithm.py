@@ -654,9 +654,13 @@ def check_same_everywhere(model: nn.Module, what: str) -> None:
     """Raise where `model` differs between ranks by more than float rounding (a fingerprint of
     its floating-point state, compared over MPI; eager updates sum the groups' parts in another
     order on each): a model the docs promise is the same on every rank must be."""
-    with torch.no_grad():
-        values = [t.detach().double() for t in model.state_dict().values() if t.is_floating_point()]
-        mine = (sum(float(v.sum()) for v in values), sum(float(v.abs().sum()) for v in values))
+    total = absolute = 0.0
+    with torch.no_grad():  # tensor by tensor, summed in float64: no copy of the whole model
+        for t in model.state_dict().values():
+            if t.is_floating_point():
+                total += float(t.sum(dtype=torch.float64))
+                absolute += float(t.abs().sum(dtype=torch.float64))
+    mine = (total, absolute)
     prints = runtime.world().comm.allgather(mine)
     scale = max(p[1] for p in prints)
     if any(abs(p[0] - prints[0][0]) > 1e-5 * scale or abs(p[1] - prints[0][1]) > 1e-5 * scale for p in prints):
