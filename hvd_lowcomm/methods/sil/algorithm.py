@@ -51,7 +51,7 @@ from hvd_lowcomm.methods.partition import (
     pipeline_train_step,
     token_vocabulary,
 )
-from hvd_lowcomm.methods.grouped import initialising_state
+from hvd_lowcomm.methods.grouped import OptimizerDoor
 from hvd_lowcomm.methods.sil.options import SILOptions
 
 
@@ -139,7 +139,7 @@ class SIL:
         self.generator = torch.Generator().manual_seed(self.code_seed + runtime.rank())
         self.diagnostics: dict[str, Any] = {}
         self.stepping = False  # inside step() or recovery_step(): they step the optimiser themselves
-        self.hooked: set[int] = set()  # the optimisers step() was given, whose own step() refuses
+        self.doors: dict[int, OptimizerDoor] = {}  # per optimiser step() was given: its own step() refuses
 
     def _code_as_input(self, codes: torch.Tensor, cut: int) -> torch.Tensor:
         """Codes (batch × channels) shaped as the activation at `cut`: spread over the positions
@@ -213,21 +213,20 @@ class SIL:
     def _own_step(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
         """Around SIL's own step of `optimizer`, whose step() refuses anywhere else from now on:
         a loop that calls it after sil.step() would step twice per batch."""
-        if id(optimizer) not in self.hooked:
-            self.hooked.add(id(optimizer))
-            optimizer.register_step_pre_hook(self._refuse_outside_step)
+        door = self.doors.get(id(optimizer))
+        if door is None:
+            door = self.doors[id(optimizer)] = OptimizerDoor(
+                optimizer,
+                "sil.step(opt, x, y)",
+                shut="SIL steps this optimiser itself in sil.step(opt, x, y) and sil.recovery_step(...): "
+                "a step of the loop's own would step twice per batch; remove optimizer.step() from the loop",
+            )
         self.stepping = True
         try:
-            yield
+            with door.own_step():
+                yield
         finally:
             self.stepping = False
-
-    def _refuse_outside_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self.stepping and not initialising_state(optimizer):
-            raise ConfigError(
-                "SIL steps this optimiser itself in sil.step(opt, x, y) and sil.recovery_step(...): "
-                "a step of the loop's own would step twice per batch; remove optimizer.step() from the loop"
-            )
 
     def start_recovery(self, optimizer: torch.optim.Optimizer) -> None:
         """Call once before the first recovery step: forgets the optimiser's state (Adam's
