@@ -56,11 +56,12 @@ test-8: $(STAMP)
 test-cluster: $(STAMP)
 	HVD_LOWCOMM_CLUSTER_TEST=1 $(PY) -m pytest -p no:cacheprovider -s $(PYTEST_ARGS) mpi_tests/test_cluster.py
 
-# Each example script at NP ranks for a few steps (CI runs this: the README's API must work).
-EXAMPLE_METHODS = ddp ddp-fp16 powersgd dad rank-dad ab sil diloco
+# Each example script at NP ranks for a few steps (CI runs this: the README's API must work);
+# lowcomm.py once per method it lists (every registered one it has a line for).
 examples: $(STAMP)
 	$(MPIRUN) -np $(NP) $(PY) examples/plain_horovod.py --steps 6
-	set -e; for m in $(EXAMPLE_METHODS); do $(MPIRUN) -np $(NP) $(PY) examples/lowcomm.py --method $$m --steps 6; done
+	set -e; for m in $$($(PY) examples/lowcomm.py --list-methods); do \
+		$(MPIRUN) -np $(NP) $(PY) examples/lowcomm.py --method $$m --steps 6; done
 
 # The documentation site (Sphinx, furo theme) into docs/_build/html; warnings are errors, so a
 # broken reference or a docstring that does not parse fails the build (CI runs this); -E: the

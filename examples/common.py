@@ -74,7 +74,9 @@ def batches(args: argparse.Namespace, rank: int, replicas: int, train: bool = Tr
 def arguments(description: str, methods: tuple[str, ...] = ()) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     if methods:
-        parser.add_argument("--method", choices=methods, default=methods[0], help="how ranks share what they learn")
+        default = "ddp" if "ddp" in methods else methods[0]
+        parser.add_argument("--method", choices=methods, default=default, help="how ranks share what they learn")
+        parser.add_argument("--list-methods", action="store_true", help="print the methods, one a line, and exit")
     parser.add_argument("--steps", type=int, default=20, help="training steps")
     parser.add_argument("--batch-size", type=int, default=32, help="samples per rank per step")
     parser.add_argument("--width", type=int, default=16, help="channels of the first stage (64: ResNet-18)")
@@ -84,7 +86,11 @@ def arguments(description: str, methods: tuple[str, ...] = ()) -> argparse.Names
         default="",
         help="an HDF5 file from data_prep with 3x32x32 images (default: synthetic CIFAR-shaped data)",
     )
-    return parser.parse_args()
+    args = parser.parse_args()
+    if methods and args.list_methods:
+        print("\n".join(methods))
+        raise SystemExit(0)
+    return args
 
 
 def accuracy(model: nn.Module, test_batches) -> tuple[int, int]:

@@ -120,6 +120,11 @@ def specs() -> dict[str, MethodSpec]:
     return dict(_registry)
 
 
+def methods() -> list[str]:
+    """Every registered method name, variants included, in registration order."""
+    return list(specs())
+
+
 def spec(name: str) -> MethodSpec:
     return specs()[name]
 

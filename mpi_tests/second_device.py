@@ -102,10 +102,33 @@ class DeviceTensor(torch.Tensor):
 _CROSSING_OPS = {torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default, torch.ops.aten.index.Tensor}
 
 
+class _Event:
+    """An event on the device's streams: recorded work is done when an op returns."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: "_Stream | None" = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def record(self, stream: "_Stream | None" = None) -> None:
+        pass
+
+
 class _Stream:
-    """The device's one stream, as torch.cuda's: its work is done when an op returns (the device
+    """A stream of the device, as torch.cuda's: its work is done when an op returns (the device
     computes on the host), so waiting on it returns at once. torch.distributed.checkpoint saves
-    through the stream of any device that is available."""
+    through the stream of any device that is available; FSDP2 makes streams of its own and
+    orders them by events."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
 
     def synchronize(self) -> None:
         pass
@@ -113,8 +136,41 @@ class _Stream:
     def wait_stream(self, other: "_Stream") -> None:
         pass
 
+    def wait_event(self, event: _Event) -> None:
+        pass
+
+    def record_event(self, event: _Event | None = None) -> _Event:
+        return event or _Event()
+
     def query(self) -> bool:
         return True
+
+
+def _storage(tensor: torch.Tensor) -> torch.UntypedStorage:
+    return (tensor.host if isinstance(tensor, DeviceTensor) else tensor).untyped_storage()
+
+
+def _alloc_storage(tensor: torch.Tensor) -> None:
+    size = tensor.numel() * tensor.itemsize
+    if (storage := _storage(tensor)).size() != size:
+        storage.resize_(size)
+
+
+def _free_storage(tensor: torch.Tensor) -> None:
+    if (storage := _storage(tensor)).size() != 0:
+        storage.resize_(0)
+
+
+def _let_fsdp_resize_storage() -> None:
+    """FSDP2 frees and regrows the storage of gathered parameters through tensor.untyped_storage(),
+    which a wrapper tensor has none of: its two helpers resize the host tensor's storage instead
+    (torch.cuda tensors own theirs; this device's own the host tensor's)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    for module in (_fsdp_param, _fsdp_param_group):
+        for name, helper in (("alloc_storage", _alloc_storage), ("free_storage", _free_storage)):
+            if hasattr(module, name):
+                setattr(module, name, helper)
 
 
 def _backend_module() -> types.ModuleType:
@@ -122,6 +178,8 @@ def _backend_module() -> types.ModuleType:
     stream = _Stream()
     module.current_stream = lambda device=None: stream
     module.stream = lambda chosen: contextlib.nullcontext()
+    module.Stream = _Stream
+    module.Event = _Event
     module.is_available = lambda: True
     module.device_count = lambda: 1
     module.current_device = lambda: 0
@@ -186,4 +244,5 @@ def register() -> torch.device:
         library.impl(qualified, _factory_kernel(op), "PrivateUse1")
     library.impl("_copy_from", _copy_from, "PrivateUse1")
     _libraries.append(library)
+    _let_fsdp_resize_storage()
     return DEVICE

@@ -12,6 +12,7 @@ import textwrap
 import pytest
 
 from conftest import RANK, SIZE, clean_env, mpirun, trainer_runs
+from hvd_lowcomm.registry import methods as hl_methods
 
 JOB = textwrap.dedent("""
     import json, sys
@@ -66,6 +67,8 @@ JOB = textwrap.dedent("""
     if rank == 0:
         print("REPORT " + json.dumps(report), flush=True)
 """)
+# The library's forms that run on both engines (fsdp is torch's alone: the command-line test
+# below runs it), and one DiLoCo compressor whose exchange overlaps the next steps.
 METHODS = ["ddp", "ddp-fp16", "powersgd", "dad", "rank-dad", "diloco", "diloco-int8-delayed", "ab"]
 
 
@@ -133,7 +136,7 @@ def test_bfloat16_on_the_wire_halves_the_bytes_and_trains_as_float32_sums_do(tmp
 
 @pytest.mark.skipif(SIZE > 1, reason="launches jobs of its own")
 def test_without_horovod_every_method_trains_from_the_command_line(tmp_path):
-    methods = ["ddp", "powersgd", "dad", "rank-dad", "ab", "diloco", "sil", "mp"]
+    methods = hl_methods()  # every registered method, fsdp on the torch engine Horovod's absence picks
     common = ["--train.max_steps", "4", "--train.epochs", "1", "--run.progress", "false"]
     files = ["--run.dir", str(tmp_path / "runs"), "--data.path", str(tmp_path / "digits.h5")]
     argvs = [["--method", method, *common, *files, "--run.name", method] for method in methods]

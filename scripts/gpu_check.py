@@ -30,7 +30,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 HOROVOD_SDIST = ROOT / "vendor" / "horovod-0.28.1.tar.gz"
 ONE_RANK = ["ddp", "dad", "local"]  # one rank: the device's own code paths, no exchange
-TWO_RANKS = ["ddp", "ddp-fp16", "powersgd", "dad", "rank-dad", "edad", "local", "ab", "diloco", "sil", "mp"]
 ENGINES = ("torch", "horovod")
 # Horovod's build from the sdist with NCCL: what the budget must still hold to try it.
 HOROVOD_BUILD_SECONDS = 360
@@ -57,7 +56,7 @@ def main() -> int:
     parser.add_argument(
         "--methods",
         default="",
-        help=f"only these methods, comma-separated (default: every one: {', '.join(TWO_RANKS)})",
+        help="only these methods, comma-separated (default: every registered method)",
     )
     parser.add_argument(
         "--budget",
@@ -81,9 +80,10 @@ def main() -> int:
     engines = [e for e in args.engines.split(",") if e]
     if not engines or any(e not in ENGINES for e in engines):
         parser.error(f"--engines takes a comma-separated list of {', '.join(ENGINES)}, got {args.engines!r}")
-    chosen = [m for m in args.methods.split(",") if m] or TWO_RANKS
-    if any(m not in TWO_RANKS for m in chosen):
-        parser.error(f"--methods takes a comma-separated list of {', '.join(TWO_RANKS)}, got {args.methods!r}")
+    every = registered_methods()
+    chosen = [m for m in args.methods.split(",") if m] or every
+    if any(m not in every for m in chosen):
+        parser.error(f"--methods takes a comma-separated list of {', '.join(every)}, got {args.methods!r}")
     started = time.time()
     # the runs import hvd_lowcomm from the checkout, and a Horovod built here from out/site
     paths = (str(out / "site"), str(ROOT), os.environ.get("PYTHONPATH", ""))
@@ -98,7 +98,7 @@ def main() -> int:
                 skipped.append(f"horovod: {why_not}")
                 print(f"gpu-check: horovod skipped: {why_not}", flush=True)
                 continue
-        for ranks, methods in ((1, ONE_RANK), (2, TWO_RANKS)):
+        for ranks, methods in ((1, ONE_RANK), (2, every)):
             for method in [m for m in methods if m in chosen]:
                 rows.append(compare(args, engine, ranks, method, data, out, cpu_losses))
                 print(format_row(rows[-1]), flush=True)
@@ -288,13 +288,24 @@ def failure_line(output: str) -> str:
     return (telling or lines or ["no output"])[-1]
 
 
+def registered_methods() -> list[str]:
+    """Every method name the registry knows, variants included: a new method is checked here
+    without an edit."""
+    from hvd_lowcomm.registry import methods
+
+    return methods()
+
+
 def run_one(device: str, argv: list[str]) -> int:
-    """Inside the launch: the training program, on the tests' second device where asked."""
+    """Inside the launch: the training program, on the tests' second device where asked; the
+    process ends as `python -m hvd_lowcomm.train` ends (exit_process: no teardown of groups
+    whose peers may have gone)."""
     if device == "testdev":
         register_second_device()
+    from hvd_lowcomm.comm import runtime
     from hvd_lowcomm.train import main as train
 
-    return train(argv)
+    runtime.exit_process(train(argv))
 
 
 def register_second_device() -> None:

@@ -24,7 +24,7 @@ runs on torch.distributed process groups: the torch engine only.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.runtime import Group
-from hvd_lowcomm.comm.traffic import meter
+from hvd_lowcomm.comm.traffic import collectives_take, meter
 from hvd_lowcomm.config import ConfigError
 
 try:  # FSDP2 with custom comms; the defaults subclassed are torch's own (no public name yet)
@@ -101,6 +101,12 @@ def device_mesh(group_size: int = 0, device: torch.device | str | None = None, r
         return _remember(
             DeviceMesh.from_group(shard.process_set, device_type, mesh_dim_names=("shard",)), (shard, None)
         )
+    if device_type == "cuda" and not collectives_take(torch.device("cuda")):
+        raise ConfigError(
+            "HSDP (sharding groups smaller than the world) all-reduces across groups with NCCL, which "
+            "refuses ranks that share a GPU: give each rank its own GPU, or shard over every rank "
+            "(group size 0)"
+        )
     replicate, _ = runtime.split_by_position(world.size // size, label="replicate")
     layout = torch.arange(world.size).view(world.size // size, size)
     columns = replicate.process_set if replicate.size < world.size else dist.group.WORLD  # groups of one rank
@@ -134,6 +140,18 @@ def columns_across_groups(parameters: Any) -> Group | None:
     return column
 
 
+def _staged(output_tensor: torch.Tensor, input_tensor: torch.Tensor, collective: Callable[..., Any]) -> Any:
+    """`collective(output, input)` on host copies where the group's backend cannot take the
+    device's tensors (ranks sharing a GPU, which NCCL refuses; see traffic.collectives_take),
+    the result copied back; else on the tensors themselves."""
+    if input_tensor.device.type != "cuda" or collectives_take(input_tensor.device):
+        return collective(output_tensor, input_tensor)
+    host_output = torch.empty(output_tensor.shape, dtype=output_tensor.dtype)
+    collective(host_output, input_tensor.cpu(), async_op=False)
+    output_tensor.copy_(host_output)
+    return None  # done: FSDP2 waits on its stream's event, not on a Work
+
+
 class MeteredAllGather(DefaultAllGather):
     """FSDP2's all-gather of a module's parameters, recorded in the meter."""
 
@@ -144,7 +162,12 @@ class MeteredAllGather(DefaultAllGather):
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
     ) -> Any:
         meter.record("allgather", self.name, output_tensor.numel() * output_tensor.element_size(), self.group)
-        return super().__call__(output_tensor, input_tensor, group, async_op)
+        gather = super().__call__
+        return _staged(
+            output_tensor,
+            input_tensor,
+            lambda out, inp, async_op=async_op: gather(out, inp, group, async_op),
+        )
 
 
 class MeteredReduceScatter(DefaultReduceScatter):
@@ -162,7 +185,12 @@ class MeteredReduceScatter(DefaultReduceScatter):
         async_op: bool = False,
     ) -> Any:
         meter.record("reduce_scatter", self.name, input_tensor.numel() * input_tensor.element_size(), self.group)
-        return super().__call__(output_tensor, input_tensor, group, op, async_op)
+        scatter = super().__call__
+        return _staged(
+            output_tensor,
+            input_tensor,
+            lambda out, inp, async_op=async_op: scatter(out, inp, group, op, async_op),
+        )
 
 
 def fully_shard(module: torch.nn.Module, mesh: DeviceMesh, **options: Any) -> torch.nn.Module:
