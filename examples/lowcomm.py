@@ -17,7 +17,7 @@ NOT_HERE = {
     "edad": "recomputes hidden deltas through a chain of linear layers; a ResNet has convolutions",
     "mp": "the built-in trainer's pipeline across ranks (python -m hvd_lowcomm.train --method mp)",
 }
-METHODS = tuple(name for name in hl.methods() if name not in NOT_HERE)
+METHODS = tuple(name for name in hl.method_names() if name not in NOT_HERE)
 args = arguments(__doc__, METHODS)
 # MPI + Horovod, instead of hvd.init(); binds a GPU per rank. FSDP2 runs on torch.distributed.
 hl.init(engine="torch" if args.method == "fsdp" else "auto")

@@ -37,7 +37,7 @@ _EXPORTS = {
     "SIL": "hvd_lowcomm.methods.sil",  # synthetic intermediate labels, per partition
     "DiLoCo": "hvd_lowcomm.methods.diloco",  # local SGD in groups with an outer optimiser
     "meter": "hvd_lowcomm.comm.traffic",  # the traffic meter: bytes per op/tensor
-    "methods": "hvd_lowcomm.registry",  # every registered method name (the --method choices)
+    "method_names": "hvd_lowcomm.registry",  # every registered method name (the --method choices)
     "broadcast_parameters": "hvd_lowcomm.methods.base",  # Horovod's, on either engine
     "broadcast_optimizer_state": "hvd_lowcomm.methods.base",
     "Compression": "hvd_lowcomm.methods.drop_in",  # Horovod's names, for `import hvd_lowcomm as hvd`

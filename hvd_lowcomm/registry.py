@@ -120,7 +120,7 @@ def specs() -> dict[str, MethodSpec]:
     return dict(_registry)
 
 
-def methods() -> list[str]:
+def method_names() -> list[str]:
     """Every registered method name, variants included, in registration order."""
     return list(specs())
 

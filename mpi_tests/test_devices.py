@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import hvd_lowcomm as hl
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.traffic import meter
-from hvd_lowcomm.registry import methods
+from hvd_lowcomm.registry import method_names
 from conftest import RANK, SIZE
 from second_device import DEVICE, register
 
@@ -175,7 +175,7 @@ def test_sil_trains_its_partition_on_the_device_as_on_the_cpu(world):
 
 # -- the command line ---------------------------------------------------------------------------
 
-CLI_METHODS = methods()  # every registered method: a new one is checked without an edit
+CLI_METHODS = method_names()  # every registered method: a new one is checked without an edit
 NEEDS_TWO_RANKS = ("sil", "mp", "ab", "diloco")  # a rank per partition or group
 NEEDS_TORCH_ENGINE = ("fsdp",)  # FSDP2 runs on torch.distributed's groups
 

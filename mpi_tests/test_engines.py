@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from conftest import RANK, SIZE, clean_env, mpirun, trainer_runs
-from hvd_lowcomm.registry import methods as hl_methods
+from hvd_lowcomm.registry import method_names
 
 JOB = textwrap.dedent("""
     import json, sys
@@ -136,7 +136,7 @@ def test_bfloat16_on_the_wire_halves_the_bytes_and_trains_as_float32_sums_do(tmp
 
 @pytest.mark.skipif(SIZE > 1, reason="launches jobs of its own")
 def test_without_horovod_every_method_trains_from_the_command_line(tmp_path):
-    methods = hl_methods()  # every registered method, fsdp on the torch engine Horovod's absence picks
+    methods = method_names()  # every registered method, fsdp on the torch engine Horovod's absence picks
     common = ["--train.max_steps", "4", "--train.epochs", "1", "--run.progress", "false"]
     files = ["--run.dir", str(tmp_path / "runs"), "--data.path", str(tmp_path / "digits.h5")]
     argvs = [["--method", method, *common, *files, "--run.name", method] for method in methods]
