@@ -18,6 +18,7 @@ LAYERS = [
     (
         "foundation",
         [
+            "hvd_lowcomm.options",
             "hvd_lowcomm.config",
             "hvd_lowcomm.metrics",
             "hvd_lowcomm.schedule",
