@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from conftest import RANK, SIZE
 from hvd_lowcomm.methods.dad.lowrank import WAYS, exact_factors, gradient_power_iteration, structured_power_iteration
 from hvd_lowcomm.methods.dad import DadOptimizer
-from hvd_lowcomm.methods.dad.algorithm import FALLBACK_STEPS
+from hvd_lowcomm.methods.dad.factor_rows import FALLBACK_STEPS
 from hvd_lowcomm.train import main
 
 

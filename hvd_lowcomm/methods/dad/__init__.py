@@ -1,18 +1,15 @@
 """`dad`, `rank-dad`, `edad`: ranks share layer activations and deltas instead of gradients, by
-concern: options, the per-layer plan, the algorithm (`DadOptimizer`), its cost, and the built-in
-loop's adapters (registered on import)."""
+concern: options, the per-layer plan, the algorithm (`DadOptimizer`), its exchange and one
+sharing strategy per mode (exact rows, factor rows, recomputed deltas), its cost, and the
+built-in loop's adapters (registered on import)."""
 
 from __future__ import annotations
 
 from hvd_lowcomm.methods.dad.adapter import DistributedAutoDiff, EfficientDistributedAutoDiff, RankDistributedAutoDiff
-from hvd_lowcomm.methods.dad.algorithm import (
-    DadOptimizer,
-    ExactRows,
-    FactorRows,
-    RecomputedDeltas,
-    check_dad_model,
-    edad_chain,
-)
+from hvd_lowcomm.methods.dad.algorithm import DadOptimizer, check_dad_model
+from hvd_lowcomm.methods.dad.exact_rows import ExactRows
+from hvd_lowcomm.methods.dad.factor_rows import FactorRows
+from hvd_lowcomm.methods.dad.recomputed_deltas import RecomputedDeltas, edad_chain
 from hvd_lowcomm.methods.dad.cost import (
     dad_kernels,
     predict_dad,

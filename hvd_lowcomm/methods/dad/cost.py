@@ -11,7 +11,8 @@ import torch.nn as nn
 from hvd_lowcomm.comm.traffic import FLOAT_BYTES
 from hvd_lowcomm.config import Config, ConfigError
 from hvd_lowcomm.costmodel import LayerSample, Link, Prediction, Profile, RunAssumptions, sent_bytes
-from hvd_lowcomm.methods.dad.algorithm import FactorRows, edad_chain
+from hvd_lowcomm.methods.dad.factor_rows import FactorRows
+from hvd_lowcomm.methods.dad.recomputed_deltas import edad_chain
 from hvd_lowcomm.methods.dad.options import DadOptions, RankDadOptions, planned_rank
 from hvd_lowcomm.methods.dad.plan import (
     activation_rows,
