@@ -36,6 +36,8 @@ _EXPORTS = {
     "ABTraining": "hvd_lowcomm.methods.ab",  # AB-training around the user's step
     "SIL": "hvd_lowcomm.methods.sil",  # synthetic intermediate labels, per partition
     "DiLoCo": "hvd_lowcomm.methods.diloco",  # local SGD in groups with an outer optimiser
+    "muon_with_adamw": "hvd_lowcomm.optimizers",  # Muon for weight matrices, AdamW for the rest
+    "CombinedOptimizer": "hvd_lowcomm.optimizers",  # several torch optimisers stepped as one
     "meter": "hvd_lowcomm.comm.traffic",  # the traffic meter: bytes per op/tensor
     "method_names": "hvd_lowcomm.registry",  # every registered method name (the --method choices)
     "broadcast_parameters": "hvd_lowcomm.methods.base",  # Horovod's, on either engine

@@ -36,7 +36,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -324,13 +324,14 @@ class PreemptionSignal:
 @dataclass
 class TrainState:
     """Where a run stands: the next (epoch, batch) to run, the best test accuracy so far, the
-    skipped non-finite steps (these four are checkpointed), the step timers and the latest
-    epoch record."""
+    skipped non-finite steps, the training clock when the run last stopped (these five are
+    checkpointed), the step timers and the latest epoch record."""
 
     epoch: int = 1
     batch: int = 0
     best_acc: float = 0.0
     skipped: int = 0
+    train_seconds: float = 0.0
     step_seconds: float = 0.0
     wait_seconds: float = 0.0
     record: dict[str, Any] = field(default_factory=lambda: {"test_acc": 0.0})
@@ -352,10 +353,16 @@ class Checkpointer:
         self.batches_per_epoch = batches_per_epoch
         self.state = state or TrainState()
         self.stopping, self.checkpoint_due = False, False
+        self.train_clock: Callable[[], float] = lambda: self.state.train_seconds  # the loop's, once it runs
 
     def save(self, epoch: int, batch: int) -> Path:
         position = {"epoch": epoch, "batch": batch, "step": meter.step, "batches_per_epoch": self.batches_per_epoch}
-        extra = {"best_acc": self.state.best_acc, "skipped": self.state.skipped, "config": self.cfg.to_dict()}
+        extra = {
+            "best_acc": self.state.best_acc,
+            "skipped": self.state.skipped,
+            "train_seconds": self.train_clock(),  # a time budget counts the time before a resume
+            "config": self.cfg.to_dict(),
+        }
         return save(self.run_dir, self.method, position, extra, self.cfg.run.keep_checkpoints)
 
     def signalled(self) -> bool:

@@ -159,7 +159,13 @@ class TrainConfig:
     """Optimisation: epochs, optimiser, learning rate, seed."""
 
     epochs: int = option(20, "passes over the training set")
-    optimizer: str = option("adam", "optimiser (ab: adamw unless set)", choices=("sgd", "adam", "adamw"))
+    optimizer: str = option(
+        "adam",
+        "optimiser (ab: adamw unless set); muon: Muon (torch.optim.Muon, its update scaled to "
+        "AdamW's size) for the hidden layers' weight matrices and AdamW for embeddings, the "
+        "output layer, biases, norms and convolutions, both at train.lr and train.weight_decay",
+        choices=("sgd", "adam", "adamw", "muon"),
+    )
     # 1e-3, Adam's own default: at 1e-2 wide layers lose accuracy under every method and SIL's
     # partitions can collapse (a partition's output stops depending on its input).
     lr: float = option(0.001, "peak learning rate (not scaled by the number of ranks)")
@@ -179,6 +185,13 @@ class TrainConfig:
         -1,
         "stop after this many training steps (-1: no limit; 0: start up, "
         "evaluate once and stop, which measures start-up traffic)",
+    )
+    max_time: float = option(
+        0.0,
+        "stop after this many seconds of training (evaluation excluded; 0: no limit): "
+        "the run ends at whichever of epochs, max_steps and max_time comes first, every "
+        "rank at the same step, and the learning-rate schedule spans the steps that fit "
+        "(planned from the slowest rank's step time, revised as the run goes)",
     )
     accumulate: int = option(
         1,
@@ -208,6 +221,8 @@ class TrainConfig:
         _positive(self, "epochs", "accumulate")
         if self.max_steps < -1:
             raise ConfigError(f"train.max_steps must be -1 (no limit) or >= 0, got {self.max_steps}")
+        if self.max_time < 0:
+            raise ConfigError(f"train.max_time must be >= 0 seconds (0: no limit), got {self.max_time}")
         if self.warmup_steps < 0:
             raise ConfigError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.lr <= 0:
@@ -293,6 +308,12 @@ class RunConfig:
         "also evaluate every N steps within an epoch (0: at epoch ends only; methods "
         "whose ranks take different steps, such as sil, evaluate at epoch ends only)",
     )
+    eval_every_seconds: float = option(
+        0.0,
+        "also evaluate every S seconds of training (evaluation excluded) within an epoch, at "
+        "the steps the ranks' agreed step time predicts, for a loss-against-time curve "
+        "(0: off; sil evaluates at epoch ends only)",
+    )
     checkpoint_every: int = option(500, "write a checkpoint every N steps (0: only at the end and on preemption)")
     keep_checkpoints: int = option(3, "keep the newest K checkpoints")
     resume: str = option(
@@ -313,7 +334,7 @@ class RunConfig:
         unknown = [name for name in self.loggers if name not in LOGGERS]
         if unknown:
             raise ConfigError(f"run.loggers: unknown logger(s) {', '.join(unknown)}; choose from {', '.join(LOGGERS)}")
-        for name in ("checkpoint_every", "eval_every"):
+        for name in ("checkpoint_every", "eval_every", "eval_every_seconds"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"run.{name} must be >= 0, got {getattr(self, name)}")
 

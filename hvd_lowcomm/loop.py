@@ -19,6 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from hvd_lowcomm import checkpoint, data, task
+from hvd_lowcomm.budget import RunLength
 from hvd_lowcomm.checkpoint import Checkpointer, PreemptionSignal, TrainState
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.mesh import local_part
@@ -103,6 +104,7 @@ def train(
                 f"continuing at the same share of it, with new random streams"
             )
         state.best_acc, state.skipped = own["extra"]["best_acc"], own["extra"]["skipped"]
+        state.train_seconds = own["extra"].get("train_seconds", 0.0)
         log.continue_from(position["step"])
         log.print(f"resumed from {resume_from} at step {position['step']} (epoch {state.epoch}, batch {state.batch})")
     if rank == 0:
@@ -110,6 +112,14 @@ def train(
 
     start = time.perf_counter()  # the run's wall clock, which the evaluations below report
     eval_seconds = [0.0]  # evaluation's share of the wall clock, so far
+    trained_before = state.train_seconds  # a resumed run's training clock when it stopped
+
+    def train_clock() -> float:
+        """Seconds of training so far (a resumed run's before it included): the wall clock
+        less evaluation."""
+        return trained_before + time.perf_counter() - start - eval_seconds[0]
+
+    keeper.train_clock = train_clock
 
     def timed_evaluate(mean_loss: float) -> dict[str, Any]:
         """Evaluate, with the wall clock since the start and the part of it spent training (all
@@ -118,7 +128,7 @@ def train(
         record = evaluate(method, test_batches, mean_loss, info)
         now = time.perf_counter()
         eval_seconds[0] += now - began
-        return {**record, "seconds": now - start, "train_seconds": now - start - eval_seconds[0]}
+        return {**record, "seconds": now - start, "train_seconds": train_clock()}
 
     def evaluate_within_epoch(epoch: int, batch: int, mean_loss: float) -> None:
         record = {
@@ -133,7 +143,12 @@ def train(
     total_steps = epochs * len(train_batches)
     if cfg.train.max_steps >= 0:
         total_steps = min(total_steps, cfg.train.max_steps)
+    t = cfg.train
+    length = RunLength(
+        total_steps, t.max_time, cfg.run.eval_every_seconds, train_clock, method.lockstep, meter.step, t.warmup_steps
+    )
     method.set_total_steps(total_steps)
+    evaluates_within = (cfg.run.eval_every or cfg.run.eval_every_seconds) and method.lockstep
     for epoch in range(state.epoch, epochs + 1):
         first_batch = state.batch if epoch == state.epoch else 0
         if first_batch == 0:  # a resumed epoch's start-of-epoch state is in the checkpoint
@@ -145,10 +160,10 @@ def train(
             train_batches,
             epoch,
             first_batch,
-            total_steps,
+            length,
             log,
             keeper,
-            evaluate_within_epoch if cfg.run.eval_every and method.lockstep else None,
+            evaluate_within_epoch if evaluates_within else None,
         )
         state.step_seconds += result.step_seconds
         state.wait_seconds += result.wait_seconds
@@ -174,7 +189,9 @@ def train(
             keeper.at_epoch_end(state.epoch, state.batch, log)
             if keeper.stopping:
                 return None
-        if meter.step >= total_steps:
+            if length.at_epoch_end(meter.step) and len(length.plans) == 1:
+                method.set_total_steps(length.total)
+        if meter.step >= length.total:
             break
         state.epoch, state.batch = epoch + 1, 0
     if "epoch" not in state.record:  # resumed a run that had nothing left to do: report where it stands
@@ -182,6 +199,7 @@ def train(
     keeper.save(state.epoch, state.batch)
 
     summary, extra = summarize(cfg, method, state, time.perf_counter() - start, parameters, notes or {}, info)
+    summary.update({"train_seconds": train_clock(), **length.summary()})
     final = method.final_state_dict()
     if final is not None:
         torch.save(final, run_dir / "model.pt")
@@ -196,23 +214,24 @@ def train_epoch(
     batches: Any,
     epoch: int,
     first_batch: int,
-    total_steps: int,
+    length: RunLength,
     log: RunLogger,
     keeper: Checkpointer,
     evaluate_within: Callable[[int, int, float], None] | None = None,
 ) -> EpochResult:
-    """One pass over this rank's shard from batch `first_batch`, ending early at `total_steps`
-    steps of the run or on a preemption signal; `evaluate_within(epoch, batch, mean loss)`
-    every run.eval_every steps except at the epoch's end (evaluated anyway)."""
+    """One pass over this rank's shard from batch `first_batch`, ending early at the run's
+    length (`length.total`, revised by a time budget) or on a preemption signal;
+    `evaluate_within(epoch, batch, mean loss)` every run.eval_every steps and every
+    run.eval_every_seconds of training clock, except at the epoch's end (evaluated anyway)."""
     batches.set_epoch(epoch, first_batch)
     loss_sum, seconds, waited, steps, batch = 0.0, 0.0, 0.0, 0, first_batch
     bar = log.progress(batches, len(batches) - first_batch, f"epoch {epoch}")
     ready = time.perf_counter()
     for x, y in bar:
         waited += time.perf_counter() - ready  # reading and decoding this batch
-        if meter.step >= total_steps:
+        if meter.step >= length.total:
             break
-        lr = scheduled_lr(cfg, meter.step, total_steps)
+        lr = scheduled_lr(cfg, meter.step, length.total, length.progress(meter.step))
         method.set_lr(lr)
         before = copy.deepcopy(method.state_dict()) if cfg.train.skip_nonfinite else None
         t0 = runtime.clock(x.device)
@@ -242,14 +261,13 @@ def train_epoch(
         if hasattr(bar, "set_postfix"):
             bar.set_postfix(loss=f"{loss:.4f}", sent=human_bytes(step_bytes), refresh=False)
         meter.next_step()
+        if length.after_step(meter.step) and len(length.plans) == 1:  # the first plan: the method's too
+            method.set_total_steps(length.total)
         if keeper.stopping:
             break
-        if (
-            evaluate_within is not None
-            and meter.step % cfg.run.eval_every == 0
-            and batch < len(batches)
-            and meter.step < total_steps
-        ):
+        every = cfg.run.eval_every
+        due = bool(every and meter.step % every == 0) | length.evaluation_due(meter.step)  # both on every rank
+        if evaluate_within is not None and due and batch < len(batches) and meter.step < length.total:
             evaluate_within(epoch, batch, loss_sum / max(steps, 1))
         keeper.periodic(epoch, batch)
         ready = time.perf_counter()

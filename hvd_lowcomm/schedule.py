@@ -7,15 +7,17 @@ import math
 from hvd_lowcomm.config import Config, ConfigError
 
 
-def scheduled_lr(cfg: Config, step: int, total_steps: int) -> float:
+def scheduled_lr(cfg: Config, step: int, total_steps: int, progress: float | None = None) -> float:
     """Learning rate for `step` (0-based) of `total_steps`: linear warm-up, then constant or
-    cosine decay to zero at the end of the run."""
+    cosine decay to zero at the end of the run. `progress`: how far the decay is (0 to 1),
+    where a time budget plans it (hvd_lowcomm.budget); default: the steps after warm-up."""
     t = cfg.train
     if step < t.warmup_steps:
         return t.lr * (step + 1) / t.warmup_steps
     if t.lr_schedule == "constant":
         return t.lr
-    progress = (step - t.warmup_steps) / max(1, total_steps - t.warmup_steps)
+    if progress is None:
+        progress = (step - t.warmup_steps) / max(1, total_steps - t.warmup_steps)
     return t.lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 

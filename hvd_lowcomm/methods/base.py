@@ -9,6 +9,7 @@ import torch
 from hvd_lowcomm import task
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.traffic import meter
+from hvd_lowcomm.optimizers import muon_with_adamw
 from hvd_lowcomm.config import Config
 from hvd_lowcomm.data import DatasetInfo, ShardedBatches
 
@@ -199,8 +200,13 @@ class Method:
         return False
 
 
-def make_optimizer(cfg: Config, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def make_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """train.optimizer over `model`'s parameters (muon: Muon for its hidden weight matrices,
+    AdamW for the rest, as one optimiser: hvd_lowcomm.optimizers)."""
     t = cfg.train
+    params = model.parameters()
+    if t.optimizer == "muon":
+        return muon_with_adamw(model, lr=t.lr, weight_decay=t.weight_decay)
     if t.optimizer == "sgd":
         return torch.optim.SGD(params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
     if t.optimizer == "adam":

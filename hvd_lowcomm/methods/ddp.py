@@ -227,7 +227,7 @@ class DataParallel(Method):
 
     def setup(self, model: torch.nn.Module) -> None:
         self.model = model
-        optimizer = make_optimizer(self.cfg, model.parameters())
+        optimizer = make_optimizer(self.cfg, model)
         broadcast_model_and_optimizer(model, optimizer)
         self.optimizer = self.distribute(optimizer, model)
 

@@ -32,6 +32,7 @@ from torch.autograd import Variable
 
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.runtime import Group
+from hvd_lowcomm.optimizers import as_one_optimizer
 from hvd_lowcomm.config import ConfigError
 
 NamedParameters = Iterable[tuple[str, torch.nn.Parameter]]
@@ -424,7 +425,9 @@ def wrap_optimizer(
 ) -> torch.optim.Optimizer:
     """An instance of `optimizer`'s own class with `exchange` (a GradientExchange subclass)
     mixed in, over the same parameter groups and state: isinstance checks, LR schedulers and
-    state loaded before the wrap keep working."""
+    state loaded before the wrap keep working. A list or tuple of optimisers (Muon and
+    AdamW) is wrapped as one (hvd_lowcomm.optimizers.CombinedOptimizer)."""
+    optimizer = as_one_optimizer(optimizer)
     cls = type(optimizer.__class__.__name__, (exchange, optimizer.__class__), {})
     wrapped = cls(optimizer.param_groups, *args, **kwargs)
     wrapped.state = optimizer.state

@@ -185,7 +185,7 @@ class FullyShardedDataParallel(Method):
 
     def setup(self, model: torch.nn.Module) -> None:
         self.model = shard_the_replicas(model, self.options.group_size)
-        self.optimizer = make_optimizer(self.cfg, self.model.parameters())  # over this rank's shards
+        self.optimizer = make_optimizer(self.cfg, self.model)  # over this rank's shards
 
     def start_micro_batch(self, last: bool) -> None:
         assert self.model is not None

@@ -245,7 +245,7 @@ class GroupTrainerMethod(Method):
 
     def setup(self, model: nn.Module) -> None:
         self.model = model
-        self.optimizer = make_optimizer(self.cfg, model.parameters())
+        self.optimizer = make_optimizer(self.cfg, model)
         self.trainer = self.trainer_class(
             model,
             self.optimizer,

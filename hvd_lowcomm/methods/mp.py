@@ -60,7 +60,7 @@ class Partitioned(Method):
         self.layout = self.make_layout(model)
         self.model = self.layout.module
         self.pass_seconds = self.layout.pass_seconds  # the partition's own passes, as the loop reports them
-        self.optimizer = make_optimizer(self.cfg, self.model.parameters())  # replicas equal: Layout saw to it
+        self.optimizer = make_optimizer(self.cfg, self.model)  # replicas equal: Layout saw to it
         runtime.announce(f"{self.name}: {describe(self.layout)}")
         for warning in self.partition_warnings():
             runtime.announce(f"warning: {warning}")

@@ -19,6 +19,7 @@ LAYERS = [
         "foundation",
         [
             "hvd_lowcomm.options",
+            "hvd_lowcomm.optimizers",
             "hvd_lowcomm.config",
             "hvd_lowcomm.metrics",
             "hvd_lowcomm.schedule",
@@ -49,6 +50,7 @@ LAYERS = [
     (
         "harness",
         [
+            "hvd_lowcomm.budget",
             "hvd_lowcomm.checkpoint",
             "hvd_lowcomm.loop",
             "hvd_lowcomm.auto",

@@ -54,6 +54,7 @@ import torch.nn as nn
 from hvd_lowcomm import task
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.traffic import meter
+from hvd_lowcomm.optimizers import as_one_optimizer
 from hvd_lowcomm.config import ConfigError, make_options
 from hvd_lowcomm.methods.ab.options import ABOptions, Schedule, check_groups
 from hvd_lowcomm.methods.base import broadcast_model_and_optimizer, exchange_gradients
@@ -126,6 +127,7 @@ class ABTraining:
     ) -> None:
         o = make_options(ABOptions, "ab", options, **kwargs)
         require_run_length(o, ("warmup", "sync_every", "full_rank_steps", "rebound_steps"), total_steps, "ab")
+        optimizer = as_one_optimizer(optimizer)  # a (Muon, AdamW) pair steps as one
         self.options, self.model, self.optimizer, self.clip_grad_norm = o, model, optimizer, clip_grad_norm
         self.scaler = scaler
         self.checked_outputs = example is not None or not check_outputs  # (else at the first step)

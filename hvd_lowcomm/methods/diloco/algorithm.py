@@ -71,6 +71,7 @@ from torch.distributed.tensor import DTensor
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.mesh import full_state_dict, load_sharded_state, local_part, sharded_state
 from hvd_lowcomm.comm.traffic import meter, side_thread_problem
+from hvd_lowcomm.optimizers import as_one_optimizer
 from hvd_lowcomm.config import ConfigError, make_options
 from hvd_lowcomm.methods.base import broadcast_model_and_optimizer, broadcast_parameters, exchange_gradients
 from hvd_lowcomm.methods.diloco.options import DiLoCoOptions, fragment_bounds, shard_length, sync_due
@@ -129,6 +130,7 @@ class DiLoCo:
     ) -> None:
         o = make_options(DiLoCoOptions, "diloco", options, **kwargs)
         require_run_length(o, ("sync_every",), total_steps, "diloco")
+        optimizer = as_one_optimizer(optimizer)  # a (Muon, AdamW) pair steps as one
         self.options, self.model, self.optimizer, self.clip_grad_norm = o, model, optimizer, clip_grad_norm
         self.scaler = scaler
         groups = runtime.default_group_count(o.groups, runtime.size())

@@ -60,7 +60,7 @@ class PowerSGD(DataParallel):
             super().setup(model)
             return
         self.model = shard_the_replicas(model, size, replicate=False)  # PowerSGD then joins the groups
-        self.optimizer = self.distribute(make_optimizer(self.cfg, self.model.parameters()), self.model)
+        self.optimizer = self.distribute(make_optimizer(self.cfg, self.model), self.model)
 
     def distribute(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> torch.optim.Optimizer:
         state = PowerSGDState(self.options, seed=self.cfg.train.seed)
