@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 from torch.distributed.tensor import DTensor
 
-from hvd_lowcomm import checkpoint, data, task
+from hvd_lowcomm import checkpoint, data, optimizers, task
 from hvd_lowcomm.budget import RunLength
 from hvd_lowcomm.checkpoint import Checkpointer, PreemptionSignal, TrainState
 from hvd_lowcomm.comm import runtime
@@ -200,6 +200,8 @@ def train(
 
     summary, extra = summarize(cfg, method, state, time.perf_counter() - start, parameters, notes or {}, info)
     summary.update({"train_seconds": train_clock(), **length.summary()})
+    if isinstance(getattr(method, "optimizer", None), torch.optim.Optimizer):
+        summary["optimizer"] = optimizers.describe(method.optimizer)
     final = method.final_state_dict()
     if final is not None:
         torch.save(final, run_dir / "model.pt")

@@ -118,6 +118,14 @@ def as_one_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
+def describe(optimizer: torch.optim.Optimizer) -> str:
+    """What steps which parameters: 'Muon (4 tensors) + AdamW (6 tensors)', or the class's name."""
+    parts = getattr(optimizer, "inner", [optimizer])
+    if len(parts) == 1:
+        return type(parts[0]).__name__
+    return " + ".join(f"{type(o).__name__} ({sum(len(g['params']) for g in o.param_groups)} tensors)" for o in parts)
+
+
 def _optimizer_class(kind: str) -> type:
     module, _, name = kind.partition(":")
     found: Any = importlib.import_module(module)

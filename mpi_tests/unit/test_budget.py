@@ -89,9 +89,7 @@ def test_evaluations_fall_at_the_predicted_multiples_of_the_interval():
 
 def test_no_budget_keeps_the_bound_and_asks_nothing_of_the_other_ranks():
     asked = []
-    length = RunLength(
-        50, max_time=0.0, eval_every_seconds=0, clock=lambda: 0.0, agree=lambda s: asked.append(s) or s
-    )
+    length = RunLength(50, max_time=0.0, eval_every_seconds=0, clock=lambda: 0.0, agree=lambda s: asked.append(s) or s)
     assert not any(length.after_step(step) for step in range(1, 51))
     assert length.total == 50 and not asked and length.summary() == {}
     assert math.isinf(length.next_check)
