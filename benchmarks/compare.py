@@ -20,6 +20,14 @@ the training time (wall clock less evaluation) until it first reaches ddp's fina
 --loss-margin / --acc-margin, and its quality when the quickest run had finished (equal time),
 with quality against training time plotted.
 
+With --budget K, judged at equal time instead of equal steps: ddp runs first as above, and
+every other method (`local` and `auto` included) trains for K x ddp's training time
+(--train.max_time, its schedule planned to end there, evaluated every twentieth of ddp's time).
+The tables then add each method's time to ddp's final quality, its quality when ddp's
+training time had passed and at the end of its budget, and the no-communication limit: ddp's
+steps at `local`'s step time, what ddp would take on a free network, with each method's time
+to quality as a multiple of it; loss_vs_time.png draws the limit.
+
 The entry `horovod` runs benchmarks/bare_horovod.py instead: ddp's training as a plain Horovod
 script (MLP models, unshaped link), to show what hvd_lowcomm's loop and meter add.
 
@@ -99,6 +107,10 @@ STEP_PHASES = ("forward", "backward", "exchange", "other")  # as the trainer's s
 # models), or an accuracy at most this many points below ddp's final one (--loss-margin, --acc-margin).
 LOSS_MARGIN = 0.02
 ACC_MARGIN_POINTS = 1.0
+# With --budget: epochs enough that the time budget, not the epoch count, ends a run; and
+# evaluations per ddp training time, for a loss-against-time curve.
+BUDGET_EPOCHS = 1000
+EVALUATIONS_PER_DDP_TIME = 20
 # benchmarks/bare_horovod.py as a method name: ddp's training without hvd_lowcomm's machinery.
 BARE_HOROVOD = "horovod"
 # Every registered method, the no-communication floor and ddp first (--methods all).
@@ -130,8 +142,27 @@ def run_name(np_: int, label: str) -> str:
     return f"np{np_}-{label.replace(':', '-').replace(',', '-').replace('=', '')}"
 
 
+def budget_arguments(ddp_seconds: float, factor: float) -> list[str]:
+    """What a method's run gets under --budget: factor x ddp's training time, a schedule planned
+    to end there, and evaluations every twentieth of ddp's time."""
+    return [
+        "--train.epochs",
+        str(BUDGET_EPOCHS),
+        "--train.max_time",
+        f"{factor * ddp_seconds:.3f}",
+        "--run.eval_every_seconds",
+        f"{ddp_seconds / EVALUATIONS_PER_DDP_TIME:.3f}",
+    ]
+
+
 def run_one(
-    variant: Variant, np_: int, args: argparse.Namespace, runs_dir: Path, extra: list[str], repeat: int = 0
+    variant: Variant,
+    np_: int,
+    args: argparse.Namespace,
+    runs_dir: Path,
+    extra: list[str],
+    repeat: int = 0,
+    budget: list[str] = (),
 ) -> dict[str, Any]:
     name = run_name(np_, variant.label) + (f"-r{repeat + 1}" if repeat else "")
     model = [
@@ -155,6 +186,7 @@ def run_one(
         str(runs_dir),
         "--run.progress",
         "false",
+        *budget,
         *extra,
     ]
     started = time.monotonic()
@@ -341,10 +373,12 @@ def tabulate(
     results: list[dict[str, Any]],
     wire_rate: float | None,
     margins: tuple[float, float] = (LOSS_MARGIN, ACC_MARGIN_POINTS),
+    budget: float = 0.0,
 ) -> list[dict[str, Any]]:
     """One row per run; `wire_rate` (bits/s) converts bytes per step into wire time (None: an
     unshaped link, whose floor is the computation alone); `margins` (loss fraction, accuracy
-    points) say how close to ddp's final quality counts as reaching it."""
+    points) say how close to ddp's final quality counts as reaching it; `budget`: the runs
+    were given that multiple of ddp's training time (equal-time columns)."""
     rows = []
     for r in results:
         s = r["summary"]
@@ -455,6 +489,8 @@ def tabulate(
             row["step_time_ratio_to_ddp"] = s["step_seconds_mean"] / base["step_seconds_mean"]
             row["acc_diff_to_ddp_points"] = 100 * (s["final_test_acc"] - base["final_test_acc"])
             row["world_bytes_ratio_to_ddp"] = world_bytes(s) / world_bytes(base) if world_bytes(base) else float("nan")
+            if budget:
+                row.update(equal_time(r, ddp, floor, budget, row["seconds_to_target"]))
         rows.append(row)
     return rows
 
@@ -513,6 +549,27 @@ def time_to_quality(
         ]
         out["seconds_to_90pct_of_ddp"] = ninety[0] if ninety else float("nan")
     return out
+
+
+def equal_time(
+    r: dict[str, Any], ddp: dict[str, Any], local: dict[str, Any] | None, budget: float, reached: float
+) -> dict[str, Any]:
+    """A run given `budget` x ddp's training time, judged against ddp's time and against the
+    no-communication limit: ddp's steps at the step time of `local` (its summary; NaN without
+    a local run). `reached`: the run's time to the target."""
+    language_model = "final_perplexity" in r["summary"]
+    sign = -1 if language_model else 1
+    ddp_seconds = training_clock(ddp)[-1]
+    limit = ddp["summary"]["steps"] * local["step_seconds_mean"] if local is not None else float("nan")
+    return {
+        "budget": budget,
+        "steps": r["summary"]["steps"],
+        "ddp_seconds": ddp_seconds,
+        "quality_at_ddp_time": sign * quality_at(r, ddp_seconds),
+        "limit_seconds": limit,
+        "time_to_target_vs_limit": reached / limit,
+        "ddp_time_vs_limit": ddp_seconds / limit,
+    }
 
 
 def _step_ms(row: dict[str, Any]) -> str:
@@ -694,6 +751,31 @@ def write_tables(
                 for row in timed
             ],
         )
+    budgeted = [row for row in rows if "limit_seconds" in row and row["method"] != "ddp"]
+    ddp_final = {row["np"]: final_quality(row, language_model) for row in rows if row["method"] == "ddp"}
+    if budgeted:
+        unit = (lambda v: f"{v:.4f}") if language_model else (lambda v: f"{v:.2f} %")  # noqa: E731
+        lines += _table(
+            f"Equal time: every method but ddp trained for {budgeted[0]['budget']:g} × ddp's training time. "
+            "Limit = ddp's steps at local's step time (ddp on a free network); × limit = the time to the target "
+            "above as a multiple of it (≤ 1: sooner than ddp could on any network); quality when ddp's training "
+            "time had passed and at the end of the budget (–: no local run, or the target not reached).",
+            ["np", "method", "steps", "time to target", "× limit", "at ddp's time", "ddp's", "at the end", "limit"],
+            [
+                [
+                    row["np"],
+                    row["method"],
+                    row["steps"],
+                    f"{row['seconds_to_target']:.1f} s",
+                    f"{row['time_to_target_vs_limit']:.2f}",
+                    unit(row["quality_at_ddp_time"]),
+                    unit(ddp_final[row["np"]]),
+                    unit(final_quality(row, language_model)),
+                    f"{row['limit_seconds']:.1f} s (ddp {row['ddp_seconds']:.1f} s: {row['ddp_time_vs_limit']:.2f}×)",
+                ]
+                for row in budgeted
+            ],
+        )
     measured = [row for row in rows if "link" in row]
     nodes = measured[0]["nodes"] if measured else 0
     lines += _table(
@@ -743,6 +825,11 @@ def write_tables(
     return text
 
 
+def final_quality(row: dict[str, Any], language_model: bool) -> float:
+    """A row's final quality as the tables show it: its loss, or its accuracy in %."""
+    return row["final_test_loss"] if language_model else 100 * row["final_test_acc"]
+
+
 def _ms(value: float | None) -> str:
     return "–" if value is None or value != value else f"{value:.1f}"  # value != value: NaN
 
@@ -786,7 +873,9 @@ def _finish(fig: Any, ax: Any, path: Path, legend: str = "small") -> None:
     plt.close(fig)
 
 
-def plot(results: list[dict[str, Any]], out: Path) -> None:
+def plot(results: list[dict[str, Any]], out: Path, rows: list[dict[str, Any]] = ()) -> None:
+    """The runs' plots; `rows` (tabulate's) give the no-communication limit a --budget run
+    draws on the quality-against-time plot."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -822,6 +911,10 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
         for r in results:
             ax.plot(training_clock(r) if xkey is None else series(r, xkey), quality(r), marker="o", label=label(r))
         ax.set(xlabel=xlabel, ylabel=quality_label, xscale="log" if "bytes" in name else "linear")
+        limits = {row["np"]: row["limit_seconds"] for row in rows if math.isfinite(row.get("limit_seconds", math.nan))}
+        if xkey is None:
+            for np_, limit in limits.items():  # ddp's steps at the no-communication step time
+                ax.axvline(limit, linestyle="--", color="grey", label=f"no-communication limit (np {np_})")
         _finish(fig, ax, out / f"{name}.png")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -956,6 +1049,14 @@ def main(argv: list[str] | None = None) -> int:
         help="a classifier reached ddp's quality when its accuracy is at most this many points "
         "below ddp's final one (default: %(default)s)",
     )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=0.0,
+        metavar="K",
+        help="judge at equal time: every method but ddp trains for K x ddp's training time "
+        "(ddp runs first, for --epochs; needs ddp among --methods) (default: 0, equal epochs)",
+    )
     args = parser.parse_args(argv)
     # A job killed by its scheduler (SIGTERM) still removes the namespaces it made: the
     # signal becomes an exit, which unwinds the `with` that owns them; a second SIGTERM is
@@ -970,6 +1071,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             entries.append(piece)
     variants = [Variant.parse(e) for e in entries]
+    if args.budget < 0:
+        raise SystemExit(f"compare: --budget must be > 0 (a multiple of ddp's training time), got {args.budget}")
+    if args.budget:
+        if not any(v.label == "ddp" for v in variants):
+            raise SystemExit("compare: --budget needs ddp among --methods: its training time is the budget's unit")
+        variants.sort(key=lambda v: v.label != "ddp")  # ddp first: the others' budget is its time
     counts = [int(n) for n in args.np.split(",")]
     out = Path(args.out)
     runs_dir = out / "runs"
@@ -1004,8 +1111,15 @@ def main(argv: list[str] | None = None) -> int:
             bar.set_postfix_str(
                 f"{variant.label} on {np_} ranks" + (f", round {repeat + 1}" if args.repeat > 1 else "")
             )
+            budget: list[str] = []
+            if args.budget and variant.label != "ddp":
+                ddp = next((r for r in results if r["np"] == np_ and r["variant"] == "ddp"), None)
+                if ddp is None:
+                    failed.append(f"{variant.label} on {np_} ranks (no ddp run to time it by)")
+                    continue
+                budget = budget_arguments(training_clock(ddp)[-1], args.budget)
             try:
-                result = run_one(variant, np_, args, runs_dir, extra, repeat)
+                result = run_one(variant, np_, args, runs_dir, extra, repeat, budget)
             except RunFailed as err:
                 print(err, file=sys.stderr, flush=True)
                 failed.append(f"{variant.label} on {np_} ranks" + (f" (round {repeat + 1})" if repeat else ""))
@@ -1026,13 +1140,15 @@ def main(argv: list[str] | None = None) -> int:
     wire_label = args.wire_rate or (args.link.partition(",")[0] if args.link else None)
     results = median_runs(results)
     margins = (args.loss_margin, args.acc_margin)
-    rows = tabulate(results, rate_bits(wire_label) if wire_label else None, margins)
+    rows = tabulate(results, rate_bits(wire_label) if wire_label else None, margins, args.budget)
     title = args.title or (
         f"{', '.join(v.label for v in variants)}: {args.model} {args.hidden} on {args.data}, "
         f"{args.epochs} epochs, batch {args.batch_size}/rank, seed {args.seed}"
     )
+    if args.budget:
+        title += f"; every method but ddp trained for {args.budget:g} x ddp's training time"
     print("\n" + write_tables(rows, out, title, failed, wire_label, margins))
-    plot(results, out)
+    plot(results, out, rows)
     print(f"tables and plots in {out}/ (results.md, results.csv, *.png); runs in {runs_dir}/")
     if failed:
         print(
