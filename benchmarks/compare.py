@@ -148,6 +148,8 @@ def budget_arguments(ddp_seconds: float, factor: float) -> list[str]:
     return [
         "--train.epochs",
         str(BUDGET_EPOCHS),
+        "--train.max_steps",
+        "-1",
         "--train.max_time",
         f"{factor * ddp_seconds:.3f}",
         "--run.eval_every_seconds",
@@ -186,8 +188,8 @@ def run_one(
         str(runs_dir),
         "--run.progress",
         "false",
-        *budget,
         *extra,
+        *budget,  # after the options for every run: a budget run's length is the budget's
     ]
     started = time.monotonic()
     measured_file = runs_dir / f"{name}.link.json"
@@ -398,6 +400,7 @@ def tabulate(
             "world_bytes_per_step": world_bytes(s) / max(s["steps"], 1),
             "train_bytes_total": s["train_wire_bytes"],
             "world_bytes_total": world_bytes(s),
+            "auto_choice": s.get("auto_choice", ""),  # what --method auto chose
         }
         for phase in STEP_PHASES:
             row[f"step_ms_{phase}"] = s.get(f"step_ms_{phase}", float("nan"))
@@ -1055,7 +1058,8 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         metavar="K",
         help="judge at equal time: every method but ddp trains for K x ddp's training time "
-        "(ddp runs first, for --epochs; needs ddp among --methods) (default: 0, equal epochs)",
+        "(ddp runs first, for --epochs, or --train.max_steps after --, which the others do not "
+        "get; needs ddp among --methods) (default: 0, equal epochs)",
     )
     args = parser.parse_args(argv)
     # A job killed by its scheduler (SIGTERM) still removes the namespaces it made: the

@@ -8,7 +8,10 @@ defaults held on every judged set of the held-out suite (within hvd_lowcomm.held
 ddp's validation loss or accuracy). A fixed `rank`, error feedback off, or any
 option changed from what was measured takes a compression out; the printed choice says what
 quality risk remains and which methods were left out, and why. SIL, AB and DiLoCo change how the
-model trains, so they are a user's decision. Rank 0 profiles the model on its batch: on a CPU it
+model trains, so they are a user's decision, except where the time-to-quality suite measured one
+at its defaults reaching ddp's quality on every judged set (hvd_lowcomm.time_to_quality).
+Candidates are ranked by predicted time to ddp's quality: the predicted step × the steps the
+method needs for it, as a multiple of ddp's (1 for an exact exchange; measured for the others). Rank 0 profiles the model on its batch: on a CPU it
 times the forward, backward and optimiser step (a model too large to time quickly: its FLOPs
 at this CPU's measured rates); on a GPU it counts the model's FLOPs and the methods' kernels at
 that GPU's measured rates (costmodel.measured_device). Unless `auto.link` describes the network,
@@ -63,7 +66,7 @@ def choose(cfg: Config, model: torch.nn.Module, data: DatasetInfo, world_size: i
             data.input_shape,
             cfg.data.batch_size,
             cfg=cfg,
-            methods=(*costmodel.quality_keeping_methods(cfg), *OTHERS_SHOWN),
+            methods=(*costmodel.auto_candidates(cfg), *OTHERS_SHOWN),
             vocabulary=data.vocabulary,
             device=_run_device(cfg),
         )
@@ -71,7 +74,11 @@ def choose(cfg: Config, model: torch.nn.Module, data: DatasetInfo, world_size: i
             decision = ("ddp", "one rank: nothing to exchange", "")
         else:
             name, predictions, why = costmodel.choose(profile, world_size, link, cfg)
-            decision = (name, why, costmodel.format_predictions(predictions) + _others(profile, world_size, link, cfg))
+            decision = (
+                name,
+                why,
+                costmodel.format_predictions(predictions, cfg) + _others(profile, world_size, link, cfg),
+            )
     with meter.in_phase("setup"):
         name, why, table = meter.broadcast_object(decision, "auto.decision")
     runtime.announce(f"auto: chose {why}" + (f"\npredicted per step:\n{table}" if table else ""))
@@ -85,8 +92,9 @@ def _run_device(cfg: Config) -> costmodel.Device | None:
     return costmodel.measured_device(str(where), cfg.train.amp) if where.type == "cuda" else None
 
 
-# Shown beside the choice but never chosen: they change how the model trains (what it converges
-# to, at what accuracy), which only the user can weigh against the time they save.
+# Shown beside the choice, and chosen only where the time-to-quality suite found them reaching
+# ddp's quality on every judged set: they change how the model trains (what it converges to),
+# which only the user can otherwise weigh against the time they save.
 OTHERS_SHOWN = ("diloco", "ab")
 
 
@@ -94,7 +102,7 @@ def _others(profile: costmodel.Profile, ranks: int, link: costmodel.Link, cfg: C
     why_not = {m: costmodel.left_out(m, cfg) for m in costmodel.drop_in_methods()}
     left_out = "".join(f"\nleft out: {m}: {why}" for m, why in why_not.items() if why)
     lines = []
-    for name in OTHERS_SHOWN:
+    for name in (m for m in OTHERS_SHOWN if m not in costmodel.time_held_methods(cfg)):
         try:
             q = costmodel.predict(profile, name, ranks, link, cfg)
         except ConfigError:  # this model or rank count does not suit it

@@ -85,5 +85,8 @@ from hvd_lowcomm.costmodel.choose import (  # noqa: F401 - the package's names
     predict,
     predicted_methods,
     quality_keeping_methods,
+    auto_candidates,
+    steps_multiple,
+    time_held_methods,
     quality_risk,
 )

@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import Any
 
 
-from hvd_lowcomm import heldout
+from hvd_lowcomm import heldout, time_to_quality
 from hvd_lowcomm.config import Config, ConfigError, apply_presets, default_config
 from hvd_lowcomm.metrics import human_bytes
 from hvd_lowcomm.registry import specs
@@ -96,6 +96,40 @@ def quality_keeping_methods(cfg: Config | None = None) -> tuple[str, ...]:
     return tuple(m for m in drop_in_methods() if left_out(m, cfg) is None)
 
 
+def _at_defaults(method: str, cfg: Config | None) -> bool:
+    """Whether cfg runs `method` with the options its measurements were made with (its defaults)."""
+    spec = specs()[method]
+    ran = (cfg or default_config()).method_options.get(spec.section)
+    return spec.options is None or ran is None or ran == _with_presets(spec, None).method_options.get(spec.section)
+
+
+def time_held_methods(cfg: Config | None = None) -> tuple[str, ...]:
+    """Methods that change how the model trains (not drop-in) yet reached ddp's quality on every
+    judged set of the time-to-quality suite, at the options measured: `--method auto` weighs
+    them by their time to that quality."""
+    return tuple(
+        m
+        for m, multiple in time_to_quality.steps_multiples().items()
+        if m in specs() and m not in drop_in_methods() and math.isfinite(multiple) and _at_defaults(m, cfg)
+    )
+
+
+def auto_candidates(cfg: Config | None = None) -> tuple[str, ...]:
+    """What `--method auto` chooses among: the quality-keeping drop-in methods and those that
+    held at equal time."""
+    return quality_keeping_methods(cfg) + time_held_methods(cfg)
+
+
+def steps_multiple(method: str, cfg: Config | None = None) -> float:
+    """The steps `method` needs for ddp's quality, as a multiple of ddp's: 1 for an exact
+    exchange, the time-to-quality suite's measurement at the measured options, else 1 (a
+    rounding or compression that held at equal steps)."""
+    if quality_risk(method, cfg) == "":
+        return 1.0
+    measured = time_to_quality.steps_multiples().get(method)
+    return measured if measured is not None and _at_defaults(method, cfg) else 1.0
+
+
 def break_even(
     profile: Profile,
     method: str,
@@ -134,41 +168,54 @@ MIN_GAIN = 0.05
 def choose(
     profile: Profile, ranks: int, link: Link, cfg: Config | None = None, candidates: tuple[str, ...] | None = None
 ) -> tuple[str, list[Prediction], str]:
-    """The candidate (default: every drop-in method that keeps quality) with the shortest
-    predicted step (ddp unless another is MIN_GAIN faster), every prediction, and why (with what
-    quality risk remains)."""
+    """The candidate (default: auto_candidates) with the shortest predicted time to ddp's
+    quality, its step × its steps multiple (ddp unless another is MIN_GAIN sooner), every
+    prediction (soonest first), and why (with what quality risk remains)."""
     if candidates is None:
-        candidates = quality_keeping_methods(cfg)
-    predictions = sorted((predict(profile, m, ranks, link, cfg) for m in candidates), key=lambda q: q.step)
+        candidates = auto_candidates(cfg)
+
+    def to_quality(q: Prediction) -> float:  # in ddp's steps: the same count for every method
+        return q.step * steps_multiple(q.method, cfg)
+
+    predictions = sorted((predict(profile, m, ranks, link, cfg) for m in candidates), key=to_quality)
     best, ddp = predictions[0], next((q for q in predictions if q.method == "ddp"), None)
-    if ddp is not None and best.step > (1 - MIN_GAIN) * ddp.step:
+    if ddp is not None and to_quality(best) > (1 - MIN_GAIN) * to_quality(ddp):
         best = ddp
+    multiple = steps_multiple(best.method, cfg)
     why = (
         f"{best.method}: predicted {best.step * 1e3:.1f} ms per step on {ranks} ranks over {link.describe()} "
         f"(compute {best.compute * 1e3:.1f} ms, its own work {best.method_compute * 1e3:.1f} ms, "
         f"network {(best.communication - best.hidden) * 1e3:.1f} ms not hidden)"
+        + (f", {multiple:.2f}x ddp's steps to ddp's quality (measured)" if multiple != 1 else "")
     )
     if ddp is not None and best.method != "ddp":
-        why += f"; ddp would take {ddp.step * 1e3:.1f} ms ({ddp.step / best.step:.2f}x)"
+        why += f"; ddp would take {to_quality(ddp) / to_quality(best):.2f}x its time to that quality"
     else:
         runner = next((q for q in predictions if q.method != best.method), None)
         if runner is not None:
             why += (
-                f"; the next best, {runner.method}, {runner.step * 1e3:.1f} ms (a method is chosen over "
-                f"ddp only when {MIN_GAIN:.0%} faster)"
+                f"; the next best, {runner.method}, would take {to_quality(runner) / to_quality(best):.2f}x ddp's "
+                f"time to its quality (a method is chosen over ddp only when {MIN_GAIN:.0%} sooner)"
             )
     risk, measured = quality_risk(best.method, cfg), measured_quality(best.method, cfg)
     why += f". Quality: {risk or 'the same gradient as ddp'}" + (f"; {measured.risk()}" if measured and risk else "")
     return best.method, predictions, why
 
 
-def format_predictions(predictions: list[Prediction]) -> str:
+def format_predictions(predictions: list[Prediction], cfg: Config | None = None) -> str:
+    """One line per prediction: the step and its parts, bytes, and the time to ddp's quality
+    (step × steps multiple) as a multiple of ddp's where ddp is among them."""
+    ddp = next((q for q in predictions if q.method == "ddp"), None)
     lines = [
         f"{'method':<10} {'step ms':>9} {'compute':>9} {'own work':>9} {'network':>9} {'hidden':>8} {'sent/rank':>10}"
+        f" {'x steps':>8} {'to quality':>10}"
     ]
     for q in predictions:
+        multiple = steps_multiple(q.method, cfg)
+        relative = q.step * multiple / ddp.step if ddp is not None else math.nan
         lines.append(
             f"{q.method:<10} {q.step * 1e3:>9.1f} {q.compute * 1e3:>9.1f} {q.method_compute * 1e3:>9.1f} "
             f"{q.communication * 1e3:>9.1f} {q.hidden * 1e3:>8.1f} {human_bytes(q.bytes_per_rank):>10}"
+            f" {multiple:>8.2f} {relative:>9.2f}x"
         )
     return "\n".join(lines)

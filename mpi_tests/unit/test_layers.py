@@ -25,6 +25,7 @@ LAYERS = [
             "hvd_lowcomm.schedule",
             "hvd_lowcomm.task",
             "hvd_lowcomm.heldout",
+            "hvd_lowcomm.time_to_quality",
             "hvd_lowcomm.trackers",
         ],
     ),
