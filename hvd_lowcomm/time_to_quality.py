@@ -2,7 +2,7 @@
 clusters (benchmarks/time_to_quality.py), as data.
 
 A method's *steps multiple* is the most steps it needed, on any judged set and link, to reach
-ddp's final validation loss +1 %, as a multiple of ddp's steps (1: as many as ddp; an exact
+ddp's final validation loss within the suite's margin (its LOSS_MARGIN), as a multiple of ddp's steps (1: as many as ddp; an exact
 method needs no measurement). `--method auto` ranks its candidates by predicted step time ×
 this multiple, the predicted time to ddp's quality, and considers a method that changes how the
 model trains (DiLoCo) only where it reached the target on every judged set. The figures come
