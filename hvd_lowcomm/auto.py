@@ -1,23 +1,24 @@
-"""`--method auto`: the cost model (hvd_lowcomm.costmodel) picks the method for this model,
-batch, rank count and network, before training starts; the run then trains with it.
+"""`--method auto`: the cost model (hvd_lowcomm.costmodel) picks the method for this model, batch,
+rank count and network, before training starts; the run then trains with it.
 
 Candidates are the methods registered as drop-in (ddp, ddp-fp16, powersgd, dad, rank-dad: the
-same model and training, only the gradient exchange differs) that keep quality: exact ones (ddp,
-dad), and fp16's rounding and compressions to an error target (powersgd, rank-dad) whose
+same model and training, only the gradient exchange differs) that keep quality: exact ones
+(ddp, dad), and fp16's rounding and compressions to an error target (powersgd, rank-dad) whose
 defaults held on every judged set of the held-out suite (within hvd_lowcomm.heldout's bound on
-ddp's validation loss or accuracy). A fixed `rank`, error feedback off, or any
-option changed from what was measured takes a compression out; the printed choice says what
-quality risk remains and which methods were left out, and why. SIL, AB and DiLoCo change how the
-model trains, so they are a user's decision, except where the time-to-quality suite measured one
-at its defaults reaching ddp's quality on every judged set (hvd_lowcomm.time_to_quality).
+ddp's validation loss or accuracy). A fixed `rank`, error feedback off, or any option changed
+from what was measured takes a compression out; the printed choice says what quality risk
+remains and which methods were left out, and why. SIL, AB and DiLoCo change how the model
+trains, so they are a user's decision, except where the time-to-quality suite measured one at
+its defaults reaching ddp's quality on every judged set (hvd_lowcomm.time_to_quality).
 Candidates are ranked by predicted time to ddp's quality: the predicted step × the steps the
-method needs for it, as a multiple of ddp's (1 for an exact exchange; measured for the others). Rank 0 profiles the model on its batch: on a CPU it
-times the forward, backward and optimiser step (a model too large to time quickly: its FLOPs
-at this CPU's measured rates); on a GPU it counts the model's FLOPs and the methods' kernels at
-that GPU's measured rates (costmodel.measured_device). Unless `auto.link` describes the network,
-every rank takes part in a short probe of the job's own network: allreduces of a few bytes
-(latency) and of `auto.probe_mb` (bandwidth). The choice, the predicted step of every candidate
-and why are printed before training; every rank trains with the method rank 0 chose.
+method needs for it, as a multiple of ddp's (1 for an exact exchange; measured for the others).
+Rank 0 profiles the model on its batch: on a CPU it times the forward, backward and optimiser
+step (a model too large to time quickly: its FLOPs at this CPU's measured rates); on a GPU it
+counts the model's FLOPs and the methods' kernels at that GPU's measured rates
+(costmodel.measured_device). Unless `auto.link` describes the network, every rank takes part in
+a short probe of the job's own network: allreduces of a few bytes (latency) and of
+`auto.probe_mb` (bandwidth). The choice, the predicted step of every candidate and why are
+printed before training; every rank trains with the method rank 0 chose.
 """
 
 from __future__ import annotations

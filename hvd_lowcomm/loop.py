@@ -194,12 +194,13 @@ def train(
         if meter.step >= length.total:
             break
         state.epoch, state.batch = epoch + 1, 0
+    trained = train_clock()  # the final checkpoint below is not training
     if "epoch" not in state.record:  # resumed a run that had nothing left to do: report where it stands
         state.record = evaluate(method, test_batches, 0.0, info)
     keeper.save(state.epoch, state.batch)
 
     summary, extra = summarize(cfg, method, state, time.perf_counter() - start, parameters, notes or {}, info)
-    summary.update({"train_seconds": train_clock(), **length.summary()})
+    summary.update({"train_seconds": trained, **length.summary()})
     if isinstance(getattr(method, "optimizer", None), torch.optim.Optimizer):
         summary["optimizer"] = optimizers.describe(method.optimizer)
     final = method.final_state_dict()

@@ -187,6 +187,30 @@ def test_the_floor_the_bare_horovod_script_and_step_phases_are_tabled(tmp_path):
 
 
 @only_from_the_1_rank_suite
+def test_a_budget_gives_every_method_ddps_training_time_and_tables_the_no_communication_limit(tmp_path):
+    import yaml
+
+    refused = compare(tmp_path, "--methods", "local,diloco", "--budget", "1")
+    assert refused.returncode != 0 and "--budget needs ddp" in refused.stderr
+    budget = ("--budget", "1", "--epochs", "3", "--", "--train.max_steps", "40")
+    proc = compare(tmp_path, "--methods", "local,diloco,ddp", *budget)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {row["method"]: row for row in csv.DictReader(open(tmp_path / "results.csv"))}
+    ddp = json.loads((tmp_path / "runs" / "np2-ddp" / "summary.json").read_text())
+    assert ddp["steps"] == 40  # ddp ran first, for its own length
+    for method in ("local", "diloco"):
+        train = yaml.safe_load((tmp_path / "runs" / f"np2-{method}" / "config.yaml").read_text())["train"]
+        assert train["max_time"] == pytest.approx(ddp["train_seconds"], abs=1e-3) and train["max_steps"] == -1
+        summary = json.loads((tmp_path / "runs" / f"np2-{method}" / "summary.json").read_text())
+        assert 0.5 * ddp["train_seconds"] <= summary["train_seconds"] <= 2.0 * ddp["train_seconds"], method
+        limit = 40 * float(rows["local"]["step_ms"]) / 1000  # ddp's steps at local's step time
+        assert float(rows[method]["limit_seconds"]) == pytest.approx(limit, rel=1e-6)
+    table = (tmp_path / "results.md").read_text()
+    assert "Equal time: every method but ddp trained for 1 × ddp's training time" in table
+    assert (tmp_path / "accuracy_vs_time.png").stat().st_size > 0
+
+
+@only_from_the_1_rank_suite
 def test_repeated_runs_are_kept_apart_and_their_range_is_tabled(tmp_path):
     proc = compare(tmp_path, "--methods", "ddp", "--repeat", "2", "--", "--train.max_steps", "4")
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -109,9 +109,9 @@ def steps_table(tmp_path, monkeypatch):
     from hvd_lowcomm import time_to_quality
 
     monkeypatch.setattr(time_to_quality, "TABLE", tmp_path / "time_to_quality.csv")
-    time_to_quality.steps_multiples.cache_clear()
+    time_to_quality.measured.cache_clear()
     yield lambda rows: time_to_quality.write_rows(rows, time_to_quality.TABLE)
-    time_to_quality.steps_multiples.cache_clear()
+    time_to_quality.measured.cache_clear()
 
 
 def test_auto_ranks_by_time_to_quality_and_takes_diloco_only_where_it_reached_it(steps_table):
