@@ -123,11 +123,16 @@ def auto_candidates(cfg: Config | None = None) -> tuple[str, ...]:
 def steps_multiple(method: str, cfg: Config | None = None) -> float:
     """The steps `method` needs for ddp's quality, as a multiple of ddp's: 1 for an exact
     exchange, the time-to-quality suite's measurement at the measured options, else 1 (a
-    rounding or compression that held at equal steps)."""
+    rounding or compression that held at equal steps: one that ran out of time before the
+    target was measured in time, not in steps). A method that is no drop-in is a candidate
+    only where it was measured (time_held_methods)."""
     if quality_risk(method, cfg) == "":
         return 1.0
     measured = time_to_quality.steps_multiples().get(method)
-    return measured if measured is not None and _at_defaults(method, cfg) else 1.0
+    if measured is None or not math.isfinite(measured) or not _at_defaults(method, cfg):
+        return 1.0
+    # a drop-in exchange approximates ddp's gradient: fewer steps than ddp's is a run's noise
+    return max(measured, 1.0) if method in drop_in_methods() else measured
 
 
 def break_even(
