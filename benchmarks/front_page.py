@@ -52,19 +52,20 @@ def _costs(m: heldout.Measured | None) -> str:
 
 
 def _in_time(key: str | None, timed: dict[str, time_to_quality.AtEqualTime]) -> str:
-    """A method's equal-time verdict on the slow links: when it reached ddp's quality, against
-    the no-communication limit, and its loss when ddp's time had passed."""
+    """A method's equal-time verdict on the slow links, in words (the figures are in the
+    source): whether it reached ddp's final quality before the no-communication limit, and
+    whether its loss was below ddp's when ddp's time had passed."""
     if key is None:
         return "ddp's, sharded"
     if key == "ddp":
         return "the reference"
     m = timed.get(key)
-    if m is None or m.loss_at_ddp_time_pct != m.loss_at_ddp_time_pct:  # NaN: no slow-link run
+    if m is None or not math.isfinite(m.loss_at_ddp_time_pct):
         return "not measured"
     reached = "ddp's loss not reached"
     if math.isfinite(m.time_vs_limit):
-        reached = f"ddp's loss at {m.time_vs_limit:.2f}x the limit"
-    return f"{reached}; {m.loss_at_ddp_time_pct:+.1f} % at ddp's time"
+        reached = f"ddp's loss {'before' if m.time_vs_limit <= 1 else 'after'} the limit"
+    return f"{reached}; {'below' if m.loss_at_ddp_time_pct < 0 else 'above'} ddp at its time"
 
 
 def decision_table(

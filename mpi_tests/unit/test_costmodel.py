@@ -93,16 +93,6 @@ def test_more_bandwidth_never_slows_a_step_and_dad_work_grows_with_ranks(mlp_pro
     assert fast.hidden == pytest.approx(fast.communication)
 
 
-def test_the_planner_picks_ddp_on_a_fast_network_and_a_compressing_method_on_a_slow_one():
-    profile = profile_model(mlp((784,), 10, [1024, 1024]), (784,), 32, repeats=3)
-    name, predictions, why = costmodel.choose(profile, 8, Link.parse("10000gbit", latency_us=1))
-    assert name == "ddp" and "a method is chosen over ddp only when 5% sooner" in why
-    name, predictions, why = costmodel.choose(profile, 8, Link.parse("100mbit", latency_us=1))
-    assert name in ("powersgd", "rank-dad", "dad") and "ddp would take" in why
-    assert predictions[0].step <= predictions[-1].step
-    assert costmodel.break_even(profile, name, 8, Link(1e9, 1e-6)) > 100e6 / 8
-
-
 @pytest.fixture
 def steps_table(tmp_path, monkeypatch):
     """A time-to-quality table of the test's own: write(rows) puts it where auto reads it."""
@@ -112,6 +102,17 @@ def steps_table(tmp_path, monkeypatch):
     time_to_quality.measured.cache_clear()
     yield lambda rows: time_to_quality.write_rows(rows, time_to_quality.TABLE)
     time_to_quality.measured.cache_clear()
+
+
+def test_the_planner_picks_ddp_on_a_fast_network_and_a_compressing_method_on_a_slow_one(steps_table):
+    steps_table([])  # no time-to-quality measurements: the drop-in methods alone
+    profile = profile_model(mlp((784,), 10, [1024, 1024]), (784,), 32, repeats=3)
+    name, predictions, why = costmodel.choose(profile, 8, Link.parse("10000gbit", latency_us=1))
+    assert name == "ddp" and "a method is chosen over ddp only when 5% sooner" in why
+    name, predictions, why = costmodel.choose(profile, 8, Link.parse("100mbit", latency_us=1))
+    assert name in ("powersgd", "rank-dad", "dad") and "ddp would take" in why
+    assert predictions[0].step <= predictions[-1].step
+    assert costmodel.break_even(profile, name, 8, Link(1e9, 1e-6)) > 100e6 / 8
 
 
 def test_auto_ranks_by_time_to_quality_and_takes_diloco_only_where_it_reached_it(steps_table):
@@ -134,7 +135,8 @@ def test_auto_ranks_by_time_to_quality_and_takes_diloco_only_where_it_reached_it
     assert costmodel.choose(profile, 8, slow)[0] in ("ddp", "dad")
 
 
-def test_every_registered_method_has_a_cost_and_auto_chooses_only_among_drop_ins_that_keep_quality():
+def test_every_registered_method_has_a_cost_and_auto_chooses_only_among_drop_ins_that_keep_quality(steps_table):
+    steps_table([])  # no time-to-quality measurements: the drop-in methods alone
     assert set(costmodel.predicted_methods()) == set(specs())  # a new method cannot skip the test above
     assert set(costmodel.drop_in_methods()) == {"ddp", "ddp-fp16", "powersgd", "dad", "rank-dad"}
     # at the defaults: the exact ones, and the rounding and compressions whose defaults held on the held-out suite
