@@ -203,6 +203,13 @@ def choose(
                 f"time to its quality (a method is chosen over ddp only when {MIN_GAIN:.0%} sooner)"
             )
     risk, measured = quality_risk(best.method, cfg), measured_quality(best.method, cfg)
+    timed = time_to_quality.measured().get(best.method)
+    if best.method in time_held_methods(cfg) and timed is not None:  # it trains differently: judged in time
+        why += (
+            f". Quality: it trains the model its own way; given ddp's training time it reached ddp's final "
+            f"loss on all {timed.sets} judged sets of the time-to-quality suite"
+        )
+        return best.method, predictions, why
     why += f". Quality: {risk or 'the same gradient as ddp'}" + (f"; {measured.risk()}" if measured and risk else "")
     return best.method, predictions, why
 

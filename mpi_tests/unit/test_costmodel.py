@@ -121,6 +121,7 @@ def test_auto_ranks_by_time_to_quality_and_takes_diloco_only_where_it_reached_it
     steps_table([{"method": "diloco", "sets": 2, "steps_vs_ddp": 1.3}])
     name, predictions, why = costmodel.choose(profile, 8, slow)
     assert name == "diloco" and "1.30x ddp's steps to ddp's quality (measured)" in why
+    assert "it trains the model its own way" in why and "same gradient" not in why
     assert costmodel.choose(profile, 8, fast)[0] == "ddp"  # a fast link: ddp's steps win
     diloco = next(q for q in predictions if q.method == "diloco")
     assert "1.30" in costmodel.format_predictions([diloco], None)
