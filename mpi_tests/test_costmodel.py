@@ -214,7 +214,9 @@ def test_predicted_bytes_per_step_are_what_the_busiest_rank_sends(world, fresh_m
 
 
 @needs_ranks(2)
-@pytest.mark.parametrize("link, expected", [("10000gbit", {"ddp"}), ("10mbit", {"powersgd", "dad", "rank-dad"})])
+@pytest.mark.parametrize(
+    "link, expected", [("10000gbit", {"ddp"}), ("10mbit", {"powersgd", "dad", "rank-dad", "diloco"})]
+)
 def test_method_auto_trains_with_the_method_the_cost_model_chose(
     world, fresh_meter, shared_tmp, capsys, link, expected
 ):
@@ -247,8 +249,8 @@ def test_method_auto_trains_with_the_method_the_cost_model_chose(
     # Every rank trained with that method: its training tensors carry the method's names
     # (PowerSGD's first start_iter steps are plain means named "powersgd.warmup.<parameter>").
     trained = {name.split(".")[0] for name, t in fresh_meter.by_name.items() if t.calls}
-    marker = {"dad": "dad", "rank-dad": "rank-dad", "powersgd": "powersgd"}.get(choice)
-    assert (marker in trained) if marker else not trained & {"dad", "rank-dad", "powersgd"}, trained
+    marker = {"dad": "dad", "rank-dad": "rank-dad", "powersgd": "powersgd", "diloco": "diloco"}.get(choice)
+    assert (marker in trained) if marker else not trained & {"dad", "rank-dad", "powersgd", "diloco"}, trained
     if RANK == 0:  # rank 0 prints the choice
         out = capsys.readouterr().out
         assert f"auto: chose {summary['auto_choice']}: predicted" in out and "predicted per step:" in out
@@ -269,6 +271,8 @@ def test_method_auto_leaves_out_a_fixed_rank_and_says_so(world, shared_tmp, caps
         "2",
         "--rank-dad.rank",
         "8",
+        "--diloco.sync_every",
+        "7",  # DiLoCo at options other than those measured at equal time: no candidate either
         "--data.path",
         str(shared_tmp / "digits.h5"),
         "--run.dir",
@@ -332,9 +336,9 @@ def test_the_planner_command_writes_its_tables(tmp_path, capsys):
     }
     assert memory["fsdp"] < memory["ddp"] / 4 < memory["diloco"] and "powersgd" in memory
     assert memory["mp"] < memory["ddp"]  # a partition of the model per rank
-    # auto's choice per link and rank count: always one that keeps quality, and on 1 Gbit/s,
-    # with 10 TFLOP/s of compute, one that sends less than ddp
-    keeping = costmodel.quality_keeping_methods(config.default_config())
+    # auto's choice per link and rank count: always one that keeps quality or held at equal
+    # time, and on 1 Gbit/s, with 10 TFLOP/s of compute, one that sends less than ddp
+    keeping = costmodel.auto_candidates(config.default_config())
     choices = {
         line.split(" | ")[0].strip("| "): line.strip("| ").split(" | ")[1:]
         for line in text.split("would choose")[1].splitlines()
