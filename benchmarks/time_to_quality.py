@@ -34,6 +34,7 @@ from pathlib import Path
 from benchmarks import compare
 from benchmarks.heldout import prepare
 from hvd_lowcomm import time_to_quality as table
+from hvd_lowcomm.metrics import write_csv
 
 LINKS = ("100mbit", "1gbit")
 NODES, RANKS = 2, 4  # 2 emulated nodes of 2 ranks: AB and DiLoCo make a group per node
@@ -153,10 +154,7 @@ def rows_of(s: TimeSet, link: str, out: Path) -> list[dict[str, str]]:
 
 def write(rows: list[dict[str, str]], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(out / "results.csv", rows)
 
     def cell(value: str, fmt: str) -> str:
         v = float(value) if value not in ("", None) else math.nan
