@@ -21,6 +21,8 @@ class Group:
     or a torch.distributed group on the torch engine); `comm` is the matching mpi4py
     sub-communicator on members and MPI.COMM_NULL on every other rank; `side`, where the split
     asked for one, the engine's channel of these ranks' own for a worker thread's collectives.
+    `peers`, for a group of processes in other MPI jobs (elastic DiLoCo's column): the engine
+    that runs its collectives instead of the job's; `ranks` then number those peers.
     """
 
     label: str
@@ -29,6 +31,7 @@ class Group:
     process_set: Any = field(compare=False, repr=False)
     comm: Any = field(compare=False, repr=False)
     side: Any = field(default=None, compare=False, repr=False)
+    peers: Any = field(default=None, compare=False, repr=False)
 
     @property
     def size(self) -> int:

@@ -228,7 +228,7 @@ class TrafficMeter:
         sent, ctx = compression.compress(tensor)
         self.record("allreduce", name, _nbytes(sent), group)
         op = "average" if average and tensor.is_floating_point() else "sum"
-        engine = runtime.engine()
+        engine = _engine(group)
         with self.waiting():
             out = engine.finish(engine.start_allreduce([to_wire(sent)], [name], op, _handle(group)))
         return compression.decompress(from_wire(out[0], sent), ctx)
@@ -263,7 +263,7 @@ class TrafficMeter:
         if size == 1:  # nothing to combine; skips an engine round (ms) per call
             outs = [tensor.clone() for _, tensor in gathered], [tensor.clone() for _, tensor in reduced]
         else:
-            engine, handle = runtime.engine(), _handle(group)
+            engine, handle = _engine(group), _handle(group)
             with self.waiting():
                 gathering = [engine.start_allgather(to_wire(tensor), name, handle, size) for name, tensor in gathered]
                 reducing = (
@@ -301,7 +301,8 @@ class TrafficMeter:
             return [tensor * (prescale * postscale) for _, tensor in named]
         for name, tensor in named:
             self.record("allreduce", name, _nbytes(tensor), group)
-        started = runtime.engine().start_allreduce(
+        engine = _engine(group)
+        started = engine.start_allreduce(
             [to_wire(tensor) for _, tensor in named],
             [n for n, _ in named],
             op,
@@ -310,22 +311,22 @@ class TrafficMeter:
             postscale,
             together=True,
         )
-        return started, [tensor for _, tensor in named]
+        return engine, started, [tensor for _, tensor in named]
 
     def finish_allreduce(self, handle: Any) -> list[torch.Tensor]:
         """Wait for an allreduce `start_allreduce` started; its results, on their tensors' devices."""
         with self.waiting():
             if isinstance(handle, list):
                 return handle
-            started, tensors = handle
-            return [from_wire(out, like) for out, like in zip(runtime.engine().finish(started), tensors)]
+            engine, started, tensors = handle
+            return [from_wire(out, like) for out, like in zip(engine.finish(started), tensors)]
 
     def broadcast_(self, tensor: torch.Tensor, root_rank: int, name: str, group: Group | None = None) -> torch.Tensor:
         """In-place broadcast from global rank `root_rank` to the members of `group`."""
         self.record("broadcast", name, _nbytes(tensor), group)
         wire = to_wire(tensor)
         with self.waiting():
-            runtime.engine().broadcast_(wire, root_rank, name, _handle(group))
+            _engine(group).broadcast_(wire, root_rank, name, _handle(group))
         if wire is not tensor:
             tensor.copy_(wire)
         return tensor
@@ -441,18 +442,18 @@ class TrafficMeter:
 def side_allreduce_sum_(tensor: torch.Tensor, group: Group) -> torch.Tensor:
     """In-place sum of a CPU tensor over `group`'s side channel."""
     if group.size > 1:
-        runtime.engine().side_allreduce_sum_(tensor, _side(group))
+        _engine(group).side_allreduce_sum_(tensor, _side(group))
     return tensor
 
 
 def side_allgather(tensor: torch.Tensor, group: Group) -> list[torch.Tensor]:
     """Every member's CPU tensor (all of one shape), in member order."""
-    return runtime.engine().side_allgather(tensor, _side(group), group.size) if group.size > 1 else [tensor]
+    return _engine(group).side_allgather(tensor, _side(group), group.size) if group.size > 1 else [tensor]
 
 
 def side_alltoall(tensor: torch.Tensor, group: Group) -> list[torch.Tensor]:
     """Member j's chunk j of every member's CPU tensor (cut into `group.size` equal chunks)."""
-    return runtime.engine().side_alltoall(tensor, _side(group), group.size) if group.size > 1 else [tensor]
+    return _engine(group).side_alltoall(tensor, _side(group), group.size) if group.size > 1 else [tensor]
 
 
 def side_thread_problem() -> str | None:
@@ -527,7 +528,9 @@ def _pinned(tensor: torch.Tensor) -> bool:
 
 
 def _share_leaving_node(op: str, group: Group | None, dest: int | None) -> float:
-    """The part of a call's wire bytes that goes to other nodes."""
+    """The part of a call's wire bytes that goes to other nodes (all of it between MPI jobs)."""
+    if group is not None and group.peers is not None:
+        return 1.0
     if runtime.node_count() == 1:
         return 0.0
     ranks = group.ranks if group is not None else runtime.world().ranks
@@ -549,6 +552,16 @@ def _members(group: Group | None) -> int:
 def _nbytes(tensor: torch.Tensor) -> int:
     """Bytes of `tensor` on the wire (in `wire_dtype`)."""
     return tensor.numel() * wire_dtype(tensor.dtype).itemsize
+
+
+def _engine(group: Group | None) -> Any:
+    """What runs `group`'s collectives: the job's engine, or a group of peers' own."""
+    return group.peers if group is not None and group.peers is not None else runtime.engine()
+
+
+def position_in(group: Group) -> int:
+    """This process's position among `group`'s members."""
+    return group.peers.rank if group.peers is not None else group.rank_of(runtime.rank())
 
 
 def _handle(group: Group | None) -> Any:

@@ -45,6 +45,7 @@ LAYERS = [
             "hvd_lowcomm.comm.mesh",
         ],
     ),
+    ("elastic", ["hvd_lowcomm.elastic", "hvd_lowcomm.elastic.*"]),
     ("data and models", ["hvd_lowcomm.data", "hvd_lowcomm.models", "hvd_lowcomm.models.*"]),
     ("cost model", ["hvd_lowcomm.costmodel", "hvd_lowcomm.costmodel.*"]),
     ("methods", ["hvd_lowcomm.methods", "hvd_lowcomm.methods.*"]),

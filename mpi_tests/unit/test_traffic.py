@@ -19,7 +19,7 @@ def test_ring_formulas():
 def test_total_on_sums_the_wire_bytes_of_process_sets_by_label_prefix_and_phase(fresh_meter):
     from types import SimpleNamespace
 
-    group = lambda label, size: SimpleNamespace(label=label, size=size)  # noqa: E731
+    group = lambda label, size: SimpleNamespace(label=label, size=size, peers=None)  # noqa: E731
     fresh_meter.record("allreduce", "a", 100, group("group0", 2))  # wire 100
     fresh_meter.record("allreduce", "b", 100, group("group1", 2))  # wire 100
     fresh_meter.record("allreduce", "c", 300, group("column0", 4))  # wire 450

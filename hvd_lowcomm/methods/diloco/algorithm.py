@@ -68,9 +68,11 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from hvd_lowcomm import elastic
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.mesh import full_state_dict, load_sharded_state, local_part, sharded_state
 from hvd_lowcomm.comm.traffic import meter, side_thread_problem
+from hvd_lowcomm.elastic.member import deserialize, serialize
 from hvd_lowcomm.optimizers import as_one_optimizer
 from hvd_lowcomm.config import ConfigError, make_options
 from hvd_lowcomm.methods.base import broadcast_model_and_optimizer, broadcast_parameters, exchange_gradients
@@ -133,7 +135,11 @@ class DiLoCo:
         optimizer = as_one_optimizer(optimizer)  # a (Muon, AdamW) pair steps as one
         self.options, self.model, self.optimizer, self.clip_grad_norm = o, model, optimizer, clip_grad_norm
         self.scaler = scaler
-        groups = runtime.default_group_count(o.groups, runtime.size())
+        # Under the elastic launcher this job is one group, and the groups meet through it.
+        self.elastic = elastic.member(runtime.rank(), runtime.world().comm)
+        if self.elastic is not None:
+            check_elastic(o)
+        groups = 1 if self.elastic is not None else runtime.default_group_count(o.groups, runtime.size())
         runtime.group_layout(runtime.size(), num_groups=groups)  # a clear error when they do not divide
         self.group, self.all_groups = runtime.split_world(num_groups=groups, label="group")
         self.column, _ = runtime.split_by_position(groups, label="column", side=True)
@@ -153,6 +159,7 @@ class DiLoCo:
         self.fragments = [
             Fragment.make(f, params, self._local_slice(params), self.column, o) for f, params in enumerate(parts)
         ]
+        self.last_members = [g.ranks for g in self.all_groups]  # who took part in the last outer step
         self.worker: concurrent.futures.ThreadPoolExecutor | None = None  # runs delayed exchanges
         self.exchange_wait_seconds = 0.0  # what steps waited for exchanges between groups
         self.inner_steps = 0
@@ -167,6 +174,11 @@ class DiLoCo:
             self.set_total_steps(total_steps)
         elif o.sync_every >= 1:  # steps: the schedule is known now
             self._set_every(int(o.sync_every))
+        self._healed_step = 0
+        if self.elastic is not None:
+            if self.sharded:
+                raise ConfigError("diloco: elastic groups do not shard the model yet; leave diloco.shard off")
+            self._heal(self.elastic.join())  # every group starts from one group's state
 
     def set_total_steps(self, total_steps: int) -> None:
         """Fix H for a run of `total_steps` steps (resolves a fractional sync_every)."""
@@ -245,6 +257,11 @@ class DiLoCo:
                 self.outer_steps += 1
             self.synced_now = bool(starting)
             return
+        if self.elastic is not None:
+            if starting:
+                self._elastic_round(starting)
+            self.synced_now = bool(starting)
+            return
         for f in starting:
             self._start(f, background=bool(self.options.sync_delay))
         due = [f for f in self.fragments if f.in_flight is not None and f.in_flight.apply_at == self.inner_steps]
@@ -258,8 +275,9 @@ class DiLoCo:
         return self.outer_steps
 
     def members(self) -> list[tuple[int, ...]]:
-        """The ranks of every group that took part in the last outer step (every group)."""
-        return [g.ranks for g in self.all_groups]
+        """The ranks of every group that took part in the last outer step (every group; under
+        the elastic launcher, the slots of the groups that did)."""
+        return self.last_members
 
     def __enter__(self) -> "DiLoCo":
         return self
@@ -272,6 +290,8 @@ class DiLoCo:
         let any exchange still in flight finish (torchft's DiLoCo leaving its `with` block)."""
         self.door.close()
         self._settle()
+        if self.elastic is not None:
+            self.elastic.leave()
 
     def agreement_group(self) -> runtime.Group | None:
         """Where the loop's per-step checks run: the whole world right after an outer step (all
@@ -389,12 +409,93 @@ class DiLoCo:
                     p.copy_(new)
                     offset += p.numel()
                 f.since_sync = self.options.sync_delay if flight.prepared is not None else 0
-            if self.fragments[0] in due and self.buffers:
+            if self.fragments[0] in due and self.buffers and self.elastic is None:
                 averaged_buffers = meter.allreduce_many(
                     [(f"diloco.buffer.{n}", b) for n, b in self.buffers], self.column, op="average"
                 )
                 for (_, b), value in zip(self.buffers, averaged_buffers):
                     b.copy_(value)
+
+    # -- elastic rounds (hvd_lowcomm.elastic) ----------------------------------------------------
+    def _elastic_round(self, due: list[Fragment]) -> None:
+        """An outer step among the groups alive now: the exchange (and the buffers' mean) is
+        redone, from the same pseudo-gradient and error feedback, until an attempt succeeds for
+        every member; then applied, and a joining group healed from the donor."""
+        (f,) = due  # check_elastic: one fragment, blocking
+        delta = f.global_slice.detach() - self._local_slice(f.params)
+        shapes = [tuple(local_part(p).shape) for _, p in f.params]
+        buffers = [(f"diloco.buffer.{n}", b) for n, b in self.buffers]
+
+        def attempt(column: runtime.Group, members: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+            f.exchange.column, f.exchange.members = column, members
+            mean = f.exchange.start(f.index, delta, shapes, self.position * len(delta))()
+            return mean, (meter.allreduce_many(buffers, column, op="average") if buffers else [])
+
+        with self._waiting():
+            (mean, averaged), commit = self.elastic.exchange(
+                attempt, lambda: copy.deepcopy(f.exchange.state_dict()), f.exchange.load_state_dict
+            )
+        f.in_flight = InFlight(mean, self.inner_steps, None)
+        self._apply(due)
+        with torch.no_grad():
+            for (_, b), value in zip(self.buffers, averaged):
+                b.copy_(value)
+        self.last_members = [(slot,) for slot in commit.members]
+        self.outer_steps += 1
+        self._heal(commit)  # after the count: a joiner takes the step the others are at
+
+    def _heal(self, commit: Any) -> None:
+        """After `commit`: the donor sends this rank's part of the run's state to the joiners'
+        ranks at the same position; a joiner takes it. A joiner's error feedback starts at zero:
+        the donor's holds what the donor's own exchanges left unsent, which is not the joiner's."""
+        donor = self.elastic.slot == commit.donor
+        if donor and commit.joiners:
+            self.elastic.heal(commit, serialize(self._heal_state()))
+        elif self.elastic.slot in commit.joiners:
+            with meter.in_phase("heal"):
+                self._load_heal_state(deserialize(self.elastic.heal(commit, None)))
+            self.last_members = [(slot,) for slot in commit.members]
+
+    def _heal_state(self) -> dict[str, Any]:
+        return {
+            "global_slices": [f.global_slice.detach() for f in self.fragments],
+            "outer": [f.outer.state_dict() for f in self.fragments],
+            "optimizer": self.optimizer.state_dict(),
+            "buffers": [b.detach() for _, b in self.buffers],
+            "inner_steps": self.inner_steps,
+            "outer_steps": self.outer_steps,
+        }
+
+    def _load_heal_state(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for f, global_slice, outer in zip(self.fragments, state["global_slices"], state["outer"]):
+                f.global_slice.copy_(global_slice)
+                f.outer.load_state_dict(outer)
+                f.since_sync = 0
+            for (_, b), value in zip(self.buffers, state["buffers"]):
+                b.copy_(value)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.inner_steps, self.outer_steps = state["inner_steps"], state["outer_steps"]
+        self._healed_step = self.inner_steps
+        self._load_global()
+
+    def _load_global(self) -> None:
+        """Every parameter from the global copy (the group's ranks gather their slices)."""
+        named = [(f"diloco.global.{f.index}", f.global_slice.detach()) for f in self.fragments]
+        flats = [flat for _, flat in named] if self.sharded else meter.allgather_many(named, self.group)
+        with torch.no_grad():
+            for f, flat in zip(self.fragments, flats):
+                offset = 0
+                for _, p in f.params:
+                    p = local_part(p)
+                    p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
+
+    @property
+    def healed_step(self) -> int:
+        """The inner steps the run had taken when this group joined it (0 at the start): a loop
+        that joins late skips that many of its steps, so every group ends at the same step."""
+        return self._healed_step
 
     # -- evaluation, the final model, checkpoints ---------------------------------------------
     @contextlib.contextmanager
@@ -411,6 +512,10 @@ class DiLoCo:
         ]
         if not pending:
             yield self.model
+            return
+        if self.elastic is not None:  # no trial round between groups: the global copy of the last one
+            with trial_sync(self.model, self._load_global, lambda: None, lambda _: None) as model:
+                yield model
             return
         self._settle()  # the exchange in flight uses the same state: let it finish first
         with trial_sync(self.model, lambda: self._sync_now(pending), self._sync_state, self._load_sync_state) as model:
@@ -629,6 +734,21 @@ def joined_exchange_state(exchanges: list[Exchange]) -> dict[str, Any]:
 def exchange_state_of(joined: dict[str, Any], fragment: int) -> dict[str, Any]:
     """One fragment's exchange state from `joined_exchange_state`'s form."""
     return {key: {f: v for f, v in value.items() if int(f) == fragment} for key, value in joined.items()}
+
+
+def check_elastic(options: DiLoCoOptions) -> None:
+    """Refuse what elastic groups cannot run yet: a round is one blocking exchange of the whole
+    model, so that it is applied by all survivors or by none."""
+    o = options
+    refused = [
+        (o.groups > 1, f"diloco.groups {o.groups}: under the elastic launcher each job is one group (--groups there)"),
+        (o.fragments > 1, "diloco.fragments: a round exchanges the whole model"),
+        (bool(o.sync_delay), "diloco.sync_delay: a round's exchange blocks"),
+        (o.eager, "diloco.eager: a round's exchange blocks"),
+    ]
+    problems = [why for bad, why in refused if bad]
+    if problems:
+        raise ConfigError("diloco under the elastic launcher cannot take " + "; ".join(problems))
 
 
 def check_sharding(named: list[tuple[str, nn.Parameter]], group: runtime.Group) -> bool:

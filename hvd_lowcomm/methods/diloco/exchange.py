@@ -67,9 +67,16 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.runtime import Group
-from hvd_lowcomm.comm.traffic import FLOAT_BYTES, meter, side_allgather, side_allreduce_sum_, side_alltoall, wire_bytes
+from hvd_lowcomm.comm.traffic import (
+    FLOAT_BYTES,
+    meter,
+    position_in,
+    side_allgather,
+    side_allreduce_sum_,
+    side_alltoall,
+    wire_bytes,
+)
 from hvd_lowcomm.comm.wire_codecs import (
     FACTOR_CODECS,
     INT4,
@@ -235,7 +242,7 @@ class Exchange:
         ]
         mine = [codec.encode(m) for m, (_, codec) in zip(means, cut)]
         gathered = [g.split(sizes) for g in side_allgather(torch.cat(mine), self.column)]
-        owned = self.column.rank_of(runtime.rank()) if self.members > 1 else 0
+        owned = position_in(self.column) if self.members > 1 else 0
         out = []
         for i, ((v, _), ((encoded, chunk), codec)) in enumerate(zip(parts, cut)):
             lost = torch.zeros(chunk * self.members)

@@ -1,0 +1,193 @@
+"""The coordinator's decisions: who is alive, which groups take part in each round's attempt,
+when a round commits, and who joins after it (hvd_lowcomm.elastic.protocol has the keys). It
+keeps no training state: it reads what the groups write to the store it serves and writes its
+decisions beside them, so the groups agree on every decision by reading the same key.
+
+A group is gone when its process ended (the launcher says so), when it left (finished), or when
+its heartbeat has not moved for the timeout (a stopped node sends no TCP reset: only silence
+shows it). A round's attempt is named once every expected group has arrived or is gone; it
+commits when every member voted ok, else the next attempt is named among the members still
+alive. A group that asks to join is admitted at the next commit, and the donor (the commit's
+first member) sends it the state.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hvd_lowcomm.elastic import protocol
+
+
+@dataclass
+class Life:
+    """One launch of a slot, as the coordinator sees it."""
+
+    launched: float
+    beats: int = 0
+    seen: float | None = None  # when its heartbeat last moved
+    ended: str = ""  # why it is gone ("" while it lives)
+
+
+@dataclass
+class Coordinator:
+    """Decisions for `groups` slots; `timeout`: seconds of silence after which a group is out;
+    `startup`: seconds a new launch may take to its first heartbeat."""
+
+    store: Any
+    groups: int
+    timeout: float
+    startup: float = 300.0
+    clock: Any = time.monotonic
+    lives: dict[int, int] = field(default_factory=dict)  # slot -> current life
+    state: dict[tuple[int, int], Life] = field(default_factory=dict)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    round: int = 0  # the round being decided (0: the start)
+    attempt: int = 0
+    attempt_members: list[int] | None = None
+    attempt_lives: dict[int, int] = field(default_factory=dict)  # slot -> the life in the attempt
+    expected: list[tuple[int, int]] = field(default_factory=list)  # (slot, life) due at this round
+    admitted: set[tuple[int, int]] = field(default_factory=set)
+    round_began: float = 0.0
+    stopped: str = ""
+    began: float = field(default_factory=time.monotonic)
+
+    # -- what the launcher tells it -------------------------------------------------------
+    def launched(self, slot: int, life: int) -> None:
+        self.lives[slot] = life
+        self.state[(slot, life)] = Life(self.clock())
+        protocol.put(self.store, f"life/{slot}", life)
+        self._event("launch", slot=slot, life=life)
+
+    def exited(self, slot: int, life: int, code: int) -> None:
+        why = "finished" if code == 0 else f"exited with code {code}"
+        self._gone(slot, life, why)
+
+    def stop(self, why: str) -> None:
+        if not self.stopped:
+            self.stopped = why
+            protocol.put(self.store, "stop", why)
+            self._event("stop", why=why)
+
+    # -- liveness -------------------------------------------------------------------------
+    def _gone(self, slot: int, life: int, why: str) -> None:
+        state = self.state.get((slot, life))
+        if state is not None and not state.ended:
+            state.ended = why
+            if why != "finished" and why != "left":
+                self._event("failure", slot=slot, life=life, why=why, round=self.round)
+
+    def alive(self, slot: int, life: int | None = None) -> bool:
+        """Whether `slot`'s launch `life` (its current one by default) lives."""
+        current = self.lives.get(slot)
+        life = current if life is None else life
+        return current is not None and life == current and not self.state[(slot, life)].ended
+
+    def _check_lives(self) -> None:
+        now = self.clock()
+        for (slot, life), s in self.state.items():
+            if s.ended:
+                continue
+            if protocol.read(self.store, f"leave/{slot}") == life:
+                self._gone(slot, life, "left")
+                continue
+            beats = self.store.add(f"beat/{slot}/{life}", 0)
+            if beats != s.beats:
+                s.beats, s.seen = beats, now
+            silent = now - (s.seen if s.seen is not None else s.launched)
+            if silent > (self.timeout if s.seen is not None else self.startup):
+                self._gone(slot, life, f"silent for {silent:.1f} s")
+
+    def live_members(self) -> list[int]:
+        """The slots alive now that train (admitted and not gone)."""
+        return [s for s, life in self.lives.items() if (s, life) in self.admitted and self.alive(s)]
+
+    # -- decisions ------------------------------------------------------------------------
+    def poll(self) -> None:
+        """Look at the store once and make every decision now due."""
+        if self.stopped:
+            return
+        self._check_lives()
+        if self.round == 0:
+            self._start()
+        elif self.attempt_members is None:
+            self._name_attempt()
+        else:
+            self._judge_attempt()
+
+    def _joined(self) -> list[int]:
+        """Slots whose current launch asked to join and is not admitted yet."""
+        return [
+            s
+            for s, life in sorted(self.lives.items())
+            if self.alive(s) and (s, life) not in self.admitted and protocol.read(self.store, f"join/{s}") == life
+        ]
+
+    def _start(self) -> None:
+        """The run starts once every launched group joined (or is gone): the lowest slot is the
+        donor of the others' starting state."""
+        joined = self._joined()
+        waiting = [s for s in self.lives if self.alive(s) and s not in joined]
+        if joined and not waiting:
+            self._commit(0, [joined[0]], joined[1:], admit_donor=True)
+
+    def _name_attempt(self) -> None:
+        expected = [s for s, life in self.expected if self.alive(s, life)]
+        if not expected:
+            if not self._joined():
+                return
+            self.stop("every training group is gone, and a joining group has no donor to heal from")
+            return
+        arrived = [s for s in expected if protocol.read(self.store, f"arrive/{self.round}/{s}") == self.lives[s]]
+        # (a member's life is its slot's current one: a relaunch makes the old one gone)
+        if len(arrived) == len(expected):
+            if self.attempt == 0:
+                self.round_began = self.clock()
+            self.attempt_members = arrived = sorted(arrived)
+            self.attempt_lives = {s: self.lives[s] for s in arrived}
+            protocol.put(self.store, f"attempt/{self.round}/{self.attempt}", {"members": arrived})
+
+    def _judge_attempt(self) -> None:
+        members = self.attempt_members or []
+        votes = {s: protocol.read(self.store, f"done/{self.round}/{self.attempt}/{s}") for s in members}
+        if any(v is None and self.alive(s, self.attempt_lives[s]) for s, v in votes.items()):
+            return
+        if all(v == "ok" for v in votes.values()):
+            self._commit(self.round, members, self._joined())
+            return
+        survivors = [s for s in members if self.alive(s, self.attempt_lives[s])]
+        self.attempt += 1
+        self.attempt_members = survivors
+        if survivors:
+            protocol.put(self.store, f"attempt/{self.round}/{self.attempt}", {"members": survivors})
+        else:
+            self.attempt_members = None
+            self.expected = []
+
+    def _commit(self, round_: int, members: list[int], joiners: list[int], admit_donor: bool = False) -> None:
+        protocol.put(self.store, f"commit/{round_}", {"attempt": self.attempt, "members": members, "joiners": joiners})
+        for s in joiners + (members[:1] if admit_donor else []):
+            self.admitted.add((s, self.lives[s]))
+            protocol.put(self.store, f"admit/{s}/{self.lives[s]}", round_)
+        if round_:
+            self._event(
+                "round",
+                round=round_,
+                members=members,
+                attempts=self.attempt + 1,
+                seconds=self.clock() - self.round_began,
+            )
+        if joiners:
+            self._event("admit", round=round_, joiners=joiners, donor=members[0])
+        self.expected = [(s, self.lives[s]) for s in members + joiners]
+        self.round, self.attempt, self.attempt_members = round_ + 1, 0, None
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        self.events.append({"event": kind, "at": round(self.clock() - self.began, 3), **fields})
+
+    def write(self, path: Path) -> None:
+        """The run's membership history: every launch, failure, round and admission."""
+        path.write_text(json.dumps({"groups": self.groups, "timeout": self.timeout, "events": self.events}, indent=1))

@@ -1,0 +1,190 @@
+"""The elastic launcher: one MPI job per DiLoCo group, and the coordinator beside them.
+
+    python -m hvd_lowcomm.elastic --groups 4 --ranks-per-group 8 -- \\
+        python -m hvd_lowcomm.train --config run.yaml --method diloco
+
+It serves the coordinator's store (a torch.distributed TCPStore, advertised by IP address, on
+the interface --interface names), starts every group as its own job (`mpirun -np N`, or an
+`srun` step per group under Slurm), watches them, relaunches a group that failed (up to
+--max-restarts times, after --backoff seconds), and ends with the training's exit status: 0
+when the groups that ran to the end finished cleanly and at least --min-groups of them did.
+A failure inside one group ends that group's job alone; the others go on without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from hvd_lowcomm.comm.rendezvous import interfaces
+from hvd_lowcomm.elastic import protocol
+from hvd_lowcomm.elastic.coordinator import Coordinator
+
+LAUNCHERS = ("mpirun", "srun", "none")
+POLL_SECONDS = 0.02
+
+
+@dataclass
+class Slot:
+    """One group's place in the run: its current process, launches and when it may relaunch."""
+
+    index: int
+    process: subprocess.Popen | None = None
+    life: int = -1
+    restarts: int = 0
+    relaunch_at: float | None = None
+    code: int | None = None  # the last launch's exit status
+
+
+def group_command(args: argparse.Namespace, command: list[str]) -> list[str]:
+    """How one group's job starts."""
+    extra = shlex.split(args.launcher_args)
+    n = str(args.ranks_per_group)
+    if args.launcher == "mpirun":
+        return ["mpirun", "-np", n, *extra, *command]
+    if args.launcher == "srun":
+        return ["srun", "--exact", "--kill-on-bad-exit=1", "-n", n, *extra, *command]
+    return command
+
+
+def address(interface: str) -> str:
+    """The IP address groups reach the coordinator at: `interface`'s, else this host's first
+    non-loopback one (a host name may resolve to a slow network: torchft#329)."""
+    found = interfaces()
+    if interface:
+        if interface not in found:
+            raise SystemExit(
+                f"elastic: no interface {interface!r} with an IPv4 address here; there are {sorted(found)}"
+            )
+        return found[interface]
+    return next((a for a in found.values() if not a.startswith("127.")), "127.0.0.1")
+
+
+def run(args: argparse.Namespace, command: list[str]) -> int:
+    host = args.address or address(args.interface)
+    store = dist.TCPStore(
+        host, args.port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=args.timeout)
+    )
+    coordinator = Coordinator(store, args.groups, args.timeout, startup=args.startup_timeout)
+    slots = [Slot(i) for i in range(args.groups)]
+    print(
+        f"elastic: coordinator at {host}:{store.port}; {args.groups} groups of {args.ranks_per_group} "
+        f"rank(s), timeout {args.timeout:g} s, up to {args.max_restarts} relaunches each",
+        flush=True,
+    )
+
+    def launch(slot: Slot) -> None:
+        slot.life += 1
+        coordinator.launched(slot.index, slot.life)
+        env = dict(os.environ)
+        env.update(protocol.Launch(host, store.port, slot.index, slot.life, args.groups, args.timeout).environment())
+        if args.interface:
+            env.setdefault("GLOO_SOCKET_IFNAME", args.interface)
+        slot.process = subprocess.Popen(group_command(args, command), env=env, start_new_session=True)
+        slot.relaunch_at = None
+
+    def end_all(sig: int = signal.SIGTERM) -> None:
+        for slot in slots:
+            if slot.process is not None and slot.process.poll() is None:
+                os.killpg(slot.process.pid, sig)
+
+    def on_signal(signum: int, frame: object) -> None:
+        end_all()
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    for slot in slots:
+        launch(slot)
+    finished = 0
+    try:
+        while True:
+            coordinator.poll()
+            now = time.monotonic()
+            for slot in slots:
+                life = coordinator.state.get((slot.index, slot.life))
+                if slot.process is not None and life is not None and life.ended.startswith("silent"):
+                    os.killpg(slot.process.pid, signal.SIGKILL)  # a stalled node: end its job, maybe relaunch
+                    slot.process.wait()
+                if slot.process is not None and slot.process.poll() is not None:
+                    slot.code, slot.process = slot.process.returncode, None
+                    coordinator.exited(slot.index, slot.life, slot.code)
+                    if slot.code == 0:
+                        finished += 1
+                    elif slot.restarts < args.max_restarts and not finished and not coordinator.stopped:
+                        slot.restarts += 1
+                        slot.relaunch_at = now + args.backoff
+                        print(
+                            f"elastic: group {slot.index} failed (code {slot.code}); relaunch "
+                            f"{slot.restarts}/{args.max_restarts} in {args.backoff:g} s",
+                            flush=True,
+                        )
+                    else:
+                        print(f"elastic: group {slot.index} failed (code {slot.code}); not relaunched", flush=True)
+                if slot.relaunch_at is not None and now >= slot.relaunch_at:
+                    launch(slot)
+            running = [s for s in slots if s.process is not None or s.relaunch_at is not None]
+            if not running:
+                break
+            if not finished and len(running) < args.min_groups:
+                coordinator.stop(f"fewer than --min-groups {args.min_groups} groups are left")
+            time.sleep(POLL_SECONDS)
+    finally:
+        end_all()
+        if args.record:
+            coordinator.write(Path(args.record))
+    failures = sum(e["event"] == "failure" for e in coordinator.events)
+    print(f"elastic: {finished} of {args.groups} groups finished; {failures} failure(s)", flush=True)
+    if finished >= args.min_groups:
+        return 0
+    return next((s.code for s in slots if s.code), 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" not in argv:
+        raise SystemExit("elastic: give the training command after --, e.g. -- python -m hvd_lowcomm.train ...")
+    split = argv.index("--")
+    options, command = argv[:split], argv[split + 1 :]
+    parser = argparse.ArgumentParser(
+        prog="python -m hvd_lowcomm.elastic", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--groups", type=int, required=True, help="DiLoCo groups, one MPI job each")
+    parser.add_argument("--ranks-per-group", type=int, default=1, help="ranks in each group's job (default: 1)")
+    parser.add_argument(
+        "--min-groups", type=int, default=1, help="end the run when fewer groups are left (default: %(default)s)"
+    )
+    parser.add_argument("--max-restarts", type=int, default=3, help="relaunches per group (default: %(default)s)")
+    parser.add_argument("--backoff", type=float, default=5.0, help="seconds before a relaunch (default: %(default)s)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds of silence (no heartbeat, no answer in an exchange) after which a group is out "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--startup-timeout", type=float, default=300.0, help="seconds a launch may take to its first heartbeat"
+    )
+    parser.add_argument("--launcher", choices=LAUNCHERS, default="mpirun", help="how each group starts")
+    parser.add_argument("--launcher-args", default="", help="more arguments for each group's mpirun/srun")
+    parser.add_argument("--interface", default="", help="the network interface groups reach the coordinator on")
+    parser.add_argument("--address", default="", help="the coordinator's IP address (default: --interface's)")
+    parser.add_argument("--port", type=int, default=0, help="the coordinator's port (default: any free one)")
+    parser.add_argument("--record", default="", help="write the membership history (JSON) here")
+    args = parser.parse_args(options)
+    if not command:
+        parser.error("no training command after --")
+    if args.groups < 1 or args.ranks_per_group < 1 or not 1 <= args.min_groups <= args.groups:
+        parser.error("need --groups >= 1, --ranks-per-group >= 1 and 1 <= --min-groups <= --groups")
+    return run(args, command)

@@ -1,0 +1,184 @@
+"""Elastic DiLoCo groups (hvd_lowcomm.elastic): three groups, each its own MPI job, started by
+the elastic launcher around a user's own DiLoCo loop (mpi_tests/elastic_job.py: H = 5, a small
+MLP, a hash of the parameters recorded after every round and heal). A group that fails costs
+the round it fails in, never the run, and nothing waits past the timeout.
+
+Runs in the np 1 suite (each test starts its own launcher; under mpirun -np N it would run N
+times at once)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import SIZE, clean_env
+
+pytestmark = pytest.mark.skipif(SIZE != 1, reason="starts its own jobs: the np 1 suite runs it")
+
+JOB = Path(__file__).with_name("elastic_job.py")
+TIMEOUT = 5.0  # the launcher's --timeout: seconds of silence before a group is out
+
+
+def launcher(out: Path, steps: int, extra: list[str], env: dict[str, str] | None = None, ranks: int = 1) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "hvd_lowcomm.elastic",
+        "--groups",
+        "3",
+        "--ranks-per-group",
+        str(ranks),
+        "--timeout",
+        str(TIMEOUT),
+        "--backoff",
+        "0",
+        "--launcher-args=--oversubscribe",
+        "--record",
+        str(out / "record.json"),
+        *extra,
+        "--",
+        sys.executable,
+        str(JOB),
+        str(out),
+        str(steps),
+        "5",
+        "0.05",
+    ]
+
+
+def environment(**variables: str) -> dict[str, str]:
+    env = clean_env()
+    env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", **variables})
+    return env
+
+
+def run(out: Path, steps: int, extra: list[str], ranks: int = 1, **variables: str) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        launcher(out, steps, extra, ranks=ranks),
+        env=environment(**variables),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    print(done.stdout[-3000:], done.stderr[-3000:])
+    return done
+
+
+def records(out: Path, slot: int) -> list[dict]:
+    return [json.loads(line) for line in (out / f"slot{slot}.jsonl").read_text().splitlines()]
+
+
+def rounds(out: Path, slot: int, life: int | None = None) -> dict[int, dict]:
+    """Round -> the record of `slot` (its launch `life` alone, where given) after that round."""
+    return {r["round"]: r for r in records(out, slot) if r["event"] == "round" and life in (None, r["life"])}
+
+
+def assert_survivors_agree(out: Path, slots: list[int], last_round: int) -> None:
+    """Every survivor recorded every round up to the last, with bitwise the same parameters."""
+    seen = [rounds(out, s) for s in slots]
+    for r in range(1, last_round + 1):
+        assert all(r in mine for mine in seen), f"round {r} missing on a survivor"
+        hashes = {mine[r]["hash"] for mine in seen}
+        assert len(hashes) == 1, f"after round {r} the survivors' parameters differ"
+        members = {tuple(map(tuple, mine[r]["members"])) for mine in seen}
+        assert len(members) == 1, f"round {r}: the survivors disagree on its members"
+
+
+def members(record: dict) -> list[int]:
+    return [slot for (slot,) in record["members"]]
+
+
+def test_a_killed_group_costs_its_round_and_a_relaunch_heals_bitwise(tmp_path):
+    """(a) kill -9 one group in its inner steps: the others finish every round, 3 -> 2 members,
+    bitwise equal; (d) its relaunch heals from a member to exactly the member's global copy and
+    every group matches after every later round."""
+    done = run(tmp_path, 200, ["--max-restarts", "1"], ELASTIC_JOB_SIGNAL="1/0/12/KILL")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert_survivors_agree(tmp_path, [0, 2], 40)
+    by_round = rounds(tmp_path, 0)
+    assert members(by_round[2]) == [0, 1, 2] and members(by_round[3]) == [0, 2]  # killed at step 12
+    healed = next(r for r in records(tmp_path, 1) if r["event"] == "healed")
+    assert healed["life"] == 1 and healed["hash"] == by_round[healed["round"]]["hash"]
+    after = rounds(tmp_path, 1, life=1)
+    assert sorted(after) == list(range(healed["round"] + 1, 41))
+    for r, mine in after.items():
+        assert mine["hash"] == by_round[r]["hash"] and members(by_round[r]) == [0, 1, 2]
+    history = json.loads((tmp_path / "record.json").read_text())["events"]
+    assert [e["slot"] for e in history if e["event"] == "failure"] == [1]
+    assert any(e["event"] == "admit" and e["joiners"] == [1] for e in history)
+
+
+def test_a_group_that_dies_inside_an_exchange_is_applied_by_no_one(tmp_path):
+    """(b) a group killed after its part of round 3's exchange succeeded, before it voted (the
+    others' collectives may have succeeded with its data): no survivor applies that attempt, the
+    round is redone among the survivors, and it is the same on each. Two ranks a group, the
+    torch engine inside the groups."""
+    done = run(
+        tmp_path,
+        30,
+        ["--max-restarts", "0"],
+        ranks=2,
+        HVD_LOWCOMM_ELASTIC_TEST_FAILURE="1/0/3/after",
+        HVD_LOWCOMM_ENGINE="torch",
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert_survivors_agree(tmp_path, [0, 2], 6)
+    assert members(rounds(tmp_path, 0)[3]) == [0, 2]
+    history = json.loads((tmp_path / "record.json").read_text())["events"]
+    third = next(e for e in history if e["event"] == "round" and e["round"] == 3)
+    assert third["attempts"] == 2 and third["members"] == [0, 2]
+
+
+def test_a_stopped_group_is_out_after_the_timeout(tmp_path):
+    """(c) SIGSTOP (a dead node: no TCP reset): the survivors go on once the timeout has passed,
+    and the launcher ends the stalled job."""
+    began = time.monotonic()
+    done = run(tmp_path, 30, ["--max-restarts", "0"], ELASTIC_JOB_SIGNAL="1/0/12/STOP")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert_survivors_agree(tmp_path, [0, 2], 6)
+    assert members(rounds(tmp_path, 0)[3]) == [0, 2]
+    history = json.loads((tmp_path / "record.json").read_text())["events"]
+    (failure,) = [e for e in history if e["event"] == "failure"]
+    assert failure["slot"] == 1 and failure["why"].startswith("silent")
+    assert time.monotonic() - began < 120
+
+
+def test_the_groups_end_with_a_clear_message_when_the_coordinator_dies(tmp_path):
+    """(f) the coordinator killed: every group exits non-zero within the timeout, saying why."""
+    log = open(tmp_path / "log", "w")
+    process = subprocess.Popen(launcher(tmp_path, 2000, []), env=environment(), stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if all((tmp_path / f"slot{s}.jsonl").exists() and len(records(tmp_path, s)) >= 3 for s in range(3)):
+            break
+        time.sleep(0.2)
+    pids = [records(tmp_path, s)[0]["pid"] for s in range(3)]
+    process.kill()
+    killed = time.monotonic()
+    while any(_alive(pid) for pid in pids) and time.monotonic() - killed < 3 * TIMEOUT:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids), "a group outlived its coordinator by more than the timeout"
+    time.sleep(1)
+    text = (tmp_path / "log").read_text()
+    assert text.count("lost the coordinator") >= 3, text[-2000:]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (an ended child not yet reaped) is gone too
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    except FileNotFoundError:
+        return False
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))
