@@ -24,6 +24,7 @@ from hvd_lowcomm.checkpoint import Checkpointer, PreemptionSignal, TrainState
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.mesh import local_part
 from hvd_lowcomm.comm.traffic import meter
+from hvd_lowcomm.elastic.protocol import Launch
 from hvd_lowcomm.config import Config
 from hvd_lowcomm.methods.base import Method
 from hvd_lowcomm.metrics import RunLogger, human_bytes, unique_run_dir
@@ -57,7 +58,11 @@ def train(
     world = runtime.world()
     rank, device = runtime.rank(), runtime.device(cfg.train.device)
     if resume_dir is None:
-        run_dir = unique_run_dir(cfg.run.dir, cfg.run.name or f"{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}")
+        name = cfg.run.name or f"{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}"
+        launch = Launch.from_environment()
+        if launch is not None:  # elastic groups: one job each, a run directory each
+            name = f"{name}-group{launch.slot}-life{launch.life}"
+        run_dir = unique_run_dir(cfg.run.dir, name)
         # Only rank 0 writes; it tells the others where (the name has a timestamp).
         with meter.in_phase("control"):
             run_dir = Path(meter.broadcast_object(str(run_dir) if rank == 0 else None, "run.dir"))
@@ -107,6 +112,12 @@ def train(
         state.train_seconds = own["extra"].get("train_seconds", 0.0)
         log.continue_from(position["step"])
         log.print(f"resumed from {resume_from} at step {position['step']} (epoch {state.epoch}, batch {state.batch})")
+    joined = method.joined_step()
+    if joined:  # an elastic group that healed from a member mid-run: on at the run's step
+        state.epoch, state.batch = joined // len(train_batches) + 1, joined % len(train_batches)
+        meter.step = joined
+        log.continue_from(joined)
+        log.print(f"joined the run at step {joined} (epoch {state.epoch}, batch {state.batch})")
     if rank == 0:
         (run_dir / "PREEMPTED").unlink(missing_ok=True)
 

@@ -27,6 +27,7 @@ from hvd_lowcomm.checkpoint import PreemptionSignal
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.traffic import meter
 from hvd_lowcomm.config import AUTO, Config, ConfigError
+from hvd_lowcomm.elastic.protocol import Launch
 from hvd_lowcomm.loop import train
 from hvd_lowcomm.registry import spec
 from hvd_lowcomm.methods.base import Method
@@ -79,6 +80,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def check_elastic_run(cfg: Config) -> None:
+    """Refuse under the elastic launcher what would train wrong there: each group is its own
+    job, and only DiLoCo's groups meet (at outer steps, through the coordinator)."""
+    if cfg.method != "diloco":
+        raise ConfigError(
+            f"--method {cfg.method} under python -m hvd_lowcomm.elastic: only diloco trains there. Every other "
+            f"method (ddp, PowerSGD, dAD, AB-training's full-rank phases) synchronises all ranks every step, so "
+            f"the job stays one failure domain: launch it with mpirun or srun"
+        )
+    if cfg.train.max_time:
+        raise ConfigError(
+            "--train.max_time under the elastic launcher: each group would plan its own length; give "
+            "--train.max_steps or --train.epochs"
+        )
+    if cfg.run.resume:
+        raise ConfigError(
+            "--run.resume under the elastic launcher: an elastic run does not resume from checkpoints yet; "
+            "relaunched groups heal from a member instead"
+        )
+
+
 @dataclass
 class Prepared:
     """What preflight checked and built, for the loop."""
@@ -102,6 +124,8 @@ def preflight(cfg: Config, world: runtime.Group) -> Prepared | None:
     try:
         if cfg.method != AUTO:  # auto's candidates fit any rank count
             spec(cfg.method).method.check_world(cfg, world.size)
+        if Launch.from_environment() is not None:
+            check_elastic_run(cfg)
         runtime.device(cfg.train.device)  # a GPU asked for and not there
         trackers.check_installed(cfg.run.loggers)
         if rank == 0 and not cfg.data.source:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import SIZE, clean_env
 
@@ -182,3 +183,28 @@ def _alive(pid: int) -> bool:
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
+
+
+def test_the_built_in_trainer_trains_diloco_across_elastic_groups_and_refuses_the_rest(tmp_path):
+    """`python -m hvd_lowcomm.train --method diloco` under the launcher: a run directory per
+    group, one final model on all; a per-step method is refused before training, not trained
+    apart in each group."""
+    train = [sys.executable, "-m", "hvd_lowcomm.train", "--run.dir", str(tmp_path), "--run.name", "el"]
+    common = [sys.executable, "-m", "hvd_lowcomm.elastic", "--groups", "3", "--timeout", str(TIMEOUT)]
+    common += ["--max-restarts", "0", "--launcher-args=--oversubscribe", "--"]
+    options = ["--method", "diloco", "--train.max_steps", "20", "--diloco.sync_every", "5", "--run.progress", "false"]
+    done = subprocess.run(common + train + options, env=environment(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    finals = [torch.load(tmp_path / f"el-group{s}-life0" / "model.pt") for s in range(3)]
+    for other in finals[1:]:
+        assert all(torch.equal(finals[0][k], other[k]) for k in finals[0]), "the groups' final models differ"
+    summary = json.loads((tmp_path / "el-group0-life0" / "summary.json").read_text())
+    assert summary["outer_steps"] == 4
+    refused = subprocess.run(
+        common + train + ["--method", "ddp", "--train.max_steps", "5"],
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert refused.returncode != 0 and "only diloco trains there" in refused.stderr

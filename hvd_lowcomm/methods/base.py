@@ -92,6 +92,11 @@ class Method:
             split, batch_size, runtime.rank(), runtime.size(), seed=self.cfg.train.seed, shuffle=shuffle, device=device
         )
 
+    def joined_step(self) -> int:
+        """The step the run had reached when this rank's group joined it (elastic groups that
+        heal from a member mid-run); the loop starts there. 0: it trained from the start."""
+        return 0
+
     def start_epoch(self, epoch: int) -> None:
         """Called before each epoch's first step (1-based)."""
 

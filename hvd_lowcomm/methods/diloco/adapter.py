@@ -10,7 +10,9 @@ import torch.nn as nn
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.config import Config
 from hvd_lowcomm.costmodel import MethodCost
-from hvd_lowcomm.methods.diloco.algorithm import DiLoCo
+from hvd_lowcomm.data import ShardedBatches
+from hvd_lowcomm.elastic.protocol import Launch
+from hvd_lowcomm.methods.diloco.algorithm import DiLoCo, check_elastic
 from hvd_lowcomm.methods.diloco.cost import diloco_facts, diloco_memory, predict_diloco
 from hvd_lowcomm.methods.diloco.options import DiLoCoOptions, fragment_bounds
 from hvd_lowcomm.methods.fsdp import check_sharding_world, shard_the_replicas
@@ -41,6 +43,14 @@ class DiLoCoMethod(GroupTrainerMethod):
         return "torch" if cfg.options.shard else None
 
     @classmethod
+    def check_world(cls, cfg: Config, world_size: int) -> None:
+        if Launch.from_environment() is None:
+            super().check_world(cfg, world_size)
+            return
+        check_elastic(cfg.options)  # under the elastic launcher this job is one group
+        cls.check_groups(cfg, 1, world_size)
+
+    @classmethod
     def check_groups(cls, cfg: Config, groups: int, world_size: int) -> None:
         if cfg.options.shard:
             check_sharding_world(cfg, world_size, world_size // groups, "diloco.groups' group size")
@@ -50,6 +60,26 @@ class DiLoCoMethod(GroupTrainerMethod):
             groups = runtime.default_group_count(self.options.groups, runtime.size())
             model = shard_the_replicas(model, runtime.size() // groups, replicate=False)
         super().setup(model)
+
+    def batches(self, split: Any, batch_size: int, shuffle: bool, device: torch.device) -> Any:
+        """Under the elastic launcher, this group's share of the data is its slot's: its ranks
+        read as ranks slot * N + i of groups * N."""
+        launch = Launch.from_environment()
+        if launch is None:
+            return super().batches(split, batch_size, shuffle, device)
+        n = runtime.size()
+        return ShardedBatches(
+            split,
+            batch_size,
+            launch.slot * n + runtime.rank(),
+            launch.groups * n,
+            seed=self.cfg.train.seed,
+            shuffle=shuffle,
+            device=device,
+        )
+
+    def joined_step(self) -> int:
+        return self.trainer.healed_step
 
     def start_micro_batch(self, last: bool) -> None:
         if self.options.shard:

@@ -177,7 +177,7 @@ class DiLoCo:
         self._healed_step = 0
         if self.elastic is not None:
             if self.sharded:
-                raise ConfigError("diloco: elastic groups do not shard the model yet; leave diloco.shard off")
+                raise ConfigError("diloco under the elastic launcher cannot take a sharded model yet")
             self._heal(self.elastic.join())  # every group starts from one group's state
 
     def set_total_steps(self, total_steps: int) -> None:
@@ -589,14 +589,29 @@ class DiLoCo:
     between_groups = ("column", "world")  # the column exchange, and the loop's checks at outer steps
 
     def epoch_metrics(self) -> dict[str, Any]:
+        elastic = {} if self.elastic is None else {"round_members": [slot for (slot,) in self.last_members]}
         return {
             "outer_steps": self.outer_steps,
             "sync_every": self.every,
             "exchange_wait_seconds": round(self.exchange_wait_seconds, 4),
             **group_traffic(self.between_groups),
+            **elastic,
         }
 
-    summary_metrics = epoch_metrics
+    def summary_metrics(self) -> dict[str, Any]:
+        """The epoch's figures, and under the elastic launcher what this group saw: its rounds,
+        those some group missed or that needed another attempt, and its heals."""
+        if self.elastic is None:
+            return self.epoch_metrics()
+        rounds = [e for e in self.elastic.events if e["event"] == "round"]
+        most = max((len(e["members"]) for e in rounds), default=0)
+        return {
+            **self.epoch_metrics(),
+            "elastic_rounds": len(rounds),
+            "elastic_short_rounds": sum(len(e["members"]) < most for e in rounds),
+            "elastic_redone_rounds": sum(e["attempts"] > 1 for e in rounds),
+            "elastic_heal_seconds": [round(e["seconds"], 3) for e in self.elastic.events if e["event"] == "heal"],
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """What the ranks of one group share: model, inner optimiser (each rank's own shards of
@@ -745,6 +760,7 @@ def check_elastic(options: DiLoCoOptions) -> None:
         (o.fragments > 1, "diloco.fragments: a round exchanges the whole model"),
         (bool(o.sync_delay), "diloco.sync_delay: a round's exchange blocks"),
         (o.eager, "diloco.eager: a round's exchange blocks"),
+        (o.shard, "diloco.shard: a heal does not send shards yet"),
     ]
     problems = [why for bad, why in refused if bad]
     if problems:
