@@ -75,6 +75,7 @@ class JobSpec:
     env: list[tuple[str, str]] = field(default_factory=list)
     train_args: list[str] = field(default_factory=list)
     template: str = ""
+    elastic: int = 0  # DiLoCo groups, each its own job under python -m hvd_lowcomm.elastic (0: one job)
     signal_seconds: int = 120  # Slurm's warning signal this long before the wall time (0: none)
     requeue: bool = True  # requeue a preempted job so it resumes from its checkpoint
 
@@ -112,6 +113,14 @@ class JobSpec:
                 "give your program its config inside the command, e.g. "
                 "--command 'python my_train.py --config run.yaml'"
             )
+        if self.elastic:
+            if self.elastic < 2 or self.nodes % self.elastic:
+                raise JobError(
+                    f"--elastic {self.elastic}: give 2 or more groups that divide --nodes {self.nodes} "
+                    f"(each group is a whole number of nodes)"
+                )
+            if self.config and config_mod.load(["--config", self.config, *self.train_args]).method != "diloco":
+                raise JobError("--elastic runs DiLoCo groups: the config (or -- --method) must choose diloco")
         if self.command:
             program(self)  # refuses a command that cannot be launched as it is
             return
@@ -131,6 +140,8 @@ def program(spec: JobSpec) -> list[str]:
     run named after the job, which resumes from its checkpoint if it has one."""
     if not spec.command:
         # A batch job's output goes to a file, where a progress bar is only noise (yours win after).
+        # Elastic groups heal from a member instead of resuming from a checkpoint.
+        resume = [] if spec.elastic else ["--resume", "auto"]
         return [
             spec.python,
             "-m",
@@ -139,8 +150,7 @@ def program(spec: JobSpec) -> list[str]:
             spec.config,
             "--run.name",
             spec.job_name,
-            "--resume",
-            "auto",
+            *resume,
             "--run.progress",
             "false",
             *spec.train_args,
@@ -164,6 +174,23 @@ def program(spec: JobSpec) -> list[str]:
             f"program alone, e.g. --command {shlex.join(words[1:]) or 'python my_train.py'!r}"
         )
     return [*words, *spec.train_args]
+
+
+def elastic_launch(spec: JobSpec) -> str:
+    """The elastic launcher's command line for an --elastic job: one group per nodes/groups nodes,
+    each an srun step (Slurm) or an mpirun on its share of the hosts (the template adds PBS's
+    --hostfile); the coordinator on --nccl-socket-ifname's interface when given."""
+    per_group = spec.nodes // spec.elastic
+    if spec.launcher == "srun":
+        step = ["--mpi=pmix", "--cpu-bind=cores", "-N", str(per_group)]
+        step += ["--gpus-per-task=1"] if spec.gpus_per_node else []
+    else:
+        step = ["--map-by", f"ppr:{spec.tasks_per_node}:node", "--bind-to", "core", *spec.mpirun_args]
+    words = [spec.python, "-m", "hvd_lowcomm.elastic", "--groups", str(spec.elastic)]
+    words += ["--ranks-per-group", str(per_group * spec.tasks_per_node), "--launcher", spec.launcher]
+    words += [f"--launcher-args={shlex.join(step)}"]
+    words += ["--interface", spec.nccl_socket_ifname] if spec.nccl_socket_ifname else []
+    return shlex.join(words)
 
 
 def walltime_seconds(text: str) -> int:
@@ -214,6 +241,7 @@ def render(spec: JobSpec) -> str:
         "output": spec.output or f"{spec.job_name}{suffix}.out",
         "error": spec.error or f"{spec.job_name}{suffix}.err",
         "train_command": shlex.join(program(spec)),  # quoted word by word: runs exactly as given
+        "elastic_launch": elastic_launch(spec) if spec.elastic else "",
         "run_dir": ""
         if spec.command
         else str(Path(config_mod.load(["--config", spec.config, *spec.train_args]).run.dir) / spec.job_name),
@@ -331,6 +359,14 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
         "the run checkpoints and stops cleanly; 0: none (default: 120)",
     )
     parser.add_argument(
+        "--elastic",
+        type=int,
+        default=0,
+        metavar="GROUPS",
+        help="run DiLoCo in GROUPS groups, each its own job under python -m hvd_lowcomm.elastic: "
+        "a failed group is relaunched and heals while the others train on (Slurm: --no-kill)",
+    )
+    parser.add_argument(
         "--no-requeue",
         dest="requeue",
         action="store_false",
@@ -372,8 +408,9 @@ def _spec(args: argparse.Namespace, train_args: list[str], **changes: object) ->
         env=env,
         train_args=train_args,
         template=args.template,
-        signal_seconds=args.signal_seconds,
-        requeue=args.requeue,
+        elastic=args.elastic,
+        signal_seconds=0 if args.elastic else args.signal_seconds,
+        requeue=args.requeue and not args.elastic,  # an elastic run does not resume from checkpoints yet
     )
     return replace(spec, **changes)
 

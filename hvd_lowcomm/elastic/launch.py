@@ -46,15 +46,30 @@ class Slot:
     code: int | None = None  # the last launch's exit status
 
 
-def group_command(args: argparse.Namespace, command: list[str]) -> list[str]:
-    """How one group's job starts."""
+def group_command(args: argparse.Namespace, command: list[str], slot: int) -> list[str]:
+    """How one group's job starts (with --hostfile, mpirun on the slot's own hosts)."""
     extra = shlex.split(args.launcher_args)
     n = str(args.ranks_per_group)
     if args.launcher == "mpirun":
-        return ["mpirun", "-np", n, *extra, *command]
+        hosts = group_hosts(args.hostfile, args.groups, args.ranks_per_group, slot) if args.hostfile else []
+        return ["mpirun", "-np", n, *hosts, *extra, *command]
     if args.launcher == "srun":
         return ["srun", "--exact", "--kill-on-bad-exit=1", "-n", n, *extra, *command]
     return command
+
+
+def group_hosts(hostfile: str, groups: int, ranks: int, slot: int) -> list[str]:
+    """mpirun's --host for `slot`: its equal share of the file's hosts (each named once per rank
+    or once, as PBS_NODEFILE or a Slurm host list has them), in order."""
+    names = list(dict.fromkeys(line.split()[0] for line in Path(hostfile).read_text().splitlines() if line.strip()))
+    if len(names) % groups or ranks % (len(names) // groups):
+        raise SystemExit(
+            f"elastic: {len(names)} hosts in {hostfile} do not split into {groups} groups of {ranks} rank(s): "
+            f"give a host count that is a multiple of --groups"
+        )
+    share = len(names) // groups
+    mine = names[slot * share : (slot + 1) * share]
+    return ["--host", ",".join(f"{host}:{ranks // share}" for host in mine)]
 
 
 def address(interface: str) -> str:
@@ -90,7 +105,7 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         env.update(protocol.Launch(host, store.port, slot.index, slot.life, args.groups, args.timeout).environment())
         if args.interface:
             env.setdefault("GLOO_SOCKET_IFNAME", args.interface)
-        slot.process = subprocess.Popen(group_command(args, command), env=env, start_new_session=True)
+        slot.process = subprocess.Popen(group_command(args, command, slot.index), env=env, start_new_session=True)
         slot.relaunch_at = None
 
     def end_all(sig: int = signal.SIGTERM) -> None:
@@ -102,8 +117,8 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         end_all()
         raise SystemExit(128 + signum)
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    for ending in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):  # a scheduler's warning ends the groups
+        signal.signal(ending, on_signal)
     for slot in slots:
         launch(slot)
     finished = 0
@@ -177,7 +192,12 @@ def main(argv: list[str] | None = None) -> int:
         "--startup-timeout", type=float, default=300.0, help="seconds a launch may take to its first heartbeat"
     )
     parser.add_argument("--launcher", choices=LAUNCHERS, default="mpirun", help="how each group starts")
-    parser.add_argument("--launcher-args", default="", help="more arguments for each group's mpirun/srun")
+    parser.add_argument(
+        "--launcher-args", default="", help="more arguments for each group's mpirun/srun (--launcher-args='-N 1')"
+    )
+    parser.add_argument(
+        "--hostfile", default="", help="mpirun: give each group its share of these hosts (e.g. $PBS_NODEFILE)"
+    )
     parser.add_argument("--interface", default="", help="the network interface groups reach the coordinator on")
     parser.add_argument("--address", default="", help="the coordinator's IP address (default: --interface's)")
     parser.add_argument("--port", type=int, default=0, help="the coordinator's port (default: any free one)")

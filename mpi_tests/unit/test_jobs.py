@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from hvd_lowcomm.elastic.launch import group_hosts
 from hvd_lowcomm.jobs import main as jobs_main
 
 from conftest import clean_env
@@ -370,3 +371,41 @@ def test_submit_without_the_scheduler_says_how_to_submit(tmp_path, run_yaml, cap
     )
     assert code == 1 and "sbatch not found" in capsys.readouterr().err
     assert (tmp_path / "j.sh").exists()  # the script stays, to be submitted elsewhere
+
+
+@pytest.mark.parametrize("scheduler", ["slurm", "pbs"])
+def test_an_elastic_job_runs_each_diloco_group_as_its_own_job(tmp_path, run_yaml, scheduler):
+    args = ["--scheduler", scheduler, "--nodes", "4", "--tasks-per-node", "4", "--elastic", "2"]
+    text = render(tmp_path, *args, "--config", str(run_yaml), "--", "--method", "diloco")
+    launch = "python -m hvd_lowcomm.elastic --groups 2 --ranks-per-group 8 --launcher " + (
+        "srun '--launcher-args=--mpi=pmix --cpu-bind=cores -N 2'" if scheduler == "slurm" else "mpirun"
+    )
+    assert launch in text and "-- python -m hvd_lowcomm.train" in text
+    assert "--resume auto" not in text  # groups heal from a member, not from checkpoints
+    if scheduler == "slurm":
+        assert "#SBATCH --no-kill" in text and "--signal" not in text and "--requeue" not in text
+    else:
+        assert '--hostfile "${PBS_NODEFILE:?not inside a PBS job}"' in text
+    shell_checks(tmp_path / "job.sh")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nodes", "4", "--elastic", "3"], "--elastic 3: give 2 or more groups that divide --nodes 4"),
+        (["--nodes", "4", "--elastic", "2", "--", "--method", "ddp"], "the config (or -- --method) must choose diloco"),
+    ],
+)
+def test_an_elastic_job_that_cannot_run_is_refused(tmp_path, run_yaml, capsys, args, message):
+    split = args.index("--") if "--" in args else len(args)
+    argv = ["render", "--scheduler", "slurm", *args[:split], "--config", str(run_yaml), "-o", str(tmp_path / "x.sh")]
+    assert jobs_main([*argv, *args[split:]]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_elastic_launcher_gives_each_group_its_share_of_the_hosts(tmp_path):
+    hostfile = tmp_path / "nodes"
+    hostfile.write_text("".join(f"n{i}\n" * 4 for i in range(4)))  # PBS_NODEFILE: a line per rank
+    assert group_hosts(str(hostfile), 2, 8, 1) == ["--host", "n2:4,n3:4"]
+    with pytest.raises(SystemExit, match="do not split into 3 groups"):
+        group_hosts(str(hostfile), 3, 4, 0)
