@@ -100,9 +100,9 @@ def decision_table(
         border,
         "",
         f"Bound: {heldout.LOSS_BOUND_PCT:g} % of ddp's validation loss or {heldout.ACC_BOUND_POINTS:g} "
-        "point of its accuracy. Equal time: every method given ddp's training time on 2 emulated nodes at "
-        "100 Mbit/s; the limit is ddp's steps at the step time of no communication, ddp on a free network "
-        "(worst judged set).",
+        "point of its accuracy. Equal time: every method given ddp's training time on 2 emulated nodes whose "
+        "link takes a third of ddp's step or more (100 Mbit/s and 1 Gbit/s here); the limit is ddp's steps at "
+        "the step time of no communication, ddp on a free network (worst judged set and link).",
         f"Sources: `the held-out suite <{RESULTS}>`_, `time to quality <{TIME_RESULTS}>`_.",
         "",
         END,

@@ -4,7 +4,8 @@
 
 An MLP on its slot's own random data; a joining group skips the steps the run had taken. After
 every outer step, and after a heal, rank 0 of the group appends to OUT/slot<S>.jsonl the round,
-the members, and a hash of the parameters (the global model, right after a round). The
+the members, and a hash of the parameters (the global model, right after a round), and at the
+end saves them to OUT/final-slot<S>.pt. The
 variable ELASTIC_JOB_SIGNAL "slot/life/step/KILL|STOP" signals this group at that step."""
 
 import hashlib
@@ -53,4 +54,6 @@ for step in range(diloco.healed_step, steps):
         record("round")
     time.sleep(pause)
 diloco.close()
+if hl.rank() == 0:
+    torch.save(model.state_dict(), out / f"final-slot{slot}.pt")
 exit_process(0)

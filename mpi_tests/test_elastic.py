@@ -8,6 +8,7 @@ times at once)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -98,7 +99,8 @@ def members(record: dict) -> list[int]:
 def test_a_killed_group_costs_its_round_and_a_relaunch_heals_bitwise(tmp_path):
     """(a) kill -9 one group in its inner steps: the others finish every round, 3 -> 2 members,
     bitwise equal; (d) its relaunch heals from a member to exactly the member's global copy and
-    every group matches after every later round."""
+    every group matches after every later round; (e) the same membership replayed in one process
+    without the elastic machinery gives the same model."""
     done = run(tmp_path, 200, ["--max-restarts", "1"], ELASTIC_JOB_SIGNAL="1/0/12/KILL")
     assert done.returncode == 0, done.stderr[-2000:]
     assert_survivors_agree(tmp_path, [0, 2], 40)
@@ -113,6 +115,48 @@ def test_a_killed_group_costs_its_round_and_a_relaunch_heals_bitwise(tmp_path):
     history = json.loads((tmp_path / "record.json").read_text())["events"]
     assert [e["slot"] for e in history if e["event"] == "failure"] == [1]
     assert any(e["event"] == "admit" and e["joiners"] == [1] for e in history)
+    # (e) the run's membership 3 -> 2 -> 3, replayed without any failure machinery, ends alike
+    expected = replayed(tmp_path, 200, 5)
+    for slot in range(3):
+        final = torch.load(tmp_path / f"final-slot{slot}.pt")
+        for name, value in expected.items():
+            assert torch.allclose(final[name], value, rtol=1e-5, atol=1e-6), f"group {slot}: {name} differs"
+
+
+def replayed(out: Path, steps: int, every: int) -> dict[str, torch.Tensor]:
+    """The global model of elastic_job.py's run in one process, following the membership its
+    groups recorded: each member trains its round's steps on its own data, the round averages
+    the members' pseudo-gradients (DiLoCo's plain outer step), and a healed group takes the
+    global model and the donor's inner optimiser state."""
+    torch.manual_seed(0)  # hl.init(seed=0) in the job
+    start = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    models = {s: copy.deepcopy(start) for s in range(3)}
+    optimizers = {s: torch.optim.AdamW(models[s].parameters(), lr=1e-2) for s in range(3)}
+    data = {}
+    for s in range(3):
+        x = torch.randn(steps, 16, 8, generator=torch.Generator().manual_seed(100 + s))
+        data[s] = (x, x.sum(-1, keepdim=True).sin())
+    heals = {r["round"]: r for s in range(3) for r in records(out, s) if r["event"] == "healed"}
+    global_model = [p.detach().clone() for p in start.parameters()]
+    for number, record in sorted(rounds(out, 0).items()):
+        group = members(record)
+        for s in group:
+            for step in range((number - 1) * every, number * every):
+                optimizers[s].zero_grad()
+                x, y = data[s]
+                ((models[s](x[step]) - y[step]) ** 2).mean().backward()
+                optimizers[s].step()
+        deltas = [[g - p.detach() for g, p in zip(global_model, models[s].parameters())] for s in group]
+        global_model = [g - sum(d[i] for d in deltas) / len(group) for i, g in enumerate(global_model)]
+        healed = [r for r in records(out, 1) if r["event"] == "healed" and r["round"] == number]
+        for s in group + [1] * bool(healed):
+            with torch.no_grad():
+                for p, g in zip(models[s].parameters(), global_model):
+                    p.copy_(g)
+        if healed:
+            optimizers[1].load_state_dict(copy.deepcopy(optimizers[group[0]].state_dict()))
+    assert heals, "no group healed"
+    return dict(zip(models[0].state_dict(), global_model))
 
 
 def test_a_group_that_dies_inside_an_exchange_is_applied_by_no_one(tmp_path):

@@ -32,7 +32,7 @@ from docutils.statemachine import StringList
 from sphinx.util.docutils import SphinxDirective
 from sphinx.util.nodes import nested_parse_with_titles
 
-from hvd_lowcomm import heldout
+from hvd_lowcomm import heldout, time_to_quality
 from hvd_lowcomm.metrics import human_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -249,18 +249,33 @@ class ResultsDirective(SphinxDirective):
 
 def heldout_table(rows: list[dict[str, str]]) -> list[str]:
     """A list-table of the suite: one row per method (ddp, the reference, left out), one column
-    per set, each cell the method's quality against ddp and its bytes as a multiple of ddp's."""
+    per set, each cell the method's quality against ddp and its bytes as a multiple of ddp's;
+    and the equal-time verdict beside them: its worst time to ddp's quality on a slow link, as a
+    multiple of the no-communication limit (hvd_lowcomm.time_to_quality)."""
     sets = list(dict.fromkeys(r["set"] for r in rows))
     split = {r["set"]: r["split"] for r in rows}
     cells = heldout.cells(rows)
     lines = [".. list-table::", "   :header-rows: 1", "", "   * - method"]
     lines += [f"     - {name} ({split[name]})" for name in sets]
+    lines.append("     - equal time, slow link")
     for method in dict.fromkeys(r["method"] for r in rows):
         if method == "ddp":
             continue
         lines.append(f"   * - ``{method}``")
         lines += [f"     - {cells.get((method, name), '–')}" for name in sets]
+        lines.append(f"     - {equal_time_cell(method)}")
     return lines
+
+
+def equal_time_cell(method: str) -> str:
+    """`method`'s time to ddp's quality given ddp's time, on the judged sets where the link
+    slows ddp: its worst multiple of the limit, 'not reached', or '–' (not measured)."""
+    found = time_to_quality.measured().get(method)
+    if found is None:
+        return "–"
+    if not math.isfinite(found.time_vs_limit):
+        return "not reached ✗"
+    return f"{found.time_vs_limit:.2f} × limit" + ("" if found.time_vs_limit <= 1 else " ✗")
 
 
 class HeldOutDirective(SphinxDirective):
