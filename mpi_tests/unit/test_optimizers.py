@@ -94,3 +94,35 @@ def test_a_pair_given_as_a_tuple_is_combined_and_overlapping_optimisers_are_refu
     assert isinstance(as_one_optimizer(pair), CombinedOptimizer)
     with pytest.raises(ValueError, match="in two of the optimisers"):
         CombinedOptimizer.of(torch.optim.AdamW(model.parameters()), torch.optim.Muon(matrices))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_on_hugging_face_models_muon_takes_every_hidden_projection_and_adamw_the_rest(family):
+    """GPT-2's Conv1D projections and Llama's Linear ones go to Muon; the embeddings, the (tied
+    or untied) head and the norms to AdamW; one step of the pair moves every parameter."""
+    import transformers
+
+    if family == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=16)
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(
+            num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2, vocab_size=50
+        )
+        model = transformers.LlamaForCausalLM(config)
+    matrices, rest = muon_parameters(model)
+    projections = [
+        m.weight
+        for name, m in model.named_modules()
+        if (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D") and not name.endswith("lm_head")
+    ]
+    assert [id(p) for p in matrices] == [id(p) for p in projections] and len(matrices) == 2 * (
+        4 if family == "gpt2" else 7
+    )
+    assert id(model.get_input_embeddings().weight) in {id(p) for p in rest}
+    assert id(model.get_output_embeddings().weight) in {id(p) for p in rest}
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = muon_with_adamw(model, lr=1e-2)
+    model(torch.randint(0, 50, (2, 8)), labels=torch.randint(0, 50, (2, 8))).loss.backward()
+    optimizer.step()
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
