@@ -101,10 +101,6 @@ class Coordinator:
             if silent > (self.timeout if s.seen is not None else self.startup):
                 self._gone(slot, life, f"silent for {silent:.1f} s")
 
-    def live_members(self) -> list[int]:
-        """The slots alive now that train (admitted and not gone)."""
-        return [s for s, life in self.lives.items() if (s, life) in self.admitted and self.alive(s)]
-
     # -- decisions ------------------------------------------------------------------------
     def poll(self) -> None:
         """Look at the store once and make every decision now due."""

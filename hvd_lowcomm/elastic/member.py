@@ -63,7 +63,6 @@ class Member:
         self.slot, self.life = launch.slot, launch.life
         self.store = self._connect()
         self.round = 0  # the last committed round
-        self.commit: Commit | None = None
         self.events: list[dict[str, Any]] = []  # rounds and heals as this group saw them
         self._beating = position == 0
         if self._beating:
@@ -132,8 +131,8 @@ class Member:
         self._put(f"join/{self.slot}", self.life)
         _, round_ = self._wait([f"admit/{self.slot}/{self.life}"], "admission to the run")
         _, commit = self._wait([f"commit/{round_}"], f"round {round_}'s commit")
-        self.round, self.commit = round_, _commit(round_, commit)
-        return self.commit
+        self.round = round_
+        return _commit(round_, commit)
 
     def heal(self, commit: Commit, state: bytes | None) -> bytes | None:
         """The donor sends `state` to the commit's joiners (rank i of each to rank i); a joiner
@@ -218,7 +217,7 @@ class Member:
             self._put(f"done/{r}/{a}/{self.slot}", "ok" if ok else "failed")
             key, value = self._wait([f"commit/{r}", f"attempt/{r}/{a + 1}"], f"round {r}'s outcome")
             if key == f"commit/{r}" and value["attempt"] == a:
-                self.round, self.commit = r, _commit(r, value)
+                self.round = r
                 self.events.append(
                     {
                         "event": "round",
@@ -228,7 +227,7 @@ class Member:
                         "seconds": time.perf_counter() - began,
                     }
                 )
-                return result, self.commit
+                return result, _commit(r, value)
             restore(saved)
             a += 1
 
