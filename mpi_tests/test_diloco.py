@@ -174,6 +174,39 @@ def test_outer_steps_match_a_single_process_reference(world, fragments, outer_lr
 
 
 @needs_ranks(2)
+@pytest.mark.parametrize("compression", ["none", "int2", "sparse", "lowrank"])
+def test_an_evaluations_trial_sync_gives_the_outer_step_and_leaves_no_trace(world, compression):
+    """synced() at step 3 gives the model an outer step there would (fp32: the reference's, whose
+    first outer step is at 3); trial syncs at steps 3, 6 and 7 (after an outer step: momentum
+    and error feedback held) leave the run bitwise the run without them. The trial steps copies,
+    never the global slices or outer state (sharded groups have no memory for clones of them)."""
+    groups = 2 if SIZE % 2 == 0 else SIZE
+    options = dict(groups=groups, sync_every=4, outer_lr=0.7, outer_momentum=0.9, compression=compression)
+    plain_model, plain = train(10, **options)
+    model = small_model()
+    diloco = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=INNER_LR), **options)
+    for step in range(1, 11):
+        diloco.optimizer.zero_grad()
+        x, y = batch(RANK, step)
+        F.cross_entropy(model(x), y).backward()
+        diloco.step()
+        if step in (3, 6, 7):
+            before = flat_parameters(model)
+            with diloco.synced() as synced:
+                trial = flat_parameters(synced)
+            assert not torch.equal(trial, before) and torch.equal(flat_parameters(model), before)
+            if step == 3 and compression == "none":
+                expected = reference(SIZE, groups, 3, 3, 1, 0.7, 0.9, True)[diloco.group.index]
+                torch.testing.assert_close(trial, flat_parameters(expected), rtol=1e-5, atol=1e-6)
+    assert torch.equal(flat_parameters(model), flat_parameters(plain_model))
+    (f,), (g,) = diloco.fragments, plain.fragments
+    assert torch.equal(f.global_slice, g.global_slice)
+    assert torch.equal(f.outer.state[f.global_slice]["momentum_buffer"], g.outer.state[g.global_slice]["momentum_buffer"])
+    assert f.exchange.errors.keys() == g.exchange.errors.keys()
+    assert all(torch.equal(f.exchange.errors[k], g.exchange.errors[k]) for k in f.exchange.errors)
+
+
+@needs_ranks(2)
 @pytest.mark.parametrize("fragments, alpha", [(1, 0.0), (1, 0.5), (2, 1.0)])
 def test_a_delayed_exchange_lands_sync_delay_steps_later_keeping_alpha_of_the_progress(world, fragments, alpha):
     groups = 2 if SIZE % 2 == 0 else SIZE

@@ -56,7 +56,7 @@ def test_a_quantised_exchange_returns_the_mean_on_every_rank(world, column, fres
     # is) and 1e6 (past float16's range): each chunk travels scaled by a power of two
     exchange = make_exchange(column, DiLoCoOptions(compression=kind))
     delta = magnitude * pseudo_gradient(RANK)
-    mean = exchange.start(0, delta, SHAPES, 0)()
+    mean = exchange.start(0, delta.clone(), SHAPES, 0)()
     want = everyones(world, delta).mean(0)
     scale = want.abs().max()
     if tolerance is not None:  # int2's one mean is as far from the true one as it is large: it is judged by
@@ -87,7 +87,7 @@ def test_what_a_quantised_exchange_keeps_waiting_stays_below_one_exchange_of_lik
     delivered, owed = torch.zeros(NUMBERS), torch.zeros(NUMBERS)
     for _ in range(40):
         delta = signal + 0.5 * torch.randn(NUMBERS, generator=own)
-        delivered += exchange.start(0, delta, SHAPES, 0)()
+        delivered += exchange.start(0, delta.clone(), SHAPES, 0)()
         want = everyones(world, delta).mean(0)
         owed += want
         assert (owed - delivered).norm() <= (1.0 if kind == "int2" else 0.02) * want.norm()
@@ -110,7 +110,7 @@ def test_sparse_exchange_averages_the_groups_tops_and_loses_nothing(world, colum
     mine = torch.cat([sparse_encode(part, density)[1] for part in parts])[:NUMBERS]  # each part's top at 2 bits
     delivered = torch.zeros(NUMBERS)
     for step, delta in enumerate(deltas):
-        mean = exchange.start(0, delta, SHAPES, 0)()
+        mean = exchange.start(0, delta.clone(), SHAPES, 0)()
         assert all(torch.equal(mean, other) for other in world.comm.allgather(mean))  # one mean everywhere
         if step == 0:
             torch.testing.assert_close(exchange.errors[0], delta - mine)  # the rest stays
@@ -151,9 +151,9 @@ def test_sparse_accumulator_decays_by_error_decay(world, column, fresh_meter):
         DiLoCoOptions(compression="sparse", sparse=SparseOptions(density=0.02, error_decay=0.5, keep_unsent=False)),
     )
     first, second = pseudo_gradient(RANK), pseudo_gradient(RANK, seed=1)
-    exchange.start(0, first, SHAPES, 0)()
+    exchange.start(0, first.clone(), SHAPES, 0)()
     left = exchange.errors[0].clone()
-    exchange.start(0, second, SHAPES, 0)()
+    exchange.start(0, second.clone(), SHAPES, 0)()
     accumulated = 0.5 * left + second
     parts = member_parts(accumulated, SIZE) if SIZE > 2 else [accumulated]
     sent = torch.cat([sparse_encode(part, 0.02)[1] for part in parts])[:NUMBERS]
@@ -179,7 +179,7 @@ def test_lowrank_exchange_is_powersgd_on_each_matrix_with_error_feedback_and_war
     inputs = [delta] + [torch.zeros_like(delta)] * (5 if bits == 8 else 11)
     corrected, delivered = delta, torch.zeros_like(delta)
     for exchange_number, given in enumerate(inputs):  # from random Qs, then warm-started from the mean Qs
-        mean = exchange.start(0, given, SHAPES, 0)()
+        mean = exchange.start(0, given.clone(), SHAPES, 0)()
         delivered += mean
         everyone = everyones(world, corrected)
         for (o, rows, cols), q in zip(offsets, qs):
@@ -238,7 +238,7 @@ def test_lowrank_exchange_of_a_slice_without_matrices_sends_it_dense(world, colu
     shapes = [(8, 8), (16,)]
     exchange = make_exchange(column, DiLoCoOptions(compression="lowrank", lowrank=LowRankOptions(rank=4)))
     delta = torch.randn(80, generator=torch.Generator().manual_seed(RANK))
-    mean = exchange.start(0, delta, shapes, 0)()
+    mean = exchange.start(0, delta.clone(), shapes, 0)()
     want = everyones(world, delta).mean(0)
     assert (mean - want).abs().max() <= 1e-2 * want.abs().max()
     # this rank's own rounding, and G times the mean's on the chunk it owns

@@ -26,6 +26,9 @@ BLOCK = 256  # numbers per int8 scale: one fp32 scale costs 1/64 of the block's 
 # their own more often (1/8 of the block's bytes)
 BLOCK4 = 64
 CHUNK = 4096  # numbers per sparse chunk: every chunk sends its own top-k
+# numbers int2 codes at a time (a multiple of BLOCK4 and of 4): its temporaries, several times
+# the numbers' bytes, stay this small whatever a slice's size, and the bytes are the same
+PIECE = 1 << 20
 Encode = Callable[[torch.Tensor], torch.Tensor]  # a chunk of numbers -> bytes
 Decode = Callable[[torch.Tensor, int], torch.Tensor]  # bytes, how many numbers -> the numbers
 
@@ -109,19 +112,30 @@ def int2_encode(chunk: torch.Tensor) -> torch.Tensor:
     evenly spread over its block's range, ±absmax/3 and ±absmax, then one fp32 scale per block
     of BLOCK4. No number is beyond its block's largest level, so what rounding leaves in error
     feedback stays below a third of a block's largest number however long a signal persists."""
-    blocks = math.ceil(len(chunk) / BLOCK4)
-    scales = torch.cat([chunk.abs(), chunk.new_zeros(blocks * BLOCK4 - len(chunk))]).view(blocks, BLOCK4).amax(1)
-    levels = torch.repeat_interleave(scales, BLOCK4)[: len(chunk)]
-    unit = torch.where(levels > 0, chunk / levels.clamp_min(torch.finfo(torch.float32).tiny), 0)
+    codes, scales = zip(*(_int2_piece(chunk[i : i + PIECE]) for i in range(0, max(len(chunk), 1), PIECE)))
+    return torch.cat([*codes, *(s.view(torch.uint8) for s in scales)])
+
+
+def _int2_piece(piece: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int2's packed codes and scales of a piece of at most PIECE numbers."""
+    blocks = math.ceil(len(piece) / BLOCK4)
+    scales = torch.cat([piece.abs(), piece.new_zeros(blocks * BLOCK4 - len(piece))]).view(blocks, BLOCK4).amax(1)
+    levels = torch.repeat_interleave(scales, BLOCK4)[: len(piece)]
+    unit = torch.where(levels > 0, piece / levels.clamp_min(torch.finfo(torch.float32).tiny), 0)
     codes = torch.round((unit + 1) * 1.5).clamp(0, 3).to(torch.uint8)  # [-1, 1] -> {0, 1, 2, 3}
-    return torch.cat([pack_bits(codes.view(1, -1), 2).view(-1), scales.view(torch.uint8)])
+    return pack_bits(codes.view(1, -1), 2).view(-1), scales
 
 
 def int2_decode(payload: torch.Tensor, numbers: int) -> torch.Tensor:
     packed = -(-numbers // 4)
-    codes = unpack_bits(payload[:packed].view(1, -1), numbers, 2).view(-1)
-    levels = torch.repeat_interleave(_view(payload[packed:], torch.float32), BLOCK4)[:numbers]
-    return (codes.float() / 1.5 - 1) * levels
+    scales = _view(payload[packed:], torch.float32)
+    out = torch.empty(numbers)
+    for i in range(0, numbers, PIECE):
+        n = min(PIECE, numbers - i)
+        codes = unpack_bits(payload[i // 4 : i // 4 + -(-n // 4)].view(1, -1), n, 2).view(-1)
+        levels = torch.repeat_interleave(scales[i // BLOCK4 : i // BLOCK4 + -(-n // BLOCK4)], BLOCK4)[:n]
+        out[i : i + n] = (codes.float() / 1.5 - 1) * levels
+    return out
 
 
 def int2_bytes(chunk: int) -> int:
@@ -188,13 +202,18 @@ def positions_bytes(chunk: int, k: int) -> int:
 
 def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
     """Rows of integers below 2**width as `width` bits each, every row padded to whole bytes."""
-    bits = (values.unsqueeze(-1) >> torch.arange(width)) & 1
+    bits = (values.unsqueeze(-1) >> torch.arange(width, dtype=values.dtype)) & 1  # in the values' dtype
     return _pack_rows(bits.reshape(len(values), -1))
 
 
 def unpack_bits(packed: torch.Tensor, count: int, width: int) -> torch.Tensor:
-    bits = _unpack_rows(packed, count * width).view(len(packed), count, width).long()
-    return (bits << torch.arange(width)).sum(-1)
+    """pack_bits' integers: uint8 up to 8 bits (a byte a number where int64 takes eight), else int64."""
+    bits = _unpack_rows(packed, count * width).view(len(packed), count, width)
+    dtype = torch.uint8 if width <= 8 else torch.int64
+    values = torch.zeros(len(packed), count, dtype=dtype)
+    for i in range(width):
+        values |= bits[..., i].to(dtype) << i
+    return values
 
 
 def _pack_rows(bits: torch.Tensor) -> torch.Tensor:
@@ -247,7 +266,7 @@ def sparse_decode(payload: torch.Tensor, numbers: int, density: float) -> torch.
     offsets = elias_fano_decode(payload[:positions].view(chunks, -1), chunk, k)
     codes = unpack_bits(payload[positions : positions + chunks * width].view(chunks, width), k, 2)
     levels = _view(payload[positions + chunks * width :], torch.float32).view(chunks, 2)
-    kept = levels.gather(1, codes & 1) * (1 - 2 * (codes >> 1).float())
+    kept = levels.gather(1, (codes & 1).long()) * (1 - 2 * (codes >> 1).float())
     out = torch.zeros(chunks, chunk).scatter_(1, offsets, kept)
     return out.view(-1)[:numbers]
 

@@ -18,6 +18,7 @@ from typing import Any, Callable, ClassVar, Iterable, Iterator
 
 import torch
 import torch.nn as nn
+from torch.optim.sgd import sgd as functional_sgd
 
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.traffic import meter
@@ -70,6 +71,29 @@ def outer_optimizer(params: Iterable[torch.Tensor], options: GroupedOptions) -> 
         momentum=options.outer_momentum,
         nesterov=options.outer_nesterov and options.outer_momentum > 0,
     )
+
+
+def outer_step_result(outer: torch.optim.Optimizer, param: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:
+    """What `outer` (outer_optimizer's SGD) would make of `param` with `gradient`, leaving both
+    and the optimiser's state as they are: torch's own SGD step run on copies, so bitwise the
+    step itself, for a trial sync that must not clone the outer state."""
+    group = outer.param_groups[0]
+    buffer = outer.state.get(param, {}).get("momentum_buffer")
+    stepped = param.detach().clone()
+    functional_sgd(
+        [stepped],
+        [gradient],
+        [None if buffer is None else buffer.clone()],
+        weight_decay=group["weight_decay"],
+        momentum=group["momentum"],
+        lr=group["lr"],
+        dampening=group["dampening"],
+        nesterov=group["nesterov"],
+        maximize=group["maximize"],
+        foreach=group["foreach"],
+        fused=group["fused"],
+    )
+    return stepped
 
 
 def step_inner_optimizer(

@@ -81,6 +81,7 @@ from hvd_lowcomm.methods.grouped import (
     OptimizerDoor,
     group_traffic,
     outer_optimizer,
+    outer_step_result,
     step_inner_optimizer,
     trial_sync,
     user_step_notice,
@@ -310,8 +311,9 @@ class DiLoCo:
         return torch.cat([flat, flat.new_zeros(length - len(flat))])
 
     def _local_slice(self, params: list[tuple[str, nn.Parameter]]) -> torch.Tensor:
+        """This rank's slice of the fragment's parameters now, a tensor of its own."""
         if self.sharded:
-            return self._flat(params).clone()
+            return self._flat(params)  # a concatenation: already a copy
         length = shard_length(sum(p.numel() for _, p in params), self.group.size)
         return self._flat(params)[self.position * length : (self.position + 1) * length].clone()
 
@@ -320,10 +322,11 @@ class DiLoCo:
         over the column: at once, or on the worker thread, to be applied `sync_delay` steps
         later (eager: at the fragment's next sync)."""
         if delta is None:
-            delta = fragment.global_slice.detach() - self._local_slice(fragment.params)
+            delta = pseudo_gradient(fragment, self._local_slice(fragment.params))
         shapes = [tuple(local_part(p).shape) for _, p in fragment.params]  # sharded: this rank's rows of each
         offset = 0 if self.sharded else self.position * len(delta)
         collective = fragment.exchange.start(fragment.index, delta, shapes, offset)
+        del delta  # the exchange holds what it sends: Δ itself need not outlive it
         keeps = background and bool(self.options.sync_delay) and self.options.update_alpha > 0
         prepared = [local_part(p).detach().clone() for _, p in fragment.params] if keeps else None
         if background:
@@ -351,7 +354,7 @@ class DiLoCo:
         """Eager updates (see the module): start each due fragment's exchange behind the next
         period and step its global copy now with this group's own part of the mean and the other
         groups' part of the previous exchange's."""
-        own = [f.global_slice.detach() - self._local_slice(f.params) for f in due]
+        own = [pseudo_gradient(f, self._local_slice(f.params)) for f in due]
         for f, mine in zip(due, own):
             outer_gradient = mine / len(self.all_groups)
             if f.in_flight is not None:
@@ -359,7 +362,7 @@ class DiLoCo:
             f.in_flight = InFlight(outer_gradient, self.inner_steps, None)
         self._apply(due)
         for f, mine in zip(due, own):
-            self._start(f, background=True, delta=mine)
+            self._start(f, background=True, delta=mine.clone())  # the exchange's own: mine is kept
             f.own_previous = mine
 
     def _others_part(self, fragment: Fragment, flight: InFlight) -> torch.Tensor:
@@ -376,26 +379,30 @@ class DiLoCo:
         if meter.phase == "train":
             self.exchange_wait_seconds += time.perf_counter() - start
 
-    def _apply(self, due: list[Fragment], keep_unsent: bool = True) -> None:
+    def _apply(self, due: list[Fragment], keep_unsent: bool = True, trial: bool = False) -> None:
         """Step the due fragments' global slices with their averaged pseudo-gradients and give
         every rank of the group the new global parameters (plus update_alpha of the progress
         made since the exchange started, when it ran behind inner steps; with keep_unsent, less
         what the exchange left unsent: Δ is global - local, so the group's model keeps that
-        progress, and its next Δ carries it as the accumulator would have)."""
+        progress, and its next Δ carries it as the accumulator would have). A trial gives the
+        model what the step would, the global slices and outer state left as they are."""
         self._settle()
         flights = [f.in_flight for f in due]
         models = []
         for f, flight in zip(due, flights):
             f.in_flight = None
-            f.outer.zero_grad(set_to_none=True)
-            f.global_slice.grad = flight.result
-            f.outer.step()
+            if trial:
+                own = outer_step_result(f.outer, f.global_slice, flight.result)
+            else:
+                f.outer.zero_grad(set_to_none=True)
+                f.global_slice.grad = flight.result
+                f.outer.step()
+                own = f.global_slice.detach()
             unsent = (
                 f.exchange.take_unsent(f.index, self.options.sparse.unsent_share or 1 / f.exchange.members)
                 if keep_unsent and self.options.keeps_unsent
                 else None
             )
-            own = f.global_slice.detach()
             models.append((f"diloco.global.{f.index}", own if unsent is None else own - unsent.to(own.device)))
         gathered = [m for _, m in models] if self.sharded else meter.allgather_many(models, self.group)
         with torch.no_grad():
@@ -422,18 +429,18 @@ class DiLoCo:
         redone, from the same pseudo-gradient and error feedback, until an attempt succeeds for
         every member; then applied, and a joining group healed from the donor."""
         (f,) = due  # check_elastic: one fragment, blocking
-        delta = f.global_slice.detach() - self._local_slice(f.params)
+        delta = pseudo_gradient(f, self._local_slice(f.params))
         shapes = [tuple(local_part(p).shape) for _, p in f.params]
         buffers = [(f"diloco.buffer.{n}", b) for n, b in self.buffers]
 
         def attempt(column: runtime.Group, members: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
             f.exchange.column, f.exchange.members = column, members
-            mean = f.exchange.start(f.index, delta, shapes, self.position * len(delta))()
+            mean = f.exchange.start(f.index, delta.clone(), shapes, self.position * len(delta))()  # redone on failure
             return mean, (meter.allreduce_many(buffers, column, op="average") if buffers else [])
 
         with self._waiting():
             (mean, averaged), commit = self.elastic.exchange(
-                attempt, lambda: copy.deepcopy(f.exchange.state_dict()), f.exchange.load_state_dict
+                attempt, f.exchange.kept, f.exchange.put_back
             )
         f.in_flight = InFlight(mean, self.inner_steps, None)
         self._apply(due)
@@ -530,28 +537,19 @@ class DiLoCo:
             held = in_flight[f.index]
             if self.options.eager and held is not None:  # and the other groups' parts not yet applied
                 f.in_flight.result = f.in_flight.result + self._others_part(f, held)
-        self._apply(fragments, keep_unsent=False)  # the synced model itself, the same on every rank
+        self._apply(fragments, keep_unsent=False, trial=True)  # the synced model itself, the same on every rank
         for f, held in zip(self.fragments, in_flight):
             f.in_flight = held
 
     def _sync_state(self) -> list[tuple[Any, ...]]:
-        return [
-            (
-                f.global_slice.detach().clone(),
-                copy.deepcopy(f.outer.state_dict()),
-                f.exchange.state_dict(),
-                f.since_sync,
-            )
-            for f in self.fragments
-        ]
+        """What a trial sync changes besides the model (a trial outer step leaves the global
+        slices and outer state alone): each exchange's state, by reference, and the counts."""
+        return [(f.exchange.kept(), f.since_sync) for f in self.fragments]
 
     def _load_sync_state(self, state: list[tuple[Any, ...]]) -> None:
-        with torch.no_grad():
-            for f, (global_slice, outer_state, exchange_state, since) in zip(self.fragments, state):
-                f.global_slice.copy_(global_slice)
-                f.outer.load_state_dict(outer_state)
-                f.exchange.load_state_dict(exchange_state)
-                f.since_sync = since
+        for f, (exchange_state, since) in zip(self.fragments, state):
+            f.exchange.put_back(exchange_state)
+            f.since_sync = since
 
     def full_model(self) -> nn.Module:
         """The synced model, the same on every rank (collective; its traffic counts as eval).
@@ -720,6 +718,12 @@ class Fragment:
 # The checkpoint holds the fragments' outer optimisers as one SGD's state over every global slice,
 # and their exchanges' states as one exchange's, keyed by fragment: a checkpoint loads whichever
 # way the fragments' state is held.
+
+
+def pseudo_gradient(fragment: Fragment, local: torch.Tensor) -> torch.Tensor:
+    """Δ = global - local of the fragment's slice, written over `local` (a copy of the rank's
+    parameters made for it): a slice of a model that barely fits has no room for a third one."""
+    return torch.sub(fragment.global_slice.detach(), local, out=local)
 
 
 def joined_outer_state(outers: list[torch.optim.Optimizer]) -> dict[str, Any]:

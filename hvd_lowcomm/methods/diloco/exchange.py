@@ -149,9 +149,13 @@ class Exchange:
         return [Transfer("allreduce", FLOAT_BYTES * numbers)]
 
     def start(self, fragment: int, delta: torch.Tensor, shapes: list[tuple[int, ...]], start: int) -> Collective:
-        summed = delta.detach().cpu().clone()
+        """Start the exchange of `delta`, this rank's slice of the fragment's pseudo-gradient
+        (starting at `start` of the fragment, whose tensors have `shapes`): the exchange's own
+        from here, written into and reused for the mean (a caller that keeps Δ passes a copy).
+        Returns the collective part, which gives the mean."""
+        summed, device = delta.detach().cpu(), delta.device
         self._record(fragment, self.transfers(len(delta), shapes, start))
-        return lambda: side_allreduce_sum_(summed, self.column).div_(self.members).to(delta.device)
+        return lambda: side_allreduce_sum_(summed, self.column).div_(self.members).to(device)
 
     def take_unsent(self, fragment: int, share: float = 1.0) -> torch.Tensor | None:
         """`share` of this member's error feedback for the fragment, handed over and taken out of
@@ -175,9 +179,11 @@ class Exchange:
             )
 
     def _feedback(self, fragment: int, delta: torch.Tensor, decay: float = 1.0) -> torch.Tensor:
-        """Δ plus (decay times) what earlier exchanges of this fragment left out."""
-        error = self.errors.get(fragment)
-        return delta.detach().cpu().clone() if error is None else decay * error + delta.detach().cpu()
+        """Δ plus (decay times) what earlier exchanges of this fragment left out, which it takes
+        out of the error feedback (the exchange puts back what it leaves out in turn)."""
+        error = self.errors.pop(fragment, None)
+        delta = delta.detach().cpu()  # the exchange's own (see start): added to in place
+        return delta if error is None else delta.add_(error if decay == 1 else decay * error)
 
     def _owners_encode(
         self, fragment: int, encode: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -187,10 +193,11 @@ class Exchange:
         back G times into the owner's own error instead, as lowrank does, a coarse rounding of
         the mean is multiplied before the next one rounds it again, and more waits.)"""
 
-        def owners(mean: torch.Tensor) -> torch.Tensor:
-            pending = mean + self.owner_errors.get(fragment, torch.zeros_like(mean))
+        def owners(mean: torch.Tensor) -> torch.Tensor:  # mean: the caller's, added to in place
+            error = self.owner_errors.pop(fragment, None)
+            pending = mean if error is None else mean.add_(error)
             payload, kept = encode(pending)
-            self.owner_errors[fragment] = pending - kept
+            self.owner_errors[fragment] = torch.sub(pending, kept, out=kept)  # into kept's memory
             return payload
 
         return owners
@@ -201,8 +208,8 @@ class Exchange:
         """`values` cut into one chunk per column member (the last padded with zeros), each
         encoded, and the chunk length."""
         chunk = -(-len(values) // self.members)
-        padded = torch.cat([values, values.new_zeros(chunk * self.members - len(values))])
-        return [encode(c) for c in padded.view(self.members, chunk)], chunk
+        pieces = [values[j * chunk : (j + 1) * chunk] for j in range(self.members)]  # views: no copy of the slice
+        return [encode(torch.cat([c, c.new_zeros(chunk - len(c))]) if len(c) < chunk else c) for c in pieces], chunk
 
     def _reduce_scatter_transfers(self, parts: list[tuple[int, "Codec"]]) -> list[Transfer]:
         """What one reduce-scatter of `parts` (numbers, format) sends: every member's chunk of
@@ -214,18 +221,20 @@ class Exchange:
         self,
         payload: torch.Tensor,
         chunk: int,
-        numbers: int,
+        out: torch.Tensor,
         encode: Encode,
         decode: Decode,
         decode_mean: Decode | None = None,
     ) -> torch.Tensor:
         """The column's mean of the vectors whose encoded chunks (`_encode_chunks`, joined) are
-        `payload`: member j receives every member's chunk j (alltoall), sums them in fp32 and
-        returns its mean chunk encoded (allgather; `decode_mean` reads those, when `encode`
-        differs from the first encoding)."""
-        mean = torch.stack([decode(p, chunk) for p in side_alltoall(payload, self.column)]).sum(0) / self.members
-        means = side_allgather(encode(mean), self.column)
-        return torch.cat([(decode_mean or decode)(p, chunk) for p in means])[:numbers]
+        `payload`, written into `out` (as long as each vector): member j receives every member's
+        chunk j (alltoall), sums them in fp32 and returns its mean chunk encoded (allgather;
+        `decode_mean` reads those, when `encode` differs from the first encoding)."""
+        mean = torch.zeros(chunk)
+        for p in side_alltoall(payload, self.column):  # summed one at a time: no stack of every member's chunk
+            mean += decode(p, chunk)
+        means = side_allgather(encode(mean.div_(self.members)), self.column)
+        return decode_chunks(means, chunk, out, decode_mean or decode)
 
     def _means(self, parts: list[tuple[torch.Tensor, Codec]]) -> list[Means]:
         """The column's mean of each of `parts` in one reduce-scatter (chunks in the part's
@@ -256,6 +265,18 @@ class Exchange:
             )
         return out
 
+    # Each exchange replaces these dicts' tensors and never writes into them, so a trial exchange
+    # (an evaluation's sync) is undone by putting the old references back, with no copy of a slice.
+    kept_state = ("errors", "owner_errors")
+
+    def kept(self) -> dict[str, dict[int, Any]]:
+        """This exchange's state as it is now, by reference (see kept_state), for `put_back`."""
+        return {name: dict(getattr(self, name)) for name in self.kept_state}
+
+    def put_back(self, kept: dict[str, dict[int, Any]]) -> None:
+        for name, value in kept.items():
+            setattr(self, name, dict(value))
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "errors": {f: e.clone() for f, e in self.errors.items()},
@@ -280,7 +301,7 @@ class Quantised(Exchange):
         return self._reduce_scatter_transfers([(numbers, self.codec)])
 
     def start(self, fragment: int, delta: torch.Tensor, shapes: list[tuple[int, ...]], start: int) -> Collective:
-        corrected = self._feedback(fragment, delta)
+        corrected, device = self._feedback(fragment, delta), delta.device
         self._record(fragment, self.transfers(len(corrected), shapes, start))
         codec = self.codec
 
@@ -288,17 +309,30 @@ class Quantised(Exchange):
             payload = codec.encode(mean)
             return payload, codec.decode(payload, len(mean))
 
+        held = [corrected]  # handed to the collective, which writes the mean over it
+
         def collective() -> torch.Tensor:
+            corrected = held.pop()
             encoded, chunk = self._encode_chunks(corrected, codec.encode)
             owners = codec.encode
             if self.feeds_back:
-                sent = torch.cat([codec.decode(e, chunk) for e in encoded])[: len(corrected)]
-                self.errors[fragment] = corrected - sent
+                sent = decode_chunks(encoded, chunk, torch.empty_like(corrected), codec.decode)
+                self.errors[fragment] = torch.sub(corrected, sent, out=sent)  # into sent's memory
                 owners = self._owners_encode(fragment, encoded_and_kept)
-            mean = self._reduce_scatter_mean(torch.cat(encoded), chunk, len(corrected), owners, codec.decode)
-            return mean.to(delta.device)
+            # the mean over Δ's memory: Δ is encoded and fed back by now (a slice of a model that
+            # barely fits has no room for a third copy)
+            return self._reduce_scatter_mean(torch.cat(encoded), chunk, corrected, owners, codec.decode).to(device)
 
         return collective
+
+
+def decode_chunks(payloads: list[torch.Tensor], chunk: int, out: torch.Tensor, decode: Decode) -> torch.Tensor:
+    """Chunk j of `out` (the last one cut to out's end) decoded from payloads[j], one at a time:
+    no list of decoded chunks beside their concatenation."""
+    for j, p in enumerate(payloads):
+        part = out[j * chunk : (j + 1) * chunk]
+        part.copy_(decode(p, chunk)[: len(part)])
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,13 +365,14 @@ class Sparse(Exchange):
     def start(self, fragment: int, delta: torch.Tensor, shapes: list[tuple[int, ...]], start: int) -> Collective:
         density = self.options.sparse.density
         accumulated = self._feedback(fragment, delta, self.options.sparse.error_decay)
+        numbers, device = len(delta), delta.device
         if self.by_owner:
             pairs, part = self._encode_chunks(accumulated, lambda c: sparse_encode(c, density))
             payload = torch.cat([bytes_ for bytes_, _ in pairs])
             sent = torch.cat([kept for _, kept in pairs])[: len(accumulated)]
         else:
             payload, sent = sparse_encode(accumulated, density)
-        self.errors[fragment] = accumulated - sent
+        self.errors[fragment] = torch.sub(accumulated, sent, out=sent)  # into sent's memory
         transfers = self.transfers(len(delta), shapes, start)
         assert len(payload) == transfers[0].payload, "the meter must count what is sent"
         self._record(fragment, transfers)
@@ -354,15 +389,15 @@ class Sparse(Exchange):
                 mean = self._reduce_scatter_mean(
                     payload,
                     part,
-                    len(delta),
+                    torch.empty(numbers),
                     owners_top,
                     decode,
                     lambda p, numbers: sparse_decode(p, numbers, self.owner_density),
                 )
             else:
                 gathered = side_allgather(payload, self.column)
-                mean = torch.stack([decode(p, len(delta)) for p in gathered]).sum(0).div_(self.members)
-            return mean.to(delta.device)
+                mean = torch.stack([decode(p, numbers) for p in gathered]).sum(0).div_(self.members)
+            return mean.to(device)
 
         return collective
 
@@ -435,6 +470,7 @@ def _pays(rows: int, cols: int, rank: int) -> bool:
 class LowRank(Exchange):
     name = "lowrank"
     feeds_back = True
+    kept_state = (*Exchange.kept_state, "qs")
 
     def __init__(self, column: Group | None, options: Any, members: int | None, seed: int = 0) -> None:
         super().__init__(column, options, members)
@@ -482,7 +518,7 @@ class LowRank(Exchange):
 
     def start(self, fragment: int, delta: torch.Tensor, shapes: list[tuple[int, ...]], start: int) -> Collective:
         pieces = self.pieces(shapes, start, len(delta))
-        corrected = self._feedback(fragment, delta)
+        corrected, device = self._feedback(fragment, delta), delta.device
         if fragment not in self.qs:
             self.qs[fragment] = self._initial_qs(fragment, pieces)
         self._record(fragment, self._transfers(pieces))
@@ -516,7 +552,7 @@ class LowRank(Exchange):
                 at += m.shape[0] * q.shape[1]
             if not ms:  # no matrices: no second mean (`transfers` has none)
                 self.errors[fragment] = error
-                return out.to(delta.device)
+                return out.to(device)
             (second,) = self._means(
                 [(torch.cat([((p.T @ m) / n[:, None]).reshape(-1) for m, p, n in zip(ms, ps, norms)]), self.factor)]
             )
@@ -531,7 +567,7 @@ class LowRank(Exchange):
                 error[o : o + rows * cols] = (m - p @ (sent_q - lost_q).T).reshape(-1)
                 mean_qs.append(mean_q.contiguous())
             self.errors[fragment], self.qs[fragment] = error, mean_qs  # warm start: the mean Q
-            return out.to(delta.device)
+            return out.to(device)
 
         return collective
 
