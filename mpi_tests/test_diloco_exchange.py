@@ -10,7 +10,7 @@ import torch
 from conftest import RANK, SIZE, member_parts, needs_ranks
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.methods.diloco import DiLoCoOptions, LowRankOptions, SparseOptions
-from hvd_lowcomm.comm.wire_codecs import int4_bytes, int8_bytes, sparse_bytes, sparse_encode
+from hvd_lowcomm.comm.wire_codecs import int2_bytes, int4_bytes, int8_bytes, sparse_bytes, sparse_encode
 from hvd_lowcomm.methods.diloco.exchange import make_exchange, slice_pieces
 
 SHAPES = [(48, 40), (48,), (30, 24)]  # a fragment: two matrices and a bias
@@ -70,6 +70,30 @@ def test_a_quantised_exchange_returns_the_mean_on_every_rank(world, column, fres
     if kind == "fp16":  # 2 bytes a number and a scale per chunk, both ways
         chunk = -(-NUMBERS // SIZE)
         assert fresh_meter.total(group="column0", field="payload_bytes") == (SIZE + 1) * (2 * chunk + 4)
+
+
+@needs_ranks(2)
+@pytest.mark.parametrize("kind, codec_bytes", [("int8", int8_bytes), ("int2", int2_bytes)])
+def test_a_quantised_exchange_in_pieces_loses_nothing_and_sends_each_pieces_bytes(
+    world, column, fresh_meter, kind, codec_bytes
+):
+    """A slice longer than `piece` is reduced a piece at a time (each cut into one chunk per
+    member): over two exchanges, what was delivered plus what waits in the members' and the
+    owners' error feedback (per piece, the chunk each owns) is the mean of everything sent."""
+    exchange = make_exchange(column, DiLoCoOptions(compression=kind))
+    exchange.piece = 1000
+    pieces = [(a, min(a + 1000, NUMBERS)) for a in range(0, NUMBERS, 1000)]
+    chunks = [-(-(b - a) // SIZE) for a, b in pieces]
+    deltas = [pseudo_gradient(RANK, seed) for seed in range(2)]
+    delivered = sum(exchange.start(0, delta.clone(), SHAPES, 0)() for delta in deltas)
+    want = sum(everyones(world, delta).mean(0) for delta in deltas)
+    owned = [own.split(chunks) for own in world.comm.allgather(exchange.owner_errors[0])]
+    owners = torch.cat([torch.cat([own[k] for own in owned])[: b - a] for k, (a, b) in enumerate(pieces)])
+    pending = everyones(world, exchange.errors[0]).mean(0) + owners
+    assert 0 < exchange.errors[0].abs().max() and len(pieces) == 3
+    assert (delivered + pending - want).abs().max() <= 1e-5 * want.abs().max()
+    sent = 2 * (SIZE + 1) * sum(codec_bytes(chunk) for chunk in chunks)  # two exchanges: alltoall and allgather
+    assert fresh_meter.total(group="column0", field="payload_bytes") == sent
 
 
 @needs_ranks(2)

@@ -163,7 +163,8 @@ def test_a_group_that_dies_inside_an_exchange_is_applied_by_no_one(tmp_path):
     """(b) a group killed after its part of round 3's exchange succeeded, before it voted (the
     others' collectives may have succeeded with its data): no survivor applies that attempt, the
     round is redone among the survivors, and it is the same on each. Two ranks a group, the
-    torch engine inside the groups."""
+    torch engine inside the groups, int2 between them (the owners' error feedback, cut for 3
+    members, restarts for 2)."""
     done = run(
         tmp_path,
         30,
@@ -171,6 +172,7 @@ def test_a_group_that_dies_inside_an_exchange_is_applied_by_no_one(tmp_path):
         ranks=2,
         HVD_LOWCOMM_ELASTIC_TEST_FAILURE="1/0/3/after",
         HVD_LOWCOMM_ENGINE="torch",
+        ELASTIC_JOB_COMPRESSION="int2",
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert_survivors_agree(tmp_path, [0, 2], 6)
@@ -178,6 +180,17 @@ def test_a_group_that_dies_inside_an_exchange_is_applied_by_no_one(tmp_path):
     history = json.loads((tmp_path / "record.json").read_text())["events"]
     third = next(e for e in history if e["event"] == "round" and e["round"] == 3)
     assert third["attempts"] == 2 and third["members"] == [0, 2]
+
+
+def test_an_error_in_the_exchange_ends_the_groups_instead_of_retrying_forever(tmp_path):
+    """A round whose attempts fail with every group alive is a bug, not a lost group: after two
+    such attempts every group ends non-zero with the error."""
+    began = time.monotonic()
+    done = run(tmp_path, 30, ["--max-restarts", "0"], HVD_LOWCOMM_ELASTIC_TEST_FAILURE="1/0/3/error")
+    assert done.returncode != 0
+    assert "round 3 failed 2 times with every group alive" in done.stderr, done.stderr[-2000:]
+    assert "an error raised by the test hook" in done.stderr
+    assert time.monotonic() - began < 90
 
 
 def test_a_stopped_group_is_out_after_the_timeout(tmp_path):

@@ -34,6 +34,9 @@ from hvd_lowcomm.elastic.peers import peer_group
 
 T = TypeVar("T")
 POLL_SECONDS = 0.01
+# Failed attempts of a round with no group lost before the groups end (a glitch is retried; a
+# bug in the exchange fails every time, and retrying it would never end)
+FAILURES_WITHOUT_LOSS = 2
 
 
 class RunEnded(RuntimeError):
@@ -189,10 +192,18 @@ class Member:
         r = self.round + 1
         began = time.perf_counter()
         self._put(f"arrive/{r}/{self.slot}", self.life)
-        a = 0
+        a, previous, unexplained, error = 0, None, 0, ""
         while True:
             _, chosen = self._wait([f"attempt/{r}/{a}"], f"round {r}'s members")
             members = chosen["members"]
+            if members == previous:  # the last attempt failed, yet no group was lost
+                unexplained += 1
+                if unexplained >= FAILURES_WITHOUT_LOSS:
+                    raise RuntimeError(
+                        f"elastic: round {r} failed {unexplained} times with every group alive: an error in "
+                        f"the exchange, not a failure to survive (this group's last: {error or 'none'})"
+                    )
+            previous, error = members, ""
             if self.slot not in members:
                 raise RunEnded(
                     f"elastic: group {self.slot} was counted out of round {r} (silent for over "
@@ -211,7 +222,7 @@ class Member:
                 result, ok = attempt(column, len(members)), True
                 _test_failure(self, r, "after")
             except Exception as exc:  # noqa: BLE001 - a peer failed: the coordinator decides what next
-                result, ok = None, False
+                result, ok, error = None, False, str(exc)
                 print(f"elastic: group {self.slot}: round {r} attempt {a} failed ({exc})", file=sys.stderr)
             ok = self._agree(ok)
             self._put(f"done/{r}/{a}/{self.slot}", "ok" if ok else "failed")
@@ -238,13 +249,17 @@ class Member:
 
 
 # Tests end a group inside a round: "slot/life/round/before" (before its exchange) or ".../after"
-# (after its exchange succeeded, before it voted: the others may have succeeded too).
+# (after its exchange succeeded, before it voted: the others may have succeeded too); ".../error"
+# raises in every attempt of that round, as a bug in the exchange would.
 TEST_FAILURE_VARIABLE = "HVD_LOWCOMM_ELASTIC_TEST_FAILURE"
 
 
 def _test_failure(member: Member, round_: int, where: str) -> None:
-    if os.environ.get(TEST_FAILURE_VARIABLE) == f"{member.slot}/{member.life}/{round_}/{where}":
+    wanted, here = os.environ.get(TEST_FAILURE_VARIABLE), f"{member.slot}/{member.life}/{round_}"
+    if wanted == f"{here}/{where}":
         os.kill(os.getpid(), signal.SIGKILL)
+    if wanted == f"{here}/error" and where == "before":
+        raise RuntimeError("an error raised by the test hook")
 
 
 def _commit(round_: int, value: dict[str, Any]) -> Commit:

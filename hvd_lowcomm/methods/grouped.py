@@ -74,10 +74,14 @@ def outer_optimizer(params: Iterable[torch.Tensor], options: GroupedOptions) -> 
 
 
 def outer_step_result(outer: torch.optim.Optimizer, param: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:
-    """What `outer` (outer_optimizer's SGD) would make of `param` with `gradient`, leaving both
-    and the optimiser's state as they are: torch's own SGD step run on copies, so bitwise the
-    step itself, for a trial sync that must not clone the outer state."""
+    """What `outer` (outer_optimizer's SGD) would make of `param` with `gradient`, leaving
+    `param` and the optimiser's state as they are (`gradient` is used up): torch's own SGD step
+    run on copies, so bitwise the step itself, for a trial sync that must not clone the outer
+    state."""
     group = outer.param_groups[0]
+    if not (group["momentum"] or group["weight_decay"] or group["maximize"]):
+        # SGD's whole step is param + (-lr) gradient (torch's add): written over the gradient
+        return torch.add(param.detach(), gradient, alpha=-group["lr"], out=gradient)
     buffer = outer.state.get(param, {}).get("momentum_buffer")
     stepped = param.detach().clone()
     functional_sgd(
@@ -281,6 +285,9 @@ class GroupTrainerMethod(Method):
 
     def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int, float]:
         """Accuracy of the model a sync would give now."""
+        # The gradients are dead between steps (each step starts by zeroing them): their memory
+        # goes to the trial sync, which a sharded model that barely fits needs.
+        self.model.zero_grad(set_to_none=True)
         with self.trainer.synced():
             return super().evaluate(batches)
 

@@ -439,9 +439,7 @@ class DiLoCo:
             return mean, (meter.allreduce_many(buffers, column, op="average") if buffers else [])
 
         with self._waiting():
-            (mean, averaged), commit = self.elastic.exchange(
-                attempt, f.exchange.kept, f.exchange.put_back
-            )
+            (mean, averaged), commit = self.elastic.exchange(attempt, f.exchange.kept, f.exchange.put_back)
         f.in_flight = InFlight(mean, self.inner_steps, None)
         self._apply(due)
         with torch.no_grad():
@@ -533,7 +531,11 @@ class DiLoCo:
         for f in self.fragments:
             f.in_flight = None
         for f in fragments:
-            self._start(f, background=False)
+            f.exchange.keeping = False  # put back after the trial anyway
+            try:
+                self._start(f, background=False)
+            finally:
+                f.exchange.keeping = True
             held = in_flight[f.index]
             if self.options.eager and held is not None:  # and the other groups' parts not yet applied
                 f.in_flight.result = f.in_flight.result + self._others_part(f, held)
@@ -649,10 +651,11 @@ class DiLoCo:
     def local_state_dict(self) -> dict[str, Any]:
         """What is this rank's own: its slices of the global copy, their outer momentum, the
         exchange's error feedback (and warm start), and any exchange in flight (waited for, so
-        a run resumed from here applies the same result at the same step)."""
+        a run resumed from here applies the same result at the same step). The live tensors,
+        not copies (a sharded model's may barely fit): save them before the next step."""
         self._settle()
         return {
-            "global_slices": [f.global_slice.detach().clone() for f in self.fragments],
+            "global_slices": [f.global_slice.detach() for f in self.fragments],
             "outer": joined_outer_state([f.outer for f in self.fragments]),
             "exchange": joined_exchange_state([f.exchange for f in self.fragments]),
             "own_previous": {f.index: f.own_previous.clone() for f in self.fragments if f.own_previous is not None},

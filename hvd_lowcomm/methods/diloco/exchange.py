@@ -141,6 +141,10 @@ class Exchange:
         self.members = column.size if column is not None else (members or 1)
         self.errors: dict[int, torch.Tensor] = {}  # error feedback per fragment
         self.owner_errors: dict[int, torch.Tensor] = {}  # per fragment: what encoding the mean part it owns left out
+        self.owner_layouts: dict[int, tuple[int, int]] = {}  # per fragment: (members, position) they were cut for
+        # False for a trial exchange (an evaluation's sync), whose state is put back after: the
+        # quantised forms then make no new error feedback
+        self.keeping = True
 
     # -- what subclasses define -----------------------------------------------------------------
     def transfers(self, numbers: int, shapes: list[tuple[int, ...]], start: int) -> list[Transfer]:
@@ -194,13 +198,24 @@ class Exchange:
         the mean is multiplied before the next one rounds it again, and more waits.)"""
 
         def owners(mean: torch.Tensor) -> torch.Tensor:  # mean: the caller's, added to in place
-            error = self.owner_errors.pop(fragment, None)
+            error = self._owned_before(fragment)
             pending = mean if error is None else mean.add_(error)
             payload, kept = encode(pending)
             self.owner_errors[fragment] = torch.sub(pending, kept, out=kept)  # into kept's memory
             return payload
 
         return owners
+
+    def _owned_before(self, fragment: int) -> torch.Tensor | None:
+        """This member's error feedback on the mean chunks it owns, taken out; None where the
+        column's members changed since (elastic groups): the chunks are cut anew, and what the
+        old owners held back restarts at zero, as a departed member's own error feedback does."""
+        layout = (self.members, position_in(self.column) if self.members > 1 else 0)
+        before = self.owner_errors.pop(fragment, None)
+        if self.owner_layouts.get(fragment, layout) != layout:  # none recorded (a checkpoint's): as cut
+            before = None
+        self.owner_layouts[fragment] = layout
+        return before
 
     def _encode_chunks(
         self, values: torch.Tensor, encode: Callable[[torch.Tensor], Encoded]
@@ -267,7 +282,7 @@ class Exchange:
 
     # Each exchange replaces these dicts' tensors and never writes into them, so a trial exchange
     # (an evaluation's sync) is undone by putting the old references back, with no copy of a slice.
-    kept_state = ("errors", "owner_errors")
+    kept_state = ("errors", "owner_errors", "owner_layouts")
 
     def kept(self) -> dict[str, dict[int, Any]]:
         """This exchange's state as it is now, by reference (see kept_state), for `put_back`."""
@@ -278,52 +293,79 @@ class Exchange:
             setattr(self, name, dict(value))
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "errors": {f: e.clone() for f, e in self.errors.items()},
-            "owner_errors": {f: e.clone() for f, e in self.owner_errors.items()},
-        }
+        """The error feedback, by reference (see kept_state: no exchange writes into it)."""
+        return {"errors": dict(self.errors), "owner_errors": dict(self.owner_errors)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.errors = {int(f): e.clone() for f, e in state["errors"].items()}
+        self.errors = {int(f): e for f, e in state["errors"].items()}
         # (a checkpoint from before owners kept their own error has none: nothing pending)
-        self.owner_errors = {int(f): e.clone() for f, e in state.get("owner_errors", {}).items()}
+        self.owner_errors = {int(f): e for f, e in state.get("owner_errors", {}).items()}
 
 
 class Quantised(Exchange):
-    """fp16, int8 or int2, reduce-scatter in fp32 and allgather (see the module)."""
+    """fp16, int8 or int2, reduce-scatter in fp32 and allgather (see the module), a piece of
+    at most `piece` numbers of the slice at a time."""
+
+    # numbers reduced at once: the exchange's temporaries stay this size whatever the slice's,
+    # for sharded groups of a model that barely fits (a smaller slice is one piece)
+    piece = 1 << 24
 
     def __init__(self, column: Group | None, options: Any, members: int | None, kind: str) -> None:
         super().__init__(column, options, members)
         self.name, self.codec = kind, QUANTISED_CODECS[kind]
         self.feeds_back = kind != "fp16"  # fp16's rounding is far below the signal
 
+    def _pieces(self, numbers: int) -> list[tuple[int, int]]:
+        return [(a, min(a + self.piece, numbers)) for a in range(0, max(numbers, 1), self.piece)]
+
     def transfers(self, numbers: int, shapes: list[tuple[int, ...]], start: int) -> list[Transfer]:
-        return self._reduce_scatter_transfers([(numbers, self.codec)])
+        # each piece's collectives, counted as one of each (the bytes are what every piece sends)
+        return self._reduce_scatter_transfers([(b - a, self.codec) for a, b in self._pieces(numbers)])
 
     def start(self, fragment: int, delta: torch.Tensor, shapes: list[tuple[int, ...]], start: int) -> Collective:
         corrected, device = self._feedback(fragment, delta), delta.device
         self._record(fragment, self.transfers(len(corrected), shapes, start))
-        codec = self.codec
-
-        def encoded_and_kept(mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            payload = codec.encode(mean)
-            return payload, codec.decode(payload, len(mean))
-
         held = [corrected]  # handed to the collective, which writes the mean over it
+        keeps = self.feeds_back and self.keeping
 
         def collective() -> torch.Tensor:
             corrected = held.pop()
-            encoded, chunk = self._encode_chunks(corrected, codec.encode)
-            owners = codec.encode
-            if self.feeds_back:
-                sent = decode_chunks(encoded, chunk, torch.empty_like(corrected), codec.decode)
-                self.errors[fragment] = torch.sub(corrected, sent, out=sent)  # into sent's memory
-                owners = self._owners_encode(fragment, encoded_and_kept)
-            # the mean over Δ's memory: Δ is encoded and fed back by now (a slice of a model that
-            # barely fits has no room for a third copy)
-            return self._reduce_scatter_mean(torch.cat(encoded), chunk, corrected, owners, codec.decode).to(device)
+            pieces = self._pieces(len(corrected))
+            chunks = [-(-(b - a) // self.members) for a, b in pieces]
+            owned_before = self._owned_before(fragment) if self.feeds_back else None  # per piece, its chunk
+            errors = torch.empty_like(corrected) if keeps else None
+            owned = torch.empty(sum(chunks)) if keeps else None
+            at = 0
+            for (a, b), chunk in zip(pieces, chunks):
+                part = corrected[a:b]
+                encoded, _ = self._encode_chunks(part, self.codec.encode)
+                owners = self.codec.encode
+                if keeps:
+                    sent = decode_chunks(encoded, chunk, errors[a:b], self.codec.decode)
+                    torch.sub(part, sent, out=sent)
+                if self.feeds_back:
+                    owners = self._owner_part(owned_before, None if owned is None else owned[at : at + chunk], at)
+                    at += chunk
+                # the mean over Δ's memory: this piece of Δ is encoded and fed back by now
+                self._reduce_scatter_mean(torch.cat(encoded), chunk, part, owners, self.codec.decode)
+            if keeps:
+                self.errors[fragment], self.owner_errors[fragment] = errors, owned
+            return corrected.to(device)
 
         return collective
+
+    def _owner_part(self, before: torch.Tensor | None, into: torch.Tensor | None, at: int) -> Encode:
+        """Encoding of a piece's mean chunk this member owns, with its error feedback (`before`
+        from `at` on, the last exchange's; what rounding leaves goes `into` the new one, if any)."""
+
+        def owners(mean: torch.Tensor) -> torch.Tensor:  # mean: the caller's, added to in place
+            pending = mean if before is None else mean.add_(before[at : at + len(mean)])
+            payload = self.codec.encode(pending)
+            if into is not None:
+                torch.sub(pending, self.codec.decode(payload, len(pending)), out=into)
+            return payload
+
+        return owners
 
 
 def decode_chunks(payloads: list[torch.Tensor], chunk: int, out: torch.Tensor, decode: Decode) -> torch.Tensor:
