@@ -38,14 +38,15 @@ RUNS = (
 )
 
 
-def corpus(out: Path) -> Path:
-    """A small text dataset (a few windows to evaluate: the model is what is large)."""
+def corpus(out: Path, lines: int = 600) -> Path:
+    """A small text dataset of `lines` lines of random words (600: a few windows to evaluate,
+    where the model is what is large)."""
     path = out / "text.h5"
     if not path.exists():
         rng = random.Random(0)
         (out / "text").mkdir(parents=True, exist_ok=True)
         (out / "text" / "a.txt").write_text(
-            "\n".join(" ".join(rng.choice(WORDS) for _ in range(8)) for _ in range(600))
+            "\n".join(" ".join(rng.choice(WORDS) for _ in range(8)) for _ in range(lines))
         )
         if data_prep_main(["text", str(out / "text"), "--out", str(path)]) != 0:
             raise SystemExit("sharding: data_prep could not write the text dataset")

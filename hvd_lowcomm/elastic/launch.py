@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from hvd_lowcomm.comm.devices import compute_threads
 from hvd_lowcomm.comm.rendezvous import interfaces
 from hvd_lowcomm.elastic import protocol
 from hvd_lowcomm.elastic.coordinator import Coordinator
@@ -52,7 +53,10 @@ def group_command(args: argparse.Namespace, command: list[str], slot: int) -> li
     n = str(args.ranks_per_group)
     if args.launcher == "mpirun":
         hosts = group_hosts(args.hostfile, args.groups, args.ranks_per_group, slot) if args.hostfile else []
-        return ["mpirun", "-np", n, *hosts, *extra, *command]
+        # Each job binds its ranks from the node's first core on: jobs sharing this machine (no
+        # hostfile) would all pile onto the same cores, so they are left unbound unless the user binds them.
+        binding = [] if hosts or "--bind-to" in extra else ["--bind-to", "none"]
+        return ["mpirun", "-np", n, *binding, *hosts, *extra, *command]
     if args.launcher == "srun":
         return ["srun", "--exact", "--kill-on-bad-exit=1", "-n", n, *extra, *command]
     return command
@@ -105,6 +109,11 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         env.update(protocol.Launch(host, store.port, slot.index, slot.life, args.groups, args.timeout).environment())
         if args.interface:
             env.setdefault("GLOO_SOCKET_IFNAME", args.interface)
+        if args.launcher != "srun" and not args.hostfile:  # every group's ranks on this machine's cores
+            ranks = args.groups * args.ranks_per_group
+            env.setdefault(
+                "OMP_NUM_THREADS", str(compute_threads(ranks, len(os.sched_getaffinity(0)), os.cpu_count() or 1))
+            )
         slot.process = subprocess.Popen(group_command(args, command, slot.index), env=env, start_new_session=True)
         slot.relaunch_at = None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import os
 import shutil
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hvd_lowcomm.elastic.launch import group_hosts
+from hvd_lowcomm.elastic.launch import group_command, group_hosts
 from hvd_lowcomm.jobs import main as jobs_main
 
 from conftest import clean_env
@@ -409,3 +410,16 @@ def test_the_elastic_launcher_gives_each_group_its_share_of_the_hosts(tmp_path):
     assert group_hosts(str(hostfile), 2, 8, 1) == ["--host", "n2:4,n3:4"]
     with pytest.raises(SystemExit, match="do not split into 3 groups"):
         group_hosts(str(hostfile), 3, 4, 0)
+
+
+def test_groups_sharing_this_machine_are_not_bound_onto_the_same_cores(tmp_path):
+    """mpirun binds each job's ranks from the first core on: groups that share the machine run
+    unbound (a user's --bind-to stands); groups on hosts of their own keep mpirun's binding."""
+    hostfile = tmp_path / "nodes"
+    hostfile.write_text("n0\nn1\n")
+    args = argparse.Namespace(launcher="mpirun", launcher_args="", ranks_per_group=1, groups=2, hostfile="")
+    assert group_command(args, ["train"], 0) == ["mpirun", "-np", "1", "--bind-to", "none", "train"]
+    bound = argparse.Namespace(**{**vars(args), "launcher_args": "--bind-to core"})
+    assert group_command(bound, ["train"], 0) == ["mpirun", "-np", "1", "--bind-to", "core", "train"]
+    own_hosts = argparse.Namespace(**{**vars(args), "hostfile": str(hostfile)})
+    assert group_command(own_hosts, ["train"], 1) == ["mpirun", "-np", "1", "--host", "n1:1", "train"]

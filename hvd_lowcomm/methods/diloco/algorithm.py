@@ -611,6 +611,7 @@ class DiLoCo:
             "elastic_short_rounds": sum(len(e["members"]) < most for e in rounds),
             "elastic_redone_rounds": sum(e["attempts"] > 1 for e in rounds),
             "elastic_heal_seconds": [round(e["seconds"], 3) for e in self.elastic.events if e["event"] == "heal"],
+            "elastic_heal_bytes": [e["bytes"] for e in self.elastic.events if e["event"] == "heal"],
         }
 
     def state_dict(self) -> dict[str, Any]:

@@ -31,14 +31,18 @@ def diloco_facts(model: nn.Module, input_shape: tuple[int, ...], options: DiLoCo
 def diloco_memory(profile: Profile, ranks: int, ranks_per_node: int, options: DiLoCoOptions, cfg: Config) -> Memory:
     """A group's model (sharded over the group with `shard`), and this rank's slice of the outer
     state: the global copy, its momentum, and the exchange's error feedback where its form keeps one."""
-    group = ranks // runtime.groups_for(options.groups, ranks, ranks_per_node)
+    groups = runtime.groups_for(options.groups, ranks, ranks_per_node)
+    group = ranks // groups
     held = sharded_memory(profile, group if options.shard else 1)
     slice_ = profile.params / group
     state = {"global copy": slice_}
     if options.outer_momentum:
         state["outer momentum"] = slice_
-    if make_exchange(None, options, members=2).feeds_back:
+    exchange = make_exchange(None, options, members=groups)
+    if exchange.feeds_back:
         state["error feedback"] = slice_
+    if (exchange.feeds_back and exchange.name in ("int8", "int2")) or getattr(exchange, "by_owner", False):
+        state["error feedback on the mean part it owns"] = slice_ / groups
     return Memory(held.model_share, held.gathered, state)
 
 
