@@ -1,7 +1,7 @@
 """Goodput under failures: elastic DiLoCo groups against today's whole-job restart.
 
-    python -m benchmarks.elastic_goodput [--groups 4] [--rounds 40] [--sync-every 5] \\
-        [--fail-every 10] [--checkpoint-rounds 4] [--out runs/elastic-goodput]
+    python -m benchmarks.elastic_goodput [--groups 4] [--rounds 40] [--sync-every 20] \\
+        [--fail-every 10] [--checkpoint-rounds 4] [--data FILE] [--out runs/elastic-goodput]
 
 DiLoCo with --groups one-rank groups trains the zoo's GPT for --rounds outer rounds of
 --sync-every steps, five ways, each timed from launch to exit on this machine:
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--groups", type=int, default=4, help="DiLoCo groups of one rank (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=40, help="outer rounds of the run (default: %(default)s)")
-    parser.add_argument("--sync-every", type=int, default=5, help="inner steps a round, H (default: %(default)s)")
+    parser.add_argument("--sync-every", type=int, default=20, help="inner steps a round, H (default: %(default)s)")
     parser.add_argument("--fail-every", type=int, default=10, help="rounds between failures (default: %(default)s)")
     parser.add_argument(
         "--checkpoint-rounds",
@@ -200,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         row["goodput"] = free["elastic" if row["run"].startswith("elastic") else "whole job"] / row["wall_seconds"]
         row["loss_vs_free"] = row["final_test_loss"] - rows[0]["final_test_loss"]
         row["within_seed_spread"] = abs(row["loss_vs_free"]) <= spread
-    write_csv(out / "results.csv", rows)
+    write_csv(
+        out / "results.csv", [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rows]
+    )
     table = [
         f"{args.groups} groups of 1 rank, {args.rounds} rounds of H = {args.sync_every}; seed spread of the final loss "
         f"{spread:.4f}.",
