@@ -66,6 +66,11 @@ class Coordinator:
         why = "finished" if code == 0 else f"exited with code {code}"
         self._gone(slot, life, why)
 
+    def lifeline_closed(self, slot: int, life: int) -> None:
+        """The lifeline of `slot`'s launch `life` closed: its rank 0 ended, having left or not."""
+        left = protocol.read(self.store, f"leave/{slot}") == life
+        self._gone(slot, life, "left" if left else "its process ended (lifeline closed)")
+
     def stop(self, why: str) -> None:
         if not self.stopped:
             self.stopped = why

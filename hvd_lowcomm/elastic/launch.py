@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import selectors
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -89,11 +91,47 @@ def address(interface: str) -> str:
     return next((a for a in found.values() if not a.startswith("127.")), "127.0.0.1")
 
 
+class Lifelines:
+    """The launcher's end of the groups' lifelines (hvd_lowcomm.elastic.protocol): a listening
+    socket, and each connection's "slot life" until it closes."""
+
+    def __init__(self, host: str) -> None:
+        self.server = socket.create_server((host, 0))
+        self.server.setblocking(False)
+        self.port = self.server.getsockname()[1]
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.server, selectors.EVENT_READ, None)
+
+    def closed(self) -> list[tuple[int, int]]:
+        """(slot, life) of every lifeline that closed since the last call (without waiting)."""
+        ended = []
+        for key, _ in self.selector.select(timeout=0):
+            if key.data is None:
+                line, _ = self.server.accept()
+                line.setblocking(False)
+                self.selector.register(line, selectors.EVENT_READ, bytearray())
+                continue
+            try:
+                chunk = key.fileobj.recv(64)
+            except OSError:
+                chunk = b""
+            if chunk:
+                key.data.extend(chunk)
+                continue
+            self.selector.unregister(key.fileobj)
+            key.fileobj.close()
+            said = key.data.decode(errors="replace").split()
+            if len(said) == 2 and all(part.isdigit() for part in said):
+                ended.append((int(said[0]), int(said[1])))
+        return ended
+
+
 def run(args: argparse.Namespace, command: list[str]) -> int:
     host = args.address or address(args.interface)
     store = dist.TCPStore(
         host, args.port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=args.timeout)
     )
+    lifelines = Lifelines(host)
     coordinator = Coordinator(store, args.groups, args.timeout, startup=args.startup_timeout)
     slots = [Slot(i) for i in range(args.groups)]
     print(
@@ -106,7 +144,8 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         slot.life += 1
         coordinator.launched(slot.index, slot.life)
         env = dict(os.environ)
-        env.update(protocol.Launch(host, store.port, slot.index, slot.life, args.groups, args.timeout).environment())
+        told = protocol.Launch(host, store.port, slot.index, slot.life, args.groups, args.timeout, lifelines.port)
+        env.update(told.environment())
         if args.interface:
             env.setdefault("GLOO_SOCKET_IFNAME", args.interface)
         if args.launcher != "srun" and not args.hostfile:  # every group's ranks on this machine's cores
@@ -133,6 +172,8 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     finished = 0
     try:
         while True:
+            for slot_index, life in lifelines.closed():
+                coordinator.lifeline_closed(slot_index, life)
             coordinator.poll()
             now = time.monotonic()
             for slot in slots:

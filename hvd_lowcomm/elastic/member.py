@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -70,6 +71,18 @@ class Member:
         self._beating = position == 0
         if self._beating:
             threading.Thread(target=self._beat, name="elastic-heartbeat", daemon=True).start()
+        self._lifeline = self._hold_lifeline() if self._beating else None
+
+    def _hold_lifeline(self) -> socket.socket | None:
+        """Rank 0's lifeline to the launcher (protocol), open until this process ends."""
+        if not self.launch.lifeline:
+            return None
+        try:
+            line = socket.create_connection((self.launch.host, self.launch.lifeline), timeout=self.launch.timeout)
+            line.sendall(f"{self.slot} {self.life}\n".encode())
+            return line
+        except OSError:  # without it a death is still seen, later: by the job's exit or the heartbeats
+            return None
 
     def _connect(self) -> Any:
         try:

@@ -14,6 +14,11 @@ reads one sees what every other group sees.
     healed/R/S          a joiner took the donor's state after round R
     leave/S             L: the group finished its training (not a failure)
     stop                why the coordinator ended the run
+
+Beside the store, rank 0 of each group holds a TCP connection to the launcher (its lifeline,
+"S L" sent once): the kernel closes it the moment the process dies, so a killed group is known
+to be gone at once instead of when its job's launcher notices (seconds) or its heartbeats stop
+(the timeout, which still covers a node that stops without a TCP reset).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ SLOT_VARIABLE = "HVD_LOWCOMM_ELASTIC_SLOT"
 LIFE_VARIABLE = "HVD_LOWCOMM_ELASTIC_LIFE"
 GROUPS_VARIABLE = "HVD_LOWCOMM_ELASTIC_GROUPS"
 TIMEOUT_VARIABLE = "HVD_LOWCOMM_ELASTIC_TIMEOUT"
+LIFELINE_VARIABLE = "HVD_LOWCOMM_ELASTIC_LIFELINE"  # the launcher's lifeline port (0: none)
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,7 @@ class Launch:
     life: int
     groups: int
     timeout: float
+    lifeline: int = 0
 
     @classmethod
     def from_environment(cls, environ: dict[str, str] | None = None) -> "Launch | None":
@@ -58,6 +65,7 @@ class Launch:
             int(env.get(LIFE_VARIABLE, "0")),
             int(env[GROUPS_VARIABLE]),
             float(env.get(TIMEOUT_VARIABLE, "60")),
+            int(env.get(LIFELINE_VARIABLE, "0")),
         )
 
     def environment(self) -> dict[str, str]:
@@ -67,6 +75,7 @@ class Launch:
             LIFE_VARIABLE: str(self.life),
             GROUPS_VARIABLE: str(self.groups),
             TIMEOUT_VARIABLE: str(self.timeout),
+            LIFELINE_VARIABLE: str(self.lifeline),
         }
 
 
