@@ -15,9 +15,12 @@ DiLoCo with --groups one-rank groups trains the zoo's GPT for --rounds outer rou
   (`--resume auto`, a checkpoint every --checkpoint-rounds rounds), relaunched at once: no
   scheduler queue is waited for, which a real requeue adds.
 
-Goodput is the failure-free run's wall time over the run's with failures (the same work).
-Writes results.csv and results.md under --out, and the heal time (the joiner's) with the bytes
-a heal sends.
+Goodput is the failure-free run's wall time over the run's with failures (the same work). Where
+groups share cores (more ranks than cores), a missing group speeds the others up, which this
+hides; "group-rounds kept" does not: the share of the groups' rounds that entered the model
+(elastic: the members of each round over every group; whole job: its steps over the steps it
+computed, those since a checkpoint twice). Writes results.csv and results.md under --out, with
+the heal time (the joiner's) and the bytes a heal sends.
 """
 
 from __future__ import annotations
@@ -100,8 +103,11 @@ def elastic(args: argparse.Namespace, data: Path, runs: Path, name: str, seed: i
     summaries = {p.parent.name: json.loads(p.read_text()) for p in runs.glob(f"{name}-group*-life*/summary.json")}
     healed = [s for run, s in summaries.items() if not run.endswith("life0")]
     events = json.loads(record.read_text())["events"]
+    rounds = [e for e in events if e["event"] == "round"]
     return {
         "wall_seconds": wall,
+        # what bounds goodput where each group has cores of its own: the groups' rounds in the model
+        "group_rounds_in_model": sum(len(e["members"]) for e in rounds) / (args.groups * len(rounds)),
         "final_test_loss": summaries[f"{name}-group0-life0"]["final_test_loss"],
         "failures": sum(e["event"] == "failure" for e in events),
         "heals": len(healed),
@@ -117,7 +123,8 @@ def whole_job(args: argparse.Namespace, data: Path, runs: Path, name: str, fail:
     command += ["--diloco.groups", str(args.groups)]
     metrics = runs / name / "metrics.jsonl"
     pending = failure_rounds(args) if fail else []
-    began, restarts = time.monotonic(), 0
+    began, restarts, redone = time.monotonic(), 0, 0
+    every = args.checkpoint_rounds * args.sync_every
     while True:
         job = subprocess.Popen(
             command + (["--resume", "auto"] if restarts else []),
@@ -129,9 +136,11 @@ def whole_job(args: argparse.Namespace, data: Path, runs: Path, name: str, fail:
         killed = False
         while job.poll() is None:
             time.sleep(0.05)
-            if pending and last_step(metrics) >= pending[0] * args.sync_every - 1:
+            done = last_step(metrics) + 1
+            if pending and done >= pending[0] * args.sync_every:
                 os.killpg(job.pid, signal.SIGKILL)  # the node is gone: every rank of the job with it
                 job.wait()
+                redone += done % every  # the steps since its last checkpoint, taken again
                 pending.pop(0)
                 killed, restarts = True, restarts + 1
         if not killed:
@@ -140,7 +149,13 @@ def whole_job(args: argparse.Namespace, data: Path, runs: Path, name: str, fail:
     if job.returncode:
         raise SystemExit(f"elastic_goodput: {name} failed (exit {job.returncode}):\n{job.stderr.read()[-3000:]}")
     summary = json.loads((runs / name / "summary.json").read_text())
-    return {"wall_seconds": wall, "final_test_loss": summary["final_test_loss"], "failures": restarts}
+    steps = args.rounds * args.sync_every
+    return {
+        "wall_seconds": wall,
+        "group_rounds_in_model": steps / (steps + redone),  # every round's groups, some rounds taken twice
+        "final_test_loss": summary["final_test_loss"],
+        "failures": restarts,
+    }
 
 
 def last_step(metrics: Path) -> int:
@@ -207,11 +222,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.groups} groups of 1 rank, {args.rounds} rounds of H = {args.sync_every}; seed spread of the final loss "
         f"{spread:.4f}.",
         "",
-        "| run | wall s | goodput | failures | final loss | vs failure-free | heal s (max) | heal bytes |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | wall s | goodput | group-rounds kept | failures | final loss | vs failure-free | heal s (max) | "
+        "heal bytes |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     table += [
-        f"| {r['run']} | {r['wall_seconds']:.1f} | {100 * r['goodput']:.0f} % | {r['failures']} | "
+        f"| {r['run']} | {r['wall_seconds']:.1f} | {100 * r['goodput']:.0f} % | "
+        f"{100 * r['group_rounds_in_model']:.1f} % | {r['failures']} | "
         f"{r['final_test_loss']:.4f} | {r['loss_vs_free']:+.4f} | {r.get('heal_seconds_max', 0):.2f} | "
         f"{r.get('heal_bytes', 0):,.0f} |"
         for r in rows

@@ -115,7 +115,7 @@ def test_a_killed_group_costs_its_round_and_a_relaunch_heals_bitwise(tmp_path):
     history = json.loads((tmp_path / "record.json").read_text())["events"]
     (failure,) = [e for e in history if e["event"] == "failure"]
     # known from the lifeline the kernel closed, not seconds later from its job's exit
-    assert failure["slot"] == 1 and failure["why"] == "its process ended (lifeline closed)", failure
+    assert failure["slot"] == 1 and failure["seen"] == "lifeline" and failure["round"] == 3, failure
     assert any(e["event"] == "admit" and e["joiners"] == [1] for e in history)
     # (e) the run's membership 3 -> 2 -> 3, replayed without any failure machinery, ends alike
     expected = replayed(tmp_path, 200, 5)

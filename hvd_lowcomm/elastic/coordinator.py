@@ -22,6 +22,9 @@ from typing import Any
 from hvd_lowcomm.elastic import protocol
 
 
+LIFELINE_CLOSED = "its lifeline closed"  # out of the rounds; its exit code is yet to come
+
+
 @dataclass
 class Life:
     """One launch of a slot, as the coordinator sees it."""
@@ -30,6 +33,7 @@ class Life:
     beats: int = 0
     seen: float | None = None  # when its heartbeat last moved
     ended: str = ""  # why it is gone ("" while it lives)
+    lifeline: dict[str, Any] = field(default_factory=dict)  # when and at which round its lifeline closed
 
 
 @dataclass
@@ -63,13 +67,25 @@ class Coordinator:
         self._event("launch", slot=slot, life=life)
 
     def exited(self, slot: int, life: int, code: int) -> None:
-        why = "finished" if code == 0 else f"exited with code {code}"
-        self._gone(slot, life, why)
+        state = self.state.get((slot, life))
+        if state is not None and state.ended == LIFELINE_CLOSED:  # out already: its exit says why
+            state.ended = "finished" if code == 0 else f"exited with code {code}"
+            if code:
+                self.events.append({"event": "failure", **state.lifeline, "why": state.ended, "seen": "lifeline"})
+            return
+        self._gone(slot, life, "finished" if code == 0 else f"exited with code {code}")
 
     def lifeline_closed(self, slot: int, life: int) -> None:
-        """The lifeline of `slot`'s launch `life` closed: its rank 0 ended, having left or not."""
-        left = protocol.read(self.store, f"leave/{slot}") == life
-        self._gone(slot, life, "left" if left else "its process ended (lifeline closed)")
+        """The lifeline of `slot`'s launch `life` closed: its rank 0 ended. It is out of the rounds
+        at once; whether it failed (a failure event) or finished, its exit code says later."""
+        state = self.state.get((slot, life))
+        if state is None or state.ended:
+            return
+        if protocol.read(self.store, f"leave/{slot}") == life:
+            self._gone(slot, life, "left")
+            return
+        state.ended = LIFELINE_CLOSED
+        state.lifeline = {"at": round(self.clock() - self.began, 3), "slot": slot, "life": life, "round": self.round}
 
     def stop(self, why: str) -> None:
         if not self.stopped:
