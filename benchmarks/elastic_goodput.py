@@ -159,10 +159,21 @@ def whole_job(args: argparse.Namespace, data: Path, runs: Path, name: str, fail:
 
 
 def last_step(metrics: Path) -> int:
-    """The last step record's step (steps taken - 1), or -1 before the first."""
+    """The last step record's step (steps taken - 1), or -1 before the first: read from the
+    file's tail, which the watch loop polls while the file grows."""
     if not metrics.exists():
         return -1
-    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"type": "step"' in line]
+    with open(metrics, "rb") as fh:
+        fh.seek(max(0, fh.seek(0, os.SEEK_END) - 4096))
+        lines = fh.read().decode(errors="replace").splitlines()
+    steps = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:  # cut by the tail, or still being written
+            continue
+        if record.get("type") == "step":
+            steps.append(record["step"])
     return max(steps, default=-1)
 
 

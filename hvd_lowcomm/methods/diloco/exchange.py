@@ -189,19 +189,24 @@ class Exchange:
         delta = delta.detach().cpu()  # the exchange's own (see start): added to in place
         return delta if error is None else delta.add_(error if decay == 1 else decay * error)
 
-    def _owners_encode(
-        self, fragment: int, encode: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    def _owner_part(
+        self,
+        before: torch.Tensor | None,
+        into: torch.Tensor | None,
+        at: int,
+        encode: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     ) -> Encode:
-        """Encoding of the mean part this member owns, with its own error feedback: `encode` gives
-        (bytes, what they decode to), and what it left out joins the next exchange's part. (Fed
-        back G times into the owner's own error instead, as lowrank does, a coarse rounding of
-        the mean is multiplied before the next one rounds it again, and more waits.)"""
+        """Encoding of a mean chunk this member owns, with its own error feedback: `encode`
+        gives (bytes, what they decode to); the last exchange's feedback (`before`, from `at`
+        on) is added first, and what this encoding leaves out goes `into` the next one's, if
+        any. (Fed back G times into the owner's own error instead, as lowrank does, a coarse
+        rounding of the mean is multiplied before the next one rounds it again, and more waits.)"""
 
         def owners(mean: torch.Tensor) -> torch.Tensor:  # mean: the caller's, added to in place
-            error = self._owned_before(fragment)
-            pending = mean if error is None else mean.add_(error)
+            pending = mean if before is None else mean.add_(before[at : at + len(mean)])
             payload, kept = encode(pending)
-            self.owner_errors[fragment] = torch.sub(pending, kept, out=kept)  # into kept's memory
+            if into is not None:
+                torch.sub(pending, kept, out=into)
             return payload
 
         return owners
@@ -315,6 +320,10 @@ class Quantised(Exchange):
         self.name, self.codec = kind, QUANTISED_CODECS[kind]
         self.feeds_back = kind != "fp16"  # fp16's rounding is far below the signal
 
+    def _encoded_and_kept(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        payload = self.codec.encode(values)
+        return payload, self.codec.decode(payload, len(values))
+
     def _pieces(self, numbers: int) -> list[tuple[int, int]]:
         return [(a, min(a + self.piece, numbers)) for a in range(0, max(numbers, 1), self.piece)]
 
@@ -344,7 +353,8 @@ class Quantised(Exchange):
                     sent = decode_chunks(encoded, chunk, errors[a:b], self.codec.decode)
                     torch.sub(part, sent, out=sent)
                 if self.feeds_back:
-                    owners = self._owner_part(owned_before, None if owned is None else owned[at : at + chunk], at)
+                    into = None if owned is None else owned[at : at + chunk]
+                    owners = self._owner_part(owned_before, into, at, self._encoded_and_kept)
                     at += chunk
                 # the mean over Δ's memory: this piece of Δ is encoded and fed back by now
                 self._reduce_scatter_mean(torch.cat(encoded), chunk, part, owners, self.codec.decode)
@@ -353,19 +363,6 @@ class Quantised(Exchange):
             return corrected.to(device)
 
         return collective
-
-    def _owner_part(self, before: torch.Tensor | None, into: torch.Tensor | None, at: int) -> Encode:
-        """Encoding of a piece's mean chunk this member owns, with its error feedback (`before`
-        from `at` on, the last exchange's; what rounding leaves goes `into` the new one, if any)."""
-
-        def owners(mean: torch.Tensor) -> torch.Tensor:  # mean: the caller's, added to in place
-            pending = mean if before is None else mean.add_(before[at : at + len(mean)])
-            payload = self.codec.encode(pending)
-            if into is not None:
-                torch.sub(pending, self.codec.decode(payload, len(pending)), out=into)
-            return payload
-
-        return owners
 
 
 def decode_chunks(payloads: list[torch.Tensor], chunk: int, out: torch.Tensor, decode: Decode) -> torch.Tensor:
@@ -422,20 +419,23 @@ class Sparse(Exchange):
         def decode(p: torch.Tensor, numbers: int) -> torch.Tensor:
             return sparse_decode(p, numbers, density)
 
-        # the mean part this member owns goes sparse again at owner_density (the groups' supports
-        # differ, so the mean holds up to G times the kept numbers)
-        owners_top = self._owners_encode(fragment, lambda mean: sparse_encode(mean, self.owner_density))
-
         def collective() -> torch.Tensor:
             if self.by_owner:
+                # the mean part this member owns goes sparse again at owner_density (the groups'
+                # supports differ, so the mean holds up to G times the kept numbers)
+                owned = torch.empty(part)
+                top = self._owner_part(
+                    self._owned_before(fragment), owned, 0, lambda mean: sparse_encode(mean, self.owner_density)
+                )
                 mean = self._reduce_scatter_mean(
                     payload,
                     part,
                     torch.empty(numbers),
-                    owners_top,
+                    top,
                     decode,
                     lambda p, numbers: sparse_decode(p, numbers, self.owner_density),
                 )
+                self.owner_errors[fragment] = owned
             else:
                 gathered = side_allgather(payload, self.column)
                 mean = torch.stack([decode(p, numbers) for p in gathered]).sum(0).div_(self.members)
