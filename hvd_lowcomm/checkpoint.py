@@ -45,6 +45,7 @@ import torch.distributed.checkpoint as dcp
 from hvd_lowcomm.comm import runtime
 from hvd_lowcomm.comm.traffic import meter
 from hvd_lowcomm.config import Config, ConfigError
+from hvd_lowcomm.elastic.protocol import Launch
 from hvd_lowcomm.methods.base import Method
 from hvd_lowcomm.metrics import RunLogger
 from hvd_lowcomm.registry import spec
@@ -227,15 +228,24 @@ def resolve(cfg: Config, world_size: int, say: Any = print) -> tuple[Path | None
     resume = cfg.run.resume
     if not resume:
         return None, None
+    launch = Launch.from_environment()
     if resume == "auto":
         if not cfg.run.name:
             raise CheckpointError(
                 "--resume auto needs --run.name, so it knows which run to continue (job scripts set it to the job name)"
             )
         run_dir = Path(cfg.run.dir) / cfg.run.name
-        found = newest_usable(run_dir / "checkpoints", say)
+        if launch is not None:  # an elastic group: the newest of its slot's run directories (one per launch)
+            run_dir, found = _newest_of_slot(Path(cfg.run.dir), cfg.run.name, launch.slot, say)
+        else:
+            found = newest_usable(run_dir / "checkpoints", say)
         if found is None:
-            say(f"no checkpoint in {run_dir}: starting from scratch")
+            say(f"no checkpoint in {run_dir or cfg.run.name}: starting from scratch")
+    elif launch is not None:
+        raise CheckpointError(
+            f"--resume {resume} under the elastic launcher: give --resume auto, so that each group "
+            f"finds its own newest checkpoint (the groups' states differ between rounds)"
+        )
     else:
         path = Path(resume)
         if (path / "manifest.json").exists() or _STEP_DIR.fullmatch(path.name):
@@ -266,6 +276,22 @@ def resolve(cfg: Config, world_size: int, say: Any = print) -> tuple[Path | None
                 f"the rank count; fsdp's checkpoints resume on any)"
             )
     return run_dir, found
+
+
+def _newest_of_slot(parent: Path, name: str, slot: int, say: Any) -> tuple[Path | None, Path | None]:
+    """An elastic group's (run directory, checkpoint) to resume: the highest step among its
+    slot's run directories (NAME-groupS-lifeL, one per launch), or (None, None)."""
+    found = [newest_usable(d / "checkpoints", say) for d in sorted(parent.glob(f"{name}-group{slot}-life*"))]
+    usable = [path for path in found if path is not None]
+    if not usable:
+        return None, None
+    newest = max(usable, key=step_of)
+    return newest.parent.parent, newest
+
+
+def step_of(path: Path) -> int:
+    """The training step checkpoint `path` was written at."""
+    return json.loads((path / "manifest.json").read_text())["step"]
 
 
 def load(path: Path, method: Method) -> dict[str, Any]:
@@ -366,7 +392,8 @@ class Checkpointer:
         return save(self.run_dir, self.method, position, extra, self.cfg.run.keep_checkpoints)
 
     def signalled(self) -> bool:
-        return self.preemption is not None and self.preemption.received is not None
+        received = self.preemption is not None and self.preemption.received is not None
+        return received or self.method.stop_requested()
 
     def agree(self, locally_bad: bool) -> bool:
         """After every step of a lockstep method: agree on non-finite values, and on
@@ -404,7 +431,10 @@ class Checkpointer:
         path = self.save(epoch, batch)
         if runtime.rank() == 0:
             (self.run_dir / "PREEMPTED").write_text(f"{path}\n")
-        name = signal.Signals(self.preemption.received).name if self.signalled() else "a signal on another rank"
+        if self.preemption is not None and self.preemption.received is not None:
+            name = signal.Signals(self.preemption.received).name
+        else:
+            name = "the elastic launcher (preempted)" if self.method.stop_requested() else "a signal on another rank"
         log.print(
             f"stopped by {name}: checkpoint {path} written; continue with --resume auto "
             f"(--run.name {self.run_dir.name}) or --resume {self.run_dir}"

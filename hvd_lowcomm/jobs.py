@@ -140,8 +140,6 @@ def program(spec: JobSpec) -> list[str]:
     run named after the job, which resumes from its checkpoint if it has one."""
     if not spec.command:
         # A batch job's output goes to a file, where a progress bar is only noise (yours win after).
-        # Elastic groups heal from a member instead of resuming from a checkpoint.
-        resume = [] if spec.elastic else ["--resume", "auto"]
         return [
             spec.python,
             "-m",
@@ -150,7 +148,8 @@ def program(spec: JobSpec) -> list[str]:
             spec.config,
             "--run.name",
             spec.job_name,
-            *resume,
+            "--resume",
+            "auto",
             "--run.progress",
             "false",
             *spec.train_args,
@@ -409,8 +408,8 @@ def _spec(args: argparse.Namespace, train_args: list[str], **changes: object) ->
         train_args=train_args,
         template=args.template,
         elastic=args.elastic,
-        signal_seconds=0 if args.elastic else args.signal_seconds,
-        requeue=args.requeue and not args.elastic,  # an elastic run does not resume from checkpoints yet
+        signal_seconds=args.signal_seconds,
+        requeue=args.requeue,
     )
     return replace(spec, **changes)
 

@@ -97,7 +97,8 @@ def train(
 
     state = TrainState()
     keeper = Checkpointer(cfg, method, run_dir, preemption, state, len(train_batches))
-    if resume_from is not None:
+
+    def load_checkpoint() -> None:
         own = checkpoint.load(resume_from, method)
         position = own["position"]
         state.epoch, state.batch = position["epoch"], position["batch"]
@@ -112,7 +113,9 @@ def train(
         state.train_seconds = own["extra"].get("train_seconds", 0.0)
         log.continue_from(position["step"])
         log.print(f"resumed from {resume_from} at step {position['step']} (epoch {state.epoch}, batch {state.batch})")
-    joined = method.joined_step()
+
+    # (an elastic group whose checkpoint is older than the run's heals from a member instead)
+    joined = method.join_run(checkpoint.step_of(resume_from) if resume_from else None, load_checkpoint)
     if joined:  # an elastic group that healed from a member mid-run: on at the run's step
         state.epoch, state.batch = joined // len(train_batches) + 1, joined % len(train_batches)
         meter.step = joined

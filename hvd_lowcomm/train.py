@@ -94,11 +94,6 @@ def check_elastic_run(cfg: Config) -> None:
             "--train.max_time under the elastic launcher: each group would plan its own length; give "
             "--train.max_steps or --train.epochs"
         )
-    if cfg.run.resume:
-        raise ConfigError(
-            "--run.resume under the elastic launcher: an elastic run does not resume from checkpoints yet; "
-            "relaunched groups heal from a member instead"
-        )
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -267,3 +268,44 @@ def test_the_built_in_trainer_trains_diloco_across_elastic_groups_and_refuses_th
         timeout=240,
     )
     assert refused.returncode != 0 and "only diloco trains there" in refused.stderr
+
+
+def test_a_preempted_run_checkpoints_every_group_after_one_round_and_resumes_exactly(tmp_path):
+    """SIGUSR1 to the launcher (a scheduler's warning): every group checkpoints after the same
+    round and exits 0; `--resume auto` under a new launcher resumes each group from its own
+    checkpoint, and the run ends bitwise where an uninterrupted one does."""
+    train = [sys.executable, "-m", "hvd_lowcomm.train", "--run.dir", str(tmp_path), "--method", "diloco"]
+    train += ["--train.max_steps", "120", "--diloco.sync_every", "5", "--run.checkpoint_every", "10"]
+    train += ["--run.progress", "false"]
+
+    def launch(name: str, *more: str) -> list[str]:
+        head = [sys.executable, "-m", "hvd_lowcomm.elastic", "--groups", "3", "--timeout", str(TIMEOUT)]
+        head += ["--max-restarts", "0", "--launcher-args=--oversubscribe", "--record", str(tmp_path / f"{name}.json")]
+        return [*head, "--", *train, "--run.name", name, *more]
+
+    reference = subprocess.run(launch("ref"), env=environment(), capture_output=True, text=True, timeout=240)
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    log = open(tmp_path / "log", "w")
+    process = subprocess.Popen(launch("el"), env=environment(), stdout=log, stderr=subprocess.STDOUT)
+    first = tmp_path / "el-group0-life0" / "checkpoints" / "step-00000010"
+    deadline = time.monotonic() + 120
+    while not first.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGUSR1)
+    assert process.wait(timeout=120) == 0, (tmp_path / "log").read_text()[-3000:]
+    newest = {s: sorted((tmp_path / f"el-group{s}-life0" / "checkpoints").iterdir())[-1].name for s in range(3)}
+    assert len(set(newest.values())) == 1, f"the groups stopped at different steps: {newest}"
+    step = int(newest[0].split("-")[1])
+    assert 10 <= step < 120 and step % 5 == 0
+    assert all((tmp_path / f"el-group{s}-life0" / "PREEMPTED").exists() for s in range(3))
+    history = json.loads((tmp_path / "el.json").read_text())["events"]
+    assert [e["event"] for e in history].count("preempt") == 1 and history[-1]["event"] == "stop"
+
+    resumed = subprocess.run(launch("el", "--resume", "auto"), env=environment(), capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    (resume,) = [e for e in json.loads((tmp_path / "el.json").read_text())["events"] if e["event"] == "resume"]
+    assert resume["step"] == step and resume["members"] == [0, 1, 2] and resume["joiners"] == []
+    expected = torch.load(tmp_path / "ref-group0-life0" / "model.pt")
+    for s in range(3):
+        final = torch.load(tmp_path / f"el-group{s}-life0" / "model.pt")
+        assert all(torch.equal(final[k], expected[k]) for k in expected), f"group {s} did not resume exactly"

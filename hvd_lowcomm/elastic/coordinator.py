@@ -9,6 +9,12 @@ shows it). A round's attempt is named once every expected group has arrived or i
 commits when every member voted ok, else the next attempt is named among the members still
 alive. A group that asks to join is admitted at the next commit, and the donor (the commit's
 first member) sends it the state.
+
+At the run's start every group joins. On a restart from checkpoints the groups whose checkpoint
+is the newest step resume from their own (every group checkpoints after the same rounds) and the
+others heal from the first of them. A preempted run (the launcher got the scheduler's signal)
+marks its next commit "stop": every group checkpoints after that same round and ends, so the
+restart resumes every group exactly.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ class Coordinator:
     admitted: set[tuple[int, int]] = field(default_factory=set)
     round_began: float = 0.0
     stopped: str = ""
+    preempting: bool = False  # the next commit tells every group to checkpoint and stop
     began: float = field(default_factory=time.monotonic)
 
     # -- what the launcher tells it -------------------------------------------------------
@@ -86,6 +93,12 @@ class Coordinator:
             return
         state.ended = LIFELINE_CLOSED
         state.lifeline = {"at": round(self.clock() - self.began, 3), "slot": slot, "life": life, "round": self.round}
+
+    def preempt(self) -> None:
+        """The scheduler is about to end the job: every group checkpoints after the next round and ends."""
+        if not self.preempting and not self.stopped:
+            self.preempting = True
+            self._event("preempt", round=self.round)
 
     def stop(self, why: str) -> None:
         if not self.stopped:
@@ -144,12 +157,20 @@ class Coordinator:
         ]
 
     def _start(self) -> None:
-        """The run starts once every launched group joined (or is gone): the lowest slot is the
-        donor of the others' starting state."""
+        """The run starts once every launched group joined (or is gone): the groups resuming
+        from the newest checkpoint step start from their own state (none: the lowest slot
+        alone), and the others heal from the first of them."""
         joined = self._joined()
         waiting = [s for s in self.lives if self.alive(s) and s not in joined]
-        if joined and not waiting:
-            self._commit(0, [joined[0]], joined[1:], admit_donor=True)
+        if not joined or waiting:
+            return
+        steps = {s: protocol.read(self.store, f"resume/{s}/{self.lives[s]}") for s in joined}
+        newest = max((step for step in steps.values() if step is not None), default=None)
+        members = [s for s in joined if steps[s] == newest] if newest is not None else joined[:1]
+        joiners = [s for s in joined if s not in members]
+        if newest is not None:
+            self._event("resume", step=newest, members=members, joiners=joiners)
+        self._commit(0, members, joiners, admit_members=True)
 
     def _name_attempt(self) -> None:
         expected = [s for s, life in self.expected if self.alive(s, life)]
@@ -184,9 +205,12 @@ class Coordinator:
             self.attempt_members = None
             self.expected = []
 
-    def _commit(self, round_: int, members: list[int], joiners: list[int], admit_donor: bool = False) -> None:
-        protocol.put(self.store, f"commit/{round_}", {"attempt": self.attempt, "members": members, "joiners": joiners})
-        for s in joiners + (members[:1] if admit_donor else []):
+    def _commit(self, round_: int, members: list[int], joiners: list[int], admit_members: bool = False) -> None:
+        stop = self.preempting and round_ > 0
+        joiners = [] if stop else joiners  # a group joining a run that ends now waits for the restart
+        value = {"attempt": self.attempt, "members": members, "joiners": joiners, "stop": stop}
+        protocol.put(self.store, f"commit/{round_}", value)
+        for s in joiners + (members if admit_members else []):
             self.admitted.add((s, self.lives[s]))
             protocol.put(self.store, f"admit/{s}/{self.lives[s]}", round_)
         if round_:
@@ -201,6 +225,8 @@ class Coordinator:
             self._event("admit", round=round_, joiners=joiners, donor=members[0])
         self.expected = [(s, self.lives[s]) for s in members + joiners]
         self.round, self.attempt, self.attempt_members = round_ + 1, 0, None
+        if stop:
+            self.stop(f"preempted: every group checkpointed after round {round_}; restart with --resume auto")
 
     def _event(self, kind: str, **fields: Any) -> None:
         self.events.append({"event": kind, "at": round(self.clock() - self.began, 3), **fields})

@@ -9,6 +9,10 @@ the interface --interface names), starts every group as its own job (`mpirun -np
 --max-restarts times, after --backoff seconds), and ends with the training's exit status: 0
 when the groups that ran to the end finished cleanly and at least --min-groups of them did.
 A failure inside one group ends that group's job alone; the others go on without it.
+
+SIGUSR1 or SIGTERM (a scheduler's warning) has every group checkpoint after the same next
+round and end, so that `--resume auto` continues every group exactly; a second one, or
+SIGINT, ends the groups at once.
 """
 
 from __future__ import annotations
@@ -162,10 +166,16 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
                 os.killpg(slot.process.pid, sig)
 
     def on_signal(signum: int, frame: object) -> None:
-        end_all()
-        raise SystemExit(128 + signum)
+        if signum == signal.SIGINT or coordinator.preempting:  # Ctrl-C, or a second warning: end now
+            end_all()
+            raise SystemExit(128 + signum)
+        print(
+            f"elastic: {signal.Signals(signum).name}: every group checkpoints after the next round and ends",
+            flush=True,
+        )
+        coordinator.preempt()
 
-    for ending in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):  # a scheduler's warning ends the groups
+    for ending in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):  # a scheduler's warning: checkpoint and end
         signal.signal(ending, on_signal)
     for slot in slots:
         launch(slot)
@@ -196,6 +206,8 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
                         )
                     else:
                         print(f"elastic: group {slot.index} failed (code {slot.code}); not relaunched", flush=True)
+                if slot.relaunch_at is not None and coordinator.stopped:
+                    slot.relaunch_at = None  # the run is over (preempted, or too few groups)
                 if slot.relaunch_at is not None and now >= slot.relaunch_at:
                     launch(slot)
             running = [s for s in slots if s.process is not None or s.relaunch_at is not None]

@@ -52,6 +52,7 @@ class Commit:
     attempt: int
     members: tuple[int, ...]
     joiners: tuple[int, ...]
+    stop: bool = False  # the run is preempted: checkpoint after this round and end
 
     @property
     def donor(self) -> int:
@@ -141,9 +142,11 @@ class Member:
         return bool(self.comm.allreduce(int(ok), op=MPI.MIN))
 
     # -- joining ------------------------------------------------------------------------------
-    def join(self) -> Commit:
+    def join(self, resume_step: int | None = None) -> Commit:
         """Ask for the run's state and wait to be admitted: the commit after which the donor
-        sends it (at the run's start every group joins and the lowest slot is the donor)."""
+        sends it. At the run's start every group joins, saying from which checkpoint step it
+        would resume (None: it has none); the commit's members start from their own state."""
+        self._put(f"resume/{self.slot}/{self.life}", resume_step)
         self._put(f"join/{self.slot}", self.life)
         _, round_ = self._wait([f"admit/{self.slot}/{self.life}"], "admission to the run")
         _, commit = self._wait([f"commit/{round_}"], f"round {round_}'s commit")
@@ -278,7 +281,7 @@ def _test_failure(member: Member, round_: int, where: str) -> None:
 
 
 def _commit(round_: int, value: dict[str, Any]) -> Commit:
-    return Commit(round_, value["attempt"], tuple(value["members"]), tuple(value["joiners"]))
+    return Commit(round_, value["attempt"], tuple(value["members"]), tuple(value["joiners"]), value["stop"])
 
 
 def _end_process(code: int) -> None:

@@ -4,13 +4,15 @@ reads one sees what every other group sees.
 
     life/S              the launch count of slot S (0 first, +1 per relaunch)
     beat/S/L            a counter the group of slot S, life L, adds to while it lives
+    resume/S/L          the step of the checkpoint slot S's launch L resumes from (null: none)
     join/S              L: slot S's group wants the state to train (at its start)
     admit/S/L           round R: it receives the state from the donor after round R's commit
     arrive/R/S          L: the group reached round R's exchange
     attempt/R/A         {"members": [S...]}: attempt A of round R, among these groups
     done/R/A/S          "ok" or "failed": the group's outcome of that attempt
-    commit/R            {"attempt": A, "members": [...], "joiners": [...]}: every member of
-                        attempt A succeeded, so every survivor applies its result
+    commit/R            {"attempt": A, "members": [...], "joiners": [...], "stop": bool}:
+                        every member of attempt A succeeded, so every survivor applies its
+                        result (and with "stop", checkpoints and ends: the run is preempted)
     healed/R/S          a joiner took the donor's state after round R
     leave/S             L: the group finished its training (not a failure)
     stop                why the coordinator ended the run

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -92,10 +92,19 @@ class Method:
             split, batch_size, runtime.rank(), runtime.size(), seed=self.cfg.train.seed, shuffle=shuffle, device=device
         )
 
-    def joined_step(self) -> int:
-        """The step the run had reached when this rank's group joined it (elastic groups that
-        heal from a member mid-run); the loop starts there. 0: it trained from the start."""
+    def join_run(self, resumed_at: int | None, load: Callable[[], None]) -> int:
+        """Join the run after `setup`: `load()` restores the checkpoint of step `resumed_at`
+        (None: there is none). Returns the step the run had reached when this rank's group
+        joined it by healing from a member (elastic groups); the loop starts there. 0: from the
+        start or the checkpoint."""
+        if resumed_at is not None:
+            load()
         return 0
+
+    def stop_requested(self) -> bool:
+        """Whether the run asked this rank to checkpoint and stop at this step, as a preemption
+        signal would (an elastic run's coordinator, preempted, says so at a round)."""
+        return False
 
     def start_epoch(self, epoch: int) -> None:
         """Called before each epoch's first step (1-based)."""

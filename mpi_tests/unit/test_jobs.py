@@ -382,9 +382,10 @@ def test_an_elastic_job_runs_each_diloco_group_as_its_own_job(tmp_path, run_yaml
         "srun '--launcher-args=--mpi=pmix --cpu-bind=cores -N 2'" if scheduler == "slurm" else "mpirun"
     )
     assert launch in text and "-- python -m hvd_lowcomm.train" in text
-    assert "--resume auto" not in text  # groups heal from a member, not from checkpoints
+    # a preemption: every group checkpoints after the same round; the requeued job resumes them all
+    assert "--resume auto" in text and 'trap \'signalled=1; kill -USR1 "$launcher"' in text
     if scheduler == "slurm":
-        assert "#SBATCH --no-kill" in text and "--signal" not in text and "--requeue" not in text
+        assert "#SBATCH --no-kill" in text and "#SBATCH --signal=B:USR1@120" in text and "--requeue" in text
     else:
         assert '--hostfile "${PBS_NODEFILE:?not inside a PBS job}"' in text
     shell_checks(tmp_path / "job.sh")

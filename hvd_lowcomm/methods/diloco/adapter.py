@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -34,6 +34,7 @@ class DiLoCoMethod(GroupTrainerMethod):
     """`--method diloco`: DiLoCo driven by the built-in loop."""
 
     trainer_class = DiLoCo
+    trainer_arguments = {"join": False}  # the loop joins after it restored any checkpoint (join_run)
 
     def check_model(self, model: nn.Module) -> None:
         fragment_bounds([p.numel() for p in model.parameters() if p.requires_grad], self.options.fragments)
@@ -78,8 +79,11 @@ class DiLoCoMethod(GroupTrainerMethod):
             device=device,
         )
 
-    def joined_step(self) -> int:
-        return self.trainer.healed_step
+    def join_run(self, resumed_at: int | None, load: Callable[[], None]) -> int:
+        return self.trainer.join(resumed_at, load)
+
+    def stop_requested(self) -> bool:
+        return self.trainer.stop_requested
 
     def start_micro_batch(self, last: bool) -> None:
         if self.options.shard:

@@ -62,7 +62,7 @@ import contextlib
 import copy
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -107,7 +107,9 @@ class DiLoCo:
     `opt.step()` in place of `diloco.step()` (one of the two, never both: the second refuses),
     and `with DiLoCo(...) as diloco:` takes the hooks off when the block ends;
     `diloco.current_step()` (torchft's `manager.current_step()`) counts outer steps and
-    `diloco.members()` names the groups that took part in the last one. Through `opt.step()`
+    `diloco.members()` names the groups that took part in the last one (under the elastic
+    launcher, whose restart from checkpoints needs `DiLoCo(..., join=False)` and then
+    `diloco.join(step, load)`: see `join`). Through `opt.step()`
     the gradients are averaged in the group just before the step, so a clip the loop applies
     first acts on this rank's own gradient (pass `clip_grad_norm=` to clip the average); a
     GradScaler needs `diloco.step()` (`scaler=`).
@@ -129,6 +131,7 @@ class DiLoCo:
         options: DiLoCoOptions | None = None,
         clip_grad_norm: float = 0.0,
         scaler: Any = None,
+        join: bool = True,
         **kwargs: Any,
     ) -> None:
         o = make_options(DiLoCoOptions, "diloco", options, **kwargs)
@@ -176,10 +179,29 @@ class DiLoCo:
         elif o.sync_every >= 1:  # steps: the schedule is known now
             self._set_every(int(o.sync_every))
         self._healed_step = 0
+        self.stop_requested = False  # an elastic run's coordinator asked every group to checkpoint and stop
         if self.elastic is not None:
             if self.sharded:
                 raise ConfigError("diloco under the elastic launcher cannot take a sharded model yet")
-            self._heal(self.elastic.join())  # every group starts from one group's state
+            if join:
+                self.join()
+
+    def join(self, resume_step: int | None = None, load: Callable[[], None] | None = None) -> int:
+        """Join the run (the constructor does, unless given `join=False`): under the elastic
+        launcher every group starts from one group's state, and a group launched mid-run heals
+        from a member. A restart from checkpoints passes the step of this group's checkpoint
+        and `load` (which restores it): the groups at the run's newest step call `load`, the
+        others heal from them instead. Without the launcher it calls `load` when given a step.
+        Returns `healed_step`, where the loop goes on (0 when it starts or loads)."""
+        if self.elastic is None:
+            if resume_step is not None and load is not None:
+                load()
+            return 0
+        commit = self.elastic.join(resume_step)
+        if resume_step is not None and load is not None and self.elastic.slot in commit.members:
+            load()
+        self._heal(commit)
+        return self._healed_step
 
     def set_total_steps(self, total_steps: int) -> None:
         """Fix H for a run of `total_steps` steps (resolves a fractional sync_every)."""
@@ -447,6 +469,7 @@ class DiLoCo:
                 b.copy_(value)
         self.last_members = [(slot,) for slot in commit.members]
         self.outer_steps += 1
+        self.stop_requested = commit.stop
         self._heal(commit)  # after the count: a joiner takes the step the others are at
 
     def _heal(self, commit: Any) -> None:
@@ -625,6 +648,7 @@ class DiLoCo:
                 "since_sync": [f.since_sync for f in self.fragments],
                 "outer_steps": self.outer_steps,
                 "synced_now": self.synced_now,
+                "members": self.last_members,  # an elastic run's: the slots in its last round
             },
         }
 
@@ -637,6 +661,7 @@ class DiLoCo:
         for f, since in zip(self.fragments, d["since_sync"]):
             f.since_sync = since
         self.outer_steps, self.synced_now = d["outer_steps"], d["synced_now"]
+        self.last_members = [tuple(m) for m in d.get("members", self.last_members)]
 
     def sharded_state_dict(self) -> dict[str, Any] | None:
         """A sharded model's and inner optimiser's shards, under the group's name: the groups'

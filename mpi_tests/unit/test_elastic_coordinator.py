@@ -1,0 +1,78 @@
+"""The elastic coordinator's decisions at a restart from checkpoints and at a preemption, on a
+real TCPStore: the groups' side is what rank 0 of each group writes (hvd_lowcomm.elastic.protocol)."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch.distributed as dist
+
+from hvd_lowcomm.elastic import protocol
+from hvd_lowcomm.elastic.coordinator import Coordinator
+
+
+@pytest.fixture
+def coordinator():
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=10)
+    )
+    c = Coordinator(store, groups=3, timeout=60.0)
+    for slot in range(3):
+        c.launched(slot, 0)
+        store.add(f"beat/{slot}/0", 1)
+    return c
+
+
+def join(c: Coordinator, slot: int, step: int | None) -> None:
+    protocol.put(c.store, f"resume/{slot}/0", step)
+    protocol.put(c.store, f"join/{slot}", 0)
+
+
+def test_groups_at_the_newest_checkpoint_resume_and_the_others_heal_from_them(coordinator):
+    join(coordinator, 0, 30)
+    join(coordinator, 1, 20)  # it missed the last checkpoint
+    coordinator.poll()
+    assert protocol.read(coordinator.store, "commit/0") is None, "started before every group joined"
+    join(coordinator, 2, 30)
+    coordinator.poll()
+    commit = protocol.read(coordinator.store, "commit/0")
+    assert commit["members"] == [0, 2] and commit["joiners"] == [1] and not commit["stop"]
+    assert all(protocol.read(coordinator.store, f"admit/{s}/0") == 0 for s in range(3))
+    resume = next(e for e in coordinator.events if e["event"] == "resume")
+    assert resume["step"] == 30 and resume["members"] == [0, 2] and resume["joiners"] == [1]
+
+
+def test_a_fresh_run_starts_from_the_lowest_slot(coordinator):
+    for slot in (2, 0, 1):
+        join(coordinator, slot, None)
+    coordinator.poll()
+    commit = protocol.read(coordinator.store, "commit/0")
+    assert commit["members"] == [0] and commit["joiners"] == [1, 2]
+    assert not any(e["event"] == "resume" for e in coordinator.events)
+
+
+def test_a_preempted_run_stops_every_group_after_the_same_round_and_admits_no_one(coordinator):
+    for slot in range(3):
+        join(coordinator, slot, None)
+    coordinator.poll()
+    coordinator.preempt()
+    for slot in range(3):
+        protocol.put(coordinator.store, f"arrive/1/{slot}", 0)
+    coordinator.poll()
+    assert protocol.read(coordinator.store, "attempt/1/0") == {"members": [0, 1, 2]}
+    coordinator.exited(1, 0, 137)  # killed in the round; its relaunch asks to join
+    coordinator.launched(1, 1)
+    coordinator.store.add("beat/1/1", 1)
+    protocol.put(coordinator.store, "join/1", 1)
+    for slot in (0, 2):
+        protocol.put(coordinator.store, f"done/1/0/{slot}", "failed")
+    coordinator.poll()
+    assert protocol.read(coordinator.store, "attempt/1/1") == {"members": [0, 2]}
+    for slot in (0, 2):
+        protocol.put(coordinator.store, f"done/1/1/{slot}", "ok")
+    coordinator.poll()
+    commit = protocol.read(coordinator.store, "commit/1")
+    assert commit == {"attempt": 1, "members": [0, 2], "joiners": [], "stop": True}
+    assert protocol.read(coordinator.store, "admit/1/1") is None
+    assert protocol.read(coordinator.store, "stop").startswith("preempted")
