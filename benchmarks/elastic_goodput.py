@@ -1,6 +1,6 @@
 """Goodput under failures: elastic DiLoCo groups against today's whole-job restart.
 
-    python -m benchmarks.elastic_goodput [--groups 4] [--rounds 40] [--sync-every 20] \\
+    python -m benchmarks.elastic_goodput [--groups 4] [--rounds 40] [--sync-every 20] [--heal-link 1gbit] \\
         [--fail-every 10] [--checkpoint-rounds 4] [--data FILE] [--out runs/elastic-goodput]
 
 DiLoCo with --groups one-rank groups trains the zoo's GPT for --rounds outer rounds of
@@ -21,6 +21,10 @@ hides; "group-rounds kept" does not: the share of the groups' rounds that entere
 (elastic: the members of each round over every group; whole job: its steps over the steps it
 computed, those since a checkpoint twice). Writes results.csv and results.md under --out, with
 the heal time (the joiner's) and the bytes a heal sends.
+
+First, with --heal-link, one more elastic run of a larger GPT, its groups meeting over an
+emulated link of that rate (needs root: a network namespace with a shaped loopback): the heal's
+time against the bytes it sends at the link's rate. Writes heal.csv.
 """
 
 from __future__ import annotations
@@ -40,7 +44,9 @@ from hvd_lowcomm.metrics import write_csv
 MPIRUN = ["mpirun", "--oversubscribe", *(["--allow-run-as-root"] if os.geteuid() == 0 else [])]
 
 
-def train_command(args: argparse.Namespace, data: Path, runs: Path, name: str, seed: int) -> list[str]:
+def train_command(
+    args: argparse.Namespace, data: Path, runs: Path, name: str, seed: int, layers: int = 2, width: int = 128
+) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -50,9 +56,9 @@ def train_command(args: argparse.Namespace, data: Path, runs: Path, name: str, s
         "--model.name",
         "gpt",
         "--model.layers",
-        "2",
+        str(layers),
         "--model.width",
-        "128",
+        str(width),
         "--model.heads",
         "4",
         "--data.path",
@@ -113,6 +119,36 @@ def elastic(args: argparse.Namespace, data: Path, runs: Path, name: str, seed: i
         "heals": len(healed),
         "heal_seconds_max": max((t for s in healed for t in s["elastic_heal_seconds"]), default=0.0),
         "heal_bytes": max((b for s in healed for b in s["elastic_heal_bytes"]), default=0),
+    }
+
+
+def heal_on_link(args: argparse.Namespace, data: Path, runs: Path) -> dict:
+    """A heal's time where the groups meet over an emulated link (benchmarks.netns.ShapedLink:
+    the launcher, its store and every group in one namespace whose loopback has --heal-link's
+    rate): a GPT of --heal-layers x --heal-width, group 1 killed at round 2 and healed."""
+    from benchmarks.netns import ShapedLink
+
+    heal = argparse.Namespace(**{**vars(args), "rounds": 4, "sync_every": 5, "checkpoint_rounds": 100})
+    name = "heal-on-link"
+    record = runs / f"{name}.record.json"
+    launcher = [sys.executable, "-m", "hvd_lowcomm.elastic", "--groups", str(args.groups), "--backoff", "0"]
+    launcher += ["--timeout", "120", "--record", str(record), f"--launcher-args={' '.join(MPIRUN[1:])}", "--"]
+    command = train_command(heal, data, runs, name, 42, args.heal_layers, args.heal_width)
+    env = {**os.environ, "HVD_LOWCOMM_ELASTIC_TEST_FAILURE": "1/0/2/before"}
+    with ShapedLink(args.heal_link) as link:
+        done = subprocess.run([*link.prefix, *launcher, *command], env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"elastic_goodput: {name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    (joiner,) = [json.loads(p.read_text()) for p in runs.glob(f"{name}-group1-life1/summary.json")]
+    model_bytes = 4 * joiner["parameters"]
+    return {
+        "link": args.heal_link,
+        "model": f"gpt {args.heal_layers} x {args.heal_width}",
+        "model_bytes": model_bytes,
+        "heal_bytes": joiner["elastic_heal_bytes"][0],
+        "heal_seconds": joiner["elastic_heal_seconds"][0],
+        "bytes_at_link_rate_seconds": joiner["elastic_heal_bytes"][0] * 8 / link.rate_bits,
+        "target_seconds": 2 * model_bytes * 8 / link.rate_bits,  # the issue's: 2 x the model's bytes / rate
     }
 
 
@@ -193,6 +229,12 @@ def main(argv: list[str] | None = None) -> int:
         default=4,
         help="whole-job runs: rounds between checkpoints (default: %(default)s)",
     )
+    parser.add_argument(
+        "--heal-link", default="1gbit", help="the emulated link of the heal run (tc's units; '' skips it)"
+    )
+    parser.add_argument("--heal-layers", type=int, default=4, help="the heal run's GPT layers (default: %(default)s)")
+    parser.add_argument("--heal-width", type=int, default=512, help="the heal run's GPT width (default: %(default)s)")
+    parser.add_argument("--heal-only", action="store_true", help="run the heal on the emulated link alone")
     parser.add_argument("--data", help="an HDF5 text dataset (default: one of random words written under --out)")
     parser.add_argument("--out", default="runs/elastic-goodput", help="output directory (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -202,6 +244,16 @@ def main(argv: list[str] | None = None) -> int:
     runs = out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     data = Path(args.data) if args.data else corpus(out, lines=6000)
+    healed = heal_on_link(args, data, runs) if args.heal_link else None
+    if healed:
+        write_csv(out / "heal.csv", [healed])
+        print(
+            f"elastic_goodput: heal over {healed['link']}: {healed['heal_seconds']:.2f} s for "
+            f"{healed['heal_bytes']:,} bytes ({healed['bytes_at_link_rate_seconds']:.2f} s at the link's rate); "
+            f"target 2 x model bytes / rate = {healed['target_seconds']:.2f} s"
+        )
+    if args.heal_only:
+        return 0
     plans = [
         ("elastic, no failure", lambda: elastic(args, data, runs, "elastic-free", 42, False)),
         ("elastic, no failure (seed 43)", lambda: elastic(args, data, runs, "elastic-free-43", 43, False)),
