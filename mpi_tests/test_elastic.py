@@ -309,3 +309,26 @@ def test_a_preempted_run_checkpoints_every_group_after_one_round_and_resumes_exa
     for s in range(3):
         final = torch.load(tmp_path / f"el-group{s}-life0" / "model.pt")
         assert all(torch.equal(final[k], expected[k]) for k in expected), f"group {s} did not resume exactly"
+
+
+def test_sharded_groups_heal_shard_by_shard(tmp_path):
+    """Two ranks a group with FSDP2 inside (--diloco.shard true, the torch engine): group 1,
+    killed at round 2, is relaunched and heals from a member's shards (rank i from rank i: its
+    rank 0 takes about half the state), and every group ends with the same model."""
+    train = [sys.executable, "-m", "hvd_lowcomm.train", "--run.dir", str(tmp_path), "--run.name", "sh"]
+    train += ["--method", "diloco", "--diloco.shard", "true", "--train.max_steps", "250", "--diloco.sync_every", "5"]
+    train += ["--train.epochs", "100"]
+    train += ["--run.progress", "false"]
+    head = [sys.executable, "-m", "hvd_lowcomm.elastic", "--groups", "3", "--ranks-per-group", "2"]
+    head += ["--timeout", str(TIMEOUT), "--max-restarts", "1", "--backoff", "0", "--launcher-args=--oversubscribe"]
+    env = environment(HVD_LOWCOMM_ENGINE="torch", HVD_LOWCOMM_ELASTIC_TEST_FAILURE="1/0/2/before")
+    done = subprocess.run([*head, "--", *train], env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    runs = ["sh-group0-life0", "sh-group1-life1", "sh-group2-life0"]
+    finals = [torch.load(tmp_path / run / "model.pt") for run in runs]
+    for run, other in zip(runs[1:], finals[1:]):
+        assert all(torch.equal(finals[0][k], other[k]) for k in finals[0]), f"{run}'s final model differs"
+    summary = json.loads((tmp_path / "sh-group1-life1" / "summary.json").read_text())
+    (sent,) = summary["elastic_heal_bytes"]
+    whole = 4 * summary["parameters"] * 3  # the global copy and AdamW's two moments, gathered
+    assert 0.4 * whole < sent < 0.6 * whole, f"rank 0 took {sent} bytes of {whole}: not its shards"

@@ -300,6 +300,30 @@ def load_sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
+def local_shards(tree: Any) -> Any:
+    """`tree` (a sharded state dict) with every DTensor as this rank's shard of it."""
+    if isinstance(tree, DTensor):
+        return tree.to_local()
+    if isinstance(tree, dict):
+        return {k: local_shards(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(local_shards(v) for v in tree)
+    return tree
+
+
+def with_shards(own: Any, shards: Any) -> Any:
+    """`own` (this rank's sharded state dict) with the values of `shards` (another rank's
+    `local_shards` of the same layout): DTensors keep their layout and take the shard."""
+    if isinstance(own, DTensor):
+        own.to_local().copy_(shards)
+        return own
+    if isinstance(own, dict):
+        return {k: with_shards(own[k], shards[k]) if k in own else shards[k] for k in shards}
+    if isinstance(own, (list, tuple)) and len(own) == len(shards):
+        return type(own)(with_shards(a, b) for a, b in zip(own, shards))
+    return shards
+
+
 def full_state_dict(model: torch.nn.Module) -> dict[str, Any] | None:
     """A sharded model as one ordinary state dict on global rank 0 (None elsewhere); collective."""
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -58,7 +58,8 @@ class DiLoCoMethod(GroupTrainerMethod):
 
     def setup(self, model: nn.Module) -> None:
         if self.options.shard:  # FSDP2 over each group, the same start in every group
-            groups = runtime.default_group_count(self.options.groups, runtime.size())
+            elastic = Launch.from_environment() is not None  # then this job is one group
+            groups = 1 if elastic else runtime.default_group_count(self.options.groups, runtime.size())
             model = shard_the_replicas(model, runtime.size() // groups, replicate=False)
         super().setup(model)
 

@@ -70,7 +70,14 @@ from torch.distributed.tensor import DTensor
 
 from hvd_lowcomm import elastic
 from hvd_lowcomm.comm import runtime
-from hvd_lowcomm.comm.mesh import full_state_dict, load_sharded_state, local_part, sharded_state
+from hvd_lowcomm.comm.mesh import (
+    full_state_dict,
+    load_sharded_state,
+    local_part,
+    local_shards,
+    sharded_state,
+    with_shards,
+)
 from hvd_lowcomm.comm.traffic import meter, side_thread_problem
 from hvd_lowcomm.elastic.member import deserialize, serialize
 from hvd_lowcomm.optimizers import as_one_optimizer
@@ -109,7 +116,8 @@ class DiLoCo:
     `diloco.current_step()` (torchft's `manager.current_step()`) counts outer steps and
     `diloco.members()` names the groups that took part in the last one (under the elastic
     launcher, whose restart from checkpoints needs `DiLoCo(..., join=False)` and then
-    `diloco.join(step, load)`: see `join`). Through `opt.step()`
+    `diloco.join(step, load)`: see `join`; when `diloco.stop_requested` turns true after a
+    step, the run is preempted: checkpoint and exit 0). Through `opt.step()`
     the gradients are averaged in the group just before the step, so a clip the loop applies
     first acts on this rank's own gradient (pass `clip_grad_norm=` to clip the average); a
     GradScaler needs `diloco.step()` (`scaler=`).
@@ -180,11 +188,8 @@ class DiLoCo:
             self._set_every(int(o.sync_every))
         self._healed_step = 0
         self.stop_requested = False  # an elastic run's coordinator asked every group to checkpoint and stop
-        if self.elastic is not None:
-            if self.sharded:
-                raise ConfigError("diloco under the elastic launcher cannot take a sharded model yet")
-            if join:
-                self.join()
+        if self.elastic is not None and join:
+            self.join()
 
     def join(self, resume_step: int | None = None, load: Callable[[], None] | None = None) -> int:
         """Join the run (the constructor does, unless given `join=False`): under the elastic
@@ -485,10 +490,13 @@ class DiLoCo:
             self.last_members = [(slot,) for slot in commit.members]
 
     def _heal_state(self) -> dict[str, Any]:
+        """This rank's part of the run's state: with a sharded model its shards alone (rank i of
+        a group holds the same shards in every group), never a gathered model."""
+        optimizer = local_shards(sharded_state(self.model, self.optimizer)["optimizer"]) if self.sharded else None
         return {
             "global_slices": [f.global_slice.detach() for f in self.fragments],
             "outer": [f.outer.state_dict() for f in self.fragments],
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self.optimizer.state_dict() if optimizer is None else optimizer,
             "buffers": [b.detach() for _, b in self.buffers],
             "inner_steps": self.inner_steps,
             "outer_steps": self.outer_steps,
@@ -502,7 +510,12 @@ class DiLoCo:
                 f.since_sync = 0
             for (_, b), value in zip(self.buffers, state["buffers"]):
                 b.copy_(value)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.sharded:  # the donor's shards into this rank's (its optimiser's state made first)
+            own = sharded_state(self.model, self.optimizer)
+            own["optimizer"] = with_shards(own["optimizer"], state["optimizer"])
+            load_sharded_state(self.model, self.optimizer, own)
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.inner_steps, self.outer_steps = state["inner_steps"], state["outer_steps"]
         self._healed_step = self.inner_steps
         self._load_global()
@@ -793,7 +806,6 @@ def check_elastic(options: DiLoCoOptions) -> None:
         (o.fragments > 1, "diloco.fragments: a round exchanges the whole model"),
         (bool(o.sync_delay), "diloco.sync_delay: a round's exchange blocks"),
         (o.eager, "diloco.eager: a round's exchange blocks"),
-        (o.shard, "diloco.shard: a heal does not send shards yet"),
     ]
     problems = [why for bad, why in refused if bad]
     if problems:
