@@ -153,7 +153,7 @@ class Member:
         self.round = round_
         return _commit(round_, commit)
 
-    def heal(self, commit: Commit, state: bytes | None) -> bytes | None:
+    def heal(self, commit: Commit, state: memoryview | None) -> bytes | None:
         """The donor sends `state` to the commit's joiners (rank i of each to rank i); a joiner
         gets it (None elsewhere). A failed heal on the donor's side is the joiner's loss only."""
         donor = self.slot == commit.donor
@@ -173,9 +173,7 @@ class Member:
             length = torch.tensor([len(state) if donor else 0], dtype=torch.int64)
             group.peers.broadcast_(length, 0, "elastic.heal.length", None)
             payload = (
-                torch.frombuffer(bytearray(state), dtype=torch.uint8)
-                if donor
-                else torch.empty(int(length), dtype=torch.uint8)
+                torch.frombuffer(state, dtype=torch.uint8) if donor else torch.empty(int(length), dtype=torch.uint8)
             )
             group.peers.broadcast_(payload, 0, "elastic.heal.state", None)
         except Exception as exc:  # noqa: BLE001 - a joiner that died only misses the round
@@ -295,10 +293,12 @@ def _end_process(code: int) -> None:
     os._exit(code)
 
 
-def serialize(state: Any) -> bytes:
+def serialize(state: Any) -> memoryview:
+    """`state` pickled by torch.save, as a view of the buffer it was written to (no copy: a
+    heal's state is the size of several models)."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    return buffer.getvalue()
+    return buffer.getbuffer()
 
 
 def deserialize(data: bytes) -> Any:
