@@ -241,39 +241,20 @@ def _alive(pid: int) -> bool:
         return False
 
 
-if __name__ == "__main__":
-    raise SystemExit(pytest.main([__file__, "-q"]))
-
-
-def test_the_built_in_trainer_trains_diloco_across_elastic_groups_and_refuses_the_rest(tmp_path):
-    """`python -m hvd_lowcomm.train --method diloco` under the launcher: a run directory per
-    group, one final model on all; a per-step method is refused before training, not trained
-    apart in each group."""
-    train = [sys.executable, "-m", "hvd_lowcomm.train", "--run.dir", str(tmp_path), "--run.name", "el"]
-    common = [sys.executable, "-m", "hvd_lowcomm.elastic", "--groups", "3", "--timeout", str(TIMEOUT)]
-    common += ["--max-restarts", "0", "--launcher-args=--oversubscribe", "--"]
-    options = ["--method", "diloco", "--train.max_steps", "20", "--diloco.sync_every", "5", "--run.progress", "false"]
-    done = subprocess.run(common + train + options, env=environment(), capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    finals = [torch.load(tmp_path / f"el-group{s}-life0" / "model.pt") for s in range(3)]
-    for other in finals[1:]:
-        assert all(torch.equal(finals[0][k], other[k]) for k in finals[0]), "the groups' final models differ"
-    summary = json.loads((tmp_path / "el-group0-life0" / "summary.json").read_text())
-    assert summary["outer_steps"] == 4
-    refused = subprocess.run(
-        common + train + ["--method", "ddp", "--train.max_steps", "5"],
-        env=environment(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+def test_the_built_in_trainer_refuses_a_per_step_method_before_training(tmp_path):
+    """A per-step method under the launcher is refused in every group, not trained apart."""
+    command = [sys.executable, "-m", "hvd_lowcomm.elastic", "--groups", "3", "--timeout", str(TIMEOUT)]
+    command += ["--max-restarts", "0", "--launcher-args=--oversubscribe", "--", sys.executable, "-m"]
+    command += ["hvd_lowcomm.train", "--run.dir", str(tmp_path), "--method", "ddp", "--train.max_steps", "5"]
+    refused = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=240)
     assert refused.returncode != 0 and "only diloco trains there" in refused.stderr
 
 
 def test_a_preempted_run_checkpoints_every_group_after_one_round_and_resumes_exactly(tmp_path):
-    """SIGUSR1 to the launcher (a scheduler's warning): every group checkpoints after the same
-    round and exits 0; `--resume auto` under a new launcher resumes each group from its own
-    checkpoint, and the run ends bitwise where an uninterrupted one does."""
+    """`python -m hvd_lowcomm.train --method diloco` under the launcher, and SIGUSR1 to the
+    launcher (a scheduler's warning): every group checkpoints after the same round and exits 0;
+    `--resume auto` under a new launcher resumes each group from its own checkpoint, and the run
+    ends bitwise where an uninterrupted one does."""
     train = [sys.executable, "-m", "hvd_lowcomm.train", "--run.dir", str(tmp_path), "--method", "diloco"]
     train += ["--train.max_steps", "120", "--diloco.sync_every", "5", "--run.checkpoint_every", "10"]
     train += ["--run.progress", "false"]
@@ -285,6 +266,11 @@ def test_a_preempted_run_checkpoints_every_group_after_one_round_and_resumes_exa
 
     reference = subprocess.run(launch("ref"), env=environment(), capture_output=True, text=True, timeout=240)
     assert reference.returncode == 0, reference.stderr[-2000:]
+    # the built-in trainer across groups: a run directory each, one final model on all
+    finals = [torch.load(tmp_path / f"ref-group{s}-life0" / "model.pt") for s in range(3)]
+    for other in finals[1:]:
+        assert all(torch.equal(finals[0][k], other[k]) for k in finals[0]), "the groups' final models differ"
+    assert json.loads((tmp_path / "ref-group0-life0" / "summary.json").read_text())["outer_steps"] == 24
     log = open(tmp_path / "log", "w")
     process = subprocess.Popen(launch("el"), env=environment(), stdout=log, stderr=subprocess.STDOUT)
     first = tmp_path / "el-group0-life0" / "checkpoints" / "step-00000010"
@@ -332,3 +318,7 @@ def test_sharded_groups_heal_shard_by_shard(tmp_path):
     (sent,) = summary["elastic_heal_bytes"]
     whole = 4 * summary["parameters"] * 3  # the global copy and AdamW's two moments, gathered
     assert 0.4 * whole < sent < 0.6 * whole, f"rank 0 took {sent} bytes of {whole}: not its shards"
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))

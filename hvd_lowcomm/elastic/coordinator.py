@@ -177,7 +177,13 @@ class Coordinator:
         if not expected:
             if not self._joined():
                 return
-            self.stop("every training group is gone, and a joining group has no donor to heal from")
+            ends = [self.state[(s, life)].ended for s, life in self.expected]
+            if LIFELINE_CLOSED in ends:  # whether they finished or failed, their exits will say
+                return
+            if any(end in ("finished", "left") for end in ends):  # a group reached the end
+                self.stop(f"{protocol.FINISHED}: the run trained to its end before a relaunched group could join")
+            else:
+                self.stop("every training group is gone, and a joining group has no donor to heal from")
             return
         arrived = [s for s in expected if protocol.read(self.store, f"arrive/{self.round}/{s}") == self.lives[s]]
         # (a member's life is its slot's current one: a relaunch makes the old one gone)

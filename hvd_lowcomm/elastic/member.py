@@ -44,6 +44,10 @@ class RunEnded(RuntimeError):
     """The coordinator ended the run, or counted this group out of it."""
 
 
+class RunFinished(RunEnded):
+    """The run trained to its end before this group could join it: nothing is left to do."""
+
+
 @dataclass(frozen=True)
 class Commit:
     """A round's outcome: who took part, and who joins from the next round."""
@@ -130,7 +134,8 @@ class Member:
             except Exception as exc:  # noqa: BLE001 - the store's process is the coordinator
                 raise RunEnded(f"elastic: group {self.slot} lost the coordinator while waiting for {what}: {exc}")
             if stop is not None:
-                raise RunEnded(f"elastic: the coordinator ended the run: {stop}")
+                ended = RunFinished if stop.startswith(protocol.FINISHED) else RunEnded
+                raise ended(f"elastic: the coordinator ended the run: {stop}")
             time.sleep(POLL_SECONDS)
 
     def _agree(self, ok: bool) -> bool:

@@ -76,3 +76,22 @@ def test_a_preempted_run_stops_every_group_after_the_same_round_and_admits_no_on
     assert commit == {"attempt": 1, "members": [0, 2], "joiners": [], "stop": True}
     assert protocol.read(coordinator.store, "admit/1/1") is None
     assert protocol.read(coordinator.store, "stop").startswith("preempted")
+
+
+@pytest.mark.parametrize("code, finished", [(0, True), (137, False)])
+def test_a_group_relaunched_after_the_last_round_is_told_whether_the_run_finished(coordinator, code, finished):
+    for slot in range(3):
+        join(coordinator, slot, None)
+    coordinator.poll()  # the start: round 1 expects every group
+    coordinator.exited(1, 0, 137)
+    coordinator.launched(1, 1)  # relaunched; it asks to join while the others end
+    coordinator.store.add("beat/1/1", 1)
+    protocol.put(coordinator.store, "join/1", 1)
+    coordinator.lifeline_closed(0, 0)
+    coordinator.exited(2, 0, code)
+    coordinator.poll()
+    assert protocol.read(coordinator.store, "stop") is None, "decided before group 0's exit code came"
+    coordinator.exited(0, 0, code)
+    coordinator.poll()
+    stop = protocol.read(coordinator.store, "stop")
+    assert stop.startswith(protocol.FINISHED) == finished, stop

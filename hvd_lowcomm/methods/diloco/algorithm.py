@@ -79,7 +79,7 @@ from hvd_lowcomm.comm.mesh import (
     with_shards,
 )
 from hvd_lowcomm.comm.traffic import meter, side_thread_problem
-from hvd_lowcomm.elastic.member import deserialize, serialize
+from hvd_lowcomm.elastic.member import RunFinished, deserialize, serialize
 from hvd_lowcomm.optimizers import as_one_optimizer
 from hvd_lowcomm.config import ConfigError, make_options
 from hvd_lowcomm.methods.base import broadcast_model_and_optimizer, broadcast_parameters, exchange_gradients
@@ -197,12 +197,17 @@ class DiLoCo:
         from a member. A restart from checkpoints passes the step of this group's checkpoint
         and `load` (which restores it): the groups at the run's newest step call `load`, the
         others heal from them instead. Without the launcher it calls `load` when given a step.
-        Returns `healed_step`, where the loop goes on (0 when it starts or loads)."""
+        Returns `healed_step`, where the loop goes on (0 when it starts or loads). A group
+        relaunched after the run's last round has nothing to train: its process exits 0 here."""
         if self.elastic is None:
             if resume_step is not None and load is not None:
                 load()
             return 0
-        commit = self.elastic.join(resume_step)
+        try:
+            commit = self.elastic.join(resume_step)
+        except RunFinished as finished:  # relaunched after the run's last round: nothing is left to train
+            runtime.announce(f"{finished}; this group exits")
+            runtime.exit_process(0)
         if resume_step is not None and load is not None and self.elastic.slot in commit.members:
             load()
         self._heal(commit)
