@@ -1,13 +1,18 @@
-"""The elastic coordinator's decisions at a restart from checkpoints and at a preemption, on a
-real TCPStore: the groups' side is what rank 0 of each group writes (hvd_lowcomm.elastic.protocol)."""
+"""An elastic run's restart: where each group finds its checkpoint, and the coordinator's
+decisions at a restart, at a preemption and after the last round, on a real TCPStore (the
+groups' side is what rank 0 of each group writes: hvd_lowcomm.elastic.protocol)."""
 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import json
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
+from hvd_lowcomm import checkpoint, config
 from hvd_lowcomm.elastic import protocol
 from hvd_lowcomm.elastic.coordinator import Coordinator
 
@@ -95,3 +100,33 @@ def test_a_group_relaunched_after_the_last_round_is_told_whether_the_run_finishe
     coordinator.poll()
     stop = protocol.read(coordinator.store, "stop")
     assert stop.startswith(protocol.FINISHED) == finished, stop
+
+
+def fake_checkpoint(run: Path, step: int) -> None:
+    """A finished checkpoint directory of one rank (its files match its manifest)."""
+    where = run / "checkpoints" / f"step-{step:08d}"
+    where.mkdir(parents=True)
+    payload = b"state"
+    (where / "rank-00000.pt").write_bytes(payload)
+    files = {"rank-00000.pt": {"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}}
+    manifest = {"format": checkpoint.FORMAT, "step": step, "world_size": 1, "method": "diloco", "files": files}
+    (where / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_each_group_resumes_from_the_newest_checkpoint_of_its_own_slot(tmp_path, monkeypatch):
+    fake_checkpoint(tmp_path / "el-group1-life0", 30)
+    fake_checkpoint(tmp_path / "el-group1-life1", 50)  # its relaunch, healed, checkpointed later
+    fake_checkpoint(tmp_path / "el-group1-life1", 40)
+    fake_checkpoint(tmp_path / "el-group11-life0", 90)  # another slot's
+    launch = protocol.Launch("127.0.0.1", 1, slot=1, life=0, groups=12, timeout=5.0)
+    for name, value in launch.environment().items():
+        monkeypatch.setenv(name, value)
+    cfg = config.load(["--method", "diloco", "--run.dir", str(tmp_path), "--run.name", "el", "--resume", "auto"])
+    run_dir, found = checkpoint.resolve(cfg, 1, say=lambda _: None)
+    assert (run_dir, found) == (tmp_path / "el-group1-life1", tmp_path / "el-group1-life1/checkpoints/step-00000050")
+    cfg.run.resume = str(tmp_path / "el-group1-life1")
+    with pytest.raises(checkpoint.CheckpointError, match="give --resume auto"):
+        checkpoint.resolve(cfg, 1)
+    monkeypatch.setenv(protocol.SLOT_VARIABLE, "2")
+    cfg.run.resume = "auto"
+    assert checkpoint.resolve(cfg, 1, say=lambda _: None) == (None, None)  # a fresh directory of its own
