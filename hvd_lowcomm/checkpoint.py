@@ -391,9 +391,15 @@ class Checkpointer:
         }
         return save(self.run_dir, self.method, position, extra, self.cfg.run.keep_checkpoints)
 
+    def received(self) -> bool:
+        """Whether this process got a preemption signal."""
+        return self.preemption is not None and self.preemption.received is not None
+
     def signalled(self) -> bool:
-        received = self.preemption is not None and self.preemption.received is not None
-        return received or self.method.stop_requested()
+        """Whether to stop here: this process's signal, unless the method stops with others at
+        a point they agree on (elastic DiLoCo's groups, after one round), or the method's own stop."""
+        own = self.received() and not self.method.request_stop()
+        return own or self.method.stop_requested()
 
     def agree(self, locally_bad: bool) -> bool:
         """After every step of a lockstep method: agree on non-finite values, and on
@@ -405,7 +411,10 @@ class Checkpointer:
         group = self.method.agreement_group()
         with meter.in_phase("control"):
             if group is not None:
-                return meter.any_flags([locally_bad], "step.flags", group)[0]
+                bad, received = meter.any_flags([locally_bad, self.received()], "step.flags", group)
+                if received:  # elastic DiLoCo asks for a stop of every group now, not at this group's next round
+                    self.method.request_stop()
+                return bad
             self.stopping, bad = meter.any_flags([self.signalled(), locally_bad], "step.flags")
         return bad
 
@@ -431,12 +440,10 @@ class Checkpointer:
         path = self.save(epoch, batch)
         if runtime.rank() == 0:
             (self.run_dir / "PREEMPTED").write_text(f"{path}\n")
-        if self.preemption is not None and self.preemption.received is not None:
-            name = signal.Signals(self.preemption.received).name
+        if self.method.stop_requested():
+            name, how = "a preemption of the elastic run", f"--resume auto --run.name {self.cfg.run.name}"
         else:
-            name = "the elastic launcher (preempted)" if self.method.stop_requested() else "a signal on another rank"
-        log.print(
-            f"stopped by {name}: checkpoint {path} written; continue with --resume auto "
-            f"(--run.name {self.run_dir.name}) or --resume {self.run_dir}"
-        )
+            name = signal.Signals(self.preemption.received).name if self.received() else "a signal on another rank"
+            how = f"--resume auto (--run.name {self.run_dir.name}) or --resume {self.run_dir}"
+        log.print(f"stopped by {name}: checkpoint {path} written; continue with {how}")
         log.close()

@@ -119,6 +119,11 @@ class JobSpec:
                     f"--elastic {self.elastic}: give 2 or more groups that divide --nodes {self.nodes} "
                     f"(each group is a whole number of nodes)"
                 )
+            if self.scheduler == "slurm" and self.launcher != "srun":
+                raise JobError(
+                    "--elastic under Slurm runs each group as an srun step (--launcher srun): one mpirun per "
+                    "group has no host list there and would put every group on the first node"
+                )
             if self.config and config_mod.load(["--config", self.config, *self.train_args]).method != "diloco":
                 raise JobError("--elastic runs DiLoCo groups: the config (or -- --method) must choose diloco")
         if self.command:

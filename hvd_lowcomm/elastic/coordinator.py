@@ -141,6 +141,8 @@ class Coordinator:
         if self.stopped:
             return
         self._check_lives()
+        if any(protocol.read(self.store, f"preempt/{s}") == life for s, life in self.lives.items()):
+            self.preempt()  # a group got the scheduler's signal: every group stops after one round
         if self.round == 0:
             self._start()
         elif self.attempt_members is None:
@@ -232,7 +234,9 @@ class Coordinator:
         self.expected = [(s, self.lives[s]) for s in members + joiners]
         self.round, self.attempt, self.attempt_members = round_ + 1, 0, None
         if stop:
-            self.stop(f"preempted: every group checkpointed after round {round_}; restart with --resume auto")
+            self.stop(
+                f"{protocol.PREEMPTED}: every group checkpointed after round {round_}; restart with --resume auto"
+            )
 
     def _event(self, kind: str, **fields: Any) -> None:
         self.events.append({"event": kind, "at": round(self.clock() - self.began, 3), **fields})

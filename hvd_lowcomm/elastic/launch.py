@@ -4,15 +4,17 @@
         python -m hvd_lowcomm.train --config run.yaml --method diloco
 
 It serves the coordinator's store (a torch.distributed TCPStore, advertised by IP address, on
-the interface --interface names), starts every group as its own job (`mpirun -np N`, or an
-`srun` step per group under Slurm), watches them, relaunches a group that failed (up to
+the interface --interface names), starts every group as its own job (`mpirun -np N` on its
+share of --hostfile's hosts, or with --launcher srun an `srun` step per group inside a Slurm
+allocation), watches them, relaunches a group that failed (up to
 --max-restarts times, after --backoff seconds), and ends with the training's exit status: 0
 when the groups that ran to the end finished cleanly and at least --min-groups of them did.
 A failure inside one group ends that group's job alone; the others go on without it.
 
 SIGUSR1 or SIGTERM (a scheduler's warning) has every group checkpoint after the same next
-round and end, so that `--resume auto` continues every group exactly; a second one, or
-SIGINT, ends the groups at once.
+round and end, so that `--resume auto` continues every group exactly (set the scheduler's
+warning earlier than a round takes); a second one, or SIGINT, ends the groups now (SIGTERM,
+SIGKILL after a grace).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from hvd_lowcomm.elastic.coordinator import Coordinator
 
 LAUNCHERS = ("mpirun", "srun", "none")
 POLL_SECONDS = 0.02
+END_GRACE_SECONDS = 5.0  # how long a group's job may take to end on SIGTERM before SIGKILL
 
 
 @dataclass
@@ -160,10 +163,19 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         slot.process = subprocess.Popen(group_command(args, command, slot.index), env=env, start_new_session=True)
         slot.relaunch_at = None
 
-    def end_all(sig: int = signal.SIGTERM) -> None:
-        for slot in slots:
-            if slot.process is not None and slot.process.poll() is None:
-                os.killpg(slot.process.pid, sig)
+    def end_all() -> None:
+        """End every group's job: SIGTERM (a rank takes it as a request to stop at a round, so
+        it may not end), then SIGKILL after a grace."""
+        running = [slot.process for slot in slots if slot.process is not None and slot.process.poll() is None]
+        for process in running:
+            os.killpg(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + END_GRACE_SECONDS
+        for process in running:
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
 
     def on_signal(signum: int, frame: object) -> None:
         if signum == signal.SIGINT or coordinator.preempting:  # Ctrl-C, or a second warning: end now
@@ -229,9 +241,7 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--" not in argv:
-        raise SystemExit("elastic: give the training command after --, e.g. -- python -m hvd_lowcomm.train ...")
-    split = argv.index("--")
+    split = argv.index("--") if "--" in argv else len(argv)
     options, command = argv[:split], argv[split + 1 :]
     parser = argparse.ArgumentParser(
         prog="python -m hvd_lowcomm.elastic", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -251,9 +261,14 @@ def main(argv: list[str] | None = None) -> int:
         "(default: %(default)s)",
     )
     parser.add_argument(
-        "--startup-timeout", type=float, default=300.0, help="seconds a launch may take to its first heartbeat"
+        "--startup-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a launch may take to its first heartbeat (default: %(default)s)",
     )
-    parser.add_argument("--launcher", choices=LAUNCHERS, default="mpirun", help="how each group starts")
+    parser.add_argument(
+        "--launcher", choices=LAUNCHERS, default="mpirun", help="how each group starts (default: %(default)s)"
+    )
     parser.add_argument(
         "--launcher-args", default="", help="more arguments for each group's mpirun/srun (--launcher-args='-N 1')"
     )
@@ -264,9 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--address", default="", help="the coordinator's IP address (default: --interface's)")
     parser.add_argument("--port", type=int, default=0, help="the coordinator's port (default: any free one)")
     parser.add_argument("--record", default="", help="write the membership history (JSON) here")
-    args = parser.parse_args(options)
+    args = parser.parse_args(options)  # --help answers here, with or without a command
     if not command:
-        parser.error("no training command after --")
+        parser.error("give the training command after --, e.g. -- python -m hvd_lowcomm.train ...")
     if args.groups < 1 or args.ranks_per_group < 1 or not 1 <= args.min_groups <= args.groups:
         parser.error("need --groups >= 1, --ranks-per-group >= 1 and 1 <= --min-groups <= --groups")
     return run(args, command)

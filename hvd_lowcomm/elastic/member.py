@@ -45,7 +45,8 @@ class RunEnded(RuntimeError):
 
 
 class RunFinished(RunEnded):
-    """The run trained to its end before this group could join it: nothing is left to do."""
+    """The run trained to its end, or stopped for a restart, before this group could join it:
+    nothing is left to do."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class Member:
         self.round = 0  # the last committed round
         self.events: list[dict[str, Any]] = []  # rounds and heals as this group saw them
         self._beating = position == 0
+        self._stop_asked = False
         if self._beating:
             threading.Thread(target=self._beat, name="elastic-heartbeat", daemon=True).start()
         self._lifeline = self._hold_lifeline() if self._beating else None
@@ -134,7 +136,7 @@ class Member:
             except Exception as exc:  # noqa: BLE001 - the store's process is the coordinator
                 raise RunEnded(f"elastic: group {self.slot} lost the coordinator while waiting for {what}: {exc}")
             if stop is not None:
-                ended = RunFinished if stop.startswith(protocol.FINISHED) else RunEnded
+                ended = RunFinished if stop.startswith((protocol.FINISHED, protocol.PREEMPTED)) else RunEnded
                 raise ended(f"elastic: the coordinator ended the run: {stop}")
             time.sleep(POLL_SECONDS)
 
@@ -261,6 +263,12 @@ class Member:
                 return result, _commit(r, value)
             restore(saved)
             a += 1
+
+    def request_stop(self) -> None:
+        """Ask the coordinator to have every group checkpoint after the next round and end."""
+        if not self._stop_asked:
+            self._put(f"preempt/{self.slot}", self.life)
+            self._stop_asked = True
 
     def leave(self) -> None:
         """This group finished: it is no longer expected at a round."""

@@ -15,7 +15,9 @@ reads one sees what every other group sees.
                         result (and with "stop", checkpoints and ends: the run is preempted)
     healed/R/S          a joiner took the donor's state after round R
     leave/S             L: the group finished its training (not a failure)
-    stop                why the coordinator ended the run (FINISHED first: it trained to its end)
+    preempt/S           L: the group got a preemption signal: every group stops after a round
+    stop                why the coordinator ended the run (FINISHED or PREEMPTED first: it
+                        trained to its end, or every group checkpointed for a restart)
 
 Beside the store, rank 0 of each group holds a TCP connection to the launcher (its lifeline,
 "S L" sent once): the kernel closes it the moment the process dies, so a killed group is known
@@ -34,6 +36,7 @@ from typing import Any
 import torch.distributed as dist
 
 FINISHED = "finished"  # how "stop" begins when the run ended by training to its end
+PREEMPTED = "preempted"  # ... when every group checkpointed for a restart
 STORE_VARIABLE = "HVD_LOWCOMM_ELASTIC"  # host:port of the coordinator's store
 SLOT_VARIABLE = "HVD_LOWCOMM_ELASTIC_SLOT"
 LIFE_VARIABLE = "HVD_LOWCOMM_ELASTIC_LIFE"

@@ -101,6 +101,11 @@ class Method:
             load()
         return 0
 
+    def request_stop(self) -> bool:
+        """This rank got a preemption signal: True when the method stops it together with others
+        (then `stop_requested` says when), False to stop at the loop's next agreement."""
+        return False
+
     def stop_requested(self) -> bool:
         """Whether the run asked this rank to checkpoint and stop at this step, as a preemption
         signal would (an elastic run's coordinator, preempted, says so at a round)."""

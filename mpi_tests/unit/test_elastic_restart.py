@@ -130,3 +130,15 @@ def test_each_group_resumes_from_the_newest_checkpoint_of_its_own_slot(tmp_path,
     monkeypatch.setenv(protocol.SLOT_VARIABLE, "2")
     cfg.run.resume = "auto"
     assert checkpoint.resolve(cfg, 1, say=lambda _: None) == (None, None)  # a fresh directory of its own
+
+
+def test_a_group_that_got_the_schedulers_signal_stops_every_group(coordinator):
+    """A group's own SIGTERM/USR1 (Slurm signals every task at the time limit) is a preemption of
+    the run: the coordinator stops every group after the same round, not that group alone."""
+    for slot in range(3):
+        join(coordinator, slot, None)
+    coordinator.poll()
+    assert not coordinator.preempting
+    protocol.put(coordinator.store, "preempt/2", 0)
+    coordinator.poll()
+    assert coordinator.preempting

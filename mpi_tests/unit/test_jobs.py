@@ -396,6 +396,10 @@ def test_an_elastic_job_runs_each_diloco_group_as_its_own_job(tmp_path, run_yaml
     [
         (["--nodes", "4", "--elastic", "3"], "--elastic 3: give 2 or more groups that divide --nodes 4"),
         (["--nodes", "4", "--elastic", "2", "--", "--method", "ddp"], "the config (or -- --method) must choose diloco"),
+        (
+            ["--nodes", "4", "--elastic", "2", "--launcher", "mpirun"],
+            "--elastic under Slurm runs each group as an srun",
+        ),
     ],
 )
 def test_an_elastic_job_that_cannot_run_is_refused(tmp_path, run_yaml, capsys, args, message):

@@ -83,6 +83,9 @@ class DiLoCoMethod(GroupTrainerMethod):
     def join_run(self, resumed_at: int | None, load: Callable[[], None]) -> int:
         return self.trainer.join(resumed_at, load)
 
+    def request_stop(self) -> bool:
+        return self.trainer.request_stop()
+
     def stop_requested(self) -> bool:
         return self.trainer.stop_requested
 

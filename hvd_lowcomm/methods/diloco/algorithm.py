@@ -303,6 +303,15 @@ class DiLoCo:
             self.outer_steps += 1
         self.synced_now = bool(due)
 
+    def request_stop(self) -> bool:
+        """Under the elastic launcher: ask the coordinator to stop every group after the next
+        round (a preemption signal reached this group: the scheduler's warning, or its end of
+        the allocation), and say True; else False (the caller stops this job itself)."""
+        if self.elastic is None:
+            return False
+        self.elastic.request_stop()
+        return True
+
     def current_step(self) -> int:
         """Outer steps taken so far (torchft's manager.current_step())."""
         return self.outer_steps
