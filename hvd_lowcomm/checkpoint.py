@@ -441,7 +441,8 @@ class Checkpointer:
         if runtime.rank() == 0:
             (self.run_dir / "PREEMPTED").write_text(f"{path}\n")
         if self.method.stop_requested():
-            name, how = "a preemption of the elastic run", f"--resume auto --run.name {self.cfg.run.name}"
+            base = self.run_dir.name.rsplit("-group", 1)[0]  # the run's name (NAME-groupS-lifeL)
+            name, how = "a preemption of the elastic run", f"--resume auto --run.name {base}"
         else:
             name = signal.Signals(self.preemption.received).name if self.received() else "a signal on another rank"
             how = f"--resume auto (--run.name {self.run_dir.name}) or --resume {self.run_dir}"

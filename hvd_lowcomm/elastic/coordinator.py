@@ -141,7 +141,7 @@ class Coordinator:
         if self.stopped:
             return
         self._check_lives()
-        if any(protocol.read(self.store, f"preempt/{s}") == life for s, life in self.lives.items()):
+        if not self.preempting and any(protocol.read(self.store, f"preempt/{s}") == n for s, n in self.lives.items()):
             self.preempt()  # a group got the scheduler's signal: every group stops after one round
         if self.round == 0:
             self._start()

@@ -315,4 +315,6 @@ def serialize(state: Any) -> memoryview:
 
 
 def deserialize(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=False)
+    """What `serialize` pickled, on the CPU: the donor's device numbering is not the joiner's,
+    and the joiner copies every tensor into its own (on its model's device) anyway."""
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
